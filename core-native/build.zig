@@ -1,0 +1,35 @@
+//! Builds libucm_core.so (the C ABI used by the Python package) and runs the unit tests
+//! and the seeded model-based fuzzers with `zig build test`.
+const std = @import("std");
+
+pub fn build(b: *std.Build) void {
+    const target = b.standardTargetOptions(.{});
+    // ReleaseSafe keeps every assertion armed in the shipped library: a violated invariant in
+    // shared memory must stop the process, not corrupt the other ranks.
+    const optimize = b.standardOptimizeOption(.{ .preferred_optimize_mode = .ReleaseSafe });
+
+    const lib_module = b.createModule(.{
+        .root_source_file = b.path("src/exports.zig"),
+        .target = target,
+        .optimize = optimize,
+    });
+    const lib = b.addLibrary(.{
+        .name = "ucm_core",
+        .linkage = .dynamic,
+        .root_module = lib_module,
+    });
+    b.installArtifact(lib);
+
+    const test_step = b.step("test", "Run unit tests and seeded fuzzers");
+    const test_roots = [_][]const u8{"src/tests.zig"};
+    for (test_roots) |root| {
+        const test_module = b.createModule(.{
+            .root_source_file = b.path(root),
+            .target = target,
+            .optimize = .Debug,
+        });
+        const unit_tests = b.addTest(.{ .root_module = test_module });
+        const run_tests = b.addRunArtifact(unit_tests);
+        test_step.dependOn(&run_tests.step);
+    }
+}

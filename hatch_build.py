@@ -1,0 +1,56 @@
+"""Hatchling build hook: compiles the Zig core into ``ucm/native/libucm_core.so``.
+
+The Zig toolchain comes from the pinned ``ziglang`` build requirement, so a user never installs
+Zig by hand. The library is written into the source tree (where an editable install finds it) and
+shipped in the wheel, which is tagged for the platform because it carries native code.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+
+LIBRARY_NAME = "libucm_core.so"
+
+
+class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
+    def initialize(self, version: str, build_data: dict[str, Any]) -> None:
+        root = Path(self.root)
+        source = root / "core-native"
+        target = root / "ucm" / "native" / LIBRARY_NAME
+        with tempfile.TemporaryDirectory(prefix="ucm-zig-") as prefix:
+            command = [
+                sys.executable,
+                "-m",
+                "ziglang",
+                "build",
+                "--prefix",
+                prefix,
+                "--release=safe",
+            ]
+            env = dict(os.environ)
+            # A private cache keeps concurrent builds (pip's isolated envs, CI) from racing.
+            env.setdefault("ZIG_GLOBAL_CACHE_DIR", str(source / ".zig-cache" / "global"))
+            self.app.display_info(f"building the native core: {' '.join(command)}")
+            try:
+                subprocess.run(command, cwd=source, env=env, check=True)
+            except (OSError, subprocess.CalledProcessError) as exc:
+                raise RuntimeError(
+                    f"building core-native/ with Zig failed ({exc}); the build needs the "
+                    "'ziglang==0.15.1' package, which pip installs as a build requirement"
+                ) from exc
+            built = Path(prefix) / "lib" / LIBRARY_NAME
+            shutil.copyfile(built, target)
+        build_data["pure_python"] = False
+        build_data["infer_tag"] = True
+        if version != "editable":
+            # An editable install finds the library in the source tree; force-including it there
+            # would create a `ucm` directory in site-packages that shadows the source package.
+            build_data["force_include"][str(target)] = f"ucm/native/{LIBRARY_NAME}"

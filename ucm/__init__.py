@@ -1,0 +1,56 @@
+"""UCM: a layered, cascading cache for LLM KV-cache blocks.
+
+``import ucm`` is cheap: torch and the native core are imported only when first needed.
+"""
+
+from __future__ import annotations
+
+from .config import LowerTierConfig, StackConfig, TierConfig, load_stack
+from .errors import (
+    ConfigError,
+    InvalidArgumentError,
+    KeyMissingError,
+    NativeLibraryError,
+    PluginError,
+    RoleError,
+    StoreClosedError,
+    TaskError,
+    TierError,
+    UcmError,
+)
+from .hookspecs import hookimpl
+from .layout import Key, Layout
+from .store import Store, open_store
+from .task import Task
+from .tier import REMOVE_CHUNK_KEYS, Tier, TierContext
+
+open = open_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "REMOVE_CHUNK_KEYS",
+    "ConfigError",
+    "InvalidArgumentError",
+    "Key",
+    "KeyMissingError",
+    "Layout",
+    "LowerTierConfig",
+    "NativeLibraryError",
+    "PluginError",
+    "RoleError",
+    "StackConfig",
+    "Store",
+    "StoreClosedError",
+    "Task",
+    "TaskError",
+    "Tier",
+    "TierConfig",
+    "TierContext",
+    "TierError",
+    "UcmError",
+    "__version__",
+    "hookimpl",
+    "load_stack",
+    "open",
+]

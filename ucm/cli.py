@@ -1,0 +1,162 @@
+"""The ``ucm`` command line: validate, schema, demo."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import ConfigError, PluginError
+from .sizes import format_size
+
+app = typer.Typer(
+    name="ucm",
+    help="UCM: a layered, cascading cache for LLM KV-cache blocks.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+errors = Console(stderr=True)
+
+
+@app.command()
+def validate(
+    file: Annotated[Path, typer.Argument(help="YAML stack file to check.")],
+) -> None:
+    """Check a stack file; print its tiers, or each problem with its YAML path (exit 1)."""
+    from .config import load_stack
+
+    try:
+        stack = load_stack(file)
+    except (ConfigError, PluginError) as exc:
+        errors.print(f"[red]invalid:[/red] {exc}", highlight=False, markup=True)
+        raise typer.Exit(1) from None
+    table = Table(title=f"{file}: valid stack '{stack.unique_id}'")
+    table.add_column("#", justify="right")
+    table.add_column("type")
+    table.add_column("settings")
+    for position, tier in enumerate(stack.tiers):
+        settings = tier.model_dump(exclude={"type"}, exclude_none=True)
+        table.add_row(str(position), tier.type, ", ".join(f"{k}={v}" for k, v in settings.items()))
+    console.print(table)
+    sizes = stack.resolved_tensor_sizes
+    console.print(
+        f"shard {format_size(stack.resolved_shard_size)} ({len(sizes)} tensor(s)), "
+        f"{stack.shards_per_block} shards per block"
+    )
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of a stack (only JSON on stdout)."""
+    from .config import stack_json_schema
+
+    sys.stdout.write(json.dumps(stack_json_schema(), indent=2) + "\n")
+
+
+@app.command()
+def demo(
+    ranks: Annotated[int, typer.Option(min=1, max=16, help="Rank processes (TP size).")] = 4,
+    requests: Annotated[int, typer.Option(min=1, help="Requests each rank serves.")] = 60,
+    documents: Annotated[int, typer.Option(min=1, help="Distinct prompts (prefix trees).")] = 24,
+    blocks: Annotated[int, typer.Option(min=2, help="Blocks in a full prompt.")] = 16,
+    seed: Annotated[int, typer.Option(help="Workload seed.")] = 1,
+    stack: Annotated[
+        Path | None, typer.Option(help="Run on this stack file instead of the embedded one.")
+    ] = None,
+    json_out: Annotated[
+        Path | None, typer.Option("--json", help="Also write the results as JSON here.")
+    ] = None,
+) -> None:
+    """Run a multi-rank prefix-caching workload and print hit rate and throughput."""
+    from .demo import DemoSettings, run_demo
+
+    settings = DemoSettings(
+        ranks=ranks, requests=requests, documents=documents, blocks_per_document=blocks, seed=seed
+    )
+    stack_yaml = stack.read_text() if stack else None
+    reports = run_demo(settings, stack_yaml=stack_yaml)
+    table = Table(title=f"ucm demo: {ranks} ranks, {requests} requests each")
+    for column in (
+        "rank",
+        "blocks",
+        "hit blocks",
+        "hit rate",
+        "loaded",
+        "load GB/s",
+        "dumped",
+        "dump GB/s",
+        "verify errors",
+    ):
+        table.add_column(column, justify="right")
+    failed = False
+    totals = {"blocks": 0, "hits": 0, "loaded": 0, "load_s": 0.0, "dumped": 0, "dump_s": 0.0}
+    for report in reports:
+        failed |= bool(report.errors) or report.verify_errors > 0
+        totals["blocks"] += report.blocks
+        totals["hits"] += report.hit_blocks
+        totals["loaded"] += report.loaded_bytes
+        totals["load_s"] += report.load_seconds
+        totals["dumped"] += report.dumped_bytes
+        totals["dump_s"] += report.dump_seconds
+        table.add_row(
+            str(report.rank),
+            str(report.blocks),
+            str(report.hit_blocks),
+            _rate(report.hit_blocks, report.blocks),
+            format_size(report.loaded_bytes),
+            _gbps(report.loaded_bytes, report.load_seconds),
+            format_size(report.dumped_bytes),
+            _gbps(report.dumped_bytes, report.dump_seconds),
+            str(report.verify_errors),
+        )
+    table.add_row(
+        "all",
+        str(totals["blocks"]),
+        str(totals["hits"]),
+        _rate(int(totals["hits"]), int(totals["blocks"])),
+        format_size(int(totals["loaded"])),
+        _gbps(int(totals["loaded"]), totals["load_s"]),
+        format_size(int(totals["dumped"])),
+        _gbps(int(totals["dumped"]), totals["dump_s"]),
+        str(sum(r.verify_errors for r in reports)),
+        style="bold",
+    )
+    console.print(table)
+    computed = totals["blocks"] - totals["hits"]
+    console.print(
+        f"KV blocks served from cache instead of recomputed: {totals['hits']} of "
+        f"{totals['blocks']} ({_rate(int(totals['hits']), int(totals['blocks']))}); "
+        f"computed {computed}."
+    )
+    for report in reports:
+        for error in report.errors:
+            errors.print(f"[red]rank {report.rank}:[/red] {error}", highlight=False)
+    if json_out:
+        from dataclasses import asdict
+
+        json_out.write_text(json.dumps([asdict(r) for r in reports], indent=2))
+    if failed:
+        raise typer.Exit(1)
+
+
+def _rate(part: int, whole: int) -> str:
+    return f"{100.0 * part / whole:.1f}%" if whole else "-"
+
+
+def _gbps(num_bytes: int, seconds: float) -> str:
+    return f"{num_bytes / seconds / 1e9:.2f}" if seconds > 0 else "-"
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

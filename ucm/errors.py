@@ -1,0 +1,67 @@
+"""The exception hierarchy. Every error UCM raises on purpose derives from :class:`UcmError`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class UcmError(Exception):
+    """Base class of every error raised by UCM."""
+
+
+class ConfigError(UcmError, ValueError):
+    """A stack configuration is invalid. The message names the YAML path of each problem."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or [message]
+
+
+class PluginError(UcmError):
+    """A plugin failed to import or to register its tiers. The message names the plugin."""
+
+
+class InvalidArgumentError(UcmError, ValueError):
+    """A public call got a bad argument. The message names the argument, the value and what
+    would be valid; nothing was touched."""
+
+
+class RoleError(InvalidArgumentError):
+    """The call is not allowed for this rank's role (e.g. load/dump on a scheduler)."""
+
+
+class NativeLibraryError(UcmError, ImportError):
+    """The native core (libucm_core.so) is missing or does not match this package."""
+
+
+class StoreClosedError(UcmError):
+    """The store was used after close()."""
+
+
+class TierError(UcmError):
+    """A tier failed an operation on one key (I/O error, corrupt data, endpoint down)."""
+
+
+class KeyMissingError(TierError):
+    """The key is not present in the tier (a miss, not a failure)."""
+
+
+class TaskError(UcmError):
+    """A load or dump task finished with failed keys. ``failures`` maps each failed key
+    ``(block_id, shard_index)`` to the cause."""
+
+    def __init__(self, failures: Mapping[tuple[bytes, int], BaseException | str]) -> None:
+        self.failures: dict[tuple[bytes, int], BaseException | str] = dict(failures)
+        lines = [
+            f"block {block_id.hex()} shard {shard}: {_describe(cause)}"
+            for (block_id, shard), cause in sorted(self.failures.items())
+        ]
+        shown = "; ".join(lines[:8])
+        more = f" (and {len(lines) - 8} more)" if len(lines) > 8 else ""
+        super().__init__(f"{len(lines)} key(s) failed: {shown}{more}")
+
+
+def _describe(cause: BaseException | str) -> str:
+    if isinstance(cause, str):
+        return cause
+    return f"{type(cause).__name__}: {cause}"

@@ -1,0 +1,71 @@
+"""ctypes binding to libucm_core.so, the Zig core built by ``pip install``.
+
+``UCM_NATIVE_LIB`` may point at another build of the library (e.g. ``core-native/zig-out``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import cache
+from pathlib import Path
+
+from ..errors import NativeLibraryError
+
+LIBRARY_NAME = "libucm_core.so"
+ABI_VERSION = 1
+_REBUILD_HINT = (
+    "reinstall the package to rebuild it (`pip install -e .` or `pip install .` from the "
+    "repository; the pinned ziglang build requirement compiles core-native/)"
+)
+
+
+def library_path() -> Path:
+    override = os.environ.get("UCM_NATIVE_LIB")
+    if override:
+        return Path(override)
+    return Path(__file__).with_name(LIBRARY_NAME)
+
+
+@cache
+def lib() -> ctypes.CDLL:
+    """Loads the library once per process and declares every exported signature."""
+    path = library_path()
+    if not path.exists():
+        raise NativeLibraryError(f"the UCM native core is missing at {path}; {_REBUILD_HINT}")
+    try:
+        handle = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise NativeLibraryError(
+            f"cannot load the UCM native core {path}: {exc}; {_REBUILD_HINT}"
+        ) from exc
+    handle.ucm_abi_version.restype = ctypes.c_uint32
+    handle.ucm_abi_version.argtypes = []
+    found = handle.ucm_abi_version()
+    if found != ABI_VERSION:
+        raise NativeLibraryError(
+            f"the UCM native core at {path} has ABI version {found}, this package needs "
+            f"{ABI_VERSION}; {_REBUILD_HINT}"
+        )
+    _declare(handle)
+    return handle
+
+
+def _declare(handle: ctypes.CDLL) -> None:
+    u32, u64, i32, i64, usize = (
+        ctypes.c_uint32,
+        ctypes.c_uint64,
+        ctypes.c_int32,
+        ctypes.c_int64,
+        ctypes.c_size_t,
+    )
+    signatures: dict[str, tuple[object, list[object]]] = {
+        "ucm_version_wait": (i32, [usize, u32, u64]),
+        "ucm_version_bump": (i64, [usize]),
+        "ucm_version_load": (i64, [usize]),
+        "ucm_monotonic_ns": (u64, []),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(handle, name)
+        function.restype = restype
+        function.argtypes = argtypes

@@ -1,0 +1,103 @@
+"""The plugin manager: built-in tiers, entry-point plugins, and the tier-type registry."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import typing
+from typing import Any
+
+import pluggy
+
+from . import hookspecs
+from .errors import PluginError
+
+ENTRY_POINT_GROUP = "ucm.backends"
+DEFAULT_PLUGINS = (
+    "ucm_backends.posix",
+    "ucm_backends.fsspec_tier",
+)
+
+pm = pluggy.PluginManager("ucm")
+pm.add_hookspecs(hookspecs)
+
+_loaded = False
+
+
+def load_plugins() -> None:
+    """Registers the built-in tiers and every ``ucm.backends`` entry point, once."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for module_name in DEFAULT_PLUGINS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise PluginError(f"built-in plugin {module_name!r} failed to import: {exc}") from exc
+        pm.register(module, name=module_name)
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if pm.has_plugin(entry_point.name):
+            continue
+        origin = entry_point.dist.name if entry_point.dist is not None else "unknown distribution"
+        try:
+            plugin = entry_point.load()
+        except Exception as exc:
+            raise PluginError(
+                f"plugin {entry_point.name!r} ({entry_point.value}, from {origin}) failed to "
+                f"load: {type(exc).__name__}: {exc}"
+            ) from exc
+        pm.register(plugin, name=entry_point.name)
+
+
+def tier_types() -> dict[str, Any]:
+    """``{type_name: TierClass}`` of every installed tier type."""
+    from .tier import Tier
+
+    load_plugins()
+    found: dict[str, type[Tier]] = {}
+    for plugin in pm.get_plugins():
+        if not hasattr(plugin, "register_tiers"):
+            continue
+        name = pm.get_name(plugin) or repr(plugin)
+
+        def register(tier_class: type[Tier], _plugin: str = name) -> None:
+            _check_tier_class(tier_class, _plugin)
+            if tier_class.type_name in found and found[tier_class.type_name] is not tier_class:
+                raise PluginError(
+                    f"plugin {_plugin!r} registers tier type {tier_class.type_name!r}, which "
+                    f"{found[tier_class.type_name].__module__} already registered"
+                )
+            found[tier_class.type_name] = tier_class
+
+        try:
+            plugin.register_tiers(register=register)
+        except PluginError:
+            raise
+        except Exception as exc:
+            raise PluginError(
+                f"plugin {name!r} failed in register_tiers: {type(exc).__name__}: {exc}"
+            ) from exc
+    return found
+
+
+def _check_tier_class(tier_class: Any, plugin: str) -> None:
+    from .config import TierConfig
+    from .tier import Tier
+
+    if not (isinstance(tier_class, type) and issubclass(tier_class, Tier)):
+        raise PluginError(f"plugin {plugin!r} registered {tier_class!r}, which is not a ucm.Tier")
+    type_name = getattr(tier_class, "type_name", None)
+    model = getattr(tier_class, "config_model", None)
+    if not isinstance(type_name, str) or not type_name:
+        raise PluginError(f"plugin {plugin!r}: {tier_class.__name__}.type_name must be a str")
+    if not (isinstance(model, type) and issubclass(model, TierConfig)):
+        raise PluginError(
+            f"plugin {plugin!r}: {tier_class.__name__}.config_model must subclass ucm.TierConfig"
+        )
+    annotation = model.model_fields["type"].annotation
+    if typing.get_args(annotation) != (type_name,):
+        raise PluginError(
+            f"plugin {plugin!r}: {model.__name__}.type must be Literal[{type_name!r}], "
+            f"got {annotation!r}"
+        )

@@ -1,0 +1,157 @@
+"""The interface every tier implements, built-in or third-party.
+
+A tier is batch-oriented: each call takes many keys so that locking, I/O scheduling and any
+native-binding cost are paid per batch. Data moves between the tier and *caller memory*: each
+key comes with a list of writable (load) or readable (dump) memoryviews whose sizes add up to
+``layout.shard_size`` — the shard is their concatenation (scatter/gather), so a shard made of
+several tensors is read straight into them.
+
+Per-key outcomes are returned, never raised: ``None`` means done, :class:`KeyMissingError` means
+the tier does not hold the key (load only), any other exception is that key's failure. Raising
+from a batch call is reserved for programming errors.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .config import TierConfig
+from .layout import Key, Layout
+
+ShardViews = Sequence[memoryview]
+"""One shard in caller memory: memoryviews (format 'B') whose sizes sum to shard_size."""
+
+Outcome = BaseException | None
+
+REMOVE_CHUNK_KEYS = 1024
+"""batched_remove takes a tier's lock once per chunk of at most this many keys (seed 003): one
+acquisition per chunk instead of one per key, yet never held long enough to starve readers."""
+
+EvictSink = Callable[[Sequence[Key], Sequence[ShardViews]], Sequence[Outcome]]
+"""Called by a tier with shards it is about to drop, *before* dropping them, so the stack can
+write them to ``write: back`` tiers below. Returns per-key outcomes; a tier must keep a shard
+whose outcome is an error (eviction never drops the only copy)."""
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a tier learns about its place in the stack and the calling rank."""
+
+    layout: Layout
+    unique_id: str
+    device_id: int
+    local_rank_size: int
+    position: int
+    """Index in the stack, 0 = top."""
+    evict_sink: EvictSink | None = None
+    """Set when a tier below this one has ``write: back``."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Free-form runtime options (e.g. timeouts) passed down by the store."""
+
+    @property
+    def is_scheduler(self) -> bool:
+        return self.device_id < 0
+
+
+class PinTable:
+    """Counts in-use references per key. ``batched_remove`` keeps pinned keys unless forced."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: Counter[Key] = Counter()
+
+    def pin(self, keys: Sequence[Key]) -> None:
+        with self._lock:
+            self._counts.update(keys)
+
+    def unpin(self, keys: Sequence[Key]) -> None:
+        with self._lock:
+            for key in keys:
+                count = self._counts[key]
+                assert count > 0, f"unpin of a key that is not pinned: {key!r}"
+                if count == 1:
+                    del self._counts[key]
+                else:
+                    self._counts[key] = count - 1
+
+    def is_pinned(self, key: Key) -> bool:
+        # Reading a Counter entry is atomic under the GIL; callers that need a stable answer
+        # hold their own tier lock, under which pins of the same key are not released.
+        return self._counts.get(key, 0) > 0
+
+    @contextmanager
+    def pinned(self, keys: Sequence[Key]) -> Iterator[None]:
+        self.pin(keys)
+        try:
+            yield
+        finally:
+            self.unpin(keys)
+
+
+def chunks(items: Sequence[Any], size: int = REMOVE_CHUNK_KEYS) -> Iterator[Sequence[Any]]:
+    assert size > 0
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+class Tier(abc.ABC):
+    """One cache level. Subclasses set ``type_name`` and ``config_model`` and are registered
+    through the ``register_tiers`` plugin hook."""
+
+    type_name: ClassVar[str]
+    config_model: ClassVar[type[TierConfig]]
+
+    def __init__(self, config: TierConfig, context: TierContext) -> None:
+        self.config = config
+        self.context = context
+        self.layout = context.layout
+        self.pins = PinTable()
+
+    @property
+    def label(self) -> str:
+        return self.config.label
+
+    @abc.abstractmethod
+    def lookup(self, keys: Sequence[Key]) -> list[bool]:
+        """Whether each key is present (and readable) in this tier."""
+
+    def lookup_blocks(self, block_ids: Sequence[bytes]) -> list[bool]:
+        """Whether every shard of each block is present. Tiers may override with a cheaper
+        per-block check."""
+        keys = self.layout.keys_of_blocks(list(block_ids))
+        present = self.lookup(keys)
+        per_block = self.layout.shards_per_block
+        return [all(present[i * per_block : (i + 1) * per_block]) for i in range(len(block_ids))]
+
+    @abc.abstractmethod
+    def load(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
+        """Reads each key's shard into its destination views."""
+
+    @abc.abstractmethod
+    def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
+        """Stores each key's shard from its source views. A key already present is replaced."""
+
+    @abc.abstractmethod
+    def touch(self, block_ids: Sequence[bytes]) -> None:
+        """Marks every resident shard of each block as recently used."""
+
+    @abc.abstractmethod
+    def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
+        """Removes the keys; returns how many distinct keys were removed. Pinned (in-use) keys
+        are kept unless ``force``. Takes the tier's lock once per chunk of REMOVE_CHUNK_KEYS."""
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters for ``store.stats()`` (hits, misses, bytes, lock acquisitions, ...)."""
+        return {}
+
+    def flush(self) -> None:  # noqa: B027 - optional hook, most tiers write synchronously
+        """Waits until everything acknowledged is durable in this tier."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Releases resources. Called once, after flush()."""
