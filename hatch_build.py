@@ -47,7 +47,11 @@ class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
                     "'ziglang==0.15.1' package, which pip installs as a build requirement"
                 ) from exc
             built = Path(prefix) / "lib" / LIBRARY_NAME
-            shutil.copyfile(built, target)
+            # Replace, never overwrite in place: a process that has the old library mapped
+            # (a test run, a live rank) would crash if its pages changed under it.
+            staged = target.with_suffix(".so.tmp")
+            shutil.copyfile(built, staged)
+            os.replace(staged, target)
         build_data["pure_python"] = False
         build_data["infer_tag"] = True
         if version != "editable":
