@@ -71,11 +71,7 @@ def _dispatch_tier(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     if isinstance(value, TierConfig):
         return value
     if not isinstance(value, Mapping):
-        raise PydanticCustomError(
-            "tier_not_mapping",
-            "a tier must be a mapping with a 'type' key, got {value!r}",
-            {"value": value},
-        )
+        raise PydanticCustomError("tier_not_mapping", "a tier must be a mapping with a 'type' key")
     from .plugins import tier_types  # late import: plugins import this module
 
     installed = tier_types()
@@ -90,8 +86,8 @@ def _dispatch_tier(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     if tier_class is None:
         raise PydanticCustomError(
             "tier_type_unknown",
-            "unknown tier type {type!r}; installed tier types: {installed}",
-            {"type": type_name, "installed": ", ".join(sorted(installed))},
+            "unknown tier type {type}; installed tier types: {installed}",
+            {"type": repr(type_name), "installed": ", ".join(sorted(installed))},
         )
     return tier_class.config_model.model_validate(dict(value))
 

@@ -29,8 +29,9 @@ def load_plugins() -> None:
     global _loaded
     if _loaded:
         return
-    _loaded = True
     for module_name in DEFAULT_PLUGINS:
+        if pm.has_plugin(module_name):  # registered by an earlier, failed call
+            continue
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
@@ -47,7 +48,17 @@ def load_plugins() -> None:
                 f"plugin {entry_point.name!r} ({entry_point.value}, from {origin}) failed to "
                 f"load: {type(exc).__name__}: {exc}"
             ) from exc
-        pm.register(plugin, name=entry_point.name)
+        try:
+            pm.register(plugin, name=entry_point.name)
+            pm.check_pending()  # a hookimpl with a misspelled name would never be called
+        except pluggy.PluginValidationError as exc:
+            if pm.is_registered(plugin):
+                pm.unregister(plugin)
+            raise PluginError(
+                f"plugin {entry_point.name!r} ({entry_point.value}, from {origin}) is "
+                f"invalid: {exc}"
+            ) from exc
+    _loaded = True  # only now: a failed load is reported again, not skipped silently
 
 
 def tier_types() -> dict[str, Any]:
@@ -56,10 +67,10 @@ def tier_types() -> dict[str, Any]:
 
     load_plugins()
     found: dict[str, type[Tier]] = {}
-    for plugin in pm.get_plugins():
-        if not hasattr(plugin, "register_tiers"):
+    # Registration order (built-ins first), so a duplicate type always blames the later plugin.
+    for name, plugin in pm.list_name_plugin():
+        if plugin is None or not hasattr(plugin, "register_tiers"):
             continue
-        name = pm.get_name(plugin) or repr(plugin)
 
         def register(tier_class: type[Tier], _plugin: str = name) -> None:
             _check_tier_class(tier_class, _plugin)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 _UNITS = {
     "": 1,
@@ -20,7 +21,7 @@ _UNITS = {
     "gib": 1024**3,
     "tib": 1024**4,
 }
-_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
 VALID_SIZE_HINT = "an integer byte count or a string like '64GiB', '512MiB', '4096', '1.5GB'"
 
 
@@ -38,8 +39,8 @@ def parse_size(value: object) -> int:
             number, unit = match.groups()
             multiplier = _UNITS.get(unit.lower())
             if multiplier is not None:
-                size = float(number) * multiplier
-                if size != int(size):
+                size = Fraction(number) * multiplier
+                if size.denominator != 1:
                     raise ValueError(f"invalid size {value!r}: not a whole number of bytes")
                 return int(size)
     raise ValueError(f"invalid size {value!r}: expected {VALID_SIZE_HINT}")

@@ -1,0 +1,111 @@
+"""Plugin fixtures, the way simonw/llm tests plugins: register a plugin object on
+``ucm.plugins.pm`` for one test and unregister it afterwards. Other suites keep their helpers in
+their own conftest files."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
+
+import pytest
+from pydantic import Field
+
+import ucm
+from ucm import plugins
+from ucm.config import Size
+from ucm.layout import Key
+from ucm.tier import Outcome, ShardViews, chunks
+
+
+class ScratchTierConfig(ucm.LowerTierConfig):
+    """``type: scratch``: a tier that only exists while a test registers it."""
+
+    type: Literal["scratch"]
+    capacity: Size | None = Field(default=None, description="Informational only.")
+
+
+class ScratchTier(ucm.Tier):
+    """A small in-process dict tier: enough for a stack to validate and run in a test."""
+
+    type_name = "scratch"
+    config_model = ScratchTierConfig
+
+    def __init__(self, config: ucm.TierConfig, context: ucm.TierContext) -> None:
+        super().__init__(config, context)
+        self._lock = threading.Lock()
+        self._shards: dict[Key, bytes] = {}
+        self.lock_acquisitions = 0
+
+    def lookup(self, keys: Sequence[Key]) -> list[bool]:
+        with self._lock:
+            return [key in self._shards for key in keys]
+
+    def load(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for key, views in zip(keys, destinations, strict=True):
+            with self._lock:
+                data = self._shards.get(key)
+            if data is None:
+                outcomes.append(ucm.KeyMissingError(f"{key!r} not in scratch tier"))
+                continue
+            offset = 0
+            for view in views:
+                view[:] = data[offset : offset + view.nbytes]
+                offset += view.nbytes
+            outcomes.append(None)
+        return outcomes
+
+    def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
+        blobs = [b"".join(views) for views in sources]
+        with self._lock:
+            self._shards.update(zip(keys, blobs, strict=True))
+        return [None] * len(keys)
+
+    def touch(self, block_ids: Sequence[bytes]) -> None:
+        pass  # no eviction, so nothing to renew
+
+    def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
+        removed = 0
+        for part in chunks(list(dict.fromkeys(keys))):
+            with self._lock:
+                self.lock_acquisitions += 1
+                for key in part:
+                    if (force or not self.pins.is_pinned(key)) and key in self._shards:
+                        del self._shards[key]
+                        removed += 1
+        return removed
+
+
+class ScratchPlugin:
+    """A plugin object with a hook implementation, as a third-party module would have."""
+
+    @ucm.hookimpl
+    def register_tiers(self, register: Callable[[type[ucm.Tier]], None]) -> None:
+        register(ScratchTier)
+
+
+RegisterPlugin = Callable[[object, str], None]
+
+
+@pytest.fixture
+def register_plugin() -> Iterator[RegisterPlugin]:
+    """``register_plugin(plugin, name)`` registers on ``ucm.plugins.pm`` until the test ends."""
+    names: list[str] = []
+
+    def register(plugin: object, name: str) -> None:
+        plugins.pm.register(plugin, name=name)
+        names.append(name)
+
+    try:
+        yield register
+    finally:
+        for name in reversed(names):
+            plugins.pm.unregister(name=name)
+
+
+@pytest.fixture
+def scratch_tier(register_plugin: RegisterPlugin) -> type[ScratchTier]:
+    """Registers the ``scratch`` tier type for this test; returns its class."""
+    register_plugin(ScratchPlugin(), "scratch-plugin")
+    return ScratchTier

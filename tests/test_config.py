@@ -1,0 +1,470 @@
+"""Stack configuration: valid stacks from dicts and YAML files, and invalid ones rejected with
+messages that name the YAML path, the value and what is valid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import ucm
+from ucm import plugins
+from ucm.config import (
+    LowerTierConfig,
+    StackConfig,
+    format_location,
+    load_stack,
+    parse_stack,
+    stack_json_schema,
+)
+from ucm.errors import ConfigError, UcmError
+from ucm.sizes import VALID_SIZE_HINT
+
+BASE: dict[str, Any] = {"unique_id": "llama3-70b", "shard_size": 262144, "shards_per_block": 8}
+UNIQUE_ID_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+def installed() -> str:
+    return ", ".join(sorted(plugins.tier_types()))
+
+
+def problems_of(data: Any) -> list[str]:
+    with pytest.raises(ConfigError) as excinfo:
+        parse_stack(data)
+    error = excinfo.value
+    assert str(error) == "stack: invalid stack:\n  " + "\n  ".join(error.problems)
+    return error.problems
+
+
+# -- valid stacks ----------------------------------------------------------------------------
+
+
+def test_dict_stack_with_builtin_tiers_and_defaults(tmp_path: Path) -> None:
+    stack = parse_stack(
+        BASE
+        | {
+            "tiers": [
+                {"type": "posix", "path": str(tmp_path / "nvme"), "capacity": "500GiB"},
+                {"type": "fsspec", "url": "memory://kv/llama3", "write": "back"},
+            ]
+        }
+    )
+    assert isinstance(stack, StackConfig)
+    assert stack.unique_id == "llama3-70b"
+    assert stack.shard_size == 262144
+    assert stack.tensor_size_list is None
+    assert stack.resolved_shard_size == 262144
+    assert stack.resolved_tensor_sizes == (262144,)
+    posix, remote = stack.tiers
+    assert (posix.type, posix.label) == ("posix", "posix")
+    assert isinstance(posix, LowerTierConfig)
+    assert posix.model_dump(include={"path", "capacity", "write", "promote", "name"}) == {
+        "path": str(tmp_path / "nvme"),
+        "capacity": 500 * 1024**3,
+        "write": "through",
+        "promote": False,
+        "name": None,
+    }
+    assert remote.model_dump(include={"url", "storage_options", "write", "capacity"}) == {
+        "url": "memory://kv/llama3",
+        "storage_options": {},
+        "write": "back",
+        "capacity": None,
+    }
+
+
+def test_yaml_file_stack_with_tensor_size_list(tmp_path: Path) -> None:
+    path = tmp_path / "stack.yaml"
+    path.write_text(
+        f"""\
+unique_id: llama3-70b          # names the node-wide shared segments
+tensor_size_list: [131072, 131072]
+shards_per_block: 8
+tiers:
+  - type: posix
+    name: nvme
+    path: {tmp_path / "nvme"}
+    capacity: 500GiB
+    write: through
+  - type: fsspec
+    url: s3://kv-cache/llama3
+    storage_options: {{endpoint_url: "http://127.0.0.1:5000"}}
+    write: back
+    promote: true
+"""
+    )
+    for source in (path, str(path)):
+        stack = load_stack(source)
+        assert stack.shard_size is None
+        assert stack.tensor_size_list == [131072, 131072]
+        assert stack.resolved_shard_size == 262144
+        assert stack.resolved_tensor_sizes == (131072, 131072)
+        assert stack.shards_per_block == 8
+        assert [tier.type for tier in stack.tiers] == ["posix", "fsspec"]
+        assert stack.tiers[0].label == "nvme"
+        assert stack.tiers[0].model_dump()["capacity"] == 500 * 1024**3
+        assert stack.tiers[1].model_dump(include={"storage_options", "write", "promote"}) == {
+            "storage_options": {"endpoint_url": "http://127.0.0.1:5000"},
+            "write": "back",
+            "promote": True,
+        }
+
+
+@pytest.mark.parametrize(
+    ("geometry", "shard_size", "tensor_sizes"),
+    [
+        ({"shard_size": "256KiB"}, 262144, (262144,)),
+        ({"shard_size": "1MB"}, 1_000_000, (1_000_000,)),
+        ({"shard_size": 1}, 1, (1,)),
+        ({"tensor_size_list": [4096, 1024, 3]}, 5123, (4096, 1024, 3)),
+        ({"shard_size": "8KiB", "tensor_size_list": [4096, 4096]}, 8192, (4096, 4096)),
+    ],
+)
+def test_shard_geometry(
+    geometry: dict[str, Any], shard_size: int, tensor_sizes: tuple[int, ...]
+) -> None:
+    data = {k: v for k, v in BASE.items() if k != "shard_size"} | geometry
+    stack = parse_stack(data | {"tiers": [{"type": "posix", "path": "/tmp/ucm"}]})
+    assert stack.resolved_shard_size == shard_size
+    assert stack.resolved_tensor_sizes == tensor_sizes
+
+
+def test_stack_without_buffer_is_valid_and_scratch_tier_from_a_plugin(scratch_tier: Any) -> None:
+    stack = parse_stack(BASE | {"tiers": [{"type": "scratch", "capacity": "8GiB"}]})
+    assert type(stack.tiers[0]) is scratch_tier.config_model
+    assert stack.tiers[0].model_dump()["capacity"] == 8 * 1024**3
+
+
+def test_parse_and_load_return_a_stack_config_unchanged() -> None:
+    stack = parse_stack(BASE | {"tiers": [{"type": "posix", "path": "/tmp/ucm"}]})
+    assert parse_stack(stack) is stack
+    assert load_stack(stack) is stack
+
+
+def test_stack_round_trips_through_its_json_dump(tmp_path: Path) -> None:
+    stack = parse_stack(
+        BASE
+        | {
+            "tiers": [
+                {"type": "posix", "path": str(tmp_path), "capacity": "1GiB", "write": "none"},
+                {"type": "fsspec", "url": "memory://x", "storage_options": {"a": 1}},
+            ]
+        }
+    )
+    dumped = stack.model_dump(mode="json")
+    assert dumped["tiers"][0]["capacity"] == 1024**3
+    assert dumped["tiers"][1]["storage_options"] == {"a": 1}
+    assert parse_stack(dumped) == stack
+
+
+def test_stack_configs_are_frozen() -> None:
+    stack = parse_stack(BASE | {"tiers": [{"type": "posix", "path": "/tmp/ucm"}]})
+    with pytest.raises(ValueError, match="frozen"):
+        stack.shards_per_block = 4  # type: ignore[misc]
+
+
+def test_json_schema_has_every_installed_tier_type(scratch_tier: Any) -> None:
+    schema = stack_json_schema()
+    json.dumps(schema)  # serialisable, as `ucm schema` prints it
+    tiers = schema["properties"]["tiers"]
+    assert tiers["minItems"] == 1
+    mapping = tiers["items"]["discriminator"]["mapping"]
+    assert sorted(mapping) == sorted(plugins.tier_types())
+    assert {"posix", "fsspec", "scratch"} <= set(mapping)
+    assert set(schema["required"]) == {"unique_id", "shards_per_block", "tiers"}
+
+
+# -- invalid stacks: exact messages -----------------------------------------------------------
+
+
+def test_unknown_tier_type_names_it_and_lists_installed_types() -> None:
+    data = BASE | {"tiers": [{"type": "posix", "path": "/x"}, {"type": "nvme", "path": "/y"}]}
+    assert problems_of(data) == [
+        f"tiers[1].type: unknown tier type 'nvme'; installed tier types: {installed()} "
+        "(got {'type': 'nvme', 'path': '/y'})"
+    ]
+
+
+def test_unknown_tier_type_lists_installed_types_at_its_yaml_path() -> None:
+    (problem,) = problems_of(BASE | {"tiers": [{"type": "posix", "path": "/x"}, {"type": "nvme"}]})
+    assert problem.startswith("tiers[1].type: unknown tier type ")
+    assert problem.endswith(f"; installed tier types: {installed()} (got {{'type': 'nvme'}})")
+    assert installed().startswith("fsspec, posix")
+
+
+def test_unknown_tier_type_lists_a_plugin_type(scratch_tier: Any) -> None:
+    (problem,) = problems_of(BASE | {"tiers": [{"type": "buffer", "capacity": "8GiB"}]})
+    assert "scratch" in installed().split(", ")
+    assert problem.endswith(
+        f"; installed tier types: {installed()} (got {{'type': 'buffer', 'capacity': '8GiB'}})"
+    )
+
+
+def test_missing_tier_type_lists_installed_types() -> None:
+    assert problems_of(BASE | {"tiers": [{"path": "/x"}]}) == [
+        f"tiers[0].type: missing 'type'; installed tier types: {installed()} (got {{'path': '/x'}})"
+    ]
+
+
+def test_misspelled_key_is_rejected_with_its_yaml_path(scratch_tier: Any) -> None:
+    data = BASE | {
+        "tiers": [{"type": "posix", "path": "/x"}, {"type": "scratch", "capcity": "8GiB"}]
+    }
+    assert problems_of(data) == [
+        "tiers[1].capcity: unknown key (misspelled?); not allowed here (got '8GiB')"
+    ]
+
+
+def test_misspelled_key_in_a_yaml_file_names_the_file_and_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "stack.yaml"
+    path.write_text(
+        "unique_id: m\nshard_size: 4KiB\nshards_per_block: 2\ntiers:\n"
+        "  - type: posix\n    path: /x\n  - type: fsspec\n    url: memory://x\n    wirte: back\n"
+    )
+    with pytest.raises(ConfigError) as excinfo:
+        load_stack(path)
+    assert str(excinfo.value) == (
+        f"{path}: invalid stack:\n"
+        "  tiers[1].wirte: unknown key (misspelled?); not allowed here (got 'back')"
+    )
+
+
+def test_misspelled_top_level_key() -> None:
+    assert problems_of(BASE | {"shard_sise": 3, "tiers": [{"type": "posix", "path": "/x"}]}) == [
+        "shard_sise: unknown key (misspelled?); not allowed here (got 3)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("tier", "problem"),
+    [
+        (
+            {"type": "posix", "path": "/x", "capacity": "8 GiBs"},
+            f"tiers[0].capacity: Value error, invalid size '8 GiBs': expected {VALID_SIZE_HINT} "
+            "(got '8 GiBs')",
+        ),
+        (
+            {"type": "fsspec", "url": "memory://x", "capacity": "-1GiB"},
+            f"tiers[0].capacity: Value error, invalid size '-1GiB': expected {VALID_SIZE_HINT} "
+            "(got '-1GiB')",
+        ),
+        (
+            {"type": "posix", "path": "/x", "capacity": "0.5B"},
+            "tiers[0].capacity: Value error, invalid size '0.5B': not a whole number of bytes "
+            "(got '0.5B')",
+        ),
+    ],
+)
+def test_bad_size_string_names_the_value(tier: dict[str, Any], problem: str) -> None:
+    assert problems_of(BASE | {"tiers": [tier]}) == [problem]
+
+
+def test_bad_shard_size_names_the_value() -> None:
+    assert problems_of(
+        BASE | {"shard_size": "lots", "tiers": [{"type": "posix", "path": "/x"}]}
+    ) == [f"shard_size: Value error, invalid size 'lots': expected {VALID_SIZE_HINT} (got 'lots')"]
+
+
+def test_missing_geometry() -> None:
+    data = {"unique_id": "m", "shards_per_block": 2, "tiers": [{"type": "posix", "path": "/x"}]}
+    assert problems_of(data) == [
+        "(top level): give shard_size (bytes per shard) or tensor_size_list "
+        # the input is shown shortened to 80 characters
+        "(got {'unique_id': 'm', 'shards_per_block': 2, 'tiers': [{'type': 'posix', 'path':...)"
+    ]
+
+
+def test_shard_size_differing_from_the_tensor_sizes() -> None:
+    (problem,) = problems_of(
+        BASE
+        | {
+            "shard_size": 1024,
+            "tensor_size_list": [512, 256],
+            "tiers": [{"type": "posix", "path": "/x"}],
+        }
+    )
+    assert problem.startswith(
+        "(top level): shard_size 1024 differs from sum(tensor_size_list) = 768 (got "
+    )
+
+
+@pytest.mark.parametrize(
+    ("geometry", "problem"),
+    [
+        ({"shard_size": 0}, "(top level): shard_size must be at least 1 byte (got "),
+        (
+            {"shard_size": None, "tensor_size_list": []},
+            "(top level): tensor_size_list must list at least one tensor size (got ",
+        ),
+        (
+            {"shard_size": None, "tensor_size_list": [4096, 0]},
+            "tensor_size_list[1]: Input should be greater than 0 (got 0)",
+        ),
+        ({"shards_per_block": 0}, "shards_per_block: Input should be greater than 0 (got 0)"),
+    ],
+)
+def test_bad_geometry(geometry: dict[str, Any], problem: str) -> None:
+    (found,) = problems_of(BASE | geometry | {"tiers": [{"type": "posix", "path": "/x"}]})
+    assert found.startswith(problem)
+
+
+@pytest.mark.parametrize("tiers", [[], None, "posix"])
+def test_empty_or_missing_tiers(tiers: Any) -> None:
+    data = BASE | {"tiers": tiers} if tiers is not None else dict(BASE)
+    expected = {
+        "[]": "tiers: List should have at least 1 item after validation, not 0 (got [])",
+        "None": f"tiers: Field required (got {BASE!r})",
+        "'posix'": "tiers: Input should be a valid list (got 'posix')",
+    }[repr(tiers)]
+    assert problems_of(data) == [expected]
+
+
+@pytest.mark.parametrize("unique_id", ["bad id!", "", "-leading-dash", "x" * 65, "a/b"])
+def test_bad_unique_id(unique_id: str) -> None:
+    data = BASE | {"unique_id": unique_id, "tiers": [{"type": "posix", "path": "/x"}]}
+    assert problems_of(data) == [
+        f"unique_id: String should match pattern '{UNIQUE_ID_PATTERN}' (got {unique_id!r})"
+    ]
+
+
+def test_bad_write_policy_lists_the_valid_ones() -> None:
+    data = BASE | {"tiers": [{"type": "posix", "path": "/x", "write": "later"}]}
+    assert problems_of(data) == [
+        "tiers[0].write: Input should be 'through', 'back' or 'none' (got 'later')"
+    ]
+
+
+def test_builtin_tier_missing_its_required_key() -> None:
+    data = BASE | {"tiers": [{"type": "posix"}, {"type": "fsspec"}]}
+    assert problems_of(data) == [
+        "tiers[0].path: Field required (got {'type': 'posix'})",
+        "tiers[1].url: Field required (got {'type': 'fsspec'})",
+    ]
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    data = {
+        "unique_id": "ok",
+        "shard_size": "8 GiBs",
+        "shards_per_block": 2,
+        "tiers": [
+            {"type": "posix", "path": "/x", "capcity": 1},
+            {"type": "posix", "path": "/y", "promote": "maybe"},
+        ],
+    }
+    assert problems_of(data) == [
+        f"shard_size: Value error, invalid size '8 GiBs': expected {VALID_SIZE_HINT} "
+        "(got '8 GiBs')",
+        "tiers[0].capcity: unknown key (misspelled?); not allowed here (got 1)",
+        "tiers[1].promote: Input should be a valid boolean, unable to interpret input "
+        "(got 'maybe')",
+    ]
+
+
+def test_a_tier_that_is_not_a_mapping() -> None:
+    (problem,) = problems_of(BASE | {"tiers": ["posix"]})
+    assert problem.startswith("tiers[0]: a tier must be a mapping with a 'type' key")
+    assert problem.endswith("(got 'posix')")
+
+
+@pytest.mark.parametrize("data", [["unique_id", "m"], "stack", 7])
+def test_a_stack_that_is_not_a_mapping(data: Any) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        parse_stack(data)
+    assert str(excinfo.value) == f"stack: a stack must be a mapping, got {type(data).__name__}"
+
+
+def test_config_error_is_a_ucm_error_and_a_value_error() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        parse_stack(BASE | {"tiers": []})
+    assert isinstance(excinfo.value, UcmError)
+    assert isinstance(excinfo.value, ValueError)
+    assert ucm.ConfigError is ConfigError
+
+
+# -- files ------------------------------------------------------------------------------------
+
+
+def test_unreadable_stack_files(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as excinfo:
+        load_stack(missing)
+    assert (
+        str(excinfo.value) == f"cannot read stack file {str(missing)!r}: No such file or directory"
+    )
+    with pytest.raises(ConfigError) as excinfo:
+        load_stack(tmp_path)
+    assert str(excinfo.value) == f"cannot read stack file {str(tmp_path)!r}: Is a directory"
+
+
+def test_invalid_yaml_names_the_file_and_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text("unique_id: m\ntiers:\n  - type: posix\n   path: [unclosed\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_stack(path)
+    message = str(excinfo.value)
+    assert message.startswith(f"{path}: not valid YAML: ")
+    assert "line 4" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"), [("", "NoneType"), ("- a\n- b\n", "list"), ("42\n", "int")]
+)
+def test_yaml_file_that_is_not_a_mapping(tmp_path: Path, text: str, kind: str) -> None:
+    path = tmp_path / "stack.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as excinfo:
+        load_stack(path)
+    assert str(excinfo.value) == f"{path}: a stack must be a mapping, got {kind}"
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("loc", "text"),
+    [
+        (("tiers", 1, "capacity"), "tiers[1].capacity"),
+        (("tensor_size_list", 0), "tensor_size_list[0]"),
+        (("unique_id",), "unique_id"),
+        ((), "(top level)"),
+    ],
+)
+def test_format_location(loc: tuple[int | str, ...], text: str) -> None:
+    assert format_location(loc) == text
+
+
+@given(size=st.integers(min_value=1, max_value=2**40))
+def test_any_byte_count_is_a_valid_shard_size(size: int) -> None:
+    stack = StackConfig.model_validate(
+        BASE | {"shard_size": size, "tiers": [{"type": "posix", "path": "/x"}]}
+    )
+    assert stack.resolved_shard_size == size
+
+
+# -- the reference documents every key ----------------------------------------------------------
+
+
+def test_configuration_reference_documents_every_stack_key() -> None:
+    reference = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    for key in StackConfig.model_fields:
+        assert f"| `{key}`" in reference, f"docs/configuration.md lacks the stack key {key!r}"
+
+
+@pytest.mark.parametrize("module", plugins.DEFAULT_PLUGINS)
+def test_configuration_reference_documents_every_builtin_tier_key(module: str) -> None:
+    reference = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    for type_name, tier in plugins.tier_types().items():
+        if tier.__module__ != module:
+            continue
+        heading = f"### `type: {type_name}`"
+        assert heading in reference, f"docs/configuration.md lacks a section {heading!r}"
+        section = reference.split(heading, 1)[1].split("\n### ", 1)[0]
+        for key in tier.config_model.model_fields:
+            if key in {"type", "name", "write", "promote"}:
+                continue  # documented once, in "Keys every tier has"
+            assert f"| `{key}`" in section, f"{heading} in docs/configuration.md lacks {key!r}"
