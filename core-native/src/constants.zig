@@ -19,3 +19,90 @@ comptime {
     std.debug.assert(futex_wait_slice_ns > 0);
     std.debug.assert(futex_wait_slice_ns < std.time.ns_per_s);
 }
+
+// ---- Segments (shm.zig, memfd.zig, fdpass.zig, seg_region.zig) ----
+
+/// Directory of the named control segments and their creation lock files.
+pub const seg_shm_dir = "/dev/shm";
+/// A unique id becomes part of file and abstract socket names: keep it short.
+pub const seg_unique_id_max_bytes: usize = 64;
+pub const seg_path_max_bytes: usize = 128;
+/// "UCM-SEG1" read as a little-endian u64: the first word of every control segment.
+pub const seg_magic: u64 = std.mem.readInt(u64, "UCM-SEG1", .little);
+/// Bumped whenever the segment header layout (shm.Header) changes.
+pub const seg_layout_version: u32 = 1;
+pub const seg_page_bytes: usize = 4096;
+/// The segment header owns the first page of the control segment; the caller's control region
+/// (BufferCtrl) starts right after it, page-aligned.
+pub const seg_header_bytes: usize = seg_page_bytes;
+/// Live processes attached to one buffer at once (ranks, schedulers, restarts in flight).
+pub const seg_attach_entries_max: u32 = 64;
+/// Data segments per buffer, and file descriptors per SCM_RIGHTS message (the kernel allows
+/// at most 253 per message).
+pub const seg_segments_max: u32 = 256;
+pub const seg_fd_chunk_count: u32 = 64;
+/// Mappings are aligned to the x86_64/aarch64 PMD size so that huge pages can back them.
+pub const seg_huge_page_bytes: usize = 2 * 1024 * 1024;
+pub const seg_ctrl_bytes_max: u64 = 1 << 36;
+pub const seg_data_bytes_max: u64 = 1 << 44;
+/// Polling step while waiting for the creation lock (flock has no timed wait).
+pub const seg_lock_poll_ns: u64 = 2 * std.time.ns_per_ms;
+/// Upper bound of one poll() in the fd server loop: stop is also signalled through an eventfd,
+/// this only bounds the wait if that wake-up were ever lost.
+pub const seg_server_poll_ms: i32 = 500;
+/// Send/receive timeout on an fd hand-over connection.
+pub const seg_socket_timeout_ms: u32 = 2000;
+/// How long close() tries to take the lock to unlink a segment nobody serves any more.
+pub const seg_close_lock_ns: u64 = 500 * std.time.ns_per_ms;
+
+comptime {
+    std.debug.assert(seg_header_bytes % seg_page_bytes == 0);
+    std.debug.assert(seg_huge_page_bytes % seg_page_bytes == 0);
+    std.debug.assert(seg_fd_chunk_count <= 253);
+    std.debug.assert(seg_segments_max % seg_fd_chunk_count == 0);
+    std.debug.assert(seg_shm_dir.len + "/ucm-".len + seg_unique_id_max_bytes + 16 < seg_path_max_bytes);
+    std.debug.assert(seg_lock_poll_ns < std.time.ns_per_s);
+    std.debug.assert(seg_server_poll_ms > 0);
+}
+
+// ---- CacheBuffer (buffer.zig) ----
+
+/// "UCMBUF01" little-endian: identifies an initialised CacheBuffer control region.
+pub const buffer_magic: u64 = 0x3130_4655_424D_4355;
+/// Bumped whenever the control-region layout changes; attach refuses another value.
+pub const buffer_layout_version: u32 = 1;
+pub const buffer_cache_line_bytes: u64 = 64;
+pub const buffer_header_size_bytes: usize = 256;
+pub const buffer_clock_size_bytes: usize = 64;
+pub const buffer_counters_size_bytes: usize = 192;
+pub const buffer_bucket_size_bytes: usize = 8;
+pub const buffer_slot_size_bytes: usize = 64;
+/// Slot and bucket indices are u32 with the top values reserved as sentinels.
+pub const buffer_slot_count_max: u64 = 1 << 30;
+pub const buffer_bucket_count_max: u64 = 1 << 28;
+pub const buffer_segment_count_max: u64 = 1 << 16;
+/// Keys per lock pass of a batched remove (seed 003; mirrors ucm.tier.REMOVE_CHUNK_KEYS).
+pub const buffer_remove_chunk_keys: usize = 1024;
+/// Bucket locks are held for a few chain steps: spin briefly before sleeping on the futex.
+pub const buffer_lock_spin_count: u32 = 64;
+/// A sleeping locker wakes this often to check whether the holder died.
+pub const buffer_lock_wait_slice_ns: u64 = 10 * std.time.ns_per_ms;
+/// A lock held longer than this by a live process is reported as a timeout, never waited out.
+pub const buffer_lock_timeout_ns: u64 = 10 * std.time.ns_per_s;
+/// Backstops for loops whose real bound is a deadline.
+pub const buffer_lock_round_max: u32 = 1 << 24;
+pub const buffer_wait_round_max: u32 = 1 << 24;
+pub const buffer_cas_attempts_max: u32 = 64;
+
+comptime {
+    std.debug.assert(buffer_header_size_bytes % buffer_cache_line_bytes == 0);
+    std.debug.assert(buffer_clock_size_bytes % buffer_cache_line_bytes == 0);
+    std.debug.assert(buffer_counters_size_bytes % buffer_cache_line_bytes == 0);
+    std.debug.assert(buffer_slot_size_bytes == buffer_cache_line_bytes);
+    std.debug.assert(buffer_bucket_size_bytes == 2 * futex_word_size_bytes);
+    std.debug.assert(buffer_slot_count_max < std.math.maxInt(u32) - 1);
+    std.debug.assert(buffer_bucket_count_max < std.math.maxInt(u32) - 1);
+    std.debug.assert(buffer_remove_chunk_keys == 1024);
+    std.debug.assert(buffer_lock_wait_slice_ns < buffer_lock_timeout_ns);
+    std.debug.assert(buffer_lock_wait_slice_ns <= futex_wait_slice_ns);
+}

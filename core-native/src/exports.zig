@@ -45,3 +45,345 @@ export fn ucm_version_load(word_addr: usize) i64 {
 export fn ucm_monotonic_ns() u64 {
     return futex.monotonic_ns();
 }
+
+// ---- CacheBuffer ----
+// Batched entry points over a control region at `ctrl` (see buffer.zig). Arrays are caller
+// memory of `n` elements; per-key outcomes are written to `out_*`. A negative return is a
+// buffer.Status: the region is not an initialised CacheBuffer or an argument is out of range.
+
+const buffer = @import("buffer.zig");
+
+fn buffer_open(ctrl: usize) ?buffer.Buffer {
+    return buffer.Buffer.open(ctrl);
+}
+
+fn buffer_status(status: buffer.Status) i32 {
+    return @intFromEnum(status);
+}
+
+fn buffer_slots_valid(view: buffer.Buffer, slots: []const u32) bool {
+    for (slots) |slot| {
+        if (slot >= view.slots.len) return false;
+    }
+    return true;
+}
+
+fn ids_slice(ids: [*]const buffer.BlockId, n: u32) []const buffer.BlockId {
+    return ids[0..n];
+}
+
+export fn ucm_buffer_ctrl_size_bytes(geometry: *const buffer.Geometry) i64 {
+    const status = buffer.validate_geometry(geometry.*);
+    if (status != .ok) return buffer_status(status);
+    return @intCast(buffer.ctrl_size_bytes(geometry.*));
+}
+
+export fn ucm_buffer_init(ctrl: usize, ctrl_bytes: u64, geometry: *const buffer.Geometry, creator_start_time: u64) i32 {
+    return buffer_status(buffer.Buffer.init(ctrl, ctrl_bytes, geometry.*, creator_start_time));
+}
+
+export fn ucm_buffer_attach(ctrl: usize, ctrl_bytes: u64, expected: ?*const buffer.Geometry) i32 {
+    return buffer_status(buffer.Buffer.attach(ctrl, ctrl_bytes, if (expected) |g| g.* else null));
+}
+
+/// Copies the header of an initialised region (for error messages and tools).
+export fn ucm_buffer_header(ctrl: usize, out: *buffer.Header) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    out.* = view.header.*;
+    return 0;
+}
+
+export fn ucm_buffer_get(
+    ctrl: usize,
+    n: u32,
+    ids: [*]const buffer.BlockId,
+    shards: [*]const u32,
+    out_results: [*]buffer.GetResult,
+    out_slots: [*]u32,
+    out_evicted_ids: ?[*]buffer.BlockId,
+    out_evicted_shards: ?[*]u32,
+) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    view.get(ids_slice(ids, n), shards[0..n], .{
+        .results = out_results[0..n],
+        .slots = out_slots[0..n],
+        .evicted_block_ids = if (out_evicted_ids) |p| p[0..n] else null,
+        .evicted_shard_indices = if (out_evicted_shards) |p| p[0..n] else null,
+    });
+    return 0;
+}
+
+export fn ucm_buffer_commit(ctrl: usize, n: u32, slots: [*]const u32, states: [*]const u8, out: [*]buffer.CommitResult) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (!buffer_slots_valid(view, slots[0..n])) return buffer_status(.invalid_argument);
+    for (states[0..n]) |state| {
+        if (state != @intFromEnum(buffer.State.ready) and state != @intFromEnum(buffer.State.failed)) {
+            return buffer_status(.invalid_argument);
+        }
+    }
+    view.commit(slots[0..n], states[0..n], out[0..n]);
+    return 0;
+}
+
+export fn ucm_buffer_wait(ctrl: usize, n: u32, slots: [*]const u32, timeout_ns: u64, out: [*]buffer.WaitResult) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (!buffer_slots_valid(view, slots[0..n])) return buffer_status(.invalid_argument);
+    for (slots[0..n]) |slot| {
+        if (view.slots[slot].refcount.load(.monotonic) == 0) return buffer_status(.invalid_argument);
+    }
+    view.wait(slots[0..n], timeout_ns, out[0..n]);
+    return 0;
+}
+
+export fn ucm_buffer_release(ctrl: usize, n: u32, slots: [*]const u32) i64 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (!buffer_slots_valid(view, slots[0..n])) return buffer_status(.invalid_argument);
+    for (slots[0..n]) |slot| {
+        if (view.slots[slot].refcount.load(.monotonic) == 0) return buffer_status(.invalid_argument);
+    }
+    return view.release(slots[0..n]);
+}
+
+export fn ucm_buffer_prealloc(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, out: [*]buffer.PreallocResult) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    view.prealloc(ids_slice(ids, n), shards[0..n], out[0..n]);
+    return 0;
+}
+
+export fn ucm_buffer_touch(ctrl: usize, n: u32, ids: [*]const buffer.BlockId) i64 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    const touched = view.touch(ids_slice(ids, n)) catch return buffer_status(.lock_timeout);
+    return @intCast(touched);
+}
+
+export fn ucm_buffer_lookup(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, out: [*]u8) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    view.lookup(ids_slice(ids, n), shards[0..n], out[0..n]) catch return buffer_status(.lock_timeout);
+    return 0;
+}
+
+export fn ucm_buffer_lookup_blocks(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards_per_block: u32, out: [*]u8) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (shards_per_block == 0) return buffer_status(.invalid_argument);
+    view.lookup_blocks(ids_slice(ids, n), shards_per_block, out[0..n]) catch
+        return buffer_status(.lock_timeout);
+    return 0;
+}
+
+export fn ucm_buffer_remove(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, force: bool) i64 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    const removed = view.remove(ids_slice(ids, n), shards[0..n], force) catch
+        return buffer_status(.lock_timeout);
+    return @intCast(removed);
+}
+
+export fn ucm_buffer_remove_blocks(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, force: bool) i64 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    const removed = view.remove(ids_slice(ids, n), null, force) catch
+        return buffer_status(.lock_timeout);
+    return @intCast(removed);
+}
+
+/// Copies up to `capacity` counters (in buffer.counter_names order); returns how many exist.
+export fn ucm_buffer_stats(ctrl: usize, out: [*]u64, capacity: u32) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    for (0..@min(capacity, buffer.counter_count)) |index| {
+        out[index] = view.counter_value(@enumFromInt(index));
+    }
+    return buffer.counter_count;
+}
+
+/// Per slot: the segment index and byte offset within it.
+export fn ucm_buffer_slot_locations(ctrl: usize, n: u32, slots: [*]const u32, out_segments: [*]u32, out_offsets: [*]u64) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (!buffer_slots_valid(view, slots[0..n])) return buffer_status(.invalid_argument);
+    for (slots[0..n], out_segments[0..n], out_offsets[0..n]) |slot, *segment, *offset| {
+        const location = view.slot_location(slot);
+        segment.* = location.segment;
+        offset.* = location.offset_bytes;
+    }
+    return 0;
+}
+
+/// Per slot: segment_bases[segment] + offset, or 0 where that base is 0 (scheduler: no data).
+export fn ucm_buffer_slot_addresses(ctrl: usize, n: u32, slots: [*]const u32, segment_bases: [*]const u64, segment_count: u32, out: [*]u64) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (!buffer_slots_valid(view, slots[0..n])) return buffer_status(.invalid_argument);
+    if (segment_count != view.header.segment_count) return buffer_status(.invalid_argument);
+    for (slots[0..n], out[0..n]) |slot, *address| {
+        const location = view.slot_location(slot);
+        const base = segment_bases[location.segment];
+        address.* = if (base == 0) 0 else base + location.offset_bytes;
+    }
+    return 0;
+}
+
+export fn ucm_buffer_debug_slot(ctrl: usize, slot: u32, out: *buffer.Slot) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (slot >= view.slots.len) return buffer_status(.invalid_argument);
+    out.* = view.slots[slot];
+    return 0;
+}
+
+/// The slot holding a key (any state), or -1.
+export fn ucm_buffer_debug_find(ctrl: usize, id: *const buffer.BlockId, shard: u32) i64 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    const found = view.find_locked(id, shard) catch return buffer_status(.lock_timeout);
+    return if (found) |slot| slot else -1;
+}
+
+/// CLOCK cursor position of pool 0 (regular) or 1 (reserved).
+export fn ucm_buffer_debug_cursor(ctrl: usize, pool: u32) i64 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (pool > 1) return buffer_status(.invalid_argument);
+    return view.cursor_position(if (pool == 0) .regular else .reserved);
+}
+
+export fn ucm_buffer_debug_bucket_of(ctrl: usize, id: *const buffer.BlockId) i64 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    return view.bucket_of(id);
+}
+
+/// Test hook: take a bucket lock and keep it (the caller is then killed to test recovery).
+export fn ucm_buffer_debug_hold_lock(ctrl: usize, bucket_index: u32) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (bucket_index >= view.buckets.len) return buffer_status(.invalid_argument);
+    view.debug_hold_lock(bucket_index) catch return buffer_status(.lock_timeout);
+    return 0;
+}
+
+export fn ucm_buffer_debug_drop_lock(ctrl: usize, bucket_index: u32) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (bucket_index >= view.buckets.len) return buffer_status(.invalid_argument);
+    const holder = view.buckets[bucket_index].lock.load(.monotonic) & 0x7FFF_FFFF;
+    if (holder != view.pid) return buffer_status(.invalid_argument);
+    view.debug_drop_lock(bucket_index);
+    return 0;
+}
+
+/// Test hook (this process only): pause between reading version+state and blocking in wait.
+export fn ucm_buffer_debug_set_wait_pause_ns(pause_ns: u64) void {
+    buffer.debug_wait_pause_ns = pause_ns;
+}
+// ---- end CacheBuffer ----
+
+// ---- Segments ----
+// The shared-memory segments of a buffer (seg_region.zig): open/publish/serve/stop/close on an
+// opaque handle. Errors return a negative code (seg_sys.error_code) and a NUL-terminated
+// sentence in the caller's `err_buf`.
+const seg_sys = @import("seg_sys.zig");
+const seg_region = @import("seg_region.zig");
+const seg_shm = @import("shm.zig");
+const seg_memfd = @import("memfd.zig");
+
+fn seg_handle(handle: usize) ?*seg_region.Region {
+    if (handle == 0 or handle % @alignOf(seg_region.Region) != 0) return null;
+    return @ptrFromInt(handle);
+}
+
+/// Creates or attaches the region of `unique_id`. Returns 0 when attached (ready), 1 when this
+/// process created it (initialise the control region, then call ucm_seg_publish), or a
+/// negative error. `*out_handle` is set only on success.
+export fn ucm_seg_open(
+    unique_id_ptr: [*]const u8,
+    unique_id_len: usize,
+    ctrl_bytes: u64,
+    data_bytes: u64,
+    segment_bytes: u64,
+    ctrl_layout_version: u32,
+    role: u32,
+    hugetlb_policy: u32,
+    timeout_ns: u64,
+    out_handle: *usize,
+    err_buf: [*]u8,
+    err_cap: usize,
+) i32 {
+    var diag = seg_sys.Diag.init(err_buf[0..err_cap]);
+    const unique_id = unique_id_ptr[0..@min(unique_id_len, 4096)];
+    const geometry: seg_shm.Geometry = .{
+        .ctrl_bytes = ctrl_bytes,
+        .data_bytes = data_bytes,
+        .segment_bytes = segment_bytes,
+        .ctrl_layout_version = ctrl_layout_version,
+    };
+    seg_region.check_arguments(unique_id, geometry, role, hugetlb_policy, &diag) catch |err| {
+        return seg_sys.error_code(err);
+    };
+    const region = std.heap.page_allocator.create(seg_region.Region) catch {
+        return seg_sys.error_code(diag.fail(error.System, "out of memory for a region handle", .{}));
+    };
+    region.* = .{};
+    const created = seg_region.open(
+        region,
+        unique_id,
+        geometry,
+        @enumFromInt(role),
+        @enumFromInt(hugetlb_policy),
+        timeout_ns,
+        &diag,
+    ) catch |err| {
+        std.heap.page_allocator.destroy(region);
+        return seg_sys.error_code(err);
+    };
+    out_handle.* = @intFromPtr(region);
+    return @intFromBool(created);
+}
+
+export fn ucm_seg_publish(handle: usize, err_buf: [*]u8, err_cap: usize) i32 {
+    var diag = seg_sys.Diag.init(err_buf[0..err_cap]);
+    const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
+    if (!region.created or region.published) {
+        return seg_sys.error_code(diag.fail(error.InvalidArgument, "the region was not created unpublished by this handle", .{}));
+    }
+    seg_region.publish(region, &diag) catch |err| return seg_sys.error_code(err);
+    return 0;
+}
+
+/// Serves the data descriptors until ucm_seg_stop; run it on a thread of its own. Returns 0
+/// after a stop, 1 at once when this process holds no data to serve (a scheduler).
+export fn ucm_seg_serve(handle: usize) i32 {
+    const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
+    if (!region.server.started()) return 1;
+    region.server.serve();
+    return 0;
+}
+
+/// Asks ucm_seg_serve to return; safe from any thread.
+export fn ucm_seg_stop(handle: usize) i32 {
+    const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
+    if (region.server.started()) region.server.request_stop();
+    return 0;
+}
+
+/// Releases the region. ucm_seg_serve must have returned.
+export fn ucm_seg_close(handle: usize) i32 {
+    const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
+    seg_region.close(region);
+    std.heap.page_allocator.destroy(region);
+    return 0;
+}
+
+export fn ucm_seg_info(handle: usize, out: *seg_region.Info, out_bytes: usize) i32 {
+    const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
+    if (out_bytes != @sizeOf(seg_region.Info)) return @intFromEnum(Error.invalid_argument);
+    out.* = region.info();
+    return 0;
+}
+
+/// Removes the names of `unique_id` under /dev/shm (tests, admin cleanup); returns how many
+/// existed. Processes that still map the segments keep them.
+export fn ucm_seg_unlink(unique_id_ptr: [*]const u8, unique_id_len: usize) i32 {
+    const unique_id = unique_id_ptr[0..@min(unique_id_len, 4096)];
+    if (!seg_sys.unique_id_valid(unique_id)) return @intFromEnum(Error.invalid_argument);
+    return @intCast(seg_shm.unlink_all(unique_id));
+}
+
+/// Test hook: makes this process's fd server expect another peer uid, so the SO_PEERCRED
+/// refusal path can be exercised without a second user.
+export fn ucm_seg_debug_set_peer_uid(handle: usize, uid: u32) i32 {
+    const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
+    if (!region.server.started()) return @intFromEnum(Error.invalid_argument);
+    // Monotonic: a standalone setting, see fdpass.Server.expected_uid.
+    region.server.expected_uid.store(uid, .monotonic);
+    return 0;
+}

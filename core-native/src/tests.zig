@@ -3,4 +3,11 @@ comptime {
     _ = @import("constants.zig");
     _ = @import("futex.zig");
     _ = @import("exports.zig");
+    _ = @import("buffer.zig"); // CacheBuffer
+    _ = @import("buffer_fuzz.zig"); // CacheBuffer model-based fuzzer
+    _ = @import("seg_sys.zig");
+    _ = @import("shm.zig");
+    _ = @import("memfd.zig");
+    _ = @import("fdpass.zig");
+    _ = @import("seg_region.zig");
 }

@@ -1,0 +1,363 @@
+"""The native CacheBuffer in one process: seed Scenarios C, D and E with the exact slots, bits and
+cursor positions the seed narrates, plus addressing, geometry validation, lookup, touch and the
+batched remove of seed 003."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from buffer_shm import ShmRegion, block, shared_buffer
+
+from ucm.errors import InvalidArgumentError
+from ucm.native.buffer import (
+    DETACHED,
+    SLOT_NONE,
+    BufferCore,
+    CommitResult,
+    Geometry,
+    GetResult,
+    Pool,
+    PreallocResult,
+    State,
+    WaitResult,
+)
+
+H, OWN, W, NO = GetResult.HIT, GetResult.OWNER, GetResult.WAITER, GetResult.NO_SLOT
+
+
+def bits(core: BufferCore, count: int) -> list[int]:
+    return [int(core.slot_info(slot).accessed) for slot in range(count)]
+
+
+def load(core: BufferCore, keys: list[tuple[bytes, int]]) -> list[int]:
+    """Misses that this rank owns: claim, commit Ready, release. Returns the slots."""
+    got = core.get(keys)
+    assert list(got.results) == [OWN] * len(keys)
+    assert core.commit(got.slots, [State.READY] * len(keys)) == [CommitResult.OK] * len(keys)
+    core.release(got.slots)
+    return list(got.slots)
+
+
+def test_scenario_c_clock_preserves_a_hit_block() -> None:
+    geometry = Geometry(shard_size_bytes=64, slot_count_regular=4, bucket_count=16)
+    a, b, c, d, e, f = ((block(name), 0) for name in "ABCDEF")
+    with shared_buffer(geometry) as shared:
+        core = shared.core
+        # Loaded A/B/C/D in turn: each new load sets its bit; the cursor stays at slot 0.
+        assert [load(core, [key])[0] for key in (a, b, c, d)] == [0, 1, 2, 3]
+        assert bits(core, 4) == [1, 1, 1, 1]
+        assert core.cursor() == 0
+
+        # Miss E: one lap clears every bit, falls back to the raw cursor: slot 0 (A) is the victim.
+        got = core.get([e], evicted=True)
+        assert (list(got.results), list(got.slots)) == ([OWN], [0])
+        assert got.evicted == [(0, a)]
+        assert bits(core, 4) == [1, 0, 0, 0]  # E just loaded; B/C/D swept
+        assert core.cursor() == 1
+        core.commit(got.slots, [State.READY])
+        core.release(got.slots)
+
+        # Someone Gets B (slot 1): the hit sets slot 1's bit again.
+        hit = core.get([b])
+        assert (list(hit.results), list(hit.slots)) == ([H], [1])
+        assert bits(core, 4) == [1, 1, 0, 0]
+        core.release(hit.slots)
+
+        # Miss F: slot 1 (B) gets its second chance, slot 2 (C, bit 0) is the victim.
+        got = core.get([f], evicted=True)
+        assert (list(got.results), list(got.slots)) == ([OWN], [2])
+        assert got.evicted == [(0, c)]
+        assert core.cursor() == 3
+        assert bits(core, 4) == [1, 0, 1, 0]
+        core.commit(got.slots, [State.READY])
+        core.release(got.slots)
+        assert core.lookup([a, b, c, d, e, f]) == [False, True, False, True, True, True]
+        stats = core.stats()
+        assert (stats["hits"], stats["misses"], stats["evictions"]) == (1, 6, 2)
+
+
+def test_scenario_d_touch_preserves_all_shards_of_a_block() -> None:
+    geometry = Geometry(shard_size_bytes=64, slot_count_regular=6, bucket_count=16)
+    t = block("T")
+    t_keys = [(t, 0), (t, 1), (t, 2)]
+    u, v, w, m, x = ((block(name), 0) for name in "UVWMX")
+    with shared_buffer(geometry) as shared:
+        core = shared.core
+        got = core.get([*t_keys, u, v, w])
+        assert list(got.results) == [OWN] * 6
+        assert list(got.slots) == [0, 1, 2, 3, 4, 5]
+        core.commit(got.slots, [State.READY] * 6)
+        assert bits(core, 6) == [1] * 6
+        # One miss sweeps every new-load bit clear. The copier still holds all six slots, so
+        # there is no victim: the miss reports NO_SLOT and the cursor is back at slot 0.
+        swept = core.get([m])
+        assert (list(swept.results), list(swept.slots)) == ([NO], [SLOT_NONE])
+        assert bits(core, 6) == [0] * 6
+        assert core.cursor() == 0
+        core.release(got.slots)
+
+        # Touch T: walk T's bucket chain and set the bit of every resident shard of T.
+        assert core.touch([t]) == 3
+        assert bits(core, 6) == [1, 1, 1, 0, 0, 0]
+
+        # Miss X: T.s0/s1/s2 get second chances, slot 3 (U) is the victim.
+        got_x = core.get([x], evicted=True)
+        assert (list(got_x.results), list(got_x.slots)) == ([OWN], [3])
+        assert got_x.evicted == [(0, u)]
+        assert core.cursor() == 4
+        assert bits(core, 6) == [0, 0, 0, 1, 0, 0]
+        core.commit(got_x.slots, [State.READY])
+        core.release(got_x.slots)
+        assert core.lookup_blocks([t, u[0], v[0]], shards_per_block=3) == [True, False, False]
+        assert core.lookup([*t_keys, u, v, w, x]) == [True, True, True, False, True, True, True]
+        assert core.stats()["no_slot"] == 1
+
+
+def test_scenario_e_prealloc_from_reserved_pool_then_fast_path() -> None:
+    geometry = Geometry(
+        shard_size_bytes=64, slot_count_regular=3, slot_count_reserved=3, bucket_count=16
+    )
+    b0, b1, b2, b3, b5 = (block(name) for name in ("B0", "B1", "B2", "B3", "B5"))
+    s = 0
+    with shared_buffer(geometry) as shared:
+        core = shared.core
+        # The task B0.s/B1.s/B2.s fills the regular pool.
+        assert load(core, [(b0, s), (b1, s), (b2, s)]) == [0, 1, 2]
+        # Idle window: prewarm (block, s+1) for each block of the task -> reserved pool.
+        nxt = [(b0, s + 1), (b1, s + 1), (b2, s + 1)]
+        assert core.prealloc(nxt) == [PreallocResult.ALLOCATED] * 3
+        slots = [core.slot_of(key) for key in nxt]
+        assert slots == [3, 4, 5]
+        for slot in slots:
+            assert slot is not None
+            info = core.slot_info(slot)
+            assert (info.refcount, info.state, info.reserved, info.preallocated) == (
+                0,
+                State.IDLE,
+                True,
+                True,
+            )
+        # Normal capacity was not crowded: the regular pool still holds the task, no eviction.
+        assert core.lookup([(b0, s), (b1, s), (b2, s)]) == [True, True, True]
+        assert core.lookup(nxt) == [False, False, False]  # idle is not "present"
+        assert core.stats()["evictions"] == 0
+        assert core.prealloc([nxt[0]]) == [PreallocResult.EXISTS]
+
+        # Next task asks (B0, s+1): found idle with ref 0 on the chain -> owner, no victim search.
+        cursor_before = core.cursor()
+        got = core.get([nxt[0]])
+        assert (list(got.results), list(got.slots)) == ([OWN], [3])
+        assert core.cursor() == cursor_before
+        assert core.stats()["prealloc_hits"] == 1
+        assert not core.slot_info(3).preallocated
+
+        # (B1, s+1) was already taken by another rank: ref > 0 -> waiter via the fast path.
+        other = core.get([nxt[1]])
+        assert (list(other.results), list(other.slots)) == ([OWN], [4])
+        again = core.get([nxt[1]])
+        assert (list(again.results), list(again.slots)) == ([W], [4])
+        assert core.stats()["prealloc_hits"] == 2
+        # B3 was not in the task: nothing was prewarmed for it.
+        assert core.slot_of((b3, s + 1)) is None
+
+        # The reserved pool is full: a new prealloc replaces the unused prewarmed (B2, s+1),
+        # never a slot in use.
+        assert core.prealloc([(b5, s + 1)]) == [PreallocResult.ALLOCATED]
+        assert core.slot_of((b5, s + 1)) == 5
+        assert core.slot_of(nxt[2]) is None
+        assert core.cursor(Pool.RESERVED) == 0  # swept slots 3, 4 (in use), took 5, wrapped
+
+        core.commit([3, 4], [State.READY, State.READY])
+        assert core.wait([4], timeout_s=1.0) == [WaitResult.READY]
+        core.release([3, 4, 4])
+        assert core.lookup(nxt[:2]) == [True, True]
+
+
+@pytest.mark.parametrize(("slots_per_segment", "fast_path"), [(4, True), (3, False)])
+def test_slot_addressing_shift_mask_and_div_mod(slots_per_segment: int, fast_path: bool) -> None:
+    geometry = Geometry(
+        shard_size_bytes=4096,
+        slot_count_regular=8,
+        slot_count_reserved=2,
+        slots_per_segment=slots_per_segment,
+    )
+    region = ShmRegion(geometry.ctrl_size_bytes)
+    try:
+        core = BufferCore.create(region.address, region.size_bytes, geometry)
+        header_shift = int.from_bytes(region.read(52, 4), "little")  # slots_per_segment_shift
+        assert (header_shift != SLOT_NONE) == fast_path
+        slots = list(range(10))
+        expected = [(i // slots_per_segment, (i % slots_per_segment) * 4096) for i in slots]
+        assert core.slot_locations(slots) == expected
+        bases = [0x10_0000 * (segment + 1) for segment in range(geometry.segment_count)]
+        bases[1] = 0  # a segment this process did not map: address 0
+        addresses = list(core.slot_addresses(slots, bases))
+        assert addresses == [
+            0 if segment == 1 else bases[segment] + offset for segment, offset in expected
+        ]
+        with pytest.raises(InvalidArgumentError, match=re.escape("slots[1]=10 is not valid")):
+            core.slot_locations([0, 10])
+    finally:
+        region.close()
+
+
+def test_bad_geometry_says_what_to_change() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"shard_size_bytes=0 is not valid: expected"):
+        Geometry(shard_size_bytes=0, slot_count_regular=4)
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"slot_count_regular=0 is not valid: .*give the buffer a capacity of at least one",
+    ):
+        Geometry(shard_size_bytes=64, slot_count_regular=0)
+    with pytest.raises(
+        InvalidArgumentError,
+        match=re.escape(
+            "capacity_bytes=1000 is below one slot: a slot holds one shard of "
+            "shard_size_bytes=4096; set the capacity to at least 4096 bytes (4.0 KiB)"
+        ),
+    ):
+        Geometry.from_capacity(1000, 4096)
+    geometry = Geometry.from_capacity(16 * 4096, 4096, reserved_slots=2)
+    assert (geometry.slot_count_regular, geometry.slot_count_reserved) == (16, 2)
+    assert geometry.bucket_count == 32 and geometry.segment_count == 1
+
+
+def test_attach_refuses_bad_magic_layout_and_geometry() -> None:
+    geometry = Geometry(shard_size_bytes=64, slot_count_regular=4, bucket_count=4)
+    region = ShmRegion(geometry.ctrl_size_bytes)
+    try:
+        with pytest.raises(InvalidArgumentError, match=r"not an initialised UCM CacheBuffer"):
+            BufferCore.attach(region.address, region.size_bytes, geometry)
+        BufferCore.create(region.address, region.size_bytes, geometry)
+        attached = BufferCore.attach(region.address, region.size_bytes)
+        assert attached.geometry == geometry
+        other = Geometry(shard_size_bytes=128, slot_count_regular=4, bucket_count=4)
+        with pytest.raises(
+            InvalidArgumentError,
+            match=r"existing buffer has Geometry\(shard_size_bytes=64.*this rank expects "
+            r"Geometry\(shard_size_bytes=128.*must use the same shard size",
+        ):
+            BufferCore.attach(region.address, region.size_bytes, other)
+        region.write(8, (99).to_bytes(4, "little"))  # layout_version
+        with pytest.raises(InvalidArgumentError, match=r"layout version 99"):
+            BufferCore.attach(region.address, region.size_bytes, geometry)
+        with pytest.raises(InvalidArgumentError, match=r"ctrl_address=3 is not valid"):
+            BufferCore.attach(3, region.size_bytes)
+    finally:
+        region.close()
+
+
+def test_failed_load_is_not_remembered() -> None:
+    geometry = Geometry(shard_size_bytes=64, slot_count_regular=4, bucket_count=4)
+    x = (block("X"), 0)
+    with shared_buffer(geometry) as shared:
+        core = shared.core
+        owner = core.get([x])
+        waiter = core.get([x])
+        assert list(owner.results) == [OWN] and list(waiter.results) == [W]
+        slot = owner.slots[0]
+        assert core.commit([slot], [State.FAILED]) == [CommitResult.OK]
+        assert core.commit([slot], [State.READY]) == [CommitResult.NOT_IDLE]
+        assert core.wait(waiter.slots, timeout_s=1.0) == [WaitResult.FAILED]
+        # Unlinked at once: nobody finds the failure, a later get retries in another slot.
+        assert core.slot_info(slot).bucket == DETACHED
+        assert core.lookup([x]) == [False]
+        retry = core.get([x])
+        assert list(retry.results) == [OWN] and retry.slots[0] != slot
+        core.release([slot, slot])
+        assert core.slot_info(slot).bucket is None  # freed by its last release
+        core.commit(retry.slots, [State.READY])
+        core.release(retry.slots)
+        assert core.lookup([x]) == [True]
+
+
+def test_owner_giving_up_lets_a_waiter_take_over() -> None:
+    geometry = Geometry(shard_size_bytes=64, slot_count_regular=4, bucket_count=4)
+    x = (block("X"), 0)
+    with shared_buffer(geometry) as shared:
+        core = shared.core
+        owner = core.get([x])
+        waiter = core.get([x])
+        core.release(owner.slots)  # released without committing
+        assert core.slot_info(owner.slots[0]).owner_pid == 0
+        assert core.wait(waiter.slots, timeout_s=1.0) == [WaitResult.TAKEOVER]
+        assert core.stats()["takeovers"] == 1
+        assert core.commit(waiter.slots, [State.READY]) == [CommitResult.OK]
+        core.release(waiter.slots)
+        info = core.slot_info(owner.slots[0])
+        assert (info.refcount, info.state) == (0, State.READY)
+
+
+def test_wait_times_out_with_live_owner() -> None:
+    geometry = Geometry(shard_size_bytes=64, slot_count_regular=4, bucket_count=4)
+    x = (block("X"), 0)
+    with shared_buffer(geometry) as shared:
+        core = shared.core
+        owner = core.get([x])
+        waiter = core.get([x])
+        assert core.wait(waiter.slots, timeout_s=0.05) == [WaitResult.IDLE]
+        assert core.stats()["wait_timeouts"] == 1
+        core.commit(owner.slots, [State.READY])
+        core.release([*owner.slots, *waiter.slots])
+
+
+def test_batched_remove_counts_and_pins() -> None:
+    geometry = Geometry(shard_size_bytes=64, slot_count_regular=8, bucket_count=8)
+    keys = [(block(f"R{i}"), i % 2) for i in range(6)]
+    with shared_buffer(geometry) as shared:
+        core = shared.core
+        assert core.remove([]) == 0
+        load(core, keys)
+        pinned = core.get(keys[:2])  # in use: kept unless force
+        assert list(pinned.results) == [H, H]
+        missing = (block("absent"), 0)
+        assert core.remove([*keys, keys[3], missing]) == 4  # duplicates and absent count 0
+        assert core.lookup(keys) == [True, True, False, False, False, False]
+        assert core.remove(keys[:2], force=True) == 2
+        assert core.lookup(keys[:2]) == [False, False]
+        assert [core.slot_info(slot).bucket for slot in pinned.slots] == [DETACHED, DETACHED]
+        core.release(pinned.slots)
+        assert [core.slot_info(slot).bucket for slot in pinned.slots] == [None, None]
+        # Whole blocks: every resident shard of each block goes.
+        t = block("T")
+        load(core, [(t, 0), (t, 1), (t, 2)])
+        assert core.remove_blocks([t, block("absent")]) == 3
+        assert core.lookup_blocks([t], 3) == [False]
+        assert core.stats()["removed"] == 9
+
+
+def test_batched_remove_takes_one_lock_per_chunk() -> None:
+    # One bucket: every key of a chunk shares the lock, so N keys take ceil(N / 1024) locks.
+    geometry = Geometry(shard_size_bytes=64, slot_count_regular=3000, bucket_count=1)
+    keys = [(i.to_bytes(16, "little"), 0) for i in range(3000)]
+    with shared_buffer(geometry) as shared:
+        core = shared.core
+        for start in range(0, 3000, 1000):
+            load(core, keys[start : start + 1000])
+        before = core.stats()["lock_acquisitions"]
+        assert core.remove(keys) == 3000
+        assert core.stats()["lock_acquisitions"] - before == 3
+        load(core, keys[:2048])
+        before = core.stats()["lock_acquisitions"]
+        assert core.remove_blocks([key[0] for key in keys[:2048]]) == 2048
+        assert core.stats()["lock_acquisitions"] - before == 2
+
+
+def test_bad_arguments_name_argument_and_value() -> None:
+    geometry = Geometry(shard_size_bytes=64, slot_count_regular=4, bucket_count=4)
+    with shared_buffer(geometry) as shared:
+        core = shared.core
+        with pytest.raises(InvalidArgumentError, match=r"keys\[1\] block id b'short' is not valid"):
+            core.get([(block("A"), 0), (b"short", 0)])
+        with pytest.raises(InvalidArgumentError, match=r"keys\[0\] shard index -1 is not valid"):
+            core.lookup([(block("A"), -1)])
+        with pytest.raises(InvalidArgumentError, match=r"block_ids\[0\]=b'x' is not valid"):
+            core.touch([b"x"])
+        with pytest.raises(InvalidArgumentError, match=r"slots\[0\]=2 is not valid for release"):
+            core.release([2])
+        with pytest.raises(InvalidArgumentError, match=r"states\[0\]=<State.IDLE: 0> is not"):
+            core.commit([0], [State.IDLE])
+        with pytest.raises(InvalidArgumentError, match=r"shards_per_block=0 is not valid"):
+            core.lookup_blocks([block("A")], 0)
+        assert core.get([]).results.tolist() == []

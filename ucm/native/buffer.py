@@ -1,0 +1,837 @@
+"""Typed binding to the native CacheBuffer control plane (``core-native/src/buffer.zig``).
+
+The control region is caller-provided shared memory (a mapping of the node-wide control segment);
+:class:`BufferCore` lays it out (``create``) or validates it (``attach``) and then exposes the
+batched operations of seed §3.2–3.4. Every operation is one native call per batch: keys are packed
+into a :class:`KeyBatch` (16-byte ids concatenated + an ``array('I')`` of shard indices) and
+per-key outcomes come back in ``array`` objects, so the Python cost is paid per batch.
+
+Protocol for a load task (one rank)::
+
+    got = core.get(keys)                  # per key: HIT, OWNER, WAITER or NO_SLOT + slot
+    # OWNER: fill the slot's bytes from a lower tier, then core.commit([slot], [State.READY])
+    # WAITER: core.wait([slot], timeout_s) -> READY | FAILED | TAKEOVER (now owner) | IDLE (timeout)
+    core.release(slots)                   # after copying out; every slot returned by get
+
+A key appearing twice in one ``get`` batch makes the caller both owner and waiter of one slot:
+callers deduplicate keys within a batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cache
+
+from ..errors import InvalidArgumentError, NativeLibraryError
+from ..layout import BLOCK_ID_BYTES, Key
+from . import lib
+
+SLOT_NONE = 0xFFFF_FFFF
+"""Slot index reported for a key that got no slot (NO_SLOT / LOCK_TIMEOUT)."""
+
+COUNTER_NAMES = (
+    "hits",
+    "misses",
+    "evictions",
+    "prealloc_hits",
+    "waits",
+    "wakeups",
+    "takeovers",
+    "lock_acquisitions",
+    "lock_recoveries",
+    "no_slot",
+    "preallocs",
+    "removed",
+    "touched",
+    "commits_ready",
+    "commits_failed",
+    "wait_timeouts",
+)
+"""Counter order of ``ucm_buffer_stats`` (``buffer.counter_names`` in buffer.zig)."""
+
+CTRL_ALIGNMENT_BYTES = 64
+SLOT_COUNT_MAX = 1 << 30
+BUCKET_COUNT_MAX = 1 << 28
+SEGMENT_COUNT_MAX = 1 << 16
+_U32_MAX = 0xFFFF_FFFF
+
+
+class State(enum.IntEnum):
+    IDLE = 0
+    READY = 1
+    FAILED = 2
+
+
+class GetResult(enum.IntEnum):
+    HIT = 0
+    """Ready: a reference is held, read the slot and release it."""
+    OWNER = 1
+    """The caller claimed the slot (reference held, state Idle): load it and commit."""
+    WAITER = 2
+    """Someone else is filling it (reference held): wait on the slot."""
+    NO_SLOT = 3
+    """Every slot is in use; nothing is held."""
+    LOCK_TIMEOUT = 4
+    """A bucket lock stayed held by a live process past the lock timeout; nothing is held."""
+
+
+class WaitResult(enum.IntEnum):
+    IDLE = 0
+    """The timeout expired and the owner is alive; the reference is still held."""
+    READY = 1
+    FAILED = 2
+    TAKEOVER = 3
+    """The owner died (or gave up): the caller is now the owner and must load and commit."""
+    LOCK_TIMEOUT = 4
+
+
+class CommitResult(enum.IntEnum):
+    OK = 0
+    NOT_OWNER = 1
+    NOT_IDLE = 2
+    LOCK_TIMEOUT = 3
+
+
+class PreallocResult(enum.IntEnum):
+    ALLOCATED = 0
+    EXISTS = 1
+    NO_SLOT = 2
+    LOCK_TIMEOUT = 3
+
+
+class Pool(enum.IntEnum):
+    REGULAR = 0
+    RESERVED = 1
+
+
+class _Status(enum.IntEnum):
+    OK = 0
+    INVALID_ARGUMENT = -1
+    BAD_GEOMETRY = -100
+    CTRL_TOO_SMALL = -101
+    BAD_MAGIC = -102
+    BAD_LAYOUT_VERSION = -103
+    GEOMETRY_MISMATCH = -104
+    CTRL_MISALIGNED = -105
+    LOCK_TIMEOUT = -106
+
+
+class _GeometryStruct(ctypes.Structure):
+    _fields_ = (
+        ("shard_size_bytes", ctypes.c_uint64),
+        ("slot_count_regular", ctypes.c_uint32),
+        ("slot_count_reserved", ctypes.c_uint32),
+        ("bucket_count", ctypes.c_uint32),
+        ("slots_per_segment", ctypes.c_uint32),
+    )
+
+
+class _HeaderStruct(ctypes.Structure):
+    _fields_ = (
+        ("magic", ctypes.c_uint64),
+        ("layout_version", ctypes.c_uint32),
+        ("header_size_bytes", ctypes.c_uint32),
+        ("ctrl_size_bytes", ctypes.c_uint64),
+        ("geometry", _GeometryStruct),
+        ("segment_count", ctypes.c_uint32),
+        ("slots_per_segment_shift", ctypes.c_uint32),
+        ("creator_pid", ctypes.c_uint32),
+        ("_pad0", ctypes.c_uint32),
+        ("creator_start_time", ctypes.c_uint64),
+        ("buckets_offset_bytes", ctypes.c_uint64),
+        ("slots_offset_bytes", ctypes.c_uint64),
+        ("_pad1", ctypes.c_uint8 * 168),
+    )
+
+
+class _SlotStruct(ctypes.Structure):
+    _fields_ = (
+        ("block_id", ctypes.c_uint8 * BLOCK_ID_BYTES),
+        ("shard_index", ctypes.c_uint32),
+        ("refcount", ctypes.c_uint32),
+        ("state", ctypes.c_uint32),
+        ("version", ctypes.c_uint32),
+        ("accessed", ctypes.c_uint32),
+        ("owner_pid", ctypes.c_uint32),
+        ("next", ctypes.c_uint32),
+        ("bucket", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("_pad", ctypes.c_uint8 * 12),
+    )
+
+
+assert ctypes.sizeof(_GeometryStruct) == 24
+assert ctypes.sizeof(_HeaderStruct) == 256
+assert ctypes.sizeof(_SlotStruct) == 64
+
+
+@cache
+def _native() -> ctypes.CDLL:
+    """The library with this module's signatures declared (once per process)."""
+    handle = lib()
+    u8p = u32p = u64p = ctypes.c_void_p
+    usize, u32, u64, i32, i64 = (
+        ctypes.c_size_t,
+        ctypes.c_uint32,
+        ctypes.c_uint64,
+        ctypes.c_int32,
+        ctypes.c_int64,
+    )
+    ids = ctypes.c_char_p
+    geometry = ctypes.POINTER(_GeometryStruct)
+    signatures: dict[str, tuple[object, list[object]]] = {
+        "ucm_buffer_ctrl_size_bytes": (i64, [geometry]),
+        "ucm_buffer_init": (i32, [usize, u64, geometry, u64]),
+        "ucm_buffer_attach": (i32, [usize, u64, geometry]),
+        "ucm_buffer_header": (i32, [usize, ctypes.POINTER(_HeaderStruct)]),
+        "ucm_buffer_get": (i32, [usize, u32, ids, u32p, u8p, u32p, u8p, u32p]),
+        "ucm_buffer_commit": (i32, [usize, u32, u32p, u8p, u8p]),
+        "ucm_buffer_wait": (i32, [usize, u32, u32p, u64, u8p]),
+        "ucm_buffer_release": (i64, [usize, u32, u32p]),
+        "ucm_buffer_prealloc": (i32, [usize, u32, ids, u32p, u8p]),
+        "ucm_buffer_touch": (i64, [usize, u32, ids]),
+        "ucm_buffer_lookup": (i32, [usize, u32, ids, u32p, u8p]),
+        "ucm_buffer_lookup_blocks": (i32, [usize, u32, ids, u32, u8p]),
+        "ucm_buffer_remove": (i64, [usize, u32, ids, u32p, ctypes.c_bool]),
+        "ucm_buffer_remove_blocks": (i64, [usize, u32, ids, ctypes.c_bool]),
+        "ucm_buffer_stats": (i32, [usize, u64p, u32]),
+        "ucm_buffer_slot_locations": (i32, [usize, u32, u32p, u32p, u64p]),
+        "ucm_buffer_slot_addresses": (i32, [usize, u32, u32p, u64p, u32, u64p]),
+        "ucm_buffer_debug_slot": (i32, [usize, u32, ctypes.POINTER(_SlotStruct)]),
+        "ucm_buffer_debug_find": (i64, [usize, ids, u32]),
+        "ucm_buffer_debug_cursor": (i64, [usize, u32]),
+        "ucm_buffer_debug_bucket_of": (i64, [usize, ids]),
+        "ucm_buffer_debug_hold_lock": (i32, [usize, u32]),
+        "ucm_buffer_debug_drop_lock": (i32, [usize, u32]),
+        "ucm_buffer_debug_set_wait_pause_ns": (None, [u64]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        try:
+            function = getattr(handle, name)
+        except AttributeError:
+            raise NativeLibraryError(
+                f"the UCM native core lacks {name}; rebuild it (`pip install -e .`)"
+            ) from None
+        function.restype = restype
+        function.argtypes = argtypes
+    return handle
+
+
+_EMPTY = (ctypes.c_uint64 * 1)()
+"""Passed for empty arrays: the native side never reads it, but its pointers are non-null."""
+
+
+def _address(values: array[int]) -> int:
+    return values.buffer_info()[0] if len(values) else ctypes.addressof(_EMPTY)
+
+
+def _format_bytes(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Shape of a CacheBuffer. ``slot_count_reserved`` slots back Prealloc (and misses) when the
+    regular pool is full; data slot ``i`` is in segment ``i // slots_per_segment``."""
+
+    shard_size_bytes: int
+    slot_count_regular: int
+    slot_count_reserved: int = 0
+    bucket_count: int = 0
+    """0 picks one bucket per slot (rounded up to a power of two)."""
+    slots_per_segment: int = 0
+    """0 puts every slot in one segment."""
+
+    def __post_init__(self) -> None:
+        total = self.slot_count_regular + self.slot_count_reserved
+        if self.bucket_count == 0:
+            object.__setattr__(self, "bucket_count", 1 << max(0, (max(total, 1) - 1).bit_length()))
+        if self.slots_per_segment == 0:
+            object.__setattr__(self, "slots_per_segment", max(total, 1))
+        self._validate()
+
+    def _validate(self) -> None:
+        _check_int("shard_size_bytes", self.shard_size_bytes, 1, 2**63 - 1, "set the shard size")
+        _check_int(
+            "slot_count_regular",
+            self.slot_count_regular,
+            1,
+            SLOT_COUNT_MAX,
+            "give the buffer a capacity of at least one shard",
+        )
+        _check_int("slot_count_reserved", self.slot_count_reserved, 0, SLOT_COUNT_MAX, "")
+        total = self.slot_count_regular + self.slot_count_reserved
+        if total > SLOT_COUNT_MAX:
+            raise InvalidArgumentError(
+                f"slot_count_regular + slot_count_reserved={total} is not valid: at most "
+                f"{SLOT_COUNT_MAX} slots; use larger shards or a smaller capacity"
+            )
+        _check_int("bucket_count", self.bucket_count, 1, BUCKET_COUNT_MAX, "")
+        _check_int("slots_per_segment", self.slots_per_segment, 1, _U32_MAX, "")
+        if self.segment_count > SEGMENT_COUNT_MAX:
+            raise InvalidArgumentError(
+                f"slots_per_segment={self.slots_per_segment} is not valid: {total} slots would "
+                f"need {self.segment_count} segments, at most {SEGMENT_COUNT_MAX}; raise "
+                "slots_per_segment"
+            )
+
+    @classmethod
+    def from_capacity(
+        cls,
+        capacity_bytes: int,
+        shard_size_bytes: int,
+        reserved_slots: int = 0,
+        slots_per_segment: int = 0,
+        bucket_count: int = 0,
+    ) -> Geometry:
+        """The geometry of a buffer holding ``capacity_bytes`` of regular slots."""
+        _check_int("shard_size_bytes", shard_size_bytes, 1, 2**63 - 1, "set the shard size")
+        _check_int("capacity_bytes", capacity_bytes, 0, 2**63 - 1, "")
+        if capacity_bytes < shard_size_bytes:
+            raise InvalidArgumentError(
+                f"capacity_bytes={capacity_bytes} is below one slot: a slot holds one shard of "
+                f"shard_size_bytes={shard_size_bytes}; set the capacity to at least "
+                f"{shard_size_bytes} bytes ({_format_bytes(shard_size_bytes)}) or use smaller "
+                "shards"
+            )
+        return cls(
+            shard_size_bytes=shard_size_bytes,
+            slot_count_regular=capacity_bytes // shard_size_bytes,
+            slot_count_reserved=reserved_slots,
+            bucket_count=bucket_count,
+            slots_per_segment=slots_per_segment,
+        )
+
+    @property
+    def slot_count_total(self) -> int:
+        return self.slot_count_regular + self.slot_count_reserved
+
+    @property
+    def segment_count(self) -> int:
+        return -(-self.slot_count_total // self.slots_per_segment)
+
+    @property
+    def segment_size_bytes(self) -> int:
+        return self.slots_per_segment * self.shard_size_bytes
+
+    @property
+    def ctrl_size_bytes(self) -> int:
+        """Bytes the control region needs."""
+        size = int(_native().ucm_buffer_ctrl_size_bytes(ctypes.byref(self._struct())))
+        assert size > 0, size
+        return size
+
+    def _struct(self) -> _GeometryStruct:
+        return _GeometryStruct(
+            self.shard_size_bytes,
+            self.slot_count_regular,
+            self.slot_count_reserved,
+            self.bucket_count,
+            self.slots_per_segment,
+        )
+
+    @classmethod
+    def _from_struct(cls, struct: _GeometryStruct) -> Geometry:
+        return cls(
+            shard_size_bytes=struct.shard_size_bytes,
+            slot_count_regular=struct.slot_count_regular,
+            slot_count_reserved=struct.slot_count_reserved,
+            bucket_count=struct.bucket_count,
+            slots_per_segment=struct.slots_per_segment,
+        )
+
+
+def _check_int(name: str, value: object, low: int, high: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        advice = f"; {hint}" if hint else ""
+        raise InvalidArgumentError(
+            f"{name}={value!r} is not valid: expected an integer in [{low}, {high}]{advice}"
+        )
+
+
+class KeyBatch:
+    """Keys packed for the native calls: ``ids`` is the concatenation of the 16-byte block ids,
+    ``shards`` the shard indices. Build once, reuse for get/lookup/remove of the same keys."""
+
+    __slots__ = ("ids", "shards")
+
+    def __init__(self, ids: bytes, shards: array[int]) -> None:
+        assert shards.typecode == "I" and len(ids) == BLOCK_ID_BYTES * len(shards)
+        self.ids = ids
+        self.shards = shards
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    @classmethod
+    def of(cls, keys: Sequence[Key] | KeyBatch, argument: str = "keys") -> KeyBatch:
+        if isinstance(keys, KeyBatch):
+            return keys
+        block_ids = [key[0] for key in keys]
+        try:
+            shards = array("I", [key[1] for key in keys])
+            ids = b"".join(block_ids)
+        except (TypeError, OverflowError):
+            raise _bad_key(keys, argument) from None
+        if len(ids) != BLOCK_ID_BYTES * len(block_ids) or any(
+            len(block_id) != BLOCK_ID_BYTES for block_id in block_ids
+        ):
+            raise _bad_key(keys, argument)
+        return cls(ids, shards)
+
+
+def _bad_key(keys: Sequence[Key], argument: str) -> InvalidArgumentError:
+    for index, key in enumerate(keys):
+        block_id, shard = key
+        if not isinstance(block_id, bytes | bytearray) or len(block_id) != BLOCK_ID_BYTES:
+            return InvalidArgumentError(
+                f"{argument}[{index}] block id {block_id!r} is not valid: expected "
+                f"{BLOCK_ID_BYTES} bytes"
+            )
+        if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard <= _U32_MAX:
+            return InvalidArgumentError(
+                f"{argument}[{index}] shard index {shard!r} is not valid: expected an integer "
+                f"in [0, {_U32_MAX}]"
+            )
+    return InvalidArgumentError(f"{argument} is not a sequence of (16-byte id, shard index)")
+
+
+def _pack_block_ids(block_ids: Sequence[bytes], argument: str = "block_ids") -> bytes:
+    try:
+        ids = b"".join(block_ids)
+    except TypeError:
+        ids = b""
+    if len(ids) != BLOCK_ID_BYTES * len(block_ids) or any(
+        len(block_id) != BLOCK_ID_BYTES for block_id in block_ids
+    ):
+        for index, block_id in enumerate(block_ids):
+            if not isinstance(block_id, bytes | bytearray) or len(block_id) != BLOCK_ID_BYTES:
+                raise InvalidArgumentError(
+                    f"{argument}[{index}]={block_id!r} is not valid: expected {BLOCK_ID_BYTES} "
+                    "bytes"
+                )
+    return ids
+
+
+def _as_u32_array(values: Sequence[int] | array[int], argument: str) -> array[int]:
+    if isinstance(values, array) and values.typecode == "I":
+        return values
+    try:
+        return array("I", values)
+    except (TypeError, OverflowError):
+        raise InvalidArgumentError(
+            f"{argument}={list(values)!r} is not valid: expected slot indices in [0, {_U32_MAX}]"
+        ) from None
+
+
+@dataclass(frozen=True)
+class GetBatch:
+    """Per-key outcome of :meth:`BufferCore.get`: ``results[i]`` is a :class:`GetResult` code,
+    ``slots[i]`` the slot (``SLOT_NONE`` for NO_SLOT); when requested, ``evicted`` lists
+    ``(i, key)`` for each Ready shard evicted to make room for key ``i`` (write it below first)."""
+
+    results: array[int]
+    slots: array[int]
+    evicted: list[tuple[int, Key]]
+
+    def held_slots(self) -> array[int]:
+        """Slots holding a reference (everything but NO_SLOT / LOCK_TIMEOUT): release these."""
+        return array(
+            "I", [slot for result, slot in zip(self.results, self.slots, strict=True) if result < 3]
+        )
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    block_id: bytes
+    shard_index: int
+    refcount: int
+    state: State
+    version: int
+    accessed: bool
+    owner_pid: int
+    bucket: int | None
+    """None when free; ``DETACHED`` when unlinked while referenced."""
+    reserved: bool
+    preallocated: bool
+
+
+DETACHED = -1
+
+
+class BufferCore:
+    """A CacheBuffer control region at ``ctrl_address`` (a shared mapping kept alive by the
+    caller for this object's life)."""
+
+    def __init__(self, ctrl_address: int, ctrl_bytes: int, geometry: Geometry) -> None:
+        self._ctrl = ctrl_address
+        self._ctrl_bytes = ctrl_bytes
+        self.geometry = geometry
+        self._native = _native()
+
+    @classmethod
+    def create(
+        cls, ctrl_address: int, ctrl_bytes: int, geometry: Geometry, creator_start_time: int = 0
+    ) -> BufferCore:
+        """Lays out a fresh control region (every slot free)."""
+        _check_region(ctrl_address, ctrl_bytes)
+        needed = geometry.ctrl_size_bytes
+        if ctrl_bytes < needed:
+            raise InvalidArgumentError(
+                f"ctrl_bytes={ctrl_bytes} is too small for {geometry}: the control region "
+                f"needs {needed} bytes"
+            )
+        status = _native().ucm_buffer_init(
+            ctrl_address, ctrl_bytes, ctypes.byref(geometry._struct()), creator_start_time
+        )
+        if status != 0:
+            raise InvalidArgumentError(f"cannot create the buffer: {_Status(status).name}")
+        return cls(ctrl_address, ctrl_bytes, geometry)
+
+    @classmethod
+    def attach(
+        cls, ctrl_address: int, ctrl_bytes: int, geometry: Geometry | None = None
+    ) -> BufferCore:
+        """Validates an existing control region; refuses a bad magic, another layout version or
+        a geometry other than ``geometry`` (when given)."""
+        _check_region(ctrl_address, ctrl_bytes)
+        native = _native()
+        expected = ctypes.byref(geometry._struct()) if geometry is not None else None
+        status = native.ucm_buffer_attach(ctrl_address, ctrl_bytes, expected)
+        if status == _Status.OK:
+            header = _HeaderStruct()
+            assert native.ucm_buffer_header(ctrl_address, ctypes.byref(header)) == 0
+            return cls(ctrl_address, ctrl_bytes, Geometry._from_struct(header.geometry))
+        if status == _Status.BAD_MAGIC:
+            raise InvalidArgumentError(
+                f"the control region at {ctrl_address:#x} is not an initialised UCM CacheBuffer "
+                "(bad magic): it was never created, or belongs to something else; remove the "
+                "stale segment so that it is created afresh"
+            )
+        header = _HeaderStruct.from_address(ctrl_address)
+        if status == _Status.BAD_LAYOUT_VERSION:
+            raise InvalidArgumentError(
+                f"the control region has layout version {header.layout_version}, this library "
+                "reads another; every rank of a node must run the same UCM version (remove the "
+                "stale segment or restart all ranks)"
+            )
+        if status == _Status.GEOMETRY_MISMATCH:
+            found = Geometry._from_struct(header.geometry)
+            raise InvalidArgumentError(
+                f"the existing buffer has {found}, this rank expects {geometry}; every rank "
+                "sharing a unique_id must use the same shard size and capacity (or choose "
+                "another unique_id)"
+            )
+        if status == _Status.CTRL_TOO_SMALL:
+            raise InvalidArgumentError(
+                f"ctrl_bytes={ctrl_bytes} is smaller than the control region "
+                f"({header.ctrl_size_bytes} bytes) described by its header"
+            )
+        raise InvalidArgumentError(f"cannot attach to the buffer: {_Status(status).name}")
+
+    # -- operations ------------------------------------------------------------------------
+
+    def get(self, keys: Sequence[Key] | KeyBatch, *, evicted: bool = False) -> GetBatch:
+        batch = KeyBatch.of(keys)
+        n = len(batch)
+        if n == 0:
+            return GetBatch(array("B"), array("I"), [])
+        results = array("B", bytes(n))
+        slots = array("I", bytes(4 * n))
+        evicted_ids = ctypes.create_string_buffer(BLOCK_ID_BYTES * n) if evicted else None
+        evicted_shards = array("I", bytes(4 * n)) if evicted else None
+        status = self._native.ucm_buffer_get(
+            self._ctrl,
+            n,
+            batch.ids,
+            _address(batch.shards),
+            _address(results),
+            _address(slots),
+            ctypes.addressof(evicted_ids) if evicted_ids is not None and n else None,
+            _address(evicted_shards) if evicted_shards is not None else None,
+        )
+        self._check(status, "get")
+        victims: list[tuple[int, Key]] = []
+        if evicted_ids is not None and evicted_shards is not None:
+            raw = evicted_ids.raw
+            for index, shard in enumerate(evicted_shards):
+                if shard != SLOT_NONE:
+                    block_id = raw[index * BLOCK_ID_BYTES : (index + 1) * BLOCK_ID_BYTES]
+                    victims.append((index, (block_id, shard)))
+        return GetBatch(results, slots, victims)
+
+    def commit(
+        self, slots: Sequence[int] | array[int], states: Sequence[State]
+    ) -> list[CommitResult]:
+        slot_array = _as_u32_array(slots, "slots")
+        if len(states) != len(slot_array):
+            raise InvalidArgumentError(
+                f"states has {len(states)} entries, slots has {len(slot_array)}: one state per slot"
+            )
+        for index, state in enumerate(states):
+            if state not in (State.READY, State.FAILED):
+                raise InvalidArgumentError(
+                    f"states[{index}]={state!r} is not valid: expected State.READY or State.FAILED"
+                )
+        if not slot_array:
+            return []
+        state_array = array("B", [int(state) for state in states])
+        out = array("B", bytes(len(slot_array)))
+        status = self._native.ucm_buffer_commit(
+            self._ctrl,
+            len(slot_array),
+            _address(slot_array),
+            _address(state_array),
+            _address(out),
+        )
+        self._check_slots(status, slot_array, "commit")
+        return [CommitResult(code) for code in out]
+
+    def wait(self, slots: Sequence[int] | array[int], timeout_s: float) -> list[WaitResult]:
+        """Blocks (futex, zero CPU) until each slot is final, all within ``timeout_s``."""
+        slot_array = _as_u32_array(slots, "slots")
+        if not (isinstance(timeout_s, int | float) and 0 <= timeout_s < 1e9):
+            raise InvalidArgumentError(
+                f"timeout_s={timeout_s!r} is not valid: expected seconds in [0, 1e9)"
+            )
+        if not slot_array:
+            return []
+        out = array("B", bytes(len(slot_array)))
+        status = self._native.ucm_buffer_wait(
+            self._ctrl, len(slot_array), _address(slot_array), int(timeout_s * 1e9), _address(out)
+        )
+        self._check_slots(status, slot_array, "wait", referenced=True)
+        return [WaitResult(code) for code in out]
+
+    def release(self, slots: Sequence[int] | array[int]) -> None:
+        slot_array = _as_u32_array(slots, "slots")
+        if not slot_array:
+            return
+        released = self._native.ucm_buffer_release(
+            self._ctrl, len(slot_array), _address(slot_array)
+        )
+        self._check_slots(released if released < 0 else 0, slot_array, "release", referenced=True)
+        if released != len(slot_array):
+            raise TimeoutError(
+                f"release dropped {released} of {len(slot_array)} references: a bucket lock "
+                "stayed held past the lock timeout"
+            )
+
+    def prealloc(self, keys: Sequence[Key] | KeyBatch) -> list[PreallocResult]:
+        batch = KeyBatch.of(keys)
+        out = array("B", bytes(len(batch)))
+        status = self._native.ucm_buffer_prealloc(
+            self._ctrl, len(batch), batch.ids, _address(batch.shards), _address(out)
+        )
+        self._check(status, "prealloc")
+        return [PreallocResult(code) for code in out]
+
+    def touch(self, block_ids: Sequence[bytes]) -> int:
+        """Sets the accessed bit of every resident shard of each block; returns shards touched."""
+        ids = _pack_block_ids(block_ids)
+        touched = int(self._native.ucm_buffer_touch(self._ctrl, len(block_ids), ids))
+        self._check(min(touched, 0), "touch")
+        return touched
+
+    def lookup(self, keys: Sequence[Key] | KeyBatch) -> list[bool]:
+        batch = KeyBatch.of(keys)
+        out = array("B", bytes(len(batch)))
+        status = self._native.ucm_buffer_lookup(
+            self._ctrl, len(batch), batch.ids, _address(batch.shards), _address(out)
+        )
+        self._check(status, "lookup")
+        return [bool(present) for present in out]
+
+    def lookup_blocks(self, block_ids: Sequence[bytes], shards_per_block: int) -> list[bool]:
+        ids = _pack_block_ids(block_ids)
+        _check_int("shards_per_block", shards_per_block, 1, _U32_MAX, "")
+        out = array("B", bytes(len(block_ids)))
+        status = self._native.ucm_buffer_lookup_blocks(
+            self._ctrl, len(block_ids), ids, shards_per_block, _address(out)
+        )
+        self._check(status, "lookup_blocks")
+        return [bool(present) for present in out]
+
+    def remove(self, keys: Sequence[Key] | KeyBatch, *, force: bool = False) -> int:
+        """Removes keys (one lock pass per chunk of 1024); returns Ready shards removed. Slots in
+        use are kept unless ``force`` (then freed when their last holder releases)."""
+        batch = KeyBatch.of(keys)
+        removed = int(
+            self._native.ucm_buffer_remove(
+                self._ctrl, len(batch), batch.ids, _address(batch.shards), bool(force)
+            )
+        )
+        self._check(min(removed, 0), "remove")
+        return removed
+
+    def remove_blocks(self, block_ids: Sequence[bytes], *, force: bool = False) -> int:
+        ids = _pack_block_ids(block_ids)
+        removed = int(
+            self._native.ucm_buffer_remove_blocks(self._ctrl, len(block_ids), ids, bool(force))
+        )
+        self._check(min(removed, 0), "remove_blocks")
+        return removed
+
+    def stats(self) -> dict[str, int]:
+        out = array("Q", bytes(8 * len(COUNTER_NAMES)))
+        count = self._native.ucm_buffer_stats(self._ctrl, _address(out), len(COUNTER_NAMES))
+        self._check(min(count, 0), "stats")
+        assert count == len(COUNTER_NAMES), count
+        return dict(zip(COUNTER_NAMES, out, strict=True))
+
+    def slot_locations(self, slots: Sequence[int] | array[int]) -> list[tuple[int, int]]:
+        """``(segment, offset_bytes)`` of each slot's bytes."""
+        slot_array = _as_u32_array(slots, "slots")
+        segments = array("I", bytes(4 * len(slot_array)))
+        offsets = array("Q", bytes(8 * len(slot_array)))
+        status = self._native.ucm_buffer_slot_locations(
+            self._ctrl,
+            len(slot_array),
+            _address(slot_array),
+            _address(segments),
+            _address(offsets),
+        )
+        self._check_slots(status, slot_array, "slot_locations")
+        return list(zip(segments, offsets, strict=True))
+
+    def slot_addresses(
+        self, slots: Sequence[int] | array[int], segment_bases: Sequence[int]
+    ) -> array[int]:
+        """``segment_bases[segment] + offset`` per slot; 0 where the base is 0 (no data plane)."""
+        slot_array = _as_u32_array(slots, "slots")
+        if len(segment_bases) != self.geometry.segment_count:
+            raise InvalidArgumentError(
+                f"segment_bases has {len(segment_bases)} entries: expected one per segment "
+                f"({self.geometry.segment_count})"
+            )
+        bases = array("Q", segment_bases)
+        out = array("Q", bytes(8 * len(slot_array)))
+        status = self._native.ucm_buffer_slot_addresses(
+            self._ctrl,
+            len(slot_array),
+            _address(slot_array),
+            _address(bases),
+            len(bases),
+            _address(out),
+        )
+        self._check_slots(status, slot_array, "slot_addresses")
+        return out
+
+    # -- introspection (tests, tools) --------------------------------------------------------
+
+    def slot_info(self, slot: int) -> SlotInfo:
+        _check_int("slot", slot, 0, self.geometry.slot_count_total - 1, "")
+        raw = _SlotStruct()
+        self._check(self._native.ucm_buffer_debug_slot(self._ctrl, slot, ctypes.byref(raw)), "")
+        bucket: int | None = raw.bucket
+        if raw.bucket == SLOT_NONE:
+            bucket = None
+        elif raw.bucket == SLOT_NONE - 1:
+            bucket = DETACHED
+        return SlotInfo(
+            block_id=bytes(raw.block_id),
+            shard_index=raw.shard_index,
+            refcount=raw.refcount,
+            state=State(raw.state),
+            version=raw.version,
+            accessed=bool(raw.accessed),
+            owner_pid=raw.owner_pid,
+            bucket=bucket,
+            reserved=bool(raw.flags & 1),
+            preallocated=bool(raw.flags & 2),
+        )
+
+    def slot_of(self, key: Key) -> int | None:
+        """The slot holding ``key`` on its chain (any state), or None."""
+        batch = KeyBatch.of([key], "key")
+        found = int(self._native.ucm_buffer_debug_find(self._ctrl, batch.ids, batch.shards[0]))
+        self._check(min(found, -2) if found < -1 else 0, "slot_of")
+        return None if found == -1 else found
+
+    def cursor(self, pool: Pool = Pool.REGULAR) -> int:
+        position = int(self._native.ucm_buffer_debug_cursor(self._ctrl, int(pool)))
+        self._check(min(position, 0), "cursor")
+        return position
+
+    def bucket_of(self, block_id: bytes) -> int:
+        bucket = int(
+            self._native.ucm_buffer_debug_bucket_of(self._ctrl, _pack_block_ids([block_id]))
+        )
+        self._check(min(bucket, 0), "bucket_of")
+        return bucket
+
+    def debug_hold_lock(self, bucket: int) -> None:
+        """Test hook: takes a bucket lock and keeps it (kill this process to test recovery)."""
+        _check_int("bucket", bucket, 0, self.geometry.bucket_count - 1, "")
+        self._check(self._native.ucm_buffer_debug_hold_lock(self._ctrl, bucket), "hold_lock")
+
+    def debug_drop_lock(self, bucket: int) -> None:
+        _check_int("bucket", bucket, 0, self.geometry.bucket_count - 1, "")
+        self._check(self._native.ucm_buffer_debug_drop_lock(self._ctrl, bucket), "drop_lock")
+
+    # -- errors --------------------------------------------------------------------------------
+
+    def _check(self, status: int, operation: str) -> None:
+        if status >= 0:
+            return
+        if status == _Status.LOCK_TIMEOUT:
+            raise TimeoutError(
+                f"{operation}: a bucket lock stayed held by a live process past the lock timeout"
+            )
+        if status == _Status.BAD_MAGIC:
+            raise InvalidArgumentError(
+                f"{operation}: the control region at {self._ctrl:#x} is no longer a CacheBuffer"
+            )
+        raise InvalidArgumentError(f"{operation}: invalid argument ({_Status(status).name})")
+
+    def _check_slots(
+        self, status: int, slots: array[int], operation: str, referenced: bool = False
+    ) -> None:
+        if status != _Status.INVALID_ARGUMENT:
+            self._check(status, operation)
+            return
+        total = self.geometry.slot_count_total
+        for index, slot in enumerate(slots):
+            if slot >= total:
+                raise InvalidArgumentError(
+                    f"slots[{index}]={slot} is not valid: expected a slot index in [0, {total})"
+                )
+            if referenced and self.slot_info(slot).refcount == 0:
+                raise InvalidArgumentError(
+                    f"slots[{index}]={slot} is not valid for {operation}: the slot holds no "
+                    "reference (release each slot returned by get exactly once)"
+                )
+        self._check(status, operation)
+
+
+def set_wait_pause_ns(pause_ns: int) -> None:
+    """Test hook (this process only): ``wait`` pauses this long between reading the version and
+    state and blocking on the futex, so a test can land a completion inside that window."""
+    _check_int("pause_ns", pause_ns, 0, 2**64 - 1, "")
+    _native().ucm_buffer_debug_set_wait_pause_ns(pause_ns)
+
+
+def _check_region(ctrl_address: int, ctrl_bytes: int) -> None:
+    if (
+        isinstance(ctrl_address, bool)
+        or not isinstance(ctrl_address, int)
+        or ctrl_address <= 0
+        or ctrl_address % CTRL_ALIGNMENT_BYTES
+    ):
+        raise InvalidArgumentError(
+            f"ctrl_address={ctrl_address!r} is not valid: expected the non-zero, "
+            f"{CTRL_ALIGNMENT_BYTES}-byte aligned address of a shared mapping"
+        )
+    _check_int("ctrl_bytes", ctrl_bytes, 256, 2**63 - 1, "map the whole control segment")
+
+
+def iter_keys(block_ids: Iterable[bytes], shard_index: int) -> list[Key]:
+    """One key per block at ``shard_index`` (the shape of a load task)."""
+    return [(block_id, shard_index) for block_id in block_ids]
