@@ -1,0 +1,469 @@
+"""The ``fsspec`` tier: any filesystem fsspec opens (``file://``, ``memory://``, ``s3://`` via
+s3fs, ``gs://``, ...), typically an object store shared by many nodes.
+
+Objects are keyed by (block id, shard index) only, never by ``unique_id``, so every node reading
+the same URL sees the same blocks: ``<url>/<hex[:2]>/<hex>/<shard>``. Each object is a 16-byte
+header (magic, crc32, length) followed by the shard; a short or corrupted object is a miss and
+is deleted. ``<hex>/touch`` is a marker whose modification time records the block's last touch;
+with ``capacity`` set, an eviction pass drops whole blocks whose newest object is oldest.
+
+Requests of a batch run concurrently on a thread pool (``io_threads``). For ``s3://`` we default
+botocore's connect/read timeouts and retries low, so a down endpoint fails a key within seconds
+instead of hanging a rank; ``storage_options`` overrides any of it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+import fsspec  # type: ignore[import-untyped]
+from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-untyped]
+from fsspec.registry import (  # type: ignore[import-untyped]
+    get_filesystem_class,
+    known_implementations,
+)
+from pydantic import Field
+
+import ucm
+from ucm.config import LowerTierConfig, Size
+from ucm.errors import ConfigError, KeyMissingError, TierError
+from ucm.layout import Key
+from ucm.tier import Outcome, ShardViews, Tier, TierContext, chunks
+
+MAGIC = b"UCMF"
+_HEADER = struct.Struct("<4sIQ")
+TOUCH_MARKER = "touch"
+
+S3_DEFAULT_CONFIG: dict[str, Any] = {
+    "connect_timeout": 5,
+    "read_timeout": 30,
+    "retries": {"max_attempts": 2, "mode": "standard"},
+}
+S3_DEFAULT_RETRIES = 1
+"""s3fs's own retry loop (its default is 5 attempts with back-off), on top of botocore's;
+``storage_options: {retries: N}`` sets it (s3fs takes it as an attribute, not an argument)."""
+
+
+class FsspecConfig(LowerTierConfig):
+    """A directory/prefix on any fsspec filesystem."""
+
+    type: Literal["fsspec"] = "fsspec"
+    url: str = Field(min_length=1, description="fsspec URL, e.g. s3://bucket/prefix.")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for the fsspec filesystem."
+    )
+    capacity: Size | None = Field(
+        default=None, description="Bound on the bytes stored; oldest-touched blocks go first."
+    )
+    io_threads: int = Field(default=8, ge=1, le=256, description="Concurrent requests per batch.")
+
+
+def _protocol(url: str) -> str:
+    return url.split("://", 1)[0] if "://" in url else "file"
+
+
+def open_filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str]:
+    """``(filesystem, root path)`` for ``url``; ConfigError naming the URL and the package to
+    install when the protocol's implementation is missing or unknown."""
+    protocol = _protocol(url)
+    try:
+        get_filesystem_class(protocol)
+    except ImportError as exc:
+        spec = known_implementations.get(protocol, {})
+        package = str(spec.get("class", protocol)).split(".")[0]
+        raise ConfigError(
+            f"fsspec tier url {url!r}: protocol {protocol!r} needs the package {package!r}, "
+            f"which is not installed; install it with `pip install {package}` ({exc})"
+        ) from None
+    except ValueError:
+        known = ", ".join(sorted(set(fsspec.available_protocols())))
+        raise ConfigError(
+            f"fsspec tier url {url!r}: unknown protocol {protocol!r}; known protocols: {known}"
+        ) from None
+    options = dict(storage_options)
+    s3_retries = int(options.pop("retries", S3_DEFAULT_RETRIES))
+    if protocol in ("s3", "s3a"):
+        config = dict(S3_DEFAULT_CONFIG)
+        config.update(options.get("config_kwargs", {}))
+        options["config_kwargs"] = config
+        # Listings must not be cached: other nodes add blocks behind our back.
+        options.setdefault("use_listings_cache", False)
+    if protocol in ("file", "local"):
+        options.setdefault("auto_mkdir", True)
+    options.setdefault("skip_instance_cache", True)
+    try:
+        fs, root = fsspec.url_to_fs(url, **options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"fsspec tier url {url!r}: bad storage_options: {exc}") from None
+    if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
+        fs.retries = s3_retries
+    return fs, str(root).rstrip("/")
+
+
+def _timestamp(info: dict[str, Any]) -> float:
+    """Modification time (seconds) from an fsspec info dict, whatever the implementation."""
+    for name in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(name)
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, datetime.datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=datetime.UTC)
+            return value.timestamp()
+        if isinstance(value, str):
+            try:
+                return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return 0.0
+
+
+class FsspecTier(Tier):
+    type_name = "fsspec"
+    config_model = FsspecConfig
+
+    def __init__(self, config: ucm.TierConfig, context: TierContext) -> None:
+        super().__init__(config, context)
+        assert isinstance(config, FsspecConfig)
+        self.cfg: FsspecConfig = config
+        self.fs, self.root = open_filesystem(config.url, config.storage_options)
+        self._local_fs = isinstance(self.fs, LocalFileSystem)
+        self.shard_size = self.layout.shard_size
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ucm-fsspec")
+        self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._stat: dict[str, int] = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "corrupt",
+                "errors",
+                "bytes_read",
+                "bytes_written",
+                "lock_acquisitions",
+                "remove_lock_acquisitions",
+                "evictions",
+                "eviction_passes",
+                "evict_sink_failures",
+                "touches",
+            ),
+            0,
+        )
+        self._usage = 0
+        self._written_since_scan = 0
+        self._closed = False
+        if config.capacity is not None:
+            self._usage = sum(size for _t, size, _b, _p in self._scan())
+
+    # --------------------------------------------------------------------------------- paths
+
+    def block_dir(self, block_id: bytes) -> str:
+        hexid = block_id.hex()
+        return f"{self.root}/{hexid[:2]}/{hexid}"
+
+    def object_path(self, key: Key) -> str:
+        return f"{self.block_dir(key[0])}/{key[1]}"
+
+    def _bump(self, **amounts: int) -> None:
+        with self._stats_lock:
+            for name, amount in amounts.items():
+                self._stat[name] += amount
+
+    def _error(self, what: str, key: Key, exc: BaseException) -> TierError:
+        return TierError(
+            f"fsspec tier {self.label!r} ({self.cfg.url}): {what} block {key[0].hex()} shard "
+            f"{key[1]}: {type(exc).__name__}: {exc}"
+        )
+
+    def _map(self, fn: Any, items: Sequence[Any]) -> list[Any]:
+        if len(items) <= 1:
+            return [fn(item) for item in items]
+        return list(self._pool.map(fn, items))
+
+    def _present_shards(self, block_id: bytes) -> set[int]:
+        """Shard indices with an object in the block's directory (one listing)."""
+        try:
+            names = self.fs.ls(self.block_dir(block_id), detail=False)
+        except FileNotFoundError:
+            return set()
+        shards = set()
+        for name in names:
+            base = str(name).rstrip("/").rsplit("/", 1)[-1]
+            if base.isdigit() and int(base) < self.layout.shards_per_block:
+                shards.add(int(base))
+        return shards
+
+    # -------------------------------------------------------------------------------- lookup
+
+    def lookup(self, keys: Sequence[Key]) -> list[bool]:
+        blocks = list(dict.fromkeys(block_id for block_id, _ in keys))
+        present = dict(zip(blocks, self._map(self._safe_present, blocks), strict=True))
+        return [shard in present[block_id] for block_id, shard in keys]
+
+    def lookup_blocks(self, block_ids: Sequence[bytes]) -> list[bool]:
+        every = set(range(self.layout.shards_per_block))
+        return [every <= found for found in self._map(self._safe_present, list(block_ids))]
+
+    def _safe_present(self, block_id: bytes) -> set[int]:
+        # lookup has no per-key outcome: an unreachable store answers "absent" (and counts).
+        try:
+            return self._present_shards(block_id)
+        except Exception:
+            self._bump(errors=1)
+            return set()
+
+    # ---------------------------------------------------------------------------------- load
+
+    def load(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
+        assert len(keys) == len(destinations), "one destination per key"
+        return self._map(self._load_one, list(zip(keys, destinations, strict=True)))
+
+    def _load_one(self, item: tuple[Key, ShardViews]) -> Outcome:
+        key, views = item
+        path = self.object_path(key)
+        try:
+            data = self.fs.cat_file(path)
+        except FileNotFoundError:
+            self._bump(misses=1)
+            return KeyMissingError(
+                f"fsspec tier {self.label!r}: block {key[0].hex()} shard {key[1]} is not present"
+            )
+        except Exception as exc:
+            self._bump(errors=1)
+            return self._error("loading", key, exc)
+        problem = self._check(data)
+        if problem:
+            self._bump(misses=1, corrupt=1)
+            try:
+                self.fs.rm_file(path)
+            except Exception:  # best effort: the next reader finds it corrupt again
+                self._bump(errors=1)
+            return KeyMissingError(
+                f"fsspec tier {self.label!r}: block {key[0].hex()} shard {key[1]} is corrupt "
+                f"({problem}); it was removed"
+            )
+        payload = memoryview(data)[_HEADER.size :]
+        pos = 0
+        for view in views:
+            view[:] = payload[pos : pos + len(view)]
+            pos += len(view)
+        self._bump(hits=1, bytes_read=self.shard_size)
+        return None
+
+    def _check(self, data: bytes) -> str:
+        if len(data) != _HEADER.size + self.shard_size:
+            return f"{len(data)} bytes, expected {_HEADER.size + self.shard_size}"
+        magic, crc, length = _HEADER.unpack_from(data)
+        if magic != MAGIC or length != self.shard_size:
+            return "bad header"
+        if zlib.crc32(memoryview(data)[_HEADER.size :]) != crc:
+            return "checksum mismatch"
+        return ""
+
+    # ---------------------------------------------------------------------------------- dump
+
+    def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
+        assert len(keys) == len(sources), "one source per key"
+        outcomes = self._map(self._dump_one, list(zip(keys, sources, strict=True)))
+        written = self.shard_size * sum(1 for o in outcomes if o is None)
+        with self._stats_lock:
+            self._stat["bytes_written"] += written
+            self._usage += written + _HEADER.size * sum(1 for o in outcomes if o is None)
+            self._written_since_scan += written
+            capacity = self.cfg.capacity
+            over = capacity is not None and (
+                self._usage > capacity or self._written_since_scan > max(capacity // 8, 1)
+            )
+        if over:
+            self.evict_to_capacity()
+        return outcomes
+
+    def _dump_one(self, item: tuple[Key, ShardViews]) -> Outcome:
+        key, views = item
+        assert sum(len(v) for v in views) == self.shard_size, "source size != shard_size"
+        crc = 0
+        for view in views:
+            crc = zlib.crc32(view, crc)
+        data = b"".join([_HEADER.pack(MAGIC, crc, self.shard_size), *views])
+        path = self.object_path(key)
+        try:
+            if self._local_fs:
+                # Local files are not written atomically by fsspec: write aside, then rename.
+                temp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+                self.fs.pipe_file(temp, data)
+                os.replace(temp, path)
+            else:
+                self.fs.pipe_file(path, data)
+        except Exception as exc:
+            self._bump(errors=1)
+            return self._error("writing", key, exc)
+        return None
+
+    # --------------------------------------------------------------------------------- touch
+
+    def touch(self, block_ids: Sequence[bytes]) -> None:
+        # Only eviction reads the touch time: without a capacity there is nothing to refresh.
+        if self.cfg.capacity is None or not block_ids:
+            return
+
+        def one(block_id: bytes) -> None:
+            try:
+                if self._present_shards(block_id):
+                    self.fs.pipe_file(
+                        f"{self.block_dir(block_id)}/{TOUCH_MARKER}", str(time.time_ns()).encode()
+                    )
+            except Exception:
+                self._bump(errors=1)
+
+        self._map(one, list(block_ids))
+        self._bump(touches=len(block_ids))
+
+    # -------------------------------------------------------------------------------- remove
+
+    def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
+        distinct = list(dict.fromkeys(keys))
+        removed = 0
+        for chunk in chunks(distinct):
+            with self._lock:
+                self._bump(lock_acquisitions=1, remove_lock_acquisitions=1)
+                wanted: dict[bytes, set[int]] = {}
+                for block_id, shard in chunk:
+                    if force or not self.pins.is_pinned((block_id, shard)):
+                        wanted.setdefault(block_id, set()).add(shard)
+                blocks = list(wanted)
+                try:
+                    found = self._map(self._present_shards, blocks)
+                except Exception as exc:
+                    raise TierError(
+                        f"fsspec tier {self.label!r} ({self.cfg.url}): batched_remove could not "
+                        f"list blocks: {type(exc).__name__}: {exc}"
+                    ) from exc
+                paths: list[str] = []
+                for block_id, present in zip(blocks, found, strict=True):
+                    gone = wanted[block_id] & present
+                    paths += [self.object_path((block_id, s)) for s in sorted(gone)]
+                    if gone == present:  # nothing left: the touch marker goes too
+                        marker = f"{self.block_dir(block_id)}/{TOUCH_MARKER}"
+                        if self.fs.exists(marker):
+                            paths.append(marker)
+                if paths:
+                    self._rm(paths)
+                removed += sum(1 for p in paths if not p.endswith(TOUCH_MARKER))
+        return removed
+
+    def _rm(self, paths: list[str]) -> None:
+        try:
+            self.fs.rm(paths)
+        except FileNotFoundError:
+            pass  # removed concurrently by another node
+        except Exception as exc:
+            raise TierError(
+                f"fsspec tier {self.label!r} ({self.cfg.url}): removing {len(paths)} objects: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+    # ------------------------------------------------------------------------------ eviction
+
+    def _scan(self) -> list[tuple[float, int, bytes, list[str]]]:
+        """[(last touch, bytes, block id, object paths)] of every block under the root."""
+        try:
+            found = self.fs.find(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        blocks: dict[bytes, tuple[float, int, list[str]]] = {}
+        for path, info in found.items():
+            parts = str(path).rstrip("/").split("/")
+            if len(parts) < 2 or len(parts[-2]) != 32:
+                continue
+            try:
+                block_id = bytes.fromhex(parts[-2])
+            except ValueError:
+                continue
+            when, size, paths = blocks.get(block_id, (0.0, 0, []))
+            paths.append(str(path))
+            blocks[block_id] = (
+                max(when, _timestamp(info)),
+                size + int(info.get("size") or 0),
+                paths,
+            )
+        return [(when, size, b, paths) for b, (when, size, paths) in blocks.items()]
+
+    def evict_to_capacity(self) -> int:
+        """One eviction pass (a no-op without ``capacity``); returns the shards evicted."""
+        capacity = self.cfg.capacity
+        if capacity is None:
+            return 0
+        entries = self._scan()
+        total = sum(size for _t, size, _b, _p in entries)
+        with self._stats_lock:
+            self._usage = total
+            self._written_since_scan = 0
+        if total <= capacity:
+            return 0
+        self._bump(eviction_passes=1)
+        entries.sort(key=lambda e: (e[0], e[2]))
+        excess = total - capacity
+        victims: list[tuple[bytes, list[int]]] = []
+        for _when, size, block_id, paths in entries:
+            if excess <= 0:
+                break
+            shards = sorted(
+                int(p.rsplit("/", 1)[-1]) for p in paths if p.rsplit("/", 1)[-1].isdigit()
+            )
+            if any(self.pins.is_pinned((block_id, s)) for s in shards):
+                continue
+            victims.append((block_id, shards))
+            excess -= size
+        # A block dir holding only a touch marker (its shards removed by a node without a
+        # capacity) has nothing to write down: drop the marker so it stops counting.
+        leftovers = [p for _w, _s, b, paths in entries for p in paths if (b, []) in victims]
+        if leftovers:
+            self._rm(leftovers)
+        keys = [(block_id, s) for block_id, shards in victims for s in shards]
+        keep: set[Key] = set()
+        sink = self.context.evict_sink
+        if sink is not None and keys:
+            buffers = [bytearray(self.shard_size) for _ in keys]
+            loaded = self.load(keys, [[memoryview(b)] for b in buffers])
+            readable = [i for i, outcome in enumerate(loaded) if outcome is None]
+            try:
+                outcomes = list(
+                    sink([keys[i] for i in readable], [[memoryview(buffers[i])] for i in readable])
+                )
+            except Exception:
+                outcomes = [TierError("evict sink raised")] * len(readable)
+            keep = {keys[i] for i, o in zip(readable, outcomes, strict=True) if o is not None}
+            self._bump(evict_sink_failures=len(keep))
+        drop = [key for key in keys if key not in keep]
+        evicted = self.batched_remove(drop)
+        self._bump(evictions=evicted)
+        return evicted
+
+    # ---------------------------------------------------------------------------- stats, close
+
+    def stats(self) -> dict[str, int | float]:
+        with self._stats_lock:
+            result: dict[str, int | float] = dict(self._stat)
+            result["usage_bytes"] = self._usage
+            result["capacity_bytes"] = self.cfg.capacity or 0
+        return result
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+
+
+@ucm.hookimpl
+def register_tiers(register: Any) -> None:
+    register(FsspecTier)

@@ -1,0 +1,901 @@
+"""The ``posix`` tier: local NVMe (or any POSIX filesystem), one file per block.
+
+File format. ``<path>/<hex[:2]>/<hex>.blk`` holds shard ``s`` at byte ``shard_size * s`` and a
+footer at ``block_size``, padded to 4 KiB so O_DIRECT I/O stays aligned::
+
+    magic "UCMPOSX1" | u32 version | u32 shards_per_block | u64 shard_size
+    per shard: u32 flags (bit 0 = present) | u32 crc32 of the shard
+    u32 crc32 of everything above
+
+A shard whose crc does not match (a torn or corrupted file) is a miss and is removed.
+
+Writes. A block file is never modified in place: a dump builds the new file (the shards already
+present plus the new ones) under a temporary name and ``os.replace``-s it, so readers, which take
+no lock, always see a complete file. We keep one file per block (rather than one per shard) so a
+block is one sequential read and one inode; the price is a read-modify-write when a shard joins an
+existing block, done under an exclusive ``flock`` on the block's lock stripe, so writers of
+different shards of one block in different processes never lose each other's shard.
+
+Locks (``<path>/.locks``): ``global.lock`` is taken shared by writers/touch and exclusive by
+``batched_remove`` (once per chunk of REMOVE_CHUNK_KEYS keys) and eviction; ``NN.lock`` (256
+stripes by the first block-id byte) serialise writers of the same block. flock locks belong to an
+open file description, so each acquisition opens its own descriptor: threads of one process
+exclude each other exactly like processes do. Every lock wait is bounded by ``lock_timeout``.
+
+Eviction. With ``capacity`` set, a pass runs when this process's estimate of the directory's size
+exceeds it (and at least every capacity/8 bytes written, so other processes' writes are seen). It
+scans the directory, drops whole blocks oldest-mtime first (dump, load and touch set the mtime),
+hands them to ``context.evict_sink`` first when a ``write: back`` tier is below, and keeps every
+shard whose write-down failed. A block touched or rewritten between the scan and the drop is kept.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import secrets
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import Field
+
+import ucm
+from ucm.config import LowerTierConfig, Size
+from ucm.errors import ConfigError, KeyMissingError, TierError
+from ucm.layout import Key
+from ucm.tier import Outcome, ShardViews, Tier, TierContext, chunks
+
+MAGIC = b"UCMPOSX1"
+VERSION = 1
+ALIGN = 4096
+_HEAD = struct.Struct("<8sIIQ")
+_ENTRY = struct.Struct("<II")
+_CRC = struct.Struct("<I")
+_PRESENT = 1
+_STRIPES = 256
+_TEMP_MAX_AGE_S = 3600.0
+
+T = TypeVar("T")
+
+
+class PosixConfig(LowerTierConfig):
+    """A directory on local storage; several processes (ranks, nodes) may share it."""
+
+    type: Literal["posix"] = "posix"
+    path: str = Field(min_length=1, description="Directory holding the block files.")
+    capacity: Size | None = Field(
+        default=None, description="Bound on the bytes on disk; oldest-touched blocks go first."
+    )
+    o_direct: bool = Field(
+        default=False,
+        description="Bypass the page cache (O_DIRECT) when the filesystem and geometry allow it "
+        "(shard_size a multiple of 4096); falls back to buffered I/O otherwise.",
+    )
+    io_threads: int = Field(default=4, ge=1, le=256, description="Parallel file I/O per batch.")
+    fsync: bool = Field(default=False, description="fsync each block file and its directory.")
+    lock_timeout: float = Field(
+        default=30.0, gt=0, description="Seconds to wait for a file lock before failing."
+    )
+
+
+def _round_up(value: int, align: int) -> int:
+    return (value + align - 1) // align * align
+
+
+class _Corrupt(Exception):
+    """The footer is unreadable (torn or corrupted file)."""
+
+
+class _Foreign(Exception):
+    """A valid footer of a different geometry (another stack sharing the directory)."""
+
+
+@dataclass
+class _Footer:
+    present: list[bool]
+    crcs: list[int]
+
+
+@dataclass
+class _Counts:
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+def _views_crc(views: ShardViews) -> int:
+    crc = 0
+    for view in views:
+        crc = zlib.crc32(view, crc)
+    return crc
+
+
+class PosixTier(Tier):
+    type_name = "posix"
+    config_model = PosixConfig
+
+    def __init__(self, config: ucm.TierConfig, context: TierContext) -> None:
+        super().__init__(config, context)
+        assert isinstance(config, PosixConfig)
+        self.cfg: PosixConfig = config
+        self.root = Path(config.path)
+        layout = self.layout
+        self.shard_size = layout.shard_size
+        self.spb = layout.shards_per_block
+        self.block_size = layout.block_size
+        self.footer_len = _HEAD.size + _ENTRY.size * self.spb + _CRC.size
+        # The region also ends with a copy of the head, so a file of another geometry (whose
+        # footer is elsewhere) is recognised from its last bytes instead of looking corrupt.
+        self.footer_region = _round_up(self.footer_len + _HEAD.size, ALIGN)
+        self.file_size = self.block_size + self.footer_region
+        try:
+            (self.root / ".locks").mkdir(parents=True, exist_ok=True)
+            for stripe in range(_STRIPES):
+                (self.root / f"{stripe:02x}").mkdir(exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"posix tier {self.label!r}: cannot create directory {str(self.root)!r}: "
+                f"{exc.strerror}"
+            ) from None
+        self._global_lock_path = str(self.root / ".locks" / "global.lock")
+        self._direct = False
+        self.o_direct_fallback_reason = ""
+        if config.o_direct:
+            if self.shard_size % ALIGN:
+                self.o_direct_fallback_reason = (
+                    f"shard_size {self.shard_size} is not a multiple of {ALIGN}"
+                )
+            else:
+                self._direct = True
+        self._local = threading.local()
+        self._stats_lock = threading.Lock()
+        self._counts = _Counts()
+        self._stat: dict[str, int] = dict.fromkeys(
+            (
+                "lock_acquisitions",
+                "remove_lock_acquisitions",
+                "evictions",
+                "eviction_passes",
+                "evict_sink_failures",
+                "touches",
+            ),
+            0,
+        )
+        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ucm-posix")
+        self._closed = False
+        self._usage = 0
+        self._written_since_scan = 0
+        self._evict_lock = threading.Lock()
+        if config.capacity is not None:
+            self._usage = self._scan()[0]
+
+    # ----------------------------------------------------------------- paths, locks, buffers
+
+    def block_path(self, block_id: bytes) -> str:
+        hexid = block_id.hex()
+        return os.path.join(self.root, hexid[:2], hexid + ".blk")
+
+    def _bump(self, name: str, amount: int = 1) -> None:
+        with self._stats_lock:
+            self._stat[name] += amount
+
+    def _flock(self, path: str, mode: int) -> int:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        deadline = time.monotonic() + self.cfg.lock_timeout
+        delay = 0.0002
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                self._bump("lock_acquisitions")
+                return fd
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise TierError(
+                        f"posix tier {self.label!r}: timed out after {self.cfg.lock_timeout}s "
+                        f"waiting for lock file {path!r}"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.01)
+
+    @contextmanager
+    def _global(self, exclusive: bool) -> Iterator[None]:
+        fd = self._flock(self._global_lock_path, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            os.close(fd)  # closing the only descriptor releases the flock
+
+    @contextmanager
+    def _write_locks(self, block_id: bytes) -> Iterator[None]:
+        with self._global(exclusive=False):
+            stripe = str(self.root / ".locks" / f"{block_id[0]:02x}.lock")
+            fd = self._flock(stripe, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                os.close(fd)
+
+    def _buffer(self, name: str, size: int) -> mmap.mmap:
+        """A per-thread page-aligned scratch buffer (O_DIRECT needs aligned memory)."""
+        buf: mmap.mmap | None = getattr(self._local, name, None)
+        if buf is None or len(buf) != size:
+            buf = mmap.mmap(-1, size)
+            setattr(self._local, name, buf)
+        return buf
+
+    def _disable_direct(self, reason: str) -> None:
+        if self._direct:
+            self._direct = False
+            self.o_direct_fallback_reason = reason
+
+    def _open_read(self, path: str) -> tuple[int, bool]:
+        """Opens for reading, with O_DIRECT when active; returns (fd, direct)."""
+        if self._direct:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._disable_direct(f"the filesystem refused O_DIRECT: {exc.strerror}")
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC), False
+
+    def _pread_exact(self, fd: int, direct: bool, size: int, offset: int) -> memoryview:
+        """Reads ``size`` bytes (aligned scratch for O_DIRECT); raises _Corrupt when short."""
+        if direct:
+            buf = self._buffer("rd_" + str(size), _round_up(size, ALIGN))
+            view = memoryview(buf)[: _round_up(size, ALIGN)]
+            got = os.preadv(fd, [view], offset)
+            if got < size:
+                raise _Corrupt(f"file shorter than expected ({offset + got} bytes)")
+            return view[:size]
+        data = os.pread(fd, size, offset)
+        if len(data) < size:
+            raise _Corrupt(f"file shorter than expected ({offset + len(data)} bytes)")
+        return memoryview(data)
+
+    # ------------------------------------------------------------------------------ footer
+
+    def _encode_footer(self, footer: _Footer) -> bytes:
+        parts = [_HEAD.pack(MAGIC, VERSION, self.spb, self.shard_size)]
+        parts += [
+            _ENTRY.pack(_PRESENT if p else 0, c)
+            for p, c in zip(footer.present, footer.crcs, strict=True)
+        ]
+        body = b"".join(parts)
+        return body + _CRC.pack(zlib.crc32(body))
+
+    def _decode_footer(self, raw: memoryview) -> _Footer:
+        body = raw[: self.footer_len - _CRC.size]
+        magic, version, spb, shard_size = _HEAD.unpack_from(body)
+        if magic != MAGIC:
+            raise _Corrupt("bad magic")
+        (crc,) = _CRC.unpack_from(raw, self.footer_len - _CRC.size)
+        if crc != zlib.crc32(body):
+            raise _Corrupt("footer checksum mismatch")
+        if version != VERSION or spb != self.spb or shard_size != self.shard_size:
+            raise _Foreign(
+                f"block file of another geometry (version {version}, shards_per_block {spb}, "
+                f"shard_size {shard_size})"
+            )
+        present, crcs = [], []
+        for index in range(self.spb):
+            flags, shard_crc = _ENTRY.unpack_from(body, _HEAD.size + index * _ENTRY.size)
+            present.append(bool(flags & _PRESENT))
+            crcs.append(shard_crc)
+        return _Footer(present, crcs)
+
+    def _read_footer(self, fd: int, direct: bool) -> _Footer:
+        try:
+            if direct:
+                raw = self._pread_exact(fd, True, self.footer_region, self.block_size)
+            else:
+                raw = self._pread_exact(fd, False, self.footer_len, self.block_size)
+            return self._decode_footer(raw[: self.footer_len])
+        except _Corrupt:
+            self._check_foreign(fd, direct)
+            raise
+
+    def _check_foreign(self, fd: int, direct: bool) -> None:
+        """Raises _Foreign when the file ends with a valid head of another geometry."""
+        size = os.fstat(fd).st_size
+        if size == self.file_size or size < _HEAD.size:
+            return
+        start = (size - _HEAD.size) // ALIGN * ALIGN  # aligned, for O_DIRECT descriptors
+        length = _round_up(size - start, ALIGN)
+        buf = memoryview(self._buffer("tail", 2 * ALIGN))[:length]
+        got = os.preadv(fd, [buf], start) if direct else os.preadv(fd, [buf[: size - start]], start)
+        if got < size - start:
+            return
+        tail = bytes(buf[size - start - _HEAD.size : size - start])
+        magic, version, spb, shard_size = _HEAD.unpack(tail)
+        if magic == MAGIC and (spb, shard_size) != (self.spb, self.shard_size):
+            raise _Foreign(
+                f"block file of another geometry (version {version}, shards_per_block {spb}, "
+                f"shard_size {shard_size})"
+            )
+
+    def _footer_of(self, path: str) -> _Footer | None:
+        """The footer of a block file; None when absent, unreadable or foreign."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            return self._read_footer(fd, False)
+        except (_Corrupt, _Foreign):
+            return None
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------------ batch helper
+
+    def _run(self, fn: Any, groups: list[T]) -> list[Any]:
+        if len(groups) <= 1 or self.cfg.io_threads == 1:
+            return [fn(group) for group in groups]
+        return list(self._pool.map(fn, groups))
+
+    @staticmethod
+    def _group(keys: Sequence[Key]) -> dict[bytes, list[int]]:
+        groups: dict[bytes, list[int]] = {}
+        for position, (block_id, _shard) in enumerate(keys):
+            groups.setdefault(block_id, []).append(position)
+        return groups
+
+    # ------------------------------------------------------------------------------ lookup
+
+    def lookup(self, keys: Sequence[Key]) -> list[bool]:
+        groups = self._group(keys)
+        result = [False] * len(keys)
+
+        def one(item: tuple[bytes, list[int]]) -> None:
+            footer = self._footer_of(self.block_path(item[0]))
+            if footer is not None:
+                for position in item[1]:
+                    result[position] = footer.present[keys[position][1]]
+
+        self._run(one, list(groups.items()))
+        return result
+
+    def lookup_blocks(self, block_ids: Sequence[bytes]) -> list[bool]:
+        def one(block_id: bytes) -> bool:
+            footer = self._footer_of(self.block_path(block_id))
+            return footer is not None and all(footer.present)
+
+        return self._run(one, list(block_ids))
+
+    # -------------------------------------------------------------------------------- load
+
+    def load(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
+        assert len(keys) == len(destinations), "one destination per key"
+        outcomes: list[Outcome] = [None] * len(keys)
+        groups = self._group(keys)
+
+        def one(item: tuple[bytes, list[int]]) -> _Counts:
+            return self._load_block(item[0], item[1], keys, destinations, outcomes)
+
+        counts = self._run(one, list(groups.items()))
+        with self._stats_lock:
+            for c in counts:
+                self._counts.hits += c.hits
+                self._counts.misses += c.misses
+                self._counts.corrupt += c.corrupt
+                self._counts.bytes_read += c.bytes_read
+        return outcomes
+
+    def _load_block(
+        self,
+        block_id: bytes,
+        positions: list[int],
+        keys: Sequence[Key],
+        destinations: Sequence[ShardViews],
+        outcomes: list[Outcome],
+    ) -> _Counts:
+        counts = _Counts()
+        path = self.block_path(block_id)
+        hexid = block_id.hex()
+
+        def miss(position: int, why: str) -> None:
+            counts.misses += 1
+            outcomes[position] = KeyMissingError(
+                f"posix tier {self.label!r}: block {hexid} shard {keys[position][1]} {why}"
+            )
+
+        try:
+            fd, direct = self._open_read(path)
+        except FileNotFoundError:
+            for position in positions:
+                miss(position, "is not present")
+            return counts
+        except OSError as exc:
+            for position in positions:
+                outcomes[position] = TierError(
+                    f"posix tier {self.label!r}: cannot open {path!r}: {exc.strerror}"
+                )
+            return counts
+        try:
+            try:
+                footer = self._read_footer(fd, direct)
+            except _Foreign as exc:
+                for position in positions:
+                    miss(position, f"is not readable here: {exc}")
+                return counts
+            except _Corrupt as exc:
+                for position in positions:
+                    miss(position, f"is corrupt ({exc}); the file was removed")
+                counts.corrupt += 1
+                self._drop_corrupt(block_id, fd, None, None)
+                return counts
+            bad: list[int] = []
+            for position in positions:
+                shard = keys[position][1]
+                if not footer.present[shard]:
+                    miss(position, "is not present")
+                    continue
+                views = destinations[position]
+                try:
+                    self._read_shard(fd, direct, shard, views)
+                except _Corrupt as exc:
+                    bad.append(shard)
+                    miss(position, f"is corrupt ({exc}); it was removed")
+                    continue
+                except OSError as exc:
+                    outcomes[position] = TierError(
+                        f"posix tier {self.label!r}: reading {path!r}: {exc.strerror}"
+                    )
+                    continue
+                if _views_crc(views) != footer.crcs[shard]:
+                    bad.append(shard)
+                    miss(position, "is corrupt (checksum mismatch); it was removed")
+                    continue
+                counts.hits += 1
+                counts.bytes_read += self.shard_size
+            if bad:
+                counts.corrupt += len(bad)
+                self._drop_corrupt(block_id, fd, bad, footer)
+        finally:
+            os.close(fd)
+        if counts.hits:
+            self._set_time(path)
+        return counts
+
+    def _read_shard(self, fd: int, direct: bool, shard: int, views: ShardViews) -> None:
+        offset = shard * self.shard_size
+        if direct:
+            data = self._pread_exact(fd, True, self.shard_size, offset)
+            pos = 0
+            for view in views:
+                view[:] = data[pos : pos + len(view)]
+                pos += len(view)
+            return
+        got = os.preadv(fd, list(views), offset)
+        if got < self.shard_size:
+            raise _Corrupt(f"short read ({got} of {self.shard_size} bytes)")
+
+    def _set_time(self, path: str) -> None:
+        now = time.time_ns()
+        with suppress(FileNotFoundError):
+            os.utime(path, ns=(now, now))
+
+    def _drop_corrupt(
+        self, block_id: bytes, fd: int, shards: list[int] | None, footer: _Footer | None
+    ) -> None:
+        """Removes corrupt shards (or the whole file when ``shards`` is None) if the file at the
+        block's path is still the one we read through ``fd`` (kept open, so its inode number
+        cannot be reused meanwhile)."""
+        path = self.block_path(block_id)
+        inode = os.fstat(fd).st_ino
+        with self._write_locks(block_id):
+            try:
+                if os.stat(path).st_ino != inode:
+                    return  # replaced by a writer since: not ours to judge
+            except FileNotFoundError:
+                return
+            if shards is None or footer is None:
+                os.unlink(path)
+                return
+            grown = self._rewrite_locked(block_id, footer, drop=set(shards))
+            with self._stats_lock:
+                self._usage += grown
+
+    # -------------------------------------------------------------------------------- dump
+
+    def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
+        assert len(keys) == len(sources), "one source per key"
+        outcomes: list[Outcome] = [None] * len(keys)
+        groups = self._group(keys)
+
+        def one(item: tuple[bytes, list[int]]) -> int:
+            block_id, positions = item
+            try:
+                return self._dump_block(block_id, positions, keys, sources)
+            except Exception as exc:
+                error = (
+                    exc
+                    if isinstance(exc, TierError)
+                    else TierError(
+                        f"posix tier {self.label!r}: writing block {block_id.hex()}: "
+                        f"{type(exc).__name__}: {exc}"
+                    )
+                )
+                for position in positions:
+                    outcomes[position] = error
+                return 0
+
+        grown = sum(self._run(one, list(groups.items())))
+        written = self.shard_size * sum(1 for o in outcomes if o is None)
+        with self._stats_lock:
+            self._counts.bytes_written += written
+            self._usage += grown
+            self._written_since_scan += written
+            over = self.cfg.capacity is not None and (
+                self._usage > self.cfg.capacity
+                or self._written_since_scan > max(self.cfg.capacity // 8, 1)
+            )
+        if over:
+            self.evict_to_capacity()
+        return outcomes
+
+    def _dump_block(
+        self,
+        block_id: bytes,
+        positions: list[int],
+        keys: Sequence[Key],
+        sources: Sequence[ShardViews],
+    ) -> int:
+        """Writes the given shards into the block's file; returns the growth in disk bytes."""
+        new: dict[int, ShardViews] = {}
+        for position in positions:
+            views = sources[position]
+            assert sum(len(v) for v in views) == self.shard_size, "source size != shard_size"
+            new[keys[position][1]] = views  # the last of duplicate keys wins
+        with self._write_locks(block_id):
+            return self._rewrite_locked(block_id, None, new=new)
+
+    def _rewrite_locked(
+        self,
+        block_id: bytes,
+        footer: _Footer | None,
+        new: dict[int, ShardViews] | None = None,
+        drop: set[int] | None = None,
+    ) -> int:
+        """Writes the block's new file (existing shards minus ``drop`` plus ``new``) via a temp
+        name and rename, or unlinks it when nothing is left. Caller holds the block's write
+        lock (or the global lock exclusively). Returns the change in disk bytes."""
+        new = new or {}
+        drop = drop or set()
+        path = self.block_path(block_id)
+        image = self._buffer("image", self.file_size)
+        present = [False] * self.spb
+        crcs = [0] * self.spb
+        old_bytes = 0
+        try:
+            old_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            old_fd = -1
+        if old_fd >= 0:
+            try:
+                old_bytes = os.fstat(old_fd).st_blocks * 512
+                if footer is None:
+                    try:
+                        footer = self._read_footer(old_fd, False)
+                    except (_Corrupt, _Foreign):
+                        footer = None  # replaced wholesale below
+                if footer is not None:
+                    for shard in range(self.spb):
+                        if not footer.present[shard] or shard in new or shard in drop:
+                            continue
+                        offset = shard * self.shard_size
+                        got = os.preadv(
+                            old_fd, [memoryview(image)[offset : offset + self.shard_size]], offset
+                        )
+                        if got == self.shard_size:
+                            present[shard] = True
+                            crcs[shard] = footer.crcs[shard]
+            finally:
+                os.close(old_fd)
+        for shard, views in new.items():
+            offset = shard * self.shard_size
+            for view in views:
+                image[offset : offset + len(view)] = view
+                offset += len(view)
+            present[shard] = True
+            crcs[shard] = _views_crc(views)
+        if not any(present):
+            with suppress(FileNotFoundError):
+                os.unlink(path)
+            return -old_bytes
+        footer_bytes = self._encode_footer(_Footer(present, crcs))
+        image[self.block_size : self.block_size + len(footer_bytes)] = footer_bytes
+        head = footer_bytes[: _HEAD.size]
+        image[self.block_size + len(footer_bytes) : self.file_size - len(head)] = bytes(
+            self.footer_region - len(footer_bytes) - len(head)
+        )
+        image[self.file_size - len(head) : self.file_size] = head
+        return self._write_file(path, image, present) - old_bytes
+
+    def _write_file(self, path: str, image: mmap.mmap, present: list[bool]) -> int:
+        directory, name = os.path.split(path)
+        temp = os.path.join(
+            directory, f".{name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp"
+        )
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        fd = -1
+        direct = self._direct
+        if direct:
+            try:
+                fd = os.open(temp, flags | os.O_DIRECT, 0o644)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._disable_direct(f"the filesystem refused O_DIRECT: {exc.strerror}")
+                direct = False
+        if fd < 0:
+            fd = os.open(temp, flags, 0o644)
+        try:
+            view = memoryview(image)
+            if direct:
+                try:
+                    self._pwrite_all(fd, view[: self.file_size], 0)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._disable_direct(f"O_DIRECT write refused: {exc.strerror}")
+                    os.close(fd)
+                    fd = os.open(temp, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+                    direct = False
+            if not direct:
+                # Absent shards stay holes: a partly filled block costs only what it holds.
+                for shard, is_present in enumerate(present):
+                    if is_present:
+                        offset = shard * self.shard_size
+                        self._pwrite_all(fd, view[offset : offset + self.shard_size], offset)
+                self._pwrite_all(fd, view[self.block_size : self.file_size], self.block_size)
+            if self.cfg.fsync:
+                os.fsync(fd)
+            now = time.time_ns()
+            os.utime(fd, ns=(now, now))
+            disk_bytes = os.fstat(fd).st_blocks * 512
+        except BaseException:
+            os.close(fd)
+            with suppress(FileNotFoundError):
+                os.unlink(temp)
+            raise
+        os.close(fd)
+        os.replace(temp, path)
+        if self.cfg.fsync:
+            dir_fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        return disk_bytes
+
+    @staticmethod
+    def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+        while len(data):
+            written = os.pwrite(fd, data, offset)
+            data = data[written:]
+            offset += written
+
+    # ------------------------------------------------------------------------------- touch
+
+    def touch(self, block_ids: Sequence[bytes]) -> None:
+        if not block_ids:
+            return
+        # Shared global lock: an eviction pass (exclusive) never drops a block between its
+        # re-check of the mtime and a touch that lands in between.
+        with self._global(exclusive=False):
+            for block_id in block_ids:
+                self._set_time(self.block_path(block_id))
+        self._bump("touches", len(block_ids))
+
+    # ------------------------------------------------------------------------------ remove
+
+    def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
+        distinct = list(dict.fromkeys(keys))
+        removed = 0
+        for chunk in chunks(distinct):
+            with self._global(exclusive=True):
+                self._bump("remove_lock_acquisitions")
+                by_block: dict[bytes, set[int]] = {}
+                for block_id, shard in chunk:
+                    if force or not self.pins.is_pinned((block_id, shard)):
+                        by_block.setdefault(block_id, set()).add(shard)
+                for block_id, shards in by_block.items():
+                    removed += self._remove_locked(block_id, shards)
+        return removed
+
+    def _remove_locked(self, block_id: bytes, shards: set[int]) -> int:
+        footer = self._footer_of(self.block_path(block_id))
+        if footer is None:
+            return 0
+        gone = {s for s in shards if footer.present[s]}
+        if gone:
+            grown = self._rewrite_locked(block_id, footer, drop=gone)
+            with self._stats_lock:
+                self._usage += grown
+        return len(gone)
+
+    # ---------------------------------------------------------------------------- eviction
+
+    def _scan(self) -> tuple[int, list[tuple[int, int, int, bytes]]]:
+        """(total disk bytes, [(mtime_ns, disk bytes, inode, block id)]) of every block file;
+        removes temp files left by dead processes."""
+        total = 0
+        entries: list[tuple[int, int, int, bytes]] = []
+        now = time.time()
+        for stripe in range(_STRIPES):
+            directory = os.path.join(self.root, f"{stripe:02x}")
+            try:
+                iterator = os.scandir(directory)
+            except FileNotFoundError:
+                continue
+            with iterator:
+                for entry in iterator:
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if entry.name.endswith(".tmp"):
+                        self._reap_temp(entry.path, entry.name, st.st_mtime, now)
+                        continue
+                    if not entry.name.endswith(".blk") or len(entry.name) != 36:
+                        continue
+                    try:
+                        block_id = bytes.fromhex(entry.name[:32])
+                    except ValueError:
+                        continue
+                    size = st.st_blocks * 512
+                    total += size
+                    entries.append((st.st_mtime_ns, size, st.st_ino, block_id))
+        return total, entries
+
+    @staticmethod
+    def _reap_temp(path: str, name: str, mtime: float, now: float) -> None:
+        try:
+            pid = int(name.split(".")[3])
+        except (IndexError, ValueError):
+            return
+        dead = False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            dead = True
+        except PermissionError:
+            pass
+        if dead or now - mtime > _TEMP_MAX_AGE_S:
+            with suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def evict_to_capacity(self) -> int:
+        """One eviction pass (a no-op without ``capacity``); returns the shards evicted."""
+        capacity = self.cfg.capacity
+        if capacity is None:
+            return 0
+        with self._evict_lock:  # one pass per process at a time
+            total, entries = self._scan()
+            with self._stats_lock:
+                self._usage = total
+                self._written_since_scan = 0
+            if total <= capacity:
+                return 0
+            self._bump("eviction_passes")
+            entries.sort()
+            victims: list[tuple[int, int, int, bytes]] = []
+            excess = total - capacity
+            for entry in entries:
+                if excess <= 0:
+                    break
+                block_id = entry[3]
+                if any(self.pins.is_pinned((block_id, s)) for s in range(self.spb)):
+                    continue
+                victims.append(entry)
+                excess -= entry[1]
+            evicted = 0
+            for chunk in chunks(victims):
+                keep = self._write_down(chunk)
+                with self._global(exclusive=True):
+                    for mtime_ns, size, inode, block_id in chunk:
+                        evicted += self._evict_locked(block_id, mtime_ns, size, inode, keep)
+            return evicted
+
+    def _write_down(self, victims: Sequence[tuple[int, int, int, bytes]]) -> set[Key]:
+        """Hands the victims' shards to the evict sink; returns the keys to keep (failed)."""
+        sink = self.context.evict_sink
+        if sink is None:
+            return set()
+        keys: list[Key] = []
+        views: list[ShardViews] = []
+        for _mtime, _size, _inode, block_id in victims:
+            path = self.block_path(block_id)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                footer = self._read_footer(fd, False)
+                for shard in range(self.spb):
+                    if not footer.present[shard]:
+                        continue
+                    data = bytearray(self.shard_size)
+                    got = os.preadv(fd, [data], shard * self.shard_size)
+                    if got == self.shard_size and zlib.crc32(data) == footer.crcs[shard]:
+                        keys.append((block_id, shard))
+                        views.append([memoryview(data)])
+            except (_Corrupt, _Foreign):
+                continue
+            finally:
+                os.close(fd)
+        if not keys:
+            return set()
+        try:
+            outcomes = list(sink(keys, views))
+        except Exception:  # a sink that raises failed every key: keep them all
+            outcomes = [TierError("evict sink raised")] * len(keys)
+        keep = {key for key, outcome in zip(keys, outcomes, strict=True) if outcome is not None}
+        self._bump("evict_sink_failures", len(keep))
+        return keep
+
+    def _evict_locked(
+        self, block_id: bytes, mtime_ns: int, size: int, inode: int, keep: set[Key]
+    ) -> int:
+        path = self.block_path(block_id)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return 0
+        if st.st_ino != inode or st.st_mtime_ns != mtime_ns:
+            return 0  # touched, loaded or rewritten since the scan: no longer a victim
+        footer = self._footer_of(path)
+        if footer is None:
+            os.unlink(path)
+            return 0
+        drop = {s for s in range(self.spb) if footer.present[s] and (block_id, s) not in keep}
+        if not drop:
+            return 0
+        grown = self._rewrite_locked(block_id, footer, drop=drop)
+        with self._stats_lock:
+            self._usage += grown
+            self._stat["evictions"] += len(drop)
+        return len(drop)
+
+    # ------------------------------------------------------------------------- stats, close
+
+    def stats(self) -> dict[str, int | float]:
+        with self._stats_lock:
+            result: dict[str, int | float] = {
+                "hits": self._counts.hits,
+                "misses": self._counts.misses,
+                "corrupt": self._counts.corrupt,
+                "bytes_read": self._counts.bytes_read,
+                "bytes_written": self._counts.bytes_written,
+                "usage_bytes": self._usage,
+                "capacity_bytes": self.cfg.capacity or 0,
+                "o_direct_active": int(self._direct),
+            }
+            result.update(self._stat)
+        return result
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+
+
+@ucm.hookimpl
+def register_tiers(register: Any) -> None:
+    register(PosixTier)

@@ -1,0 +1,229 @@
+"""fsspec tier on memory:// and file://: object layout, checksums, protocol errors,
+concurrency, eviction by last touch."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+from fsspec.registry import register_implementation
+from ucm_backends.fsspec_tier import FsspecConfig, FsspecTier
+
+from ucm.config import parse_stack
+from ucm.errors import ConfigError, KeyMissingError, TierError
+from ucm.layout import Key, Layout
+from ucm.testing import make_context
+from ucm.testing.conformance import assert_loads_exact, block_ids, dump_keys, load_keys
+from ucm.tier import Outcome, ShardViews
+
+from .conftest import fsspec_tier
+
+LAYOUT = Layout(shard_size=1024, shards_per_block=2, tensor_sizes=(1000, 24))
+
+
+def test_objects_keyed_by_block_and_shard_only(memory_url: str) -> None:
+    node1 = fsspec_tier(memory_url, LAYOUT)
+    node2 = FsspecTier(FsspecConfig(url=memory_url), make_context(LAYOUT, unique_id="node-2"))
+    (block,) = block_ids(1)
+    dump_keys(node1, [(block, 1)])
+    root = memory_url.removeprefix("memory://")
+    expected = f"/{root}/{block.hex()[:2]}/{block.hex()}/1"
+    assert node1.fs.find(f"/{root}") == [expected]
+    assert node1.fs.cat_file(expected)[:4] == b"UCMF"
+    assert_loads_exact(node2, [(block, 1)])  # another unique_id reads the same object
+    node1.close()
+    node2.close()
+
+
+def test_file_url_layout_and_no_temp_left(tmp_path: Path) -> None:
+    tier = fsspec_tier(f"file://{tmp_path}", LAYOUT)
+    keys = LAYOUT.keys_of_blocks(block_ids(2))
+    dump_keys(tier, keys)
+    files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert files == sorted(f"{b.hex()[:2]}/{b.hex()}/{s}" for b, s in keys)
+    assert_loads_exact(tier, keys)
+    tier.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_object_is_a_miss_and_removed(tmp_path: Path, damage: str) -> None:
+    tier = fsspec_tier(f"file://{tmp_path}", LAYOUT)
+    (block,) = block_ids(1)
+    keys = LAYOUT.keys_of_blocks([block])
+    dump_keys(tier, keys)
+    path = tmp_path / block.hex()[:2] / block.hex() / "0"
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(data[:500])
+        why = f"500 bytes, expected {16 + LAYOUT.shard_size}"
+    else:
+        data[700] ^= 0x01
+        path.write_bytes(data)
+        why = "checksum mismatch"
+    outcomes, _ = load_keys(tier, keys)
+    assert isinstance(outcomes[0], KeyMissingError)
+    assert str(outcomes[0]) == (
+        f"fsspec tier 'fsspec': block {block.hex()} shard 0 is corrupt ({why}); it was removed"
+    )
+    assert outcomes[1] is None
+    assert not path.exists()
+    assert tier.lookup(keys) == [False, True]
+    assert tier.stats()["corrupt"] == 1
+    tier.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs installed")
+def test_missing_protocol_package_names_it() -> None:
+    with pytest.raises(ConfigError) as info:
+        fsspec_tier("gs://bucket/prefix", LAYOUT)
+    assert str(info.value) == (
+        "fsspec tier url 'gs://bucket/prefix': protocol 'gs' needs the package 'gcsfs', which is "
+        "not installed; install it with `pip install gcsfs` (Please install gcsfs to access "
+        "Google Storage)"
+    )
+
+
+def test_unknown_protocol_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        fsspec_tier("nosuchproto://x/y", LAYOUT)
+    message = str(info.value)
+    assert message.startswith(
+        "fsspec tier url 'nosuchproto://x/y': unknown protocol 'nosuchproto'; known protocols: "
+    )
+    assert "memory" in message and "s3" in message
+
+
+def test_config_through_the_stack_schema() -> None:
+    stack = parse_stack(
+        {
+            "unique_id": "t",
+            "shard_size": 1024,
+            "shards_per_block": 2,
+            "tiers": [
+                {
+                    "type": "fsspec",
+                    "url": "memory://x",
+                    "storage_options": {"a": 1},
+                    "capacity": "2KiB",
+                    "write": "back",
+                }
+            ],
+        }
+    )
+    tier = stack.tiers[0]
+    assert isinstance(tier, FsspecConfig)
+    assert (tier.url, tier.storage_options, tier.capacity, tier.write) == (
+        "memory://x",
+        {"a": 1},
+        2048,
+        "back",
+    )
+    with pytest.raises(ConfigError) as info:
+        parse_stack(
+            {
+                "unique_id": "t",
+                "shard_size": 1024,
+                "shards_per_block": 2,
+                "tiers": [{"type": "fsspec", "uri": "memory://x"}],
+            }
+        )
+    assert "tiers[0].uri: unknown key" in str(info.value)
+    assert "tiers[0].url: Field required" in str(info.value)
+
+
+class SlowMemoryFileSystem(MemoryFileSystem):  # type: ignore[misc]
+    """memory:// with 50 ms per object read or write, like a remote object store."""
+
+    protocol = "slowmem"
+    active = 0
+    peak = 0
+    lock = threading.Lock()
+
+    def _delay(self) -> None:
+        cls = SlowMemoryFileSystem
+        with cls.lock:
+            cls.active += 1
+            cls.peak = max(cls.peak, cls.active)
+        time.sleep(0.05)
+        with cls.lock:
+            cls.active -= 1
+
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+        self._delay()
+        data: bytes = super().cat_file(path, start, end)
+        return data
+
+    def pipe_file(self, path: str, value: bytes, mode: str = "overwrite", **kwargs: object) -> None:
+        self._delay()
+        super().pipe_file(path, value, mode=mode, **kwargs)
+
+
+def test_requests_of_a_batch_run_concurrently() -> None:
+    register_implementation("slowmem", SlowMemoryFileSystem, clobber=True)
+    tier = fsspec_tier("slowmem://ucm-concurrency", LAYOUT, io_threads=8)
+    keys = LAYOUT.keys_of_blocks(block_ids(8))
+    started = time.monotonic()
+    dump_keys(tier, keys)
+    assert_loads_exact(tier, keys)
+    elapsed = time.monotonic() - started
+    # 32 requests of 50 ms each: 1.6 s one at a time, ~0.2 s eight at a time.
+    assert SlowMemoryFileSystem.peak == 8
+    assert elapsed < 1.0
+    tier.close()
+
+
+def test_capacity_evicts_oldest_touched_block(tmp_path: Path) -> None:
+    object_bytes = 16 + LAYOUT.shard_size
+    tier = fsspec_tier(f"file://{tmp_path}", LAYOUT, capacity=6 * object_bytes + 200)
+    a, b, c, d = block_ids(4)
+    for block in (a, b, c):
+        dump_keys(tier, LAYOUT.keys_of_blocks([block]))
+        time.sleep(0.02)  # distinct modification times even on a coarse clock
+    tier.touch([a, d])  # d is absent: nothing to refresh, no marker
+    time.sleep(0.02)
+    dump_keys(tier, LAYOUT.keys_of_blocks([d]))
+    assert tier.lookup_blocks([a, b, c, d]) == [True, False, True, True]
+    assert (tmp_path / a.hex()[:2] / a.hex() / "touch").exists()
+    assert not (tmp_path / d.hex()[:2] / d.hex() / "touch").exists()
+    stats = tier.stats()
+    assert (stats["evictions"], stats["touches"]) == (2, 2)
+    tier.close()
+
+
+def test_evict_sink_failure_keeps_the_shard(memory_url: str) -> None:
+    received: list[Key] = []
+
+    def sink(keys: Sequence[Key], views: Sequence[ShardViews]) -> list[Outcome]:
+        received.extend(keys)
+        return [TierError("down") if k[1] == 0 else None for k in keys]
+
+    object_bytes = 16 + LAYOUT.shard_size
+    tier = fsspec_tier(memory_url, LAYOUT, evict_sink=sink, capacity=4 * object_bytes)
+    a, b, c = block_ids(3)
+    for block in (a, b, c):
+        dump_keys(tier, LAYOUT.keys_of_blocks([block]))
+        time.sleep(0.01)
+    assert received == [(a, 0), (a, 1)]
+    assert tier.lookup([(a, 0), (a, 1)]) == [True, False]
+    assert_loads_exact(tier, [(a, 0)])
+    tier.close()
+
+
+def test_eviction_drops_a_leftover_touch_marker(memory_url: str) -> None:
+    object_bytes = 16 + LAYOUT.shard_size
+    tier = fsspec_tier(memory_url, LAYOUT, capacity=2 * object_bytes)
+    orphan, a, b = block_ids(3)
+    marker = f"{tier.block_dir(orphan)}/touch"
+    tier.fs.pipe_file(marker, b"1")  # shards removed elsewhere, the marker left behind
+    time.sleep(0.01)
+    dump_keys(tier, LAYOUT.keys_of_blocks([a]))
+    time.sleep(0.01)
+    dump_keys(tier, [(b, 0)])
+    assert not tier.fs.exists(marker)
+    assert tier.lookup([(a, 0), (a, 1), (b, 0)]) == [False, False, True]
+    tier.close()

@@ -1,0 +1,347 @@
+"""posix tier: file format, torn/corrupt files, eviction by last touch, evict sink, O_DIRECT,
+several processes on one directory."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from ucm_backends.posix import ALIGN, MAGIC, PosixConfig, PosixTier
+
+from ucm.config import parse_stack
+from ucm.errors import ConfigError, KeyMissingError, TierError
+from ucm.layout import Key, Layout
+from ucm.testing import make_context
+from ucm.testing.conformance import (
+    assert_loads_exact,
+    block_ids,
+    dump_keys,
+    load_keys,
+    shard_bytes,
+)
+from ucm.tier import Outcome, ShardViews
+
+from . import _workers
+from .conftest import posix_tier
+
+LAYOUT = Layout(shard_size=4096, shards_per_block=2, tensor_sizes=(4096,))
+
+
+def test_config_through_the_stack_schema(tmp_path: Path) -> None:
+    stack = parse_stack(
+        {
+            "unique_id": "t",
+            "shard_size": 4096,
+            "shards_per_block": 2,
+            "tiers": [{"type": "posix", "path": str(tmp_path), "capacity": "1MiB"}],
+        }
+    )
+    tier = stack.tiers[0]
+    assert isinstance(tier, PosixConfig)
+    assert (tier.capacity, tier.o_direct, tier.io_threads, tier.fsync, tier.write) == (
+        1024**2,
+        False,
+        4,
+        False,
+        "through",
+    )
+    with pytest.raises(ConfigError) as info:
+        parse_stack(
+            {
+                "unique_id": "t",
+                "shard_size": 4096,
+                "shards_per_block": 2,
+                "tiers": [{"type": "posix", "path": str(tmp_path), "capacty": "1MiB"}],
+            }
+        )
+    assert "tiers[0].capacty: unknown key" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        parse_stack(
+            {
+                "unique_id": "t",
+                "shard_size": 4096,
+                "shards_per_block": 2,
+                "tiers": [{"type": "posix", "path": str(tmp_path), "io_threads": 0}],
+            }
+        )
+    assert "tiers[0].io_threads" in str(info.value)
+
+
+def test_unusable_path_is_a_config_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"x")
+    with pytest.raises(ConfigError) as info:
+        posix_tier(blocker / "sub", LAYOUT)
+    assert f"cannot create directory {str(blocker / 'sub')!r}" in str(info.value)
+
+
+def test_one_file_per_block_shard_at_its_offset(tmp_path: Path) -> None:
+    tier = posix_tier(tmp_path, LAYOUT)
+    (block,) = block_ids(1)
+    dump_keys(tier, [(block, 1)])
+    path = tmp_path / block.hex()[:2] / f"{block.hex()}.blk"
+    assert tier.block_path(block) == str(path)
+    raw = path.read_bytes()
+    assert len(raw) == LAYOUT.block_size + ALIGN
+    assert raw[4096:8192] == shard_bytes((block, 1), LAYOUT)
+    assert raw[:4096] == bytes(4096)  # shard 0 absent: a hole
+    assert raw[LAYOUT.block_size : LAYOUT.block_size + 8] == MAGIC
+    dump_keys(tier, [(block, 0)])
+    assert_loads_exact(tier, LAYOUT.keys_of_blocks([block]))
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left behind
+    tier.close()
+
+
+def test_torn_file_is_a_miss_and_removed(tmp_path: Path) -> None:
+    tier = posix_tier(tmp_path, LAYOUT)
+    torn, good = block_ids(2)
+    dump_keys(tier, LAYOUT.keys_of_blocks([torn, good]))
+    path = Path(tier.block_path(torn))
+    os.truncate(path, LAYOUT.block_size + 10)  # the footer is cut off
+    outcomes, _ = load_keys(tier, [(torn, 0), (good, 0)])
+    assert isinstance(outcomes[0], KeyMissingError)
+    assert "is corrupt (file shorter than expected" in str(outcomes[0])
+    assert "the file was removed" in str(outcomes[0])
+    assert outcomes[1] is None
+    assert not path.exists()
+    assert tier.lookup([(torn, 0), (torn, 1), (good, 1)]) == [False, False, True]
+    assert tier.stats()["corrupt"] == 1
+    tier.close()
+
+
+def test_corrupt_shard_is_a_miss_and_only_it_is_removed(tmp_path: Path) -> None:
+    tier = posix_tier(tmp_path, LAYOUT)
+    (block,) = block_ids(1)
+    keys = LAYOUT.keys_of_blocks([block])
+    dump_keys(tier, keys)
+    with open(tier.block_path(block), "r+b") as handle:
+        handle.seek(4096 + 100)  # inside shard 1
+        byte = handle.read(1)
+        handle.seek(4096 + 100)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    outcomes, buffers = load_keys(tier, keys)
+    assert outcomes[0] is None
+    assert bytes(buffers[0]) == shard_bytes(keys[0], LAYOUT)
+    assert isinstance(outcomes[1], KeyMissingError)
+    assert str(outcomes[1]).endswith(
+        f"block {block.hex()} shard 1 is corrupt (checksum mismatch); it was removed"
+    )
+    assert tier.lookup(keys) == [True, False]
+    assert_loads_exact(tier, [keys[0]])
+    stats = tier.stats()
+    assert (stats["corrupt"], stats["hits"], stats["misses"]) == (1, 2, 1)
+    tier.close()
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_file_of_another_geometry_is_a_miss_and_kept(tmp_path: Path, o_direct: bool) -> None:
+    other = Layout(shard_size=8192, shards_per_block=2, tensor_sizes=(8192,))
+    writer = posix_tier(tmp_path, other)
+    (block,) = block_ids(1)
+    dump_keys(writer, [(block, 0)])
+    reader = posix_tier(tmp_path, LAYOUT, o_direct=o_direct)
+    outcomes, _ = load_keys(reader, [(block, 0)])
+    assert isinstance(outcomes[0], KeyMissingError)
+    assert "block file of another geometry" in str(outcomes[0])
+    assert_loads_exact(writer, [(block, 0)])
+    writer.close()
+    reader.close()
+
+
+def test_readers_never_see_a_partial_file(tmp_path: Path) -> None:
+    writer = posix_tier(tmp_path, LAYOUT)
+    reader = posix_tier(tmp_path, LAYOUT)
+    (block,) = block_ids(1)
+    keys = LAYOUT.keys_of_blocks([block])
+    dump_keys(writer, keys, salt=0)
+    versions = [[shard_bytes(k, LAYOUT, salt) for k in keys] for salt in (0, 1)]
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def read() -> None:
+        for _ in range(300):
+            if stop.is_set():
+                break
+            outcomes, buffers = load_keys(reader, keys)
+            assert outcomes == [None, None], outcomes
+            data = [bytes(b) for b in buffers]
+            assert data in versions  # one whole file or the other, never a mix
+            seen.append(versions.index(data))
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    for round_ in range(60):
+        dump_keys(writer, keys, salt=round_ % 2)
+    stop.set()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert seen and reader.stats()["corrupt"] == 0
+    writer.close()
+    reader.close()
+
+
+def _block_disk_bytes(tmp_path: Path) -> int:
+    probe = posix_tier(tmp_path / "probe", LAYOUT)
+    (block,) = block_ids(1, seed=99)
+    dump_keys(probe, LAYOUT.keys_of_blocks([block]))
+    size = os.stat(probe.block_path(block)).st_blocks * 512
+    probe.close()
+    return size
+
+
+def test_capacity_evicts_oldest_touched_block(tmp_path: Path) -> None:
+    size = _block_disk_bytes(tmp_path)
+    tier = posix_tier(tmp_path / "nvme", LAYOUT, capacity=3 * size)
+    a, b, c, d = block_ids(4)
+    for block in (a, b, c):
+        dump_keys(tier, LAYOUT.keys_of_blocks([block]))
+    assert tier.stats()["evictions"] == 0
+    tier.touch([a])  # a is now the most recently used
+    dump_keys(tier, LAYOUT.keys_of_blocks([d]))
+    assert tier.lookup_blocks([a, b, c, d]) == [True, False, True, True]
+    stats = tier.stats()
+    assert (stats["evictions"], stats["usage_bytes"]) == (2, 3 * size)
+    assert_loads_exact(tier, LAYOUT.keys_of_blocks([a, c, d]))
+    tier.close()
+
+
+def test_load_also_counts_as_use_and_pins_are_not_evicted(tmp_path: Path) -> None:
+    size = _block_disk_bytes(tmp_path)
+    tier = posix_tier(tmp_path / "nvme", LAYOUT, capacity=2 * size)
+    a, b, c = block_ids(3)
+    dump_keys(tier, LAYOUT.keys_of_blocks([a]))
+    dump_keys(tier, LAYOUT.keys_of_blocks([b]))
+    assert_loads_exact(tier, [(a, 0)])  # a read refreshes a's timestamp: b is oldest
+    tier.pins.pin([(b, 1)])  # ... but b is in use
+    dump_keys(tier, LAYOUT.keys_of_blocks([c]))
+    assert tier.lookup_blocks([a, b, c]) == [False, True, True]
+    tier.pins.unpin([(b, 1)])
+    tier.close()
+
+
+def test_evict_sink_gets_shards_before_drop_and_failures_are_kept(tmp_path: Path) -> None:
+    size = _block_disk_bytes(tmp_path)
+    received: list[tuple[Key, bytes, bool]] = []
+    holder: list[PosixTier] = []
+
+    def sink(keys: Sequence[Key], views: Sequence[ShardViews]) -> list[Outcome]:
+        still_there = holder[0].lookup(keys)
+        outcomes: list[Outcome] = []
+        for key, shard_views, present in zip(keys, views, still_there, strict=True):
+            received.append((key, b"".join(bytes(v) for v in shard_views), present))
+            outcomes.append(TierError("write-down failed") if key[1] == 1 else None)
+        return outcomes
+
+    tier = posix_tier(tmp_path / "nvme", LAYOUT, evict_sink=sink, capacity=2 * size)
+    holder.append(tier)
+    a, b, c = block_ids(3)
+    for block in (a, b, c):
+        dump_keys(tier, LAYOUT.keys_of_blocks([block]))
+    assert received == [
+        ((a, 0), shard_bytes((a, 0), LAYOUT), True),
+        ((a, 1), shard_bytes((a, 1), LAYOUT), True),
+    ]
+    assert tier.lookup([(a, 0), (a, 1)]) == [False, True]  # the failed write-down stays
+    assert_loads_exact(tier, [(a, 1)])
+    stats = tier.stats()
+    assert (stats["evictions"], stats["evict_sink_failures"]) == (1, 1)
+    tier.close()
+
+
+def test_o_direct_is_used_when_aligned(tmp_path: Path) -> None:
+    tier = posix_tier(tmp_path, LAYOUT, o_direct=True)
+    keys = LAYOUT.keys_of_blocks(block_ids(3))
+    dump_keys(tier, keys[:3])
+    dump_keys(tier, keys[3:])  # read-modify-write of a block through O_DIRECT
+    assert_loads_exact(tier, keys)
+    assert tier.stats()["o_direct_active"] == 1
+    assert tier.o_direct_fallback_reason == ""
+    tier.close()
+
+
+def test_o_direct_falls_back_cleanly_for_unaligned_shards(tmp_path: Path) -> None:
+    layout = Layout(shard_size=1000, shards_per_block=3, tensor_sizes=(600, 400))
+    tier = posix_tier(tmp_path, layout, o_direct=True)
+    keys = layout.keys_of_blocks(block_ids(2))
+    dump_keys(tier, keys)
+    assert_loads_exact(tier, keys)
+    assert tier.stats()["o_direct_active"] == 0
+    assert tier.o_direct_fallback_reason == "shard_size 1000 is not a multiple of 4096"
+    tier.close()
+
+
+def test_second_node_sees_blocks_of_the_first(tmp_path: Path) -> None:
+    node1 = posix_tier(tmp_path, LAYOUT)
+    node2 = PosixTier(
+        PosixConfig(path=str(tmp_path)),
+        make_context(LAYOUT, unique_id="another-node"),
+    )
+    keys = LAYOUT.keys_of_blocks(block_ids(2))
+    dump_keys(node1, keys)
+    assert_loads_exact(node2, keys)
+    assert node2.batched_remove(keys[:1]) == 1
+    assert node1.lookup(keys[:2]) == [False, True]
+    node1.close()
+    node2.close()
+
+
+def test_two_processes_write_shards_of_the_same_blocks(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    blocks = block_ids(12)
+    rounds = 4
+    barrier = ctx.Barrier(2)
+    workers = [
+        ctx.Process(
+            target=_workers.write_shard_rounds,
+            args=(str(tmp_path), LAYOUT, blocks, shard, rounds, barrier),
+        )
+        for shard in (0, 1)
+    ]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+    assert [w.exitcode for w in workers] == [0, 0]
+    tier = posix_tier(tmp_path, LAYOUT)
+    # Without the per-block lock, a read-modify-write would drop the other process's shard.
+    assert_loads_exact(tier, LAYOUT.keys_of_blocks(blocks), salt=rounds - 1)
+    tier.close()
+
+
+def test_temp_files_of_dead_processes_are_reaped(tmp_path: Path) -> None:
+    ctx = multiprocessing.get_context("spawn")
+    dead = ctx.Process(target=int)
+    dead.start()
+    dead.join(timeout=60)
+    assert dead.pid is not None
+    tier = posix_tier(tmp_path, LAYOUT, capacity="1MiB")
+    (block,) = block_ids(1)
+    directory = Path(tier.block_path(block)).parent
+    stale = directory / f".{block.hex()}.blk.{dead.pid}.1.abcd.tmp"
+    mine = directory / f".{block.hex()}.blk.{os.getpid()}.1.abcd.tmp"
+    stale.write_bytes(b"partial")
+    mine.write_bytes(b"in progress")
+    tier.evict_to_capacity()
+    assert not stale.exists()
+    assert mine.exists()  # a live writer's temp file is left alone
+    tier.close()
+
+
+def test_lock_wait_is_bounded(tmp_path: Path) -> None:
+    import fcntl
+
+    tier = posix_tier(tmp_path, LAYOUT, lock_timeout=0.2)
+    (block,) = block_ids(1)
+    with open(tmp_path / ".locks" / "global.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # as if another process held it
+        outcomes = tier.dump([(block, 0)], [[memoryview(bytes(4096))]])
+        with pytest.raises(TierError) as info:
+            tier.batched_remove([(block, 0)])
+    assert isinstance(outcomes[0], TierError)
+    assert "timed out after 0.2s waiting for lock file" in str(outcomes[0])
+    assert "global.lock" in str(info.value)
+    tier.close()
