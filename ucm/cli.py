@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import ConfigError, PluginError
@@ -35,9 +36,10 @@ def validate(
     try:
         stack = load_stack(file)
     except (ConfigError, PluginError) as exc:
-        errors.print(f"[red]invalid:[/red] {exc}", highlight=False, markup=True)
+        errors.print(f"[red]invalid:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
-    table = Table(title=f"{file}: valid stack '{stack.unique_id}'")
+    console.print(f"{file}: valid stack '{stack.unique_id}'", soft_wrap=True, highlight=False)
+    table = Table()
     table.add_column("#", justify="right")
     table.add_column("type")
     table.add_column("settings")

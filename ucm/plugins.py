@@ -14,6 +14,7 @@ from .errors import PluginError
 
 ENTRY_POINT_GROUP = "ucm.backends"
 DEFAULT_PLUGINS = (
+    "ucm_backends.buffer",
     "ucm_backends.posix",
     "ucm_backends.fsspec_tier",
 )

@@ -19,7 +19,13 @@ from typing import Any
 
 from . import arguments
 from .config import LowerTierConfig, StackConfig, load_stack
-from .errors import InvalidArgumentError, KeyMissingError, RoleError, StoreClosedError
+from .errors import (
+    ConfigError,
+    InvalidArgumentError,
+    KeyMissingError,
+    RoleError,
+    StoreClosedError,
+)
 from .layout import Key, Layout
 from .plugins import tier_types
 from .task import Task
@@ -62,11 +68,22 @@ class Store:
                     position=position,
                     evict_sink=self._evict_sink_for(position),
                 )
-                self.tiers.append(installed[tier_config.type](tier_config, context))
+                if tier_config.type == "buffer" and position > 0:
+                    raise ConfigError(
+                        f"tiers[{position}].type: the buffer tier must be the first tier (the "
+                        "node-wide host-memory cache sits above every other tier)"
+                    )
+                try:
+                    self.tiers.append(installed[tier_config.type](tier_config, context))
+                except InvalidArgumentError as exc:
+                    raise ConfigError(f"tiers[{position}] ({tier_config.type}): {exc}") from exc
         except BaseException:
             for tier in self.tiers:
                 tier.close()
             raise
+        top = self.tiers[0]
+        # The shared CacheBuffer (native core) offers the owner/waiter load path.
+        self._buffer: Any = top if hasattr(top, "load_through") else None
         self._tasks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ucm-task")
         self._writer = _WriteQueue(write_queue_bytes, self._count)
 
@@ -276,6 +293,8 @@ class Store:
         """Copies keys served from below into the top tier and into `promote: true` tiers."""
         for position in range(len(self.tiers) - 1):
             tier = self.tiers[position]
+            if tier is self._buffer:
+                continue  # the owner rank filled the buffer slot itself
             wants = position == 0 or getattr(tier.config, "promote", False)
             if not wants:
                 continue
@@ -285,7 +304,14 @@ class Store:
                 self._count("promoted_shards", sum(1 for o in outcomes if o is None))
 
     def _run_load(self, keys: list[Key], memory: arguments.ShardMemory) -> dict[Key, BaseException]:
-        failures, served_by = self._cascade_load(keys, memory.views)
+        failures: dict[Key, BaseException]
+        served_by: list[int]
+        if self._buffer is not None:
+            failures, served_by = self._buffer.load_through(
+                keys, memory.views, lambda k, v: self._cascade_load(k, v, start_tier=1)
+            )
+        else:
+            failures, served_by = self._cascade_load(keys, memory.views)
         hits = sum(1 for served in served_by if served == 0)
         self._count("hits", hits)
         self._count("misses", len(keys) - hits)
