@@ -20,15 +20,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 DEFAULT_STACK_YAML = """\
-# The demo's embedded stack: a fast tier on tmpfs over a slower, larger tier on local disk.
-unique_id: ucm-demo
+# The demo's embedded stack: the node-wide shared-memory CacheBuffer over local disk.
+unique_id: {unique_id}
 tensor_size_list: [131072, 131072]   # K and V: 256 KiB per shard
 shards_per_block: 4                  # one shard per TP rank
 tiers:
-  - type: posix
-    name: hot
-    path: {hot}
+  - type: buffer
     capacity: {hot_capacity}
+    reserved_slots: 64
   - type: posix
     name: disk
     path: {cold}
@@ -105,13 +104,18 @@ def _rank_main(
         with ucm.open(stack, device_id=rank, local_rank_size=settings.ranks) as store:
             sizes = store.layout.tensor_sizes
             shard_size = store.layout.shard_size
+            # A runtime's paged KV cache is allocated once: loads land in resident pages.
+            kv_pages = [
+                [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+                for _ in range(settings.blocks_per_document)
+            ]
             for blocks in request_stream(settings):
                 barrier.wait(timeout=120)
                 report.requests += 1
                 report.blocks += len(blocks)
                 cached = store.lookup_on_prefix(blocks) + 1
                 hit_blocks = blocks[:cached]
-                dst = [[torch.empty(n, dtype=torch.uint8) for n in sizes] for _ in hit_blocks]
+                dst = kv_pages[: len(hit_blocks)]
                 failed: set[bytes] = set()
                 if hit_blocks:
                     start = time.perf_counter()
@@ -163,53 +167,51 @@ def run_demo(
     from .config import load_stack
 
     with tempfile.TemporaryDirectory(prefix="ucm-demo-", dir=workdir) as cold_dir:
-        hot_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        with tempfile.TemporaryDirectory(prefix="ucm-demo-hot-", dir=hot_root) as hot_dir:
-            text = stack_yaml or DEFAULT_STACK_YAML.format(
-                hot=hot_dir,
-                cold=cold_dir,
-                hot_capacity=settings.hot_capacity_blocks * settings.ranks * 256 * 1024,
+        text = stack_yaml or DEFAULT_STACK_YAML.format(
+            unique_id=f"ucm-demo-{os.getpid()}",
+            cold=cold_dir,
+            hot_capacity=settings.hot_capacity_blocks * settings.ranks * 256 * 1024,
+        )
+        stack = yaml.safe_load(text)
+        stack["shards_per_block"] = settings.ranks
+        load_stack(stack)  # validate before starting processes
+        context = mp.get_context("spawn")
+        barrier = context.Barrier(settings.ranks)
+        progress_queue = context.Queue()
+        results = context.Queue()
+        processes = [
+            context.Process(
+                target=_rank_main,
+                args=(rank, stack, settings, barrier, progress_queue, results),
+                name=f"ucm-demo-rank{rank}",
             )
-            stack = yaml.safe_load(text)
-            stack["shards_per_block"] = settings.ranks
-            load_stack(stack)  # validate before starting processes
-            context = mp.get_context("spawn")
-            barrier = context.Barrier(settings.ranks)
-            progress_queue = context.Queue()
-            results = context.Queue()
-            processes = [
-                context.Process(
-                    target=_rank_main,
-                    args=(rank, stack, settings, barrier, progress_queue, results),
-                    name=f"ucm-demo-rank{rank}",
-                )
-                for rank in range(settings.ranks)
-            ]
-            for process in processes:
-                process.start()
-            total = settings.requests * settings.ranks
-            reports: list[RankReport] = []
-            with Progress(transient=True) as bar:
-                job = bar.add_task("serving requests", total=total)
-                deadline = time.monotonic() + 600
-                while len(reports) < settings.ranks and time.monotonic() < deadline:
-                    try:
-                        progress_queue.get(timeout=0.2)
-                        bar.advance(job)
-                    except queue.Empty:
-                        pass
-                    try:
-                        while True:
-                            reports.append(RankReport(**results.get_nowait()))
-                    except queue.Empty:
-                        pass
-            for process in processes:
-                process.join(timeout=30)
-                if process.is_alive():
-                    process.kill()
-            missing = {p.name for p in processes} - {f"ucm-demo-rank{r.rank}" for r in reports}
-            for name in sorted(missing):
-                reports.append(
-                    RankReport(rank=int(name.removeprefix("ucm-demo-rank")), errors=["no report"])
-                )
-            return sorted(reports, key=lambda r: r.rank)
+            for rank in range(settings.ranks)
+        ]
+        for process in processes:
+            process.start()
+        total = settings.requests * settings.ranks
+        reports: list[RankReport] = []
+        with Progress(transient=True) as bar:
+            job = bar.add_task("serving requests", total=total)
+            deadline = time.monotonic() + 600
+            while len(reports) < settings.ranks and time.monotonic() < deadline:
+                try:
+                    progress_queue.get(timeout=0.2)
+                    bar.advance(job)
+                except queue.Empty:
+                    pass
+                try:
+                    while True:
+                        reports.append(RankReport(**results.get_nowait()))
+                except queue.Empty:
+                    pass
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+        missing = {p.name for p in processes} - {f"ucm-demo-rank{r.rank}" for r in reports}
+        for name in sorted(missing):
+            reports.append(
+                RankReport(rank=int(name.removeprefix("ucm-demo-rank")), errors=["no report"])
+            )
+        return sorted(reports, key=lambda r: r.rank)

@@ -128,12 +128,31 @@ class BufferTier(Tier):
 
     # ---- the owner/waiter load path ---------------------------------------------------------
 
+    def _chunk_keys(self) -> int:
+        # A batch holds a reference on every slot it gets until it releases them: keep batches
+        # to half the regular pool so a task larger than the buffer still finds free slots.
+        return max(1, min(1024, self.geometry.slot_count_regular // 2))
+
     def load_through(
         self, keys: Sequence[Key], destinations: Sequence[ShardViews], fill: Fill
     ) -> tuple[dict[Key, BaseException], list[int]]:
         """Loads keys into caller memory through the buffer: hits are copied out, claimed slots
         are filled from below (``fill``) and published, keys another rank is filling are
         waited for. Returns failures and per key the position that served it (0 = buffer)."""
+        failures: dict[Key, BaseException] = {}
+        served_by: list[int] = []
+        size = self._chunk_keys()
+        for start in range(0, len(keys), size):
+            chunk_failures, chunk_served = self._load_chunk(
+                keys[start : start + size], destinations[start : start + size], fill
+            )
+            failures.update(chunk_failures)
+            served_by.extend(chunk_served)
+        return failures, served_by
+
+    def _load_chunk(
+        self, keys: Sequence[Key], destinations: Sequence[ShardViews], fill: Fill
+    ) -> tuple[dict[Key, BaseException], list[int]]:
         served_by = [-1] * len(keys)
         failures: dict[Key, BaseException] = {}
         with self._lock:
@@ -238,6 +257,15 @@ class BufferTier(Tier):
     def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
         """Writes each shard into a claimed slot and publishes it Ready. A key that is already
         Ready (or being filled by another rank) is left as it is: a key's bytes never change."""
+        outcomes: list[Outcome] = []
+        size = self._chunk_keys()
+        for start in range(0, len(keys), size):
+            outcomes.extend(
+                self._dump_chunk(keys[start : start + size], sources[start : start + size])
+            )
+        return outcomes
+
+    def _dump_chunk(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
         outcomes: list[Outcome] = [None] * len(keys)
         with self._lock:
             batch = self.core.get(list(keys), evicted=self.context.evict_sink is not None)

@@ -1,0 +1,141 @@
+"""Stacks with the shared CacheBuffer on top, with real rank processes sharing it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ucm
+from ucm.errors import ConfigError, RoleError
+
+from .conftest import block, payload
+
+SHARD = 4096
+
+
+def buffer_stack(tmp_path: Path, slots: int = 64, shards: int = 4, **extra: Any) -> dict[str, Any]:
+    return {
+        "unique_id": f"t-{uuid.uuid4().hex[:12]}",
+        "shard_size": SHARD,
+        "shards_per_block": shards,
+        "tiers": [
+            {"type": "buffer", "capacity": slots * SHARD, **extra},
+            {"type": "posix", "path": str(tmp_path / "nvme")},
+        ],
+    }
+
+
+def shard_tensor(block_id: bytes, shard: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(payload(block_id, shard, SHARD)), dtype=torch.uint8)
+
+
+def test_dump_then_load_hits_the_buffer_and_writes_through(tmp_path: Path) -> None:
+    config = buffer_stack(tmp_path)
+    with ucm.open(config) as store:
+        blocks = [block(i) for i in range(8)]
+        store.wait(store.dump(blocks, 2, [[shard_tensor(b, 2)] for b in blocks]))
+        dst = [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in blocks]
+        store.wait(store.load(blocks, 2, dst))
+        assert [d[0].numpy().tobytes() for d in dst] == [payload(b, 2, SHARD) for b in blocks]
+        stats = store.stats()
+        assert (stats["hits"], stats["misses"]) == (8, 0)
+        assert stats["tiers"][0]["type"] == "buffer"
+    # close() finished the write-through: a fresh store (new buffer) loads from posix.
+    with ucm.open(buffer_stack(tmp_path)) as store:
+        dst = [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in blocks]
+        store.wait(store.load(blocks, 2, dst))
+        assert [d[0].numpy().tobytes() for d in dst] == [payload(b, 2, SHARD) for b in blocks]
+        stats = store.stats()
+        assert (stats["hits"], stats["misses"]) == (0, 8)
+        assert stats["tiers"][0]["owned"] == 8
+        store.wait(store.load(blocks, 2, dst))  # promoted: now hits
+        assert store.stats()["hits"] == 8
+
+
+def test_eviction_from_a_small_buffer_falls_back_to_posix(tmp_path: Path) -> None:
+    with ucm.open(buffer_stack(tmp_path, slots=4, shards=1)) as store:
+        blocks = [block(i) for i in range(12)]
+        store.wait(store.dump(blocks, 0, [[shard_tensor(b, 0)] for b in blocks]))
+        store._writer.drain()
+        dst = [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in blocks]
+        store.wait(store.load(blocks, 0, dst))
+        assert [d[0].numpy().tobytes() for d in dst] == [payload(b, 0, SHARD) for b in blocks]
+        assert store.stats()["tiers"][0]["evictions"] > 0
+        assert store.lookup(blocks) == [True] * 12
+        assert store.remove(blocks) == 12
+        assert store.lookup(blocks) == [False] * 12
+
+
+def test_scheduler_sees_blocks_without_a_data_plane(tmp_path: Path) -> None:
+    config = buffer_stack(tmp_path, shards=1)
+    with ucm.open(config, device_id=0, local_rank_size=2) as worker:
+        worker.wait(worker.dump([block(1)], 0, [[shard_tensor(block(1), 0)]]))
+        with ucm.open(config, device_id=-1, local_rank_size=2) as scheduler:
+            assert scheduler.lookup([block(1), block(2)]) == [True, False]
+            assert scheduler.lookup_on_prefix([block(1), block(2)]) == 0
+            with pytest.raises(RoleError, match="not allowed on a scheduler"):
+                scheduler.load([block(1)], 0, [[torch.zeros(SHARD, dtype=torch.uint8)]])
+
+
+def test_buffer_must_be_the_first_tier(tmp_path: Path) -> None:
+    config = buffer_stack(tmp_path)
+    config["tiers"].reverse()
+    with pytest.raises(ConfigError, match=r"tiers\[1\].type: the buffer tier must be the first"):
+        ucm.open(config)
+
+
+def test_capacity_below_one_slot_names_the_tier(tmp_path: Path) -> None:
+    config = buffer_stack(tmp_path)
+    config["tiers"][0]["capacity"] = SHARD - 1
+    with pytest.raises(ConfigError, match=r"tiers\[0\] \(buffer\): capacity_bytes=4095 is below"):
+        ucm.open(config)
+
+
+def _rank(rank: int, config: dict[str, Any], blocks: list[bytes], barrier: Any, out: Any) -> None:
+    try:
+        with ucm.open(config, device_id=rank, local_rank_size=4) as store:
+            dst = [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in blocks]
+            barrier.wait(timeout=60)
+            store.wait(store.load(blocks, 1, dst))
+            exact = all(
+                d[0].numpy().tobytes() == payload(b, 1, SHARD)
+                for b, d in zip(blocks, dst, strict=True)
+            )
+            stats = store.stats()
+            barrier.wait(timeout=60)  # keep the buffer mapped until every rank has loaded
+            out.put((rank, exact, stats["tiers"][1]["hits"], stats["tiers"][0]["owned"]))
+    except Exception as exc:  # reported to the test
+        out.put((rank, repr(exc), -1, -1))
+
+
+@pytest.mark.timeout(180)
+def test_four_ranks_cold_load_reads_each_shard_from_below_exactly_once(tmp_path: Path) -> None:
+    config = buffer_stack(tmp_path, slots=256)
+    blocks = [block(i) for i in range(48)]
+    lower = {
+        "unique_id": "seed",
+        "shard_size": SHARD,
+        "shards_per_block": 4,
+        "tiers": [{"type": "posix", "path": str(tmp_path / "nvme")}],
+    }
+    with ucm.open(lower) as seeding:
+        seeding.wait(seeding.dump(blocks, 1, [[shard_tensor(b, 1)] for b in blocks]))
+    context = mp.get_context("spawn")
+    barrier, out = context.Barrier(4), context.Queue()
+    ranks = [
+        context.Process(target=_rank, args=(r, config, blocks, barrier, out)) for r in range(4)
+    ]
+    for process in ranks:
+        process.start()
+    results = sorted(out.get(timeout=150) for _ in ranks)
+    for process in ranks:
+        process.join(timeout=30)
+    assert [r[1] for r in results] == [True] * 4, results
+    # Node-wide, every shard came from posix exactly once; the other ranks waited on its slot.
+    assert sum(r[2] for r in results) == 48
+    assert sum(r[3] for r in results) == 48
