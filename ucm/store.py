@@ -86,6 +86,7 @@ class Store:
         self._buffer: Any = top if hasattr(top, "load_through") else None
         self._tasks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ucm-task")
         self._writer = _WriteQueue(write_queue_bytes, self._count)
+        self._prefetches: list[Future[None]] = []
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -112,7 +113,8 @@ class Store:
         blocks = arguments.check_block_ids(block_ids)
         keys = self.layout.keys_of_blocks(blocks)
         if keys and len(self.tiers) > 1:
-            self._tasks.submit(self._prefetch, keys)
+            self._prefetches = [f for f in self._prefetches if not f.done()]
+            self._prefetches.append(self._tasks.submit(self._prefetch, keys))
 
     def load(self, block_ids: Sequence[bytes], shard_index: Any, dst: Any) -> Task:
         """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``."""
@@ -133,6 +135,12 @@ class Store:
         """Like dump, with raw addresses: ``src_ptrs[i][j]`` holds tensor j of block i."""
         keys, memory = self._prepare(block_ids, shard_index, "src_ptrs", src_ptrs, for_load=False)
         return self._submit("dump", keys, self._run_dump, memory)
+
+    def wait_prefetches(self) -> None:
+        """Blocks until every prefetch started so far has finished (its errors are ignored:
+        a failed prefetch only means the later load reads from below)."""
+        for future in list(self._prefetches):
+            future.exception()
 
     def wait(self, task: Task) -> None:
         """Blocks until the task finishes; raises TaskError naming each failed key."""
@@ -346,7 +354,13 @@ class Store:
             return
         buffers = [bytearray(self.layout.shard_size) for _ in missing]
         views: list[ShardViews] = [[memoryview(b)] for b in buffers]
-        _, served_by = self._cascade_load(missing, views, start_tier=1)
+        if self._buffer is not None:
+            # Claims the slots, so ranks prefetching the same blocks read each shard once.
+            _, served_by = self._buffer.load_through(
+                missing, views, lambda k, v: self._cascade_load(k, v, start_tier=1)
+            )
+        else:
+            _, served_by = self._cascade_load(missing, views, start_tier=1)
         self._promote(missing, views, served_by)
         self._count("prefetched_shards", sum(1 for served in served_by if served > 0))
 

@@ -57,6 +57,20 @@ def test_dump_then_load_hits_the_buffer_and_writes_through(tmp_path: Path) -> No
         assert store.stats()["hits"] == 8
 
 
+def test_prefetch_moves_blocks_into_the_buffer(tmp_path: Path) -> None:
+    config = buffer_stack(tmp_path, shards=2)
+    blocks = [block(i) for i in range(3)]
+    with ucm.open(config) as first:
+        for shard in (0, 1):
+            first.wait(first.dump(blocks, shard, [[shard_tensor(b, shard)] for b in blocks]))
+    with ucm.open(buffer_stack(tmp_path, shards=2)) as store:
+        assert store.tiers[0].lookup_blocks(blocks) == [False] * 3
+        store.prefetch(blocks)
+        store.wait_prefetches()
+        assert store.tiers[0].lookup_blocks(blocks) == [True] * 3
+        assert store.stats()["prefetched_shards"] == 6
+
+
 def test_eviction_from_a_small_buffer_falls_back_to_posix(tmp_path: Path) -> None:
     with ucm.open(buffer_stack(tmp_path, slots=4, shards=1)) as store:
         blocks = [block(i) for i in range(12)]

@@ -270,7 +270,7 @@ def test_prefetch_moves_blocks_up(dict_tier) -> None:
         for s in (0, 1):
             SHARED["low"][(block(4), s)] = payload(block(4), s, 16)
         store.prefetch([block(4)])
-        store._tasks.submit(lambda: None).result()  # tasks run in order: prefetch is done
+        store.wait_prefetches()
         for s in (0, 1):
             assert SHARED["top"][(block(4), s)] == payload(block(4), s, 16)
 
