@@ -147,7 +147,9 @@ class Tier(abc.ABC):
         are kept unless ``force``. Takes the tier's lock once per chunk of REMOVE_CHUNK_KEYS."""
 
     def stats(self) -> dict[str, int | float]:
-        """Counters for ``store.stats()`` (hits, misses, bytes, lock acquisitions, ...)."""
+        """Counters for ``store.stats()``. The conformance suite requires at least ``hits`` and
+        ``misses`` (keys loaded / missing) and ``remove_lock_acquisitions`` (lock acquisitions
+        made by batched_remove: one per chunk of REMOVE_CHUNK_KEYS keys)."""
         return {}
 
     def flush(self) -> None:  # noqa: B027 - optional hook, most tiers write synchronously
