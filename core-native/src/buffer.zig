@@ -5,12 +5,25 @@
 //! validated by `attach`. It holds no pointers, only indices and offsets, so every process may
 //! map it at a different address:
 //!
-//!   [Header][Clock][Counters][Bucket × bucket_count][Slot × (regular + reserved)]
+//!   [Header][Clock][Counters][Holders][Bucket × bucket_count][Slot × (regular + reserved)]
 //!
 //! Locking: each hash bucket has a cross-process lock word holding the holder's pid. A slot's
-//! key, chain link, refcount, owner and state transitions are changed only under the lock of the
+//! key, chain link, holders, owner and state transitions are changed only under the lock of the
 //! bucket it is linked into. A free slot (`bucket == bucket_free`) is claimed with a CAS, a
 //! slot detached from its chain (failed, or force-removed while in use) is only released.
+//!
+//! References (who is using a slot) are recorded per *holder*: every process registers once in
+//! the holder table (pid + start time, so a reused pid is never mistaken for the dead process)
+//! and gets an index 0..63. A slot's `holders` word is a bitmap of the holders that reference
+//! it; the refcount is its popcount. Rule: a holder holds at most one reference per slot (a
+//! repeated Get answers `held`; the Python side serialises a process's calls per tier and
+//! dedups keys). Why a bitmap and not a count per (slot, holder): one atomic word is the whole
+//! truth, so a process killed at any instruction leaves either its bit or not, never a count
+//! that nobody can attribute; recovering a dead process is "clear its bit" under the bucket lock
+//! (or one atomic AND on a detached slot), and the slot stays 64 bytes.
+//! Dead holders are found by `scan_holders` (pid + start time) and marked in `dead_mask`; Get,
+//! eviction, remove and wait drop the references of marked holders they meet, and
+//! `reclaim_dead` sweeps every slot, then frees the entries for reuse.
 //! Eviction holds the new key's bucket lock and only *tries* the victim's bucket lock, so two
 //! bucket locks are never waited for at once and there is no lock-order deadlock.
 //!
@@ -20,6 +33,7 @@ const std = @import("std");
 const linux = std.os.linux;
 const constants = @import("constants.zig");
 const futex = @import("futex.zig");
+const seg_sys = @import("seg_sys.zig");
 
 const assert = std.debug.assert;
 const Atomic = std.atomic.Value;
@@ -40,6 +54,20 @@ pub const slot_flag_preallocated: u32 = 1 << 1;
 
 const lock_contended_bit: u32 = 1 << 31;
 const lock_pid_mask: u32 = lock_contended_bit - 1;
+
+pub const holder_none: u32 = std.math.maxInt(u32);
+
+/// Holder entry states (high 32 bits of `HolderEntry.tag`; the low 32 bits are the pid).
+pub const HolderState = enum(u32) { free = 0, registering = 1, live = 2, dead = 3 };
+
+pub fn holder_tag(state: HolderState, pid: u32) u64 {
+    return (@as(u64, @intFromEnum(state)) << 32) | pid;
+}
+
+pub fn holder_bit(holder: u32) u64 {
+    assert(holder < constants.buffer_holders_max);
+    return @as(u64, 1) << @intCast(holder);
+}
 
 pub const Geometry = extern struct {
     shard_size_bytes: u64,
@@ -90,10 +118,11 @@ pub const Clock = extern struct {
 };
 
 pub const counter_names = [_][]const u8{
-    "hits",            "misses",        "evictions",      "prealloc_hits",
-    "waits",           "wakeups",       "takeovers",      "lock_acquisitions",
-    "lock_recoveries", "no_slot",       "preallocs",      "removed",
-    "touched",         "commits_ready", "commits_failed", "wait_timeouts",
+    "hits",            "misses",         "evictions",      "prealloc_hits",
+    "waits",           "wakeups",        "takeovers",      "lock_acquisitions",
+    "lock_recoveries", "no_slot",        "preallocs",      "removed",
+    "touched",         "commits_ready",  "commits_failed", "wait_timeouts",
+    "dead_holders",    "refs_reclaimed", "holders_freed",  "remove_lock_acquisitions",
 };
 pub const counter_count = counter_names.len;
 pub const Counter = enum(u32) {
@@ -113,6 +142,11 @@ pub const Counter = enum(u32) {
     commits_ready,
     commits_failed,
     wait_timeouts,
+    dead_holders,
+    refs_reclaimed,
+    holders_freed,
+    /// Bucket locks taken by batched removes (part of lock_acquisitions): seed 003's figure.
+    remove_lock_acquisitions,
 };
 
 pub const Counters = extern struct {
@@ -129,17 +163,53 @@ pub const Bucket = extern struct {
 pub const Slot = extern struct {
     block_id: BlockId,
     shard_index: u32,
-    refcount: Atomic(u32),
     state: Atomic(u32),
     /// Futex word: bumped after every state change; never reset, so a stale read always differs.
     version: Atomic(u32),
     accessed: Atomic(u32),
-    /// Pid of the process loading the slot while Idle; 0 when nobody owns it.
-    owner_pid: Atomic(u32),
+    /// Holder index + 1 of the process loading the slot while Idle; 0 when nobody owns it.
+    owner: Atomic(u32),
     next: u32,
     bucket: Atomic(u32),
     flags: Atomic(u32),
-    _pad: [constants.buffer_slot_size_bytes - 52]u8,
+    /// Bit h set: holder h holds a reference (at most one). The refcount is its popcount.
+    holders: Atomic(u64),
+    _pad: [constants.buffer_slot_size_bytes - 56]u8,
+
+    pub fn refcount(slot: *const Slot) u32 {
+        return @popCount(slot.holders.load(.monotonic));
+    }
+};
+
+/// One registered process. `tag` packs (state << 32 | pid) so that a state change and the pid
+/// it applies to are one CAS.
+pub const HolderEntry = extern struct {
+    tag: Atomic(u64),
+    /// /proc/<pid>/stat field 22 of the holder: a reused pid has another start time.
+    start_time: Atomic(u64),
+    /// Pid of the process sweeping this dead holder's references; 0 when nobody is.
+    reclaimer: Atomic(u32),
+    _pad0: u32,
+    _pad1: u64,
+
+    pub fn state(entry: *const HolderEntry) HolderState {
+        return @enumFromInt(@as(u32, @intCast(entry.tag.load(.acquire) >> 32)));
+    }
+
+    pub fn pid(entry: *const HolderEntry) u32 {
+        return @truncate(entry.tag.load(.acquire));
+    }
+};
+
+pub const Holders = extern struct {
+    /// Bit h set: holder h is dead and its references are being dropped. Read under a bucket
+    /// lock before clearing a slot's bits: the bit is cleared before the entry is freed, so a
+    /// new holder reusing index h is never mistaken for the dead one.
+    dead_mask: Atomic(u64),
+    /// Monotonic time of the last scan triggered by a full buffer (rate limit).
+    last_scan_ns: Atomic(u64),
+    _pad: [48]u8,
+    entries: [constants.buffer_holders_max]HolderEntry,
 };
 
 comptime {
@@ -152,13 +222,17 @@ comptime {
     assert(@typeInfo(Counter).@"enum".fields.len == counter_count);
     assert(@sizeOf(Bucket) == constants.buffer_bucket_size_bytes);
     assert(@sizeOf(Slot) == constants.buffer_slot_size_bytes);
+    assert(@offsetOf(Slot, "holders") % 8 == 0);
+    assert(@sizeOf(HolderEntry) == constants.buffer_holder_entry_size_bytes);
+    assert(@sizeOf(Holders) == constants.buffer_holder_table_size_bytes);
     assert(@offsetOf(Slot, "version") % constants.futex_word_size_bytes == 0);
     assert(@offsetOf(Bucket, "lock") % constants.futex_word_size_bytes == 0);
 }
 
 const clock_offset_bytes = constants.buffer_header_size_bytes;
 const counters_offset_bytes = clock_offset_bytes + constants.buffer_clock_size_bytes;
-const buckets_offset_bytes = counters_offset_bytes + constants.buffer_counters_size_bytes;
+const holders_offset_bytes = counters_offset_bytes + constants.buffer_counters_size_bytes;
+const buckets_offset_bytes = holders_offset_bytes + constants.buffer_holder_table_size_bytes;
 
 pub const Status = enum(i32) {
     ok = 0,
@@ -170,6 +244,10 @@ pub const Status = enum(i32) {
     geometry_mismatch = -104,
     ctrl_misaligned = -105,
     lock_timeout = -106,
+    /// Every holder entry is taken by a live process.
+    holders_full = -107,
+    /// The holder index is not registered to the calling process (e.g. after fork()).
+    not_registered = -108,
 };
 
 pub const GetResult = enum(u8) {
@@ -178,6 +256,8 @@ pub const GetResult = enum(u8) {
     waiter = 2,
     no_slot = 3,
     lock_timeout = 4,
+    /// The caller already holds a reference on the key's slot (one per holder): nothing taken.
+    held = 5,
 };
 
 /// What `wait` reports per slot. `idle` means the timeout expired with the owner alive.
@@ -267,14 +347,45 @@ pub fn pid_alive(pid: u32) bool {
     return state_letter != 'Z' and state_letter != 'X';
 }
 
+/// Test hook (process-local): decides whether (pid, start time) is alive instead of /proc, so
+/// the fuzzer can run many simulated processes in one.
+pub var debug_identity_alive: ?*const fn (pid: u32, start_time: u64) bool = null;
+
+/// Whether the process (pid, start time) still runs: a zombie or a reused pid is dead.
+pub fn identity_alive(pid: u32, start_time: u64) bool {
+    assert(pid != 0);
+    if (debug_identity_alive) |hook| return hook(pid, start_time);
+    const found = seg_sys.process_start_time_ticks(pid) orelse return false;
+    return found == start_time;
+}
+
+/// Start time of this process, cached per pid (a forked child reads its own).
+var self_start_pid: u32 = 0;
+var self_start_time: u64 = 0;
+
+pub fn self_start_time_ticks(pid: u32) u64 {
+    if (@atomicLoad(u32, &self_start_pid, .acquire) == pid) {
+        return @atomicLoad(u64, &self_start_time, .monotonic);
+    }
+    const start = seg_sys.process_start_time_ticks(pid) orelse
+        std.debug.panic("cannot read /proc/{d}/stat of this process", .{pid});
+    @atomicStore(u64, &self_start_time, start, .monotonic);
+    @atomicStore(u32, &self_start_pid, pid, .release);
+    return start;
+}
+
 pub const Buffer = struct {
     header: *Header,
     clock: *Clock,
     counters: *Counters,
+    holder_table: *Holders,
     buckets: []Bucket,
     slots: []Slot,
     geometry: Geometry,
     pid: u32,
+    /// This process's holder index (`register`), or `holder_none` for a view that takes no
+    /// references (lookups, touch, remove, stats).
+    holder: u32 = holder_none,
 
     /// Lays out a fresh control region at `ctrl_base`. The magic is stored last (release), so a
     /// process that sees it sees the whole layout.
@@ -314,6 +425,10 @@ pub const Buffer = struct {
             ._pad1 = @splat(0),
         };
         const buffer = view(ctrl_base, header);
+        for (&buffer.holder_table.entries) |*entry| {
+            entry.tag = Atomic(u64).init(holder_tag(.free, 0));
+            entry.reclaimer = Atomic(u32).init(0);
+        }
         for (buffer.buckets) |*bucket| {
             bucket.lock = Atomic(u32).init(0);
             bucket.head = slot_none;
@@ -370,6 +485,7 @@ pub const Buffer = struct {
             .header = header,
             .clock = @ptrFromInt(ctrl_base + clock_offset_bytes),
             .counters = @ptrFromInt(ctrl_base + counters_offset_bytes),
+            .holder_table = @ptrFromInt(ctrl_base + holders_offset_bytes),
             .buckets = buckets[0..geometry.bucket_count],
             .slots = slots[0..geometry.slot_count_total()],
             .geometry = geometry,
@@ -430,6 +546,227 @@ pub const Buffer = struct {
     }
 
     // ---------------------------------------------------------------------------------------
+    // Holders: who may hold references, and recovery of the references of dead processes.
+
+    /// Registers (pid, start_time) and returns its holder index; idempotent for a live entry of
+    /// the same identity. When the table is full, dead holders are reclaimed first.
+    pub fn register_identity(buffer: Buffer, pid: u32, start_time: u64) error{ HoldersFull, LockTimeout }!u32 {
+        assert(pid != 0 and pid <= lock_pid_mask);
+        const table = buffer.holder_table;
+        var attempt: u32 = 0;
+        while (attempt < 2) : (attempt += 1) {
+            for (&table.entries, 0..) |*entry, index| {
+                if (entry.tag.load(.acquire) != holder_tag(.live, pid)) continue;
+                if (entry.start_time.load(.monotonic) == start_time) return @intCast(index);
+                // Our pid with another start time: a dead predecessor whose pid we reuse.
+                buffer.mark_dead(@intCast(index), pid);
+            }
+            for (&table.entries, 0..) |*entry, index| {
+                // Acquire: the previous reclaimer's clearing of dead_mask happened before.
+                if (entry.tag.cmpxchgStrong(holder_tag(.free, 0), holder_tag(.registering, pid), .acquire, .monotonic) != null) continue;
+                entry.start_time.store(start_time, .monotonic);
+                // Release: the start time is visible to whoever sees the entry live.
+                entry.tag.store(holder_tag(.live, pid), .release);
+                return @intCast(index);
+            }
+            if (attempt == 0) _ = try buffer.reclaim_dead();
+        }
+        return error.HoldersFull;
+    }
+
+    /// Registers the calling process (see `register_identity`).
+    pub fn register(buffer: Buffer) error{ HoldersFull, LockTimeout }!u32 {
+        return buffer.register_identity(buffer.pid, self_start_time_ticks(buffer.pid));
+    }
+
+    /// Whether `holder` is this view's registered process (forked children are not).
+    pub fn holder_valid(buffer: Buffer, holder: u32) bool {
+        if (holder >= constants.buffer_holders_max) return false;
+        return buffer.holder_table.entries[holder].tag.load(.acquire) == holder_tag(.live, buffer.pid);
+    }
+
+    /// Marks a live entry dead (once) so that everyone drops its references.
+    fn mark_dead(buffer: Buffer, holder: u32, pid: u32) void {
+        const entry = &buffer.holder_table.entries[holder];
+        if (entry.tag.cmpxchgStrong(holder_tag(.live, pid), holder_tag(.dead, pid), .acq_rel, .monotonic) == null) {
+            // Release: pairs with the loads of dead_mask under bucket locks.
+            _ = buffer.holder_table.dead_mask.fetchOr(holder_bit(holder), .release);
+            buffer.count(.dead_holders, 1);
+        }
+    }
+
+    /// Whether holder `holder` still runs; marks it dead when it does not.
+    pub fn holder_alive(buffer: Buffer, holder: u32) bool {
+        assert(holder < constants.buffer_holders_max);
+        const entry = &buffer.holder_table.entries[holder];
+        const tag = entry.tag.load(.acquire);
+        const pid: u32 = @truncate(tag);
+        switch (@as(HolderState, @enumFromInt(@as(u32, @intCast(tag >> 32))))) {
+            .free, .dead => return false,
+            .registering => return pid_alive(pid),
+            .live => {
+                if (pid == buffer.pid and holder == buffer.holder) return true;
+                if (identity_alive(pid, entry.start_time.load(.monotonic))) return true;
+                buffer.mark_dead(holder, pid);
+                return false;
+            },
+        }
+    }
+
+    /// Checks every live holder (pid + start time) and marks the dead ones. Returns dead_mask.
+    pub fn scan_holders(buffer: Buffer) u64 {
+        for (&buffer.holder_table.entries, 0..) |*entry, index| {
+            const tag = entry.tag.load(.acquire);
+            const pid: u32 = @truncate(tag);
+            const state: HolderState = @enumFromInt(@as(u32, @intCast(tag >> 32)));
+            if (state == .live) {
+                _ = buffer.holder_alive(@intCast(index));
+            } else if (state == .registering and !pid_alive(pid)) {
+                // Died before it could take a reference: nothing to sweep.
+                _ = entry.tag.cmpxchgStrong(tag, holder_tag(.free, 0), .acq_rel, .monotonic);
+            }
+        }
+        return buffer.holder_table.dead_mask.load(.acquire);
+    }
+
+    /// A scan at most every `buffer_holder_scan_interval_ns` (a full buffer asks on every miss).
+    fn scan_holders_rate_limited(buffer: Buffer) u64 {
+        const now_ns = futex.monotonic_ns();
+        const last = buffer.holder_table.last_scan_ns.load(.monotonic);
+        if (last != 0 and now_ns -| last < constants.buffer_holder_scan_interval_ns) {
+            return buffer.holder_table.dead_mask.load(.acquire);
+        }
+        if (buffer.holder_table.last_scan_ns.cmpxchgStrong(last, now_ns, .monotonic, .monotonic) != null) {
+            return buffer.holder_table.dead_mask.load(.acquire);
+        }
+        return buffer.scan_holders();
+    }
+
+    /// Whether the process whose pid is in a lock word runs: through its holder entry (pid +
+    /// start time) when it has one, else by pid.
+    pub fn lock_holder_alive(buffer: Buffer, pid: u32) bool {
+        // A reused pid may name two entries (the dead process's, not yet marked, and the new
+        // one's): the locker is alive if any entry of that pid is.
+        var found = false;
+        for (&buffer.holder_table.entries, 0..) |*entry, index| {
+            const tag = entry.tag.load(.acquire);
+            if (@as(u32, @truncate(tag)) != pid) continue;
+            const state: HolderState = @enumFromInt(@as(u32, @intCast(tag >> 32)));
+            if (state == .free) continue;
+            found = true;
+            if (state != .dead and buffer.holder_alive(@intCast(index))) return true;
+        }
+        return !found and pid_alive(pid);
+    }
+
+    /// Drops the references of dead holders from a slot. The caller holds the slot's bucket
+    /// lock. Returns whether the slot is now unreferenced.
+    fn drop_dead_refs_locked(buffer: Buffer, slot_index: u32) bool {
+        const slot = &buffer.slots[slot_index];
+        const holders = slot.holders.load(.monotonic);
+        if (holders == 0) return true;
+        // Monotonic under the bucket lock suffices: see Holders.dead_mask.
+        const dead = buffer.holder_table.dead_mask.load(.acquire);
+        const stale = holders & dead;
+        if (stale == 0) return false;
+        buffer.drop_refs_locked(slot_index, stale);
+        return holders & ~stale == 0;
+    }
+
+    fn drop_refs_locked(buffer: Buffer, slot_index: u32, stale: u64) void {
+        const slot = &buffer.slots[slot_index];
+        assert(stale != 0);
+        _ = slot.holders.fetchAnd(~stale, .monotonic);
+        const owner = slot.owner.load(.monotonic);
+        if (owner != 0 and stale & holder_bit(owner - 1) != 0) {
+            // The owner died mid-load: waiters see owner 0 and take over.
+            slot.owner.store(0, .monotonic);
+        }
+        buffer.count(.refs_reclaimed, @popCount(stale));
+    }
+
+    pub const Reclaim = struct { holders: u32 = 0, refs: u64 = 0 };
+
+    /// Finds dead holders, drops every reference they left (one slot, one bucket lock at a
+    /// time: the sweep never holds a lock for more than a slot), recovers locks they held, and
+    /// frees their entries. Bounded by the slot and bucket counts. A sweep interrupted by its
+    /// own death is taken over by the next caller.
+    pub fn reclaim_dead(buffer: Buffer) error{LockTimeout}!Reclaim {
+        _ = buffer.scan_holders();
+        const table = buffer.holder_table;
+        var claimed: u64 = 0;
+        var claimed_pids: [constants.buffer_holders_max]u32 = @splat(0);
+        for (&table.entries, 0..) |*entry, index| {
+            const tag = entry.tag.load(.acquire);
+            if (tag >> 32 != @intFromEnum(HolderState.dead)) continue;
+            const reclaimer = entry.reclaimer.load(.monotonic);
+            if (reclaimer == buffer.pid) continue; // our own sweep in another thread
+            if (reclaimer != 0 and pid_alive(reclaimer)) continue;
+            if (entry.reclaimer.cmpxchgStrong(reclaimer, buffer.pid, .acq_rel, .monotonic) != null) continue;
+            claimed |= holder_bit(@intCast(index));
+            claimed_pids[index] = @truncate(tag);
+        }
+        var report = Reclaim{};
+        if (claimed == 0) return report;
+        // Locks left held by the dead: lock_acquire steals and repairs them.
+        for (buffer.buckets, 0..) |*bucket, bucket_index| {
+            const holder_pid = bucket.lock.load(.monotonic) & lock_pid_mask;
+            if (holder_pid == 0) continue;
+            if (std.mem.indexOfScalar(u32, &claimed_pids, holder_pid) == null) continue;
+            try buffer.lock_acquire(@intCast(bucket_index));
+            buffer.lock_release(@intCast(bucket_index));
+        }
+        for (0..buffer.slots.len) |slot_index| {
+            report.refs += try buffer.sweep_slot(@intCast(slot_index), claimed);
+        }
+        for (&table.entries, 0..) |*entry, index| {
+            if (claimed & holder_bit(@intCast(index)) == 0) continue;
+            // Order: dead bit off, then the entry free (release), then the claim dropped.
+            _ = table.dead_mask.fetchAnd(~holder_bit(@intCast(index)), .release);
+            entry.tag.store(holder_tag(.free, 0), .release);
+            entry.reclaimer.store(0, .monotonic);
+            report.holders += 1;
+        }
+        buffer.count(.holders_freed, report.holders);
+        return report;
+    }
+
+    /// Clears the bits in `mask` (claimed dead holders) from one slot. Returns refs dropped.
+    fn sweep_slot(buffer: Buffer, slot_index: u32, mask: u64) error{LockTimeout}!u64 {
+        const slot = &buffer.slots[slot_index];
+        var attempts: u32 = 0;
+        while (attempts < 4) : (attempts += 1) {
+            // Dead holders never set new bits, so a slot without them can be skipped unlocked.
+            if (slot.holders.load(.acquire) & mask == 0) return 0;
+            const bucket_index = slot.bucket.load(.acquire);
+            if (bucket_index == bucket_free) return 0;
+            if (bucket_index == bucket_detached) {
+                // AcqRel: whoever clears the last bit frees the slot (as in release_one).
+                const previous = slot.holders.fetchAnd(~mask, .acq_rel);
+                const stale = previous & mask;
+                if (stale != 0) buffer.count(.refs_reclaimed, @popCount(stale));
+                if (stale != 0 and previous & ~mask == 0) buffer.free_slot(slot_index);
+                return @popCount(stale);
+            }
+            assert(bucket_index < buffer.buckets.len);
+            try buffer.lock_acquire(bucket_index);
+            defer buffer.lock_release(bucket_index);
+            if (slot.bucket.load(.monotonic) != bucket_index) continue;
+            const stale = slot.holders.load(.monotonic) & mask;
+            if (stale == 0) return 0;
+            buffer.drop_refs_locked(slot_index, stale);
+            return @popCount(stale);
+        }
+        return 0;
+    }
+
+    /// Test hook: overwrite a holder's recorded start time, as if its pid had been reused.
+    pub fn debug_set_start_time(buffer: Buffer, holder: u32, start_time: u64) void {
+        assert(holder < constants.buffer_holders_max);
+        buffer.holder_table.entries[holder].start_time.store(start_time, .monotonic);
+    }
+
+    // ---------------------------------------------------------------------------------------
     // Bucket locks: the word holds the holder's pid, so a lock left by a killed process is
     // recognised and stolen after a bounded wait.
 
@@ -474,7 +811,7 @@ pub const Buffer = struct {
             const waited = futex.wait(word, contended, constants.buffer_lock_wait_slice_ns);
             if (waited == .timed_out) {
                 const holder = contended & lock_pid_mask;
-                if (holder != buffer.pid and !pid_alive(holder)) {
+                if (holder != buffer.pid and !buffer.lock_holder_alive(holder)) {
                     // Acquire: take over the dead holder's lock and whatever it left behind.
                     if (word.cmpxchgStrong(contended, buffer.pid | lock_contended_bit, .acquire, .monotonic) == null) {
                         buffer.count(.lock_acquisitions, 1);
@@ -525,7 +862,7 @@ pub const Buffer = struct {
         for (buffer.slots, 0..) |*slot, index| {
             if (slot.bucket.load(.monotonic) != bucket_index) continue;
             if (buffer.chain_contains(bucket_index, @intCast(index))) continue;
-            if (slot.refcount.load(.monotonic) == 0) {
+            if (slot.holders.load(.monotonic) == 0) {
                 buffer.free_slot(@intCast(index));
             } else {
                 // Release: pairs with the acquire load in `release`.
@@ -607,14 +944,14 @@ pub const Buffer = struct {
     /// with refcount 0, or the last reference of a detached slot).
     fn free_slot(buffer: Buffer, slot_index: u32) void {
         const slot = &buffer.slots[slot_index];
-        assert(slot.refcount.load(.monotonic) == 0);
+        assert(slot.holders.load(.monotonic) == 0);
         slot.block_id = @splat(0);
         slot.shard_index = 0;
         slot.next = slot_none;
         // Monotonic: published by the release store of `bucket` below.
         slot.state.store(@intFromEnum(State.idle), .monotonic);
         slot.accessed.store(0, .monotonic);
-        slot.owner_pid.store(0, .monotonic);
+        slot.owner.store(0, .monotonic);
         _ = slot.flags.fetchAnd(slot_flag_reserved, .monotonic);
         // Release: an allocator that CASes the bucket from free sees the cleared fields.
         slot.bucket.store(bucket_free, .release);
@@ -667,7 +1004,7 @@ pub const Buffer = struct {
         if (slot.bucket.cmpxchgStrong(bucket_free, bucket_index, .acquire, .monotonic) != null) {
             return false;
         }
-        assert(slot.refcount.load(.monotonic) == 0);
+        assert(slot.holders.load(.monotonic) == 0);
         return true;
     }
 
@@ -721,7 +1058,10 @@ pub const Buffer = struct {
             // Monotonic: the accessed bit is a hint; clearing it never breaks an invariant.
             if (slot.accessed.swap(0, .monotonic) != 0) return null;
         }
-        if (slot.refcount.load(.monotonic) != 0) return null;
+        // A slot referenced by a live holder is never a victim; one referenced only by dead
+        // holders is, once their references are dropped under its bucket lock below.
+        const holders = slot.holders.load(.monotonic);
+        if (holders != 0 and holders & ~buffer.holder_table.dead_mask.load(.acquire) != 0) return null;
         const owner_bucket = slot.bucket.load(.monotonic);
         if (owner_bucket == bucket_free) {
             if (buffer.claim_free(slot_index, bucket_index)) return .{ .slot = slot_index };
@@ -732,9 +1072,9 @@ pub const Buffer = struct {
         const own_lock = owner_bucket == bucket_index;
         if (!own_lock and !buffer.lock_try(owner_bucket)) return null;
         defer if (!own_lock) buffer.lock_release(owner_bucket);
-        // Re-check under the owning bucket's lock: refcounts only grow under it.
+        // Re-check under the owning bucket's lock: references only grow under it.
         if (slot.bucket.load(.monotonic) != owner_bucket) return null;
-        if (slot.refcount.load(.monotonic) != 0) return null;
+        if (!buffer.drop_dead_refs_locked(slot_index)) return null;
         const ready = slot.state.load(.monotonic) == @intFromEnum(State.ready);
         if (idle_only and ready) return null;
         var victim = Victim{ .slot = slot_index };
@@ -761,13 +1101,14 @@ pub const Buffer = struct {
     ) void {
         const slot = &buffer.slots[slot_index];
         assert(slot.bucket.load(.monotonic) == bucket_index);
-        assert(slot.refcount.load(.monotonic) == 0);
+        assert(slot.holders.load(.monotonic) == 0);
+        assert(!owner or buffer.holder < constants.buffer_holders_max);
         slot.block_id = block_id.*;
         slot.shard_index = shard_index;
         // Monotonic: every reader of these fields holds this bucket's lock or a reference
         // taken under it; the lock release publishes them.
         slot.state.store(@intFromEnum(State.idle), .monotonic);
-        slot.owner_pid.store(if (owner) buffer.pid else 0, .monotonic);
+        slot.owner.store(if (owner) buffer.holder + 1 else 0, .monotonic);
         slot.accessed.store(if (owner) 1 else 0, .monotonic);
         if (owner) {
             _ = slot.flags.fetchAnd(slot_flag_reserved, .monotonic);
@@ -775,7 +1116,7 @@ pub const Buffer = struct {
             _ = slot.flags.fetchOr(slot_flag_preallocated, .monotonic);
         }
         buffer.link(bucket_index, slot_index);
-        if (owner) slot.refcount.store(1, .monotonic);
+        if (owner) slot.holders.store(holder_bit(buffer.holder), .monotonic);
     }
 
     // ---------------------------------------------------------------------------------------
@@ -796,6 +1137,7 @@ pub const Buffer = struct {
     ) void {
         assert(block_ids.len == shard_indices.len);
         assert(out.results.len == block_ids.len and out.slots.len == block_ids.len);
+        assert(buffer.holder < constants.buffer_holders_max);
         for (block_ids, shard_indices, 0..) |*block_id, shard_index, index| {
             out.slots[index] = slot_none;
             if (out.evicted_shard_indices) |evicted| evicted[index] = slot_none;
@@ -826,32 +1168,43 @@ pub const Buffer = struct {
 
     fn get_resident(buffer: Buffer, slot_index: u32) GetResult {
         const slot = &buffer.slots[slot_index];
-        const refcount = slot.refcount.load(.monotonic);
+        const mine = holder_bit(buffer.holder);
+        _ = buffer.drop_dead_refs_locked(slot_index);
+        const holders = slot.holders.load(.monotonic);
+        if (holders & mine != 0) return .held;
         const state: State = @enumFromInt(slot.state.load(.monotonic));
         assert(state != .failed); // Failed slots are detached by `commit`.
-        // Monotonic refcount/bit updates: the bucket lock orders them.
+        // Monotonic holder/bit updates: the bucket lock orders them.
         if (state == .ready) {
-            slot.refcount.store(refcount + 1, .monotonic);
+            _ = slot.holders.fetchOr(mine, .monotonic);
             slot.accessed.store(1, .monotonic);
             buffer.count(.hits, 1);
             return .hit;
         }
         buffer.count(.misses, 1);
-        if (refcount == 0) {
+        if (holders == 0) {
             // Hit-or-takeover fast path: an idle slot hung by Prealloc (or left by an owner
-            // that gave up): become its owner without searching for a victim.
+            // that gave up or died): become its owner without searching for a victim.
             const flags = slot.flags.fetchAnd(slot_flag_reserved, .monotonic);
             if (flags & slot_flag_preallocated != 0) buffer.count(.prealloc_hits, 1);
-            slot.owner_pid.store(buffer.pid, .monotonic);
+            slot.owner.store(buffer.holder + 1, .monotonic);
             slot.accessed.store(1, .monotonic);
-            slot.refcount.store(1, .monotonic);
+            _ = slot.holders.fetchOr(mine, .monotonic);
             return .owner;
         }
-        slot.refcount.store(refcount + 1, .monotonic);
+        _ = slot.holders.fetchOr(mine, .monotonic);
         return .waiter;
     }
 
     fn allocate_for_get(buffer: Buffer, bucket_index: u32) ?Victim {
+        if (buffer.allocate_once(bucket_index)) |victim| return victim;
+        // Full: slots pinned by processes that died are reclaimable. Look for dead holders
+        // (rate limited) and retry once if there are any.
+        if (buffer.scan_holders_rate_limited() == 0) return null;
+        return buffer.allocate_once(bucket_index);
+    }
+
+    fn allocate_once(buffer: Buffer, bucket_index: u32) ?Victim {
         if (buffer.take_fresh(.regular, bucket_index)) |slot_index| return .{ .slot = slot_index };
         if (buffer.clock_victim(.regular, bucket_index, false)) |victim| return victim;
         if (buffer.take_fresh(.reserved, bucket_index)) |slot_index| return .{ .slot = slot_index };
@@ -866,7 +1219,7 @@ pub const Buffer = struct {
             assert(state_code == @intFromEnum(State.ready) or state_code == @intFromEnum(State.failed));
             const state: State = @enumFromInt(state_code);
             const slot = &buffer.slots[slot_index];
-            if (slot.owner_pid.load(.monotonic) != buffer.pid) {
+            if (slot.owner.load(.monotonic) != buffer.holder + 1) {
                 result.* = .not_owner;
                 continue;
             }
@@ -895,7 +1248,7 @@ pub const Buffer = struct {
     /// key in a fresh slot) and is freed by its last release.
     fn detach_failed(buffer: Buffer, slot_index: u32) error{LockTimeout}!void {
         const slot = &buffer.slots[slot_index];
-        assert(slot.refcount.load(.monotonic) > 0);
+        assert(slot.holders.load(.monotonic) & holder_bit(buffer.holder) != 0);
         const bucket_index = slot.bucket.load(.acquire);
         if (bucket_index == bucket_detached) {
             slot.state.store(@intFromEnum(State.failed), .release);
@@ -925,8 +1278,11 @@ pub const Buffer = struct {
 
     fn wait_one(buffer: Buffer, slot_index: u32, deadline_ns: u64) WaitResult {
         const slot = &buffer.slots[slot_index];
-        assert(slot.refcount.load(.monotonic) > 0); // Waiters hold a reference.
+        assert(slot.holders.load(.monotonic) & holder_bit(buffer.holder) != 0); // Waiters hold a reference.
         var blocked = false;
+        // The owner's liveness costs a /proc read: checked only once a futex slice ran out
+        // without a change (or at the deadline), never on the way to blocking.
+        var check_owner = false;
         var rounds: u32 = 0;
         while (rounds < constants.buffer_wait_round_max) : (rounds += 1) {
             // Acquire (version, then state): pairs with commit's release store and increment.
@@ -936,16 +1292,19 @@ pub const Buffer = struct {
             const state: State = @enumFromInt(slot.state.load(.acquire));
             if (state != .idle) return if (state == .ready) .ready else .failed;
             if (debug_wait_pause_ns > 0) std.Thread.sleep(debug_wait_pause_ns);
-            const owner = slot.owner_pid.load(.monotonic);
-            // An owner in this very process (another thread) is alive: keep waiting.
-            if (owner != buffer.pid and (owner == 0 or !pid_alive(owner))) {
-                switch (buffer.take_over(slot_index, owner)) {
-                    .taken => return .takeover,
-                    .lost => continue,
-                    .lock_timeout => return .lock_timeout,
+            const now_ns = futex.monotonic_ns();
+            const owner = slot.owner.load(.monotonic);
+            // Our own ownership (waiting on a slot we own) simply runs into the timeout.
+            if (owner != buffer.holder + 1) {
+                const check = check_owner or now_ns >= deadline_ns;
+                if (owner == 0 or (check and !buffer.holder_alive(owner - 1))) {
+                    switch (buffer.take_over(slot_index, owner)) {
+                        .taken => return .takeover,
+                        .lost => continue,
+                        .lock_timeout => return .lock_timeout,
+                    }
                 }
             }
-            const now_ns = futex.monotonic_ns();
             if (now_ns >= deadline_ns) {
                 buffer.count(.wait_timeouts, 1);
                 return .idle;
@@ -953,16 +1312,20 @@ pub const Buffer = struct {
             if (!blocked) buffer.count(.waits, 1);
             blocked = true;
             const slice_ns = @min(deadline_ns - now_ns, constants.futex_wait_slice_ns);
-            if (futex.wait(&slot.version, version, slice_ns) == .changed) buffer.count(.wakeups, 1);
+            switch (futex.wait(&slot.version, version, slice_ns)) {
+                .changed => buffer.count(.wakeups, 1),
+                .timed_out => check_owner = true,
+            }
         }
         return .idle;
     }
 
     const TakeOver = enum { taken, lost, lock_timeout };
 
+    /// `dead_owner` is the owner word seen (holder + 1, or 0 when nobody owns the slot).
     fn take_over(buffer: Buffer, slot_index: u32, dead_owner: u32) TakeOver {
         const slot = &buffer.slots[slot_index];
-        assert(dead_owner != buffer.pid);
+        assert(dead_owner != buffer.holder + 1);
         const bucket_index = slot.bucket.load(.acquire);
         const locked = bucket_index != bucket_detached;
         if (locked) {
@@ -974,14 +1337,16 @@ pub const Buffer = struct {
         if (slot.state.load(.monotonic) != @intFromEnum(State.idle)) return .lost;
         // CAS: another waiter may take over the same slot at the same time (detached slots are
         // not under a lock). Monotonic: the slot's data is rewritten by the new owner anyway.
-        if (slot.owner_pid.cmpxchgStrong(dead_owner, buffer.pid, .monotonic, .monotonic) != null) {
+        if (slot.owner.cmpxchgStrong(dead_owner, buffer.holder + 1, .monotonic, .monotonic) != null) {
             return .lost;
         }
-        // The dead owner held one reference (taken by its Get); drop it on its behalf.
+        // The dead owner held one reference (taken by its Get); drop it on its behalf (unless
+        // a dead-holder sweep already did). Ours stays.
         if (dead_owner != 0) {
-            const previous = slot.refcount.fetchSub(1, .monotonic);
-            assert(previous >= 2); // The dead owner's reference and ours.
+            const previous = slot.holders.fetchAnd(~holder_bit(dead_owner - 1), .monotonic);
+            if (previous & holder_bit(dead_owner - 1) != 0) buffer.count(.refs_reclaimed, 1);
         }
+        assert(slot.holders.load(.monotonic) & holder_bit(buffer.holder) != 0);
         slot.accessed.store(1, .monotonic);
         buffer.count(.takeovers, 1);
         return .taken;
@@ -1004,11 +1369,12 @@ pub const Buffer = struct {
         while (attempts < 2) : (attempts += 1) {
             // Acquire: pairs with the release store that detached the slot.
             const bucket_index = slot.bucket.load(.acquire);
+            const mine = holder_bit(buffer.holder);
             if (bucket_index == bucket_detached) {
                 // AcqRel: the last releaser must see every other holder's accesses.
-                const previous = slot.refcount.fetchSub(1, .acq_rel);
-                assert(previous > 0);
-                if (previous == 1) buffer.free_slot(slot_index);
+                const previous = slot.holders.fetchAnd(~mine, .acq_rel);
+                if (previous & mine == 0) return false; // listed twice in one batch
+                if (previous == mine) buffer.free_slot(slot_index);
                 return true;
             }
             assert(bucket_index < buffer.buckets.len);
@@ -1016,14 +1382,13 @@ pub const Buffer = struct {
             defer buffer.lock_release(bucket_index);
             // Only a detach can move a referenced slot; retry on the detached path.
             if (slot.bucket.load(.monotonic) != bucket_index) continue;
-            const refcount = slot.refcount.load(.monotonic);
-            assert(refcount > 0);
+            if (slot.holders.load(.monotonic) & mine == 0) return false; // listed twice
             const idle = slot.state.load(.monotonic) == @intFromEnum(State.idle);
-            if (idle and slot.owner_pid.load(.monotonic) == buffer.pid) {
+            if (idle and slot.owner.load(.monotonic) == buffer.holder + 1) {
                 // The owner gives up without committing: waiters may take over.
-                slot.owner_pid.store(0, .monotonic);
+                slot.owner.store(0, .monotonic);
             }
-            slot.refcount.store(refcount - 1, .monotonic);
+            _ = slot.holders.fetchAnd(~mine, .monotonic);
             return true;
         }
         unreachable; // A slot is detached at most once while referenced.
@@ -1176,6 +1541,7 @@ pub const Buffer = struct {
             }
             try buffer.lock_acquire(bucket_index);
             defer buffer.lock_release(bucket_index);
+            buffer.count(.remove_lock_acquisitions, 1);
             for (entries[group_start..group_end]) |entry| {
                 const block_id = &block_ids[entry.index];
                 if (shard_indices) |shards| {
@@ -1212,7 +1578,8 @@ pub const Buffer = struct {
         const slot = &buffer.slots[slot_index];
         assert(slot.bucket.load(.monotonic) == bucket_index);
         const was_ready = slot.state.load(.monotonic) == @intFromEnum(State.ready);
-        if (slot.refcount.load(.monotonic) == 0) {
+        // A pin left by a dead process does not keep the shard.
+        if (buffer.drop_dead_refs_locked(slot_index)) {
             buffer.unlink(bucket_index, slot_index);
             buffer.free_slot(slot_index);
         } else if (force) {

@@ -4,7 +4,7 @@
 const std = @import("std");
 
 /// Bumped whenever the C ABI changes; the Python binding refuses a library with another value.
-pub const abi_version: u32 = 1;
+pub const abi_version: u32 = 2;
 
 /// Futex words are 32-bit on Linux, and they must be naturally aligned.
 pub const futex_word_size_bytes: usize = 4;
@@ -70,12 +70,21 @@ comptime {
 /// "UCMBUF01" little-endian: identifies an initialised CacheBuffer control region.
 pub const buffer_magic: u64 = 0x3130_4655_424D_4355;
 /// Bumped whenever the control-region layout changes; attach refuses another value.
-pub const buffer_layout_version: u32 = 1;
+/// 2: holder table after the counters; Slot.refcount/owner_pid replaced by a holder bitmap and
+/// the owner's holder index.
+pub const buffer_layout_version: u32 = 2;
 pub const buffer_cache_line_bytes: u64 = 64;
 pub const buffer_header_size_bytes: usize = 256;
 pub const buffer_clock_size_bytes: usize = 64;
 pub const buffer_counters_size_bytes: usize = 192;
 pub const buffer_bucket_size_bytes: usize = 8;
+/// Processes holding references at once (one holder each); a slot records its holders in a
+/// 64-bit bitmap, so this is also the bitmap's width.
+pub const buffer_holders_max: u32 = 64;
+pub const buffer_holder_entry_size_bytes: usize = 32;
+pub const buffer_holder_table_size_bytes: usize = 64 + buffer_holders_max * buffer_holder_entry_size_bytes;
+/// Minimum spacing of the dead-holder scans a full buffer triggers (each reads /proc per holder).
+pub const buffer_holder_scan_interval_ns: u64 = 100 * std.time.ns_per_ms;
 pub const buffer_slot_size_bytes: usize = 64;
 /// Slot and bucket indices are u32 with the top values reserved as sentinels.
 pub const buffer_slot_count_max: u64 = 1 << 30;
@@ -100,6 +109,8 @@ comptime {
     std.debug.assert(buffer_counters_size_bytes % buffer_cache_line_bytes == 0);
     std.debug.assert(buffer_slot_size_bytes == buffer_cache_line_bytes);
     std.debug.assert(buffer_bucket_size_bytes == 2 * futex_word_size_bytes);
+    std.debug.assert(buffer_holders_max == 64);
+    std.debug.assert(buffer_holder_table_size_bytes % buffer_cache_line_bytes == 0);
     std.debug.assert(buffer_slot_count_max < std.math.maxInt(u32) - 1);
     std.debug.assert(buffer_bucket_count_max < std.math.maxInt(u32) - 1);
     std.debug.assert(buffer_remove_chunk_keys == 1024);

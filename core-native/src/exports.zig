@@ -57,6 +57,24 @@ fn buffer_open(ctrl: usize) ?buffer.Buffer {
     return buffer.Buffer.open(ctrl);
 }
 
+/// A view acting as holder `holder`, which must be registered to the calling process.
+fn buffer_open_holder(ctrl: usize, holder: u32) union(enum) { view: buffer.Buffer, status: i32 } {
+    var view = buffer_open(ctrl) orelse return .{ .status = buffer_status(.bad_magic) };
+    if (!view.holder_valid(holder)) return .{ .status = buffer_status(.not_registered) };
+    view.holder = holder;
+    return .{ .view = view };
+}
+
+/// Every slot must carry this holder's reference (wait, release).
+fn buffer_slots_held(view: buffer.Buffer, slots: []const u32) bool {
+    const mine = buffer.holder_bit(view.holder);
+    for (slots) |slot| {
+        if (slot >= view.slots.len) return false;
+        if (view.slots[slot].holders.load(.monotonic) & mine == 0) return false;
+    }
+    return true;
+}
+
 fn buffer_status(status: buffer.Status) i32 {
     return @intFromEnum(status);
 }
@@ -93,8 +111,59 @@ export fn ucm_buffer_header(ctrl: usize, out: *buffer.Header) i32 {
     return 0;
 }
 
+/// Registers the calling process as a holder (idempotent); returns its index 0..63 or a
+/// negative status (holders_full when 64 live processes hold entries).
+export fn ucm_buffer_register(ctrl: usize) i64 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    const holder = view.register() catch |err| return switch (err) {
+        error.HoldersFull => buffer_status(.holders_full),
+        error.LockTimeout => buffer_status(.lock_timeout),
+    };
+    return holder;
+}
+
+/// Drops every reference of dead holders and frees their entries. Returns references dropped;
+/// `out_holders` receives the holders freed.
+export fn ucm_buffer_reclaim_dead(ctrl: usize, out_holders: *u32) i64 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    const report = view.reclaim_dead() catch return buffer_status(.lock_timeout);
+    out_holders.* = report.holders;
+    return @intCast(report.refs);
+}
+
+/// Copies holder entry `index` (tag = state << 32 | pid, start time, reclaimer).
+export fn ucm_buffer_holder_info(ctrl: usize, index: u32, out: *buffer.HolderEntry) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (index >= view.holder_table.entries.len) return buffer_status(.invalid_argument);
+    const entry = &view.holder_table.entries[index];
+    out.* = .{
+        .tag = std.atomic.Value(u64).init(entry.tag.load(.acquire)),
+        .start_time = std.atomic.Value(u64).init(entry.start_time.load(.monotonic)),
+        .reclaimer = std.atomic.Value(u32).init(entry.reclaimer.load(.monotonic)),
+        ._pad0 = 0,
+        ._pad1 = 0,
+    };
+    return 0;
+}
+
+/// The dead-holder mask after checking every live holder (pid + start time).
+export fn ucm_buffer_scan_holders(ctrl: usize, out_mask: *u64) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    out_mask.* = view.scan_holders();
+    return 0;
+}
+
+/// Test hook: records another start time for holder `index`, as if its pid had been reused.
+export fn ucm_buffer_debug_set_holder_start_time(ctrl: usize, index: u32, start_time: u64) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (index >= view.holder_table.entries.len) return buffer_status(.invalid_argument);
+    view.debug_set_start_time(index, start_time);
+    return 0;
+}
+
 export fn ucm_buffer_get(
     ctrl: usize,
+    holder: u32,
     n: u32,
     ids: [*]const buffer.BlockId,
     shards: [*]const u32,
@@ -103,7 +172,10 @@ export fn ucm_buffer_get(
     out_evicted_ids: ?[*]buffer.BlockId,
     out_evicted_shards: ?[*]u32,
 ) i32 {
-    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    const view = switch (buffer_open_holder(ctrl, holder)) {
+        .view => |v| v,
+        .status => |code| return code,
+    };
     view.get(ids_slice(ids, n), shards[0..n], .{
         .results = out_results[0..n],
         .slots = out_slots[0..n],
@@ -113,8 +185,11 @@ export fn ucm_buffer_get(
     return 0;
 }
 
-export fn ucm_buffer_commit(ctrl: usize, n: u32, slots: [*]const u32, states: [*]const u8, out: [*]buffer.CommitResult) i32 {
-    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+export fn ucm_buffer_commit(ctrl: usize, holder: u32, n: u32, slots: [*]const u32, states: [*]const u8, out: [*]buffer.CommitResult) i32 {
+    const view = switch (buffer_open_holder(ctrl, holder)) {
+        .view => |v| v,
+        .status => |code| return code,
+    };
     if (!buffer_slots_valid(view, slots[0..n])) return buffer_status(.invalid_argument);
     for (states[0..n]) |state| {
         if (state != @intFromEnum(buffer.State.ready) and state != @intFromEnum(buffer.State.failed)) {
@@ -125,22 +200,23 @@ export fn ucm_buffer_commit(ctrl: usize, n: u32, slots: [*]const u32, states: [*
     return 0;
 }
 
-export fn ucm_buffer_wait(ctrl: usize, n: u32, slots: [*]const u32, timeout_ns: u64, out: [*]buffer.WaitResult) i32 {
-    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
-    if (!buffer_slots_valid(view, slots[0..n])) return buffer_status(.invalid_argument);
-    for (slots[0..n]) |slot| {
-        if (view.slots[slot].refcount.load(.monotonic) == 0) return buffer_status(.invalid_argument);
-    }
+export fn ucm_buffer_wait(ctrl: usize, holder: u32, n: u32, slots: [*]const u32, timeout_ns: u64, out: [*]buffer.WaitResult) i32 {
+    const view = switch (buffer_open_holder(ctrl, holder)) {
+        .view => |v| v,
+        .status => |code| return code,
+    };
+    if (!buffer_slots_held(view, slots[0..n])) return buffer_status(.invalid_argument);
     view.wait(slots[0..n], timeout_ns, out[0..n]);
     return 0;
 }
 
-export fn ucm_buffer_release(ctrl: usize, n: u32, slots: [*]const u32) i64 {
-    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
-    if (!buffer_slots_valid(view, slots[0..n])) return buffer_status(.invalid_argument);
-    for (slots[0..n]) |slot| {
-        if (view.slots[slot].refcount.load(.monotonic) == 0) return buffer_status(.invalid_argument);
-    }
+export fn ucm_buffer_release(ctrl: usize, holder: u32, n: u32, slots: [*]const u32) i64 {
+    const view = switch (buffer_open_holder(ctrl, holder)) {
+        .view => |v| v,
+        .status => |code| return code,
+    };
+    if (!buffer_slots_held(view, slots[0..n])) return buffer_status(.invalid_argument);
+    // A slot listed twice is released once (the second finds no reference): count < n.
     return view.release(slots[0..n]);
 }
 

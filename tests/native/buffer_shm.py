@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from ucm.native.buffer import BufferCore, Geometry
 
@@ -100,3 +101,84 @@ def payload(key: tuple[bytes, int], size: int) -> bytes:
         for counter in range(-(-size // 64))
     ]
     return b"".join(chunks)[:size]
+
+
+class RemoteRank:
+    """Another rank of the node: a forked process attached to the same buffer that runs
+    BufferCore calls on request. A process holds one reference per slot, so the owner/waiter
+    interplay of two ranks needs two processes."""
+
+    def __init__(self, shared: SharedBuffer) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("fork")
+        self._conn, child = context.Pipe()
+        self.process = context.Process(target=_serve_rank, args=(shared, child), daemon=True)
+        self.process.start()
+        self.pid = self.process.pid
+        self.holder: int = self.call("holder")
+
+    def call(self, method: str, *args: object, timeout_s: float = 20.0) -> Any:
+        self._conn.send((method, args))
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"rank {self.pid} did not answer {method} within {timeout_s} s")
+        ok, value = self._conn.recv()
+        if not ok:
+            raise value
+        return value
+
+    def get(self, keys: list[tuple[bytes, int]]) -> tuple[list[int], list[int]]:
+        return self.call("get", keys)  # type: ignore[no-any-return]
+
+    def start(self, method: str, *args: object) -> None:
+        """Sends a request without waiting for its answer (the rank may block in it)."""
+        self._conn.send((method, args))
+
+    def answer(self, timeout_s: float = 20.0) -> Any:
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"rank {self.pid} did not answer within {timeout_s} s")
+        ok, value = self._conn.recv()
+        if not ok:
+            raise value
+        return value
+
+    def kill(self) -> None:
+        import signal
+
+        os.kill(self.pid, signal.SIGKILL)
+        self.process.join(10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self._conn.send(("exit", ()))
+            self.process.join(10)
+        if self.process.is_alive():
+            self.kill()
+
+
+def _serve_rank(shared: SharedBuffer, conn: Any) -> None:
+    rank = shared.attach_in_child()
+    core = rank.core
+    while True:
+        if not conn.poll(60):
+            return
+        method, args = conn.recv()
+        try:
+            if method == "exit":
+                return
+            if method == "holder":
+                value: object = core.holder
+            elif method == "get":
+                got = core.get(*args)
+                value = ([int(r) for r in got.results], list(got.slots))
+            elif method == "sleep":
+                import time
+
+                time.sleep(*args)
+                value = None
+            else:
+                result = getattr(core, method)(*args)
+                value = [int(r) for r in result] if isinstance(result, list) else result
+            conn.send((True, value))
+        except Exception as exc:  # handed to the caller, which re-raises it
+            conn.send((False, exc))

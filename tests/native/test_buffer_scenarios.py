@@ -4,10 +4,11 @@ batched remove of seed 003."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
-from buffer_shm import ShmRegion, block, shared_buffer
+from buffer_shm import RemoteRank, ShmRegion, block, shared_buffer
 
 from ucm.errors import InvalidArgumentError
 from ucm.native.buffer import (
@@ -155,9 +156,14 @@ def test_scenario_e_prealloc_from_reserved_pool_then_fast_path() -> None:
         # (B1, s+1) was already taken by another rank: ref > 0 -> waiter via the fast path.
         other = core.get([nxt[1]])
         assert (list(other.results), list(other.slots)) == ([OWN], [4])
-        again = core.get([nxt[1]])
-        assert (list(again.results), list(again.slots)) == ([W], [4])
+        rank = RemoteRank(shared)
+        assert rank.get([nxt[1]]) == ([W], [4])
         assert core.stats()["prealloc_hits"] == 2
+        # This process already holds (B1, s+1): one reference per process, nothing taken.
+        again = core.get([nxt[1]])
+        assert (list(again.results), list(again.slots)) == ([GetResult.HELD], [4])
+        assert list(again.held_slots()) == []
+        assert core.slot_info(4).refcount == 2
         # B3 was not in the task: nothing was prewarmed for it.
         assert core.slot_of((b3, s + 1)) is None
 
@@ -169,9 +175,12 @@ def test_scenario_e_prealloc_from_reserved_pool_then_fast_path() -> None:
         assert core.cursor(Pool.RESERVED) == 0  # swept slots 3, 4 (in use), took 5, wrapped
 
         core.commit([3, 4], [State.READY, State.READY])
-        assert core.wait([4], timeout_s=1.0) == [WaitResult.READY]
-        core.release([3, 4, 4])
+        assert rank.call("wait", [4], 1.0) == [WaitResult.READY]
+        core.release([3, 4])
+        rank.call("release", [4])
+        rank.close()
         assert core.lookup(nxt[:2]) == [True, True]
+        assert [core.slot_info(slot).refcount for slot in (3, 4)] == [0, 0]
 
 
 @pytest.mark.parametrize(("slots_per_segment", "fast_path"), [(4, True), (3, False)])
@@ -254,18 +263,23 @@ def test_failed_load_is_not_remembered() -> None:
     with shared_buffer(geometry) as shared:
         core = shared.core
         owner = core.get([x])
-        waiter = core.get([x])
-        assert list(owner.results) == [OWN] and list(waiter.results) == [W]
+        rank = RemoteRank(shared)
+        waiter_results, waiter_slots = rank.get([x])
+        assert list(owner.results) == [OWN] and waiter_results == [W]
         slot = owner.slots[0]
+        assert waiter_slots == [slot]
         assert core.commit([slot], [State.FAILED]) == [CommitResult.OK]
         assert core.commit([slot], [State.READY]) == [CommitResult.NOT_IDLE]
-        assert core.wait(waiter.slots, timeout_s=1.0) == [WaitResult.FAILED]
+        assert rank.call("wait", waiter_slots, 1.0) == [WaitResult.FAILED]
         # Unlinked at once: nobody finds the failure, a later get retries in another slot.
         assert core.slot_info(slot).bucket == DETACHED
         assert core.lookup([x]) == [False]
         retry = core.get([x])
         assert list(retry.results) == [OWN] and retry.slots[0] != slot
-        core.release([slot, slot])
+        core.release([slot])
+        assert core.slot_info(slot).bucket == DETACHED  # the other rank still holds it
+        rank.call("release", [slot])
+        rank.close()
         assert core.slot_info(slot).bucket is None  # freed by its last release
         core.commit(retry.slots, [State.READY])
         core.release(retry.slots)
@@ -278,13 +292,17 @@ def test_owner_giving_up_lets_a_waiter_take_over() -> None:
     with shared_buffer(geometry) as shared:
         core = shared.core
         owner = core.get([x])
-        waiter = core.get([x])
+        assert core.slot_info(owner.slots[0]).owner_pid == os.getpid()
+        rank = RemoteRank(shared)
+        _, waiter_slots = rank.get([x])
         core.release(owner.slots)  # released without committing
         assert core.slot_info(owner.slots[0]).owner_pid == 0
-        assert core.wait(waiter.slots, timeout_s=1.0) == [WaitResult.TAKEOVER]
+        assert rank.call("wait", waiter_slots, 1.0) == [WaitResult.TAKEOVER]
         assert core.stats()["takeovers"] == 1
-        assert core.commit(waiter.slots, [State.READY]) == [CommitResult.OK]
-        core.release(waiter.slots)
+        assert core.slot_info(owner.slots[0]).owner_pid == rank.pid
+        assert rank.call("commit", waiter_slots, [State.READY]) == [CommitResult.OK]
+        rank.call("release", waiter_slots)
+        rank.close()
         info = core.slot_info(owner.slots[0])
         assert (info.refcount, info.state) == (0, State.READY)
 
@@ -295,11 +313,15 @@ def test_wait_times_out_with_live_owner() -> None:
     with shared_buffer(geometry) as shared:
         core = shared.core
         owner = core.get([x])
-        waiter = core.get([x])
-        assert core.wait(waiter.slots, timeout_s=0.05) == [WaitResult.IDLE]
+        rank = RemoteRank(shared)
+        _, waiter_slots = rank.get([x])
+        assert rank.call("wait", waiter_slots, 0.05) == [WaitResult.IDLE]
         assert core.stats()["wait_timeouts"] == 1
         core.commit(owner.slots, [State.READY])
-        core.release([*owner.slots, *waiter.slots])
+        core.release(owner.slots)
+        rank.call("release", waiter_slots)
+        rank.close()
+        assert core.slot_info(owner.slots[0]).refcount == 0
 
 
 def test_batched_remove_counts_and_pins() -> None:
@@ -338,6 +360,7 @@ def test_batched_remove_takes_one_lock_per_chunk() -> None:
         before = core.stats()["lock_acquisitions"]
         assert core.remove(keys) == 3000
         assert core.stats()["lock_acquisitions"] - before == 3
+        assert core.stats()["remove_lock_acquisitions"] == 3
         load(core, keys[:2048])
         before = core.stats()["lock_acquisitions"]
         assert core.remove_blocks([key[0] for key in keys[:2048]]) == 2048
@@ -354,10 +377,30 @@ def test_bad_arguments_name_argument_and_value() -> None:
             core.lookup([(block("A"), -1)])
         with pytest.raises(InvalidArgumentError, match=r"block_ids\[0\]=b'x' is not valid"):
             core.touch([b"x"])
-        with pytest.raises(InvalidArgumentError, match=r"slots\[0\]=2 is not valid for release"):
+        with pytest.raises(
+            InvalidArgumentError,
+            match=r"slots\[0\]=2 is not valid for release: this process holds no reference",
+        ):
             core.release([2])
+        got = core.get([(block("A"), 0)])
+        with pytest.raises(
+            InvalidArgumentError, match=r"slots\[1\]=0 is not valid for release: listed twice"
+        ):
+            core.release([got.slots[0], got.slots[0]])
+        assert core.slot_info(got.slots[0]).refcount == 0  # the first was released
         with pytest.raises(InvalidArgumentError, match=r"states\[0\]=<State.IDLE: 0> is not"):
             core.commit([0], [State.IDLE])
         with pytest.raises(InvalidArgumentError, match=r"shards_per_block=0 is not valid"):
             core.lookup_blocks([block("A")], 0)
         assert core.get([]).results.tolist() == []
+
+
+def test_too_many_slots_says_to_use_larger_shards() -> None:
+    with pytest.raises(
+        InvalidArgumentError,
+        match=re.escape(
+            f"slot_count_regular={(1 << 30) + 1} is not valid: expected an integer in "
+            f"[1, {1 << 30}]; use larger shards or a smaller capacity"
+        ),
+    ):
+        Geometry.from_capacity(((1 << 30) + 1) * 64, 64)

@@ -13,14 +13,18 @@ Protocol for a load task (one rank)::
     # WAITER: core.wait([slot], timeout_s) -> READY | FAILED | TAKEOVER (now owner) | IDLE (timeout)
     core.release(slots)                   # after copying out; every slot returned by get
 
-A key appearing twice in one ``get`` batch makes the caller both owner and waiter of one slot:
-callers deduplicate keys within a batch.
+References are recorded per process (a *holder*: registered on first use with its pid and start
+time, index 0..63): a process holds at most one reference per slot, so a key it already holds
+answers ``HELD`` (nothing taken, release it once). The references of a process that died
+(SIGKILL included, pid reuse detected by the start time) are dropped when a Get, an eviction scan,
+a remove or a waiter meets them, and all at once by :meth:`BufferCore.reclaim_dead`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import enum
+import os
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -50,9 +54,17 @@ COUNTER_NAMES = (
     "commits_ready",
     "commits_failed",
     "wait_timeouts",
+    "dead_holders",
+    "refs_reclaimed",
+    "holders_freed",
+    "remove_lock_acquisitions",
 )
 """Counter order of ``ucm_buffer_stats`` (``buffer.counter_names`` in buffer.zig)."""
 
+CTRL_LAYOUT_VERSION = 2
+"""``buffer_layout_version`` of core-native/src/constants.zig: pass it to
+``SharedRegion.open(ctrl_layout_version=...)`` so that an old segment is refused up front."""
+HOLDERS_MAX = 64
 CTRL_ALIGNMENT_BYTES = 64
 SLOT_COUNT_MAX = 1 << 30
 BUCKET_COUNT_MAX = 1 << 28
@@ -77,6 +89,9 @@ class GetResult(enum.IntEnum):
     """Every slot is in use; nothing is held."""
     LOCK_TIMEOUT = 4
     """A bucket lock stayed held by a live process past the lock timeout; nothing is held."""
+    HELD = 5
+    """This process already holds a reference on the key's slot (one per process): nothing new
+    is taken; the earlier reference is released once."""
 
 
 class WaitResult(enum.IntEnum):
@@ -94,6 +109,12 @@ class CommitResult(enum.IntEnum):
     NOT_OWNER = 1
     NOT_IDLE = 2
     LOCK_TIMEOUT = 3
+
+
+_COMMIT_RESULTS = tuple(CommitResult)
+_WAIT_RESULTS = tuple(WaitResult)
+assert all(result.value == index for index, result in enumerate(_COMMIT_RESULTS))
+assert all(result.value == index for index, result in enumerate(_WAIT_RESULTS))
 
 
 class PreallocResult(enum.IntEnum):
@@ -118,6 +139,15 @@ class _Status(enum.IntEnum):
     GEOMETRY_MISMATCH = -104
     CTRL_MISALIGNED = -105
     LOCK_TIMEOUT = -106
+    HOLDERS_FULL = -107
+    NOT_REGISTERED = -108
+
+
+class HolderState(enum.IntEnum):
+    FREE = 0
+    REGISTERING = 1
+    LIVE = 2
+    DEAD = 3
 
 
 class _GeometryStruct(ctypes.Structure):
@@ -152,21 +182,32 @@ class _SlotStruct(ctypes.Structure):
     _fields_ = (
         ("block_id", ctypes.c_uint8 * BLOCK_ID_BYTES),
         ("shard_index", ctypes.c_uint32),
-        ("refcount", ctypes.c_uint32),
         ("state", ctypes.c_uint32),
         ("version", ctypes.c_uint32),
         ("accessed", ctypes.c_uint32),
-        ("owner_pid", ctypes.c_uint32),
+        ("owner", ctypes.c_uint32),
         ("next", ctypes.c_uint32),
         ("bucket", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
-        ("_pad", ctypes.c_uint8 * 12),
+        ("holders", ctypes.c_uint64),
+        ("_pad", ctypes.c_uint8 * 8),
+    )
+
+
+class _HolderStruct(ctypes.Structure):
+    _fields_ = (
+        ("tag", ctypes.c_uint64),
+        ("start_time", ctypes.c_uint64),
+        ("reclaimer", ctypes.c_uint32),
+        ("_pad0", ctypes.c_uint32),
+        ("_pad1", ctypes.c_uint64),
     )
 
 
 assert ctypes.sizeof(_GeometryStruct) == 24
 assert ctypes.sizeof(_HeaderStruct) == 256
 assert ctypes.sizeof(_SlotStruct) == 64
+assert ctypes.sizeof(_HolderStruct) == 32
 
 
 @cache
@@ -188,10 +229,15 @@ def _native() -> ctypes.CDLL:
         "ucm_buffer_init": (i32, [usize, u64, geometry, u64]),
         "ucm_buffer_attach": (i32, [usize, u64, geometry]),
         "ucm_buffer_header": (i32, [usize, ctypes.POINTER(_HeaderStruct)]),
-        "ucm_buffer_get": (i32, [usize, u32, ids, u32p, u8p, u32p, u8p, u32p]),
-        "ucm_buffer_commit": (i32, [usize, u32, u32p, u8p, u8p]),
-        "ucm_buffer_wait": (i32, [usize, u32, u32p, u64, u8p]),
-        "ucm_buffer_release": (i64, [usize, u32, u32p]),
+        "ucm_buffer_register": (i64, [usize]),
+        "ucm_buffer_reclaim_dead": (i64, [usize, u32p]),
+        "ucm_buffer_holder_info": (i32, [usize, u32, ctypes.POINTER(_HolderStruct)]),
+        "ucm_buffer_scan_holders": (i32, [usize, u64p]),
+        "ucm_buffer_debug_set_holder_start_time": (i32, [usize, u32, u64]),
+        "ucm_buffer_get": (i32, [usize, u32, u32, ids, u32p, u8p, u32p, u8p, u32p]),
+        "ucm_buffer_commit": (i32, [usize, u32, u32, u32p, u8p, u8p]),
+        "ucm_buffer_wait": (i32, [usize, u32, u32, u32p, u64, u8p]),
+        "ucm_buffer_release": (i64, [usize, u32, u32, u32p]),
         "ucm_buffer_prealloc": (i32, [usize, u32, ids, u32p, u8p]),
         "ucm_buffer_touch": (i64, [usize, u32, ids]),
         "ucm_buffer_lookup": (i32, [usize, u32, ids, u32p, u8p]),
@@ -259,12 +305,17 @@ class Geometry:
 
     def _validate(self) -> None:
         _check_int("shard_size_bytes", self.shard_size_bytes, 1, 2**63 - 1, "set the shard size")
+        too_many = isinstance(self.slot_count_regular, int) and (
+            self.slot_count_regular > SLOT_COUNT_MAX
+        )
         _check_int(
             "slot_count_regular",
             self.slot_count_regular,
             1,
             SLOT_COUNT_MAX,
-            "give the buffer a capacity of at least one shard",
+            "use larger shards or a smaller capacity"
+            if too_many
+            else "give the buffer a capacity of at least one shard",
         )
         _check_int("slot_count_reserved", self.slot_count_reserved, 0, SLOT_COUNT_MAX, "")
         total = self.slot_count_regular + self.slot_count_reserved
@@ -453,14 +504,39 @@ class SlotInfo:
     block_id: bytes
     shard_index: int
     refcount: int
+    """Processes holding a reference (the popcount of ``holders``)."""
     state: State
     version: int
     accessed: bool
     owner_pid: int
+    """Pid of the owner's holder entry while the slot is being loaded; 0 when nobody owns it."""
     bucket: int | None
     """None when free; ``DETACHED`` when unlinked while referenced."""
     reserved: bool
     preallocated: bool
+    holders: int = 0
+    """Bitmap of the holder indices referencing the slot."""
+    owner_holder: int | None = None
+
+
+@dataclass(frozen=True)
+class HolderInfo:
+    """One row of the holder table."""
+
+    index: int
+    state: HolderState
+    pid: int
+    start_time: int
+    """Clock ticks after boot (/proc/<pid>/stat field 22) of the registered process."""
+    reclaimer: int
+
+
+@dataclass(frozen=True)
+class ReclaimReport:
+    holders: int
+    """Dead holders whose entries were freed."""
+    refs: int
+    """References they held that were dropped."""
 
 
 DETACHED = -1
@@ -475,6 +551,75 @@ class BufferCore:
         self._ctrl_bytes = ctrl_bytes
         self.geometry = geometry
         self._native = _native()
+        self._holder = -1
+        self._holder_pid = 0
+
+    # -- holders -----------------------------------------------------------------------------
+
+    @property
+    def holder(self) -> int:
+        """This process's holder index (registered on first use; again after a fork)."""
+        if self._holder_pid != os.getpid():
+            index = int(self._native.ucm_buffer_register(self._ctrl))
+            if index == _Status.HOLDERS_FULL:
+                raise InvalidArgumentError(
+                    f"cannot use the buffer: all {HOLDERS_MAX} holder entries belong to live "
+                    "processes; close processes attached to this unique_id (or use another)"
+                )
+            self._check(min(index, 0), "register")
+            self._holder, self._holder_pid = index, os.getpid()
+        return self._holder
+
+    def _unregistered(self, operation: str) -> InvalidArgumentError:
+        self._holder_pid = 0
+        return InvalidArgumentError(
+            f"{operation}: holder {self._holder} is no longer registered to this process "
+            f"(pid {os.getpid()}): it was judged dead and its references were reclaimed"
+        )
+
+    def reclaim_dead(self) -> ReclaimReport:
+        """Finds processes that died holding references (pid + start time), drops those
+        references and frees their holder entries. Bounded: one pass over slots and buckets,
+        one bucket lock at a time."""
+        holders = ctypes.c_uint32(0)
+        refs = int(self._native.ucm_buffer_reclaim_dead(self._ctrl, ctypes.byref(holders)))
+        self._check(min(refs, 0), "reclaim_dead")
+        return ReclaimReport(holders=int(holders.value), refs=refs)
+
+    def scan_holders(self) -> int:
+        """Checks every live holder and marks the dead ones; returns the dead-holder bitmap."""
+        mask = ctypes.c_uint64(0)
+        self._check(self._native.ucm_buffer_scan_holders(self._ctrl, ctypes.byref(mask)), "scan")
+        return int(mask.value)
+
+    def holders(self) -> list[HolderInfo]:
+        """The holder table (every entry, free ones included)."""
+        rows = []
+        for index in range(HOLDERS_MAX):
+            raw = _HolderStruct()
+            self._check(
+                self._native.ucm_buffer_holder_info(self._ctrl, index, ctypes.byref(raw)), "holders"
+            )
+            rows.append(
+                HolderInfo(
+                    index=index,
+                    state=HolderState(raw.tag >> 32),
+                    pid=raw.tag & 0xFFFF_FFFF,
+                    start_time=raw.start_time,
+                    reclaimer=raw.reclaimer,
+                )
+            )
+        return rows
+
+    def debug_set_holder_start_time(self, holder: int, start_time: int) -> None:
+        """Test hook: records another start time for ``holder``, as if its pid had been reused
+        by a new process (the recorded one is then dead)."""
+        _check_int("holder", holder, 0, HOLDERS_MAX - 1, "")
+        _check_int("start_time", start_time, 0, 2**64 - 1, "")
+        self._check(
+            self._native.ucm_buffer_debug_set_holder_start_time(self._ctrl, holder, start_time),
+            "debug_set_holder_start_time",
+        )
 
     @classmethod
     def create(
@@ -549,6 +694,7 @@ class BufferCore:
         evicted_shards = array("I", bytes(4 * n)) if evicted else None
         status = self._native.ucm_buffer_get(
             self._ctrl,
+            self.holder,
             n,
             batch.ids,
             _address(batch.shards),
@@ -557,6 +703,8 @@ class BufferCore:
             ctypes.addressof(evicted_ids) if evicted_ids is not None and n else None,
             _address(evicted_shards) if evicted_shards is not None else None,
         )
+        if status == _Status.NOT_REGISTERED:
+            raise self._unregistered("get")
         self._check(status, "get")
         victims: list[tuple[int, Key]] = []
         if evicted_ids is not None and evicted_shards is not None:
@@ -575,24 +723,35 @@ class BufferCore:
             raise InvalidArgumentError(
                 f"states has {len(states)} entries, slots has {len(slot_array)}: one state per slot"
             )
-        for index, state in enumerate(states):
-            if state not in (State.READY, State.FAILED):
-                raise InvalidArgumentError(
-                    f"states[{index}]={state!r} is not valid: expected State.READY or State.FAILED"
-                )
+        # Fast path (one C-level conversion and two counts): an owner commits right before
+        # waiters wake, so this sits on the wake-up latency. The loop only names a bad entry.
+        try:
+            state_array: array[int] | None = array("B", states)
+        except (TypeError, OverflowError):
+            state_array = None
+        if state_array is None or state_array.count(State.READY) + state_array.count(
+            State.FAILED
+        ) != len(slot_array):
+            for index, state in enumerate(states):
+                if state not in (State.READY, State.FAILED):
+                    raise InvalidArgumentError(
+                        f"states[{index}]={state!r} is not valid: expected State.READY or "
+                        "State.FAILED"
+                    )
+        assert state_array is not None
         if not slot_array:
             return []
-        state_array = array("B", [int(state) for state in states])
         out = array("B", bytes(len(slot_array)))
         status = self._native.ucm_buffer_commit(
             self._ctrl,
+            self.holder,
             len(slot_array),
             _address(slot_array),
             _address(state_array),
             _address(out),
         )
         self._check_slots(status, slot_array, "commit")
-        return [CommitResult(code) for code in out]
+        return [_COMMIT_RESULTS[code] for code in out]
 
     def wait(self, slots: Sequence[int] | array[int], timeout_s: float) -> list[WaitResult]:
         """Blocks (futex, zero CPU) until each slot is final, all within ``timeout_s``."""
@@ -605,20 +764,33 @@ class BufferCore:
             return []
         out = array("B", bytes(len(slot_array)))
         status = self._native.ucm_buffer_wait(
-            self._ctrl, len(slot_array), _address(slot_array), int(timeout_s * 1e9), _address(out)
+            self._ctrl,
+            self.holder,
+            len(slot_array),
+            _address(slot_array),
+            int(timeout_s * 1e9),
+            _address(out),
         )
         self._check_slots(status, slot_array, "wait", referenced=True)
-        return [WaitResult(code) for code in out]
+        return [_WAIT_RESULTS[code] for code in out]
 
     def release(self, slots: Sequence[int] | array[int]) -> None:
         slot_array = _as_u32_array(slots, "slots")
         if not slot_array:
             return
         released = self._native.ucm_buffer_release(
-            self._ctrl, len(slot_array), _address(slot_array)
+            self._ctrl, self.holder, len(slot_array), _address(slot_array)
         )
         self._check_slots(released if released < 0 else 0, slot_array, "release", referenced=True)
         if released != len(slot_array):
+            seen: set[int] = set()
+            for index, slot in enumerate(slot_array):
+                if slot in seen:
+                    raise InvalidArgumentError(
+                        f"slots[{index}]={slot} is not valid for release: listed twice (a "
+                        "process holds one reference per slot); the first was released"
+                    )
+                seen.add(slot)
             raise TimeoutError(
                 f"release dropped {released} of {len(slot_array)} references: a bucket lock "
                 "stayed held past the lock timeout"
@@ -735,17 +907,25 @@ class BufferCore:
             bucket = None
         elif raw.bucket == SLOT_NONE - 1:
             bucket = DETACHED
+        owner_holder = raw.owner - 1 if raw.owner else None
+        owner_pid = 0
+        if owner_holder is not None:
+            entry = _HolderStruct()
+            self._native.ucm_buffer_holder_info(self._ctrl, owner_holder, ctypes.byref(entry))
+            owner_pid = entry.tag & 0xFFFF_FFFF
         return SlotInfo(
             block_id=bytes(raw.block_id),
             shard_index=raw.shard_index,
-            refcount=raw.refcount,
+            refcount=int(raw.holders).bit_count(),
             state=State(raw.state),
             version=raw.version,
             accessed=bool(raw.accessed),
-            owner_pid=raw.owner_pid,
+            owner_pid=owner_pid,
             bucket=bucket,
             reserved=bool(raw.flags & 1),
             preallocated=bool(raw.flags & 2),
+            holders=int(raw.holders),
+            owner_holder=owner_holder,
         )
 
     def slot_of(self, key: Key) -> int | None:
@@ -789,11 +969,15 @@ class BufferCore:
             raise InvalidArgumentError(
                 f"{operation}: the control region at {self._ctrl:#x} is no longer a CacheBuffer"
             )
+        if status == _Status.NOT_REGISTERED:
+            raise self._unregistered(operation)
         raise InvalidArgumentError(f"{operation}: invalid argument ({_Status(status).name})")
 
     def _check_slots(
         self, status: int, slots: array[int], operation: str, referenced: bool = False
     ) -> None:
+        if status == _Status.NOT_REGISTERED:
+            raise self._unregistered(operation)
         if status != _Status.INVALID_ARGUMENT:
             self._check(status, operation)
             return
@@ -803,10 +987,10 @@ class BufferCore:
                 raise InvalidArgumentError(
                     f"slots[{index}]={slot} is not valid: expected a slot index in [0, {total})"
                 )
-            if referenced and self.slot_info(slot).refcount == 0:
+            if referenced and not self.slot_info(slot).holders >> self._holder & 1:
                 raise InvalidArgumentError(
-                    f"slots[{index}]={slot} is not valid for {operation}: the slot holds no "
-                    "reference (release each slot returned by get exactly once)"
+                    f"slots[{index}]={slot} is not valid for {operation}: this process holds no "
+                    "reference on it (release each slot returned by get exactly once)"
                 )
         self._check(status, operation)
 
@@ -835,3 +1019,47 @@ def _check_region(ctrl_address: int, ctrl_bytes: int) -> None:
 def iter_keys(block_ids: Iterable[bytes], shard_index: int) -> list[Key]:
     """One key per block at ``shard_index`` (the shape of a load task)."""
     return [(block_id, shard_index) for block_id in block_ids]
+
+
+class AnonymousBuffer:
+    """A CacheBuffer (control and data plane) in anonymous shared mappings of this process:
+    processes forked while it is open share it at the same addresses. For benchmarks and tools;
+    the product maps named segments (:class:`ucm.native.segments.SharedRegion`)."""
+
+    def __init__(self, geometry: Geometry) -> None:
+        import mmap
+
+        self.geometry = geometry
+        ctrl_bytes = -(-geometry.ctrl_size_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        data_bytes = geometry.slot_count_total * geometry.shard_size_bytes
+        # mmap(-1) is MAP_SHARED | MAP_ANONYMOUS: a forked child sees the same pages.
+        self._ctrl_map: mmap.mmap | None = mmap.mmap(-1, ctrl_bytes)
+        self._data_map: mmap.mmap | None = mmap.mmap(-1, data_bytes)
+        self._anchors: list[ctypes.c_char] = [
+            ctypes.c_char.from_buffer(self._ctrl_map),
+            ctypes.c_char.from_buffer(self._data_map),
+        ]
+        self.ctrl_address = ctypes.addressof(self._anchors[0])
+        self.data_address = ctypes.addressof(self._anchors[1])
+        self.core = BufferCore.create(self.ctrl_address, ctrl_bytes, geometry)
+
+    def slot_view(self, slot: int) -> memoryview:
+        """The bytes of ``slot`` (one segment holds every slot here)."""
+        assert self._data_map is not None, "closed"
+        size = self.geometry.shard_size_bytes
+        ((segment, offset),) = self.core.slot_locations([slot])
+        offset += segment * self.geometry.slots_per_segment * size
+        return memoryview(self._data_map)[offset : offset + size]
+
+    def close(self) -> None:
+        self._anchors.clear()
+        for mapping in (self._ctrl_map, self._data_map):
+            if mapping is not None:
+                mapping.close()
+        self._ctrl_map = self._data_map = None
+
+    def __enter__(self) -> AnonymousBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
