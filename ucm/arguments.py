@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidArgumentError
@@ -27,6 +26,9 @@ def check_block_ids(block_ids: Any, name: str = "block_ids") -> list[bytes]:
             f"{name} must be a list of {BLOCK_ID_BYTES}-byte block ids, got "
             f"{type(block_ids).__name__} {_short(block_ids)}"
         )
+    # Fast path: every id already 16 bytes of `bytes` (what runtimes pass): no copies.
+    if all(type(b) is bytes and len(b) == BLOCK_ID_BYTES for b in block_ids):
+        return list(block_ids)
     checked = []
     for i, block_id in enumerate(block_ids):
         if not isinstance(block_id, bytes | bytearray | memoryview):
@@ -73,17 +75,37 @@ def check_shard_indexes(shard_index: Any, count: int, layout: Layout) -> list[in
     return indexes
 
 
-@dataclass
 class ShardMemory:
-    """Caller memory of one task: per key, the views a tier reads into or writes from.
+    """Caller memory of one task: per key, where a tier reads into or writes from.
 
-    ``cuda_pairs`` lists (device tensor, host staging tensor) pairs: loads land in the staging
-    tensor and are copied to the device after the task's I/O; dumps copy to staging first.
+    ``addresses[i]`` lists ``(address, nbytes)`` per tensor of key i (host memory: the tensor
+    itself, or its staging tensor); ``views[i]`` are memoryviews of the same bytes, built on
+    first use (the buffer's copier only needs the addresses: one memmove per tensor).
+    ``cuda_pairs`` lists (device tensor, host staging tensor) pairs — the CPU staging fallback:
+    loads land in the staging tensor and are copied to the device after the task's I/O; dumps
+    copy to staging first. ``cuda[i]``, when set, holds key i's (device tensor, staging tensor)
+    pairs, so a copier with registered buffer memory can copy slot bytes straight to the device
+    instead of through the staging tensor.
     """
 
-    views: list[list[memoryview]]
-    keepalive: list[Any] = field(default_factory=list)
-    cuda_pairs: list[tuple[Any, Any]] = field(default_factory=list)
+    def __init__(
+        self,
+        views: list[list[memoryview]] | None = None,
+        addresses: list[list[tuple[int, int]]] | None = None,
+    ) -> None:
+        self._views = views
+        self.addresses: list[list[tuple[int, int]]] = addresses if addresses is not None else []
+        self.keepalive: list[Any] = []
+        self.cuda_pairs: list[tuple[Any, Any]] = []
+        self.cuda: list[list[tuple[Any, Any]] | None] = []
+
+    @property
+    def views(self) -> list[list[memoryview]]:
+        if self._views is None:
+            self._views = [
+                [_view_at(address, nbytes) for address, nbytes in entry] for entry in self.addresses
+            ]
+        return self._views
 
 
 def _view_at(address: int, nbytes: int) -> memoryview:
@@ -107,11 +129,18 @@ def check_tensors(
             "tensors per block"
         )
     torch = sys.modules.get("torch")
+    tensor_type = torch.Tensor if torch is not None else ()
     sizes = layout.tensor_sizes
-    memory = ShardMemory(views=[])
+    memory = ShardMemory()
+    keepalive = memory.keepalive
     for i, entry in enumerate(tensors):
-        items = [entry] if torch is not None and isinstance(entry, torch.Tensor) else entry
-        if not isinstance(items, Sequence) or isinstance(items, str | bytes):
+        items = (entry,) if isinstance(entry, tensor_type) else entry
+        # Exact list/tuple first: the common case, without the (slow) ABC isinstance check.
+        if (
+            type(items) is not list
+            and type(items) is not tuple
+            and (not isinstance(items, Sequence) or isinstance(items, str | bytes))
+        ):
             raise InvalidArgumentError(
                 f"{name}[{i}] must be a list of {len(sizes)} torch tensor(s), got "
                 f"{type(entry).__name__}"
@@ -121,54 +150,67 @@ def check_tensors(
                 f"{name}[{i}] has {len(items)} tensor(s) but the shard layout has {len(sizes)} "
                 f"(tensor_size_list={list(sizes)})"
             )
-        views = []
+        addresses = []
+        devices: list[tuple[Any, Any]] = []
         for j, tensor in enumerate(items):
-            where = f"{name}[{i}][{j}]"
-            if torch is None or not isinstance(tensor, torch.Tensor):
+            # The happy path is a handful of attribute reads per tensor: this runs per shard.
+            if not isinstance(tensor, tensor_type):
                 raise InvalidArgumentError(
-                    f"{where} must be a torch.Tensor, got {type(tensor).__name__}"
+                    f"{name}[{i}][{j}] must be a torch.Tensor, got {type(tensor).__name__}"
                 )
-            nbytes = tensor.numel() * tensor.element_size()
+            nbytes = tensor.nbytes
             if nbytes != sizes[j]:
                 raise InvalidArgumentError(
-                    f"{where} has {nbytes} bytes ({tuple(tensor.shape)} {tensor.dtype}) but the "
-                    f"layout expects {sizes[j]} bytes (tensor_size_list[{j}])"
+                    f"{name}[{i}][{j}] has {nbytes} bytes ({tuple(tensor.shape)} {tensor.dtype}) "
+                    f"but the layout expects {sizes[j]} bytes (tensor_size_list[{j}])"
                 )
             if not tensor.is_contiguous():
                 raise InvalidArgumentError(
-                    f"{where} is not contiguous (strides {tensor.stride()}); pass "
+                    f"{name}[{i}][{j}] is not contiguous (strides {tensor.stride()}); pass "
                     "tensor.contiguous() or a contiguous view"
                 )
             if for_load and tensor.requires_grad and tensor.is_leaf:
                 raise InvalidArgumentError(
-                    f"{where} requires grad; load into a tensor with requires_grad=False"
+                    f"{name}[{i}][{j}] requires grad; load into a tensor with requires_grad=False"
                 )
-            if tensor.device.type == "cpu":
-                views.append(_view_at(tensor.data_ptr(), nbytes))
-                memory.keepalive.append(tensor)
-            elif tensor.device.type == "cuda":
+            if tensor.is_cpu:
+                addresses.append((tensor.data_ptr(), nbytes))
+                keepalive.append(tensor)
+            elif tensor.is_cuda:
+                assert torch is not None
                 staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                 if not for_load:
                     staging.copy_(tensor.reshape(-1).view(torch.uint8))
                 memory.cuda_pairs.append((tensor, staging))
-                views.append(_view_at(staging.data_ptr(), nbytes))
-                memory.keepalive.append(staging)
+                addresses.append((staging.data_ptr(), nbytes))
+                devices.append((tensor, staging))
+                keepalive.append(staging)
             else:
                 raise InvalidArgumentError(
-                    f"{where} is on device {tensor.device}; UCM copies to CPU and CUDA tensors"
+                    f"{name}[{i}][{j}] is on device {tensor.device}; UCM copies to CPU and CUDA "
+                    "tensors"
                 )
-        memory.views.append(views)
+        if devices and len(devices) != len(items):
+            raise InvalidArgumentError(
+                f"{name}[{i}] mixes CPU and CUDA tensors; keep one shard's tensors on one device"
+            )
+        memory.addresses.append(addresses)
+        memory.cuda.append(devices or None)
     return memory
 
 
-def finish_cuda_loads(memory: ShardMemory) -> None:
-    """Copies staged bytes into the CUDA destination tensors and waits for the copies."""
+def finish_cuda_loads(memory: ShardMemory, direct: frozenset[int] | set[int] = frozenset()) -> None:
+    """Copies staged bytes into the CUDA destination tensors and waits for the copies. Keys in
+    ``direct`` were copied to the device straight from registered buffer memory: skipped."""
     if not memory.cuda_pairs:
         return
     import torch
 
-    for device_tensor, staging in memory.cuda_pairs:
-        device_tensor.reshape(-1).view(torch.uint8).copy_(staging, non_blocking=True)
+    for i, pairs in enumerate(memory.cuda):
+        if pairs is None or i in direct:
+            continue
+        for device_tensor, staging in pairs:
+            device_tensor.reshape(-1).view(torch.uint8).copy_(staging, non_blocking=True)
     torch.cuda.synchronize()
 
 
@@ -185,7 +227,7 @@ def check_pointers(pointers: Any, count: int, layout: Layout, name: str) -> Shar
             "addresses per block"
         )
     sizes = layout.tensor_sizes
-    memory = ShardMemory(views=[])
+    memory = ShardMemory()
     for i, entry in enumerate(pointers):
         items = [entry] if isinstance(entry, int) else entry
         if not isinstance(items, Sequence) or len(items) != len(sizes):
@@ -193,15 +235,14 @@ def check_pointers(pointers: Any, count: int, layout: Layout, name: str) -> Shar
                 f"{name}[{i}] must list {len(sizes)} address(es) (tensor_size_list="
                 f"{list(sizes)}), got {_short(entry)}"
             )
-        views = []
         for j, address in enumerate(items):
             if not isinstance(address, int) or isinstance(address, bool) or address <= 0:
                 raise InvalidArgumentError(
                     f"{name}[{i}][{j}]={_short(address)} is not valid: expected a non-zero "
                     "integer address"
                 )
-            views.append(_view_at(address, sizes[j]))
-        memory.views.append(views)
+        memory.addresses.append(list(zip(items, sizes, strict=True)))
+        memory.cuda.append(None)
     return memory
 
 

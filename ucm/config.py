@@ -208,6 +208,8 @@ def load_stack(source: str | os.PathLike[str] | Mapping[str, Any] | StackConfig)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: YAML nested too deeply to be a stack") from None
     return parse_stack(data, source=str(path))
 
 

@@ -10,12 +10,10 @@ tier that answers.
 from __future__ import annotations
 
 import os
-import queue
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from . import arguments
 from .config import LowerTierConfig, StackConfig, load_stack
@@ -27,22 +25,28 @@ from .errors import (
     StoreClosedError,
 )
 from .layout import Key, Layout
+from .loadqueue import BufferTier, DumpQueue, LoadJob, LoadQueue, QueueSettings
 from .plugins import tier_types
-from .task import Task
+from .task import Progress, Task
 from .tier import Outcome, ShardViews, Tier, TierContext
 
 DEFAULT_WRITE_QUEUE_BYTES = 256 * 1024 * 1024
 
 
 class Store:
-    """One rank's handle on a tier stack. Thread-safe; use as a context manager."""
+    """One rank's handle on a tier stack. Thread-safe; use as a context manager.
+
+    Loads go through this rank's :class:`~ucm.loadqueue.LoadQueue` (dispatcher + copier over
+    the shared CacheBuffer when the stack has one), dumps through its
+    :class:`~ucm.loadqueue.DumpQueue`; many tasks may be in flight at once.
+    """
 
     def __init__(
         self,
         config: StackConfig,
         device_id: int = 0,
         local_rank_size: int = 1,
-        write_queue_bytes: int = DEFAULT_WRITE_QUEUE_BYTES,
+        write_queue_bytes: int | None = None,
     ) -> None:
         _check_rank(device_id, local_rank_size)
         self.config = config
@@ -56,6 +60,7 @@ class Store:
         self._counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()
         self._closed = False
+        self._final_tier_stats: list[dict[str, Any]] | None = None
         self.tiers: list[Tier] = []
         installed = tier_types()
         try:
@@ -82,11 +87,36 @@ class Store:
                 tier.close()
             raise
         top = self.tiers[0]
-        # The shared CacheBuffer (native core) offers the owner/waiter load path.
-        self._buffer: Any = top if hasattr(top, "load_through") else None
-        self._tasks = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ucm-task")
-        self._writer = _WriteQueue(write_queue_bytes, self._count)
-        self._prefetches: list[Future[None]] = []
+        # The shared CacheBuffer (native core) offers the owner/waiter slot protocol.
+        self._buffer: BufferTier | None = cast(BufferTier, top) if hasattr(top, "claim") else None
+        settings = QueueSettings.from_tier_config(top.config) if self._buffer else QueueSettings()
+        if write_queue_bytes is not None:
+            settings = QueueSettings(
+                **{**settings.__dict__, "write_queue_bytes": write_queue_bytes}
+            )
+        self.settings = settings
+        self._start = 1 if self._buffer is not None else 0
+        through = [
+            tier
+            for tier in self.tiers[1:]
+            if isinstance(tier.config, LowerTierConfig) and tier.config.write == "through"
+        ]
+        self._loads: LoadQueue | None = None
+        self._dumps: DumpQueue | None = None
+        if device_id >= 0:
+            self._loads = LoadQueue(
+                buffer=self._buffer,
+                fill=self._fill_from_below,
+                count=self._count,
+                device_id=device_id,
+                local_rank_size=local_rank_size,
+                shards_per_block=self.layout.shards_per_block,
+                shard_size=self.layout.shard_size,
+                settings=settings,
+            )
+            self._dumps = DumpQueue(top=top, through=through, count=self._count, settings=settings)
+        self._prefetches: list[Task] = []
+        self._prefetch_lock = threading.Lock()
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -111,36 +141,52 @@ class Store:
         """Starts moving the blocks' shards up into the top tier (asynchronously)."""
         self._check_open()
         blocks = arguments.check_block_ids(block_ids)
+        if self._loads is None:
+            raise RoleError(
+                f"prefetch is not allowed on a scheduler (device_id={self.device_id}): the "
+                "scheduler role has no data plane to fill; prefetch from a worker rank"
+            )
         keys = self.layout.keys_of_blocks(blocks)
-        if keys and len(self.tiers) > 1:
-            self._prefetches = [f for f in self._prefetches if not f.done()]
-            self._prefetches.append(self._tasks.submit(self._prefetch, keys))
+        if not keys or len(self.tiers) == 1:
+            return
+        present = self.tiers[0].lookup(keys)
+        missing = [key for key, hit in zip(keys, present, strict=True) if not hit]
+        if not missing:
+            return
+        progress = Progress(missing)
+        task = Task(kind="prefetch", keys=missing, future=progress.future)
+        self._loads.submit(LoadJob(keys=missing, memory=None, progress=progress))
+        with self._prefetch_lock:
+            self._prefetches = [t for t in self._prefetches if not t.done()]
+            self._prefetches.append(task)
 
     def load(self, block_ids: Sequence[bytes], shard_index: Any, dst: Any) -> Task:
         """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``."""
         keys, memory = self._prepare(block_ids, shard_index, "dst", dst, for_load=True)
-        return self._submit("load", keys, self._run_load, memory)
+        return self._submit_load(keys, memory)
 
     def dump(self, block_ids: Sequence[bytes], shard_index: Any, src: Any) -> Task:
         """Stores the tensors ``src[i]`` as shard ``shard_index[i]`` of block i."""
         keys, memory = self._prepare(block_ids, shard_index, "src", src, for_load=False)
-        return self._submit("dump", keys, self._run_dump, memory)
+        return self._submit_dump(keys, memory)
 
     def load_data(self, block_ids: Sequence[bytes], shard_index: Any, dst_ptrs: Any) -> Task:
         """Like load, with raw addresses: ``dst_ptrs[i][j]`` receives tensor j of block i."""
         keys, memory = self._prepare(block_ids, shard_index, "dst_ptrs", dst_ptrs, for_load=True)
-        return self._submit("load", keys, self._run_load, memory)
+        return self._submit_load(keys, memory)
 
     def dump_data(self, block_ids: Sequence[bytes], shard_index: Any, src_ptrs: Any) -> Task:
         """Like dump, with raw addresses: ``src_ptrs[i][j]`` holds tensor j of block i."""
         keys, memory = self._prepare(block_ids, shard_index, "src_ptrs", src_ptrs, for_load=False)
-        return self._submit("dump", keys, self._run_dump, memory)
+        return self._submit_dump(keys, memory)
 
     def wait_prefetches(self) -> None:
         """Blocks until every prefetch started so far has finished (its errors are ignored:
         a failed prefetch only means the later load reads from below)."""
-        for future in list(self._prefetches):
-            future.exception()
+        with self._prefetch_lock:
+            tasks = list(self._prefetches)
+        for task in tasks:
+            task.future.exception(timeout=self.settings.queue_timeout_s)
 
     def wait(self, task: Task) -> None:
         """Blocks until the task finishes; raises TaskError naming each failed key."""
@@ -171,7 +217,7 @@ class Store:
         if not keys:
             return 0
         # Pending write-through work would resurrect removed shards below: finish it first.
-        self._writer.drain()
+        self.drain()
         before = self._lookup_keys(keys, stop_early=False)
         for tier in self.tiers:
             tier.batched_remove(keys, force=force)
@@ -180,18 +226,31 @@ class Store:
         self._count("removed_shards", removed)
         return removed
 
+    def drain(self) -> None:
+        """Blocks until every dump submitted so far is written to every ``write: through``
+        tier (what close() also does)."""
+        if self._dumps is not None:
+            self._dumps.drain()
+
     def stats(self) -> dict[str, Any]:
         """Store counters plus each tier's own counters under ``tiers``."""
         with self._counters_lock:
             counters: dict[str, Any] = dict(self._counters)
-        for name in ("hits", "misses", "loaded_shards", "dumped_shards", "failed_shards"):
+        for name in (
+            "hits",
+            "misses",
+            "loaded_shards",
+            "dumped_shards",
+            "failed_shards",
+            "repaired_shards",
+        ):
             counters.setdefault(name, 0)
         lookups = counters["hits"] + counters["misses"]
         counters["hit_rate"] = counters["hits"] / lookups if lookups else 0.0
-        counters["write_queue_bytes"] = self._writer.pending_bytes
-        counters["tiers"] = [
-            {"type": tier.type_name, "name": tier.label, **tier.stats()} for tier in self.tiers
-        ]
+        writer = self._dumps.writer if self._dumps is not None else None
+        counters["write_queue_bytes"] = writer.pending_bytes if writer is not None else 0
+        # A closed tier may have unmapped its counters: report what it had at close.
+        counters["tiers"] = self._final_tier_stats or self._tier_stats()
         return counters
 
     def close(self) -> None:
@@ -199,12 +258,20 @@ class Store:
         if self._closed:
             return
         self._closed = True
-        self._tasks.shutdown(wait=True)
-        self._writer.close()
-        for tier in self.tiers:
-            tier.flush()
-        for tier in self.tiers:
-            tier.close()
+        try:
+            if self._loads is not None:
+                self._loads.close()
+            if self._dumps is not None:
+                self._dumps.close()
+            for tier in self.tiers:
+                tier.flush()
+        finally:
+            self._final_tier_stats = self._tier_stats()
+            for tier in self.tiers:
+                tier.close()
+
+    def _tier_stats(self) -> list[dict[str, Any]]:
+        return [{"type": tier.type_name, "name": tier.label, **tier.stats()} for tier in self.tiers]
 
     def __enter__(self) -> Store:
         return self
@@ -242,16 +309,27 @@ class Store:
             memory = arguments.check_tensors(buffers, len(blocks), self.layout, name, for_load)
         return keys, memory
 
-    def _submit(
-        self,
-        kind: str,
-        keys: list[Key],
-        runner: Callable[[list[Key], arguments.ShardMemory], dict[Key, BaseException]],
-        memory: arguments.ShardMemory,
-    ) -> Task:
-        future: Future[dict[Key, BaseException]] = self._tasks.submit(runner, keys, memory)
-        self._count(f"{kind}_tasks")
-        return Task(kind=kind, keys=keys, future=future)
+    def _submit_load(self, keys: list[Key], memory: arguments.ShardMemory) -> Task:
+        assert self._loads is not None
+        job: LoadJob
+
+        def complete(_progress: Progress) -> None:
+            arguments.finish_cuda_loads(memory, job.direct)
+
+        progress = Progress(keys, on_complete=complete if memory.cuda_pairs else None)
+        job = LoadJob(keys=keys, memory=memory, progress=progress)
+        self._count("load_tasks")
+        if keys:
+            self._loads.submit(job)
+        return Task(kind="load", keys=keys, future=progress.future)
+
+    def _submit_dump(self, keys: list[Key], memory: arguments.ShardMemory) -> Task:
+        assert self._dumps is not None
+        progress = Progress(keys)
+        self._count("dump_tasks")
+        if keys:
+            self._dumps.submit(keys, memory, progress)
+        return Task(kind="dump", keys=keys, future=progress.future)
 
     def _lookup_keys(self, keys: list[Key], stop_early: bool = True) -> list[bool]:
         present = [False] * len(keys)
@@ -267,19 +345,35 @@ class Store:
                 break
         return present
 
+    def _fill_from_below(
+        self, keys: list[Key], views: list[ShardViews]
+    ) -> tuple[dict[Key, BaseException], list[int]]:
+        """Loads keys through the cascade below the buffer (or from the top when there is no
+        buffer), then promotes and repairs. Used by the LoadQueue's loader threads."""
+        failures, served_by, broken = self._cascade_load(keys, views, self._start)
+        self._write_up(keys, views, served_by, broken)
+        return failures, served_by
+
     def _cascade_load(
         self, keys: list[Key], views: Sequence[ShardViews], start_tier: int = 0
-    ) -> tuple[dict[Key, BaseException], list[int]]:
-        """Loads each key from the first tier that has it. Returns failures and, per key, the
-        position of the tier that served it (-1 if none)."""
+    ) -> tuple[dict[Key, BaseException], list[int], list[set[int]]]:
+        """Loads each key from the first tier that has it. Returns failures, per key the
+        position of the tier that served it (-1 if none), and per key the positions that
+        failed it with an error other than a plain miss (corrupt data, I/O error)."""
         served_by = [-1] * len(keys)
+        broken: list[set[int]] = [set() for _ in keys]
         last_error: dict[int, BaseException] = {}
         pending = list(range(len(keys)))
         for position in range(start_tier, len(self.tiers)):
             if not pending:
                 break
             tier = self.tiers[position]
-            outcomes = tier.load([keys[i] for i in pending], [views[i] for i in pending])
+            try:
+                outcomes: Sequence[Outcome] = tier.load(
+                    [keys[i] for i in pending], [views[i] for i in pending]
+                )
+            except Exception as exc:  # a tier that raises fails its whole batch, not the task
+                outcomes = [exc] * len(pending)
             still = []
             for i, outcome in zip(pending, outcomes, strict=True):
                 if outcome is None:
@@ -287,6 +381,7 @@ class Store:
                 else:
                     if not isinstance(outcome, KeyMissingError):
                         last_error[i] = outcome
+                        broken[i].add(position)
                         self._count(f"tier{position}_errors")
                     still.append(i)
             pending = still
@@ -295,74 +390,49 @@ class Store:
             failures[keys[i]] = last_error.get(
                 i, KeyMissingError(f"not found in any of the {len(self.tiers)} tier(s)")
             )
-        return failures, served_by
+        return failures, served_by, broken
 
-    def _promote(self, keys: list[Key], views: Sequence[ShardViews], served_by: list[int]) -> None:
-        """Copies keys served from below into the top tier and into `promote: true` tiers."""
+    def _write_up(
+        self,
+        keys: list[Key],
+        views: Sequence[ShardViews],
+        served_by: list[int],
+        broken: list[set[int]],
+    ) -> None:
+        """Writes keys served from below into the tiers above that should hold them: the top
+        tier (promotion; the buffer's owner rank fills its slot itself), ``promote: true``
+        tiers, and every tier that failed the key with an error other than a miss (repair: a
+        torn or corrupt copy is replaced by the good one)."""
         for position in range(len(self.tiers) - 1):
             tier = self.tiers[position]
-            if tier is self._buffer:
-                continue  # the owner rank filled the buffer slot itself
-            wants = position == 0 or getattr(tier.config, "promote", False)
-            if not wants:
+            if position == 0 and self._buffer is not None:
                 continue
-            chosen = [i for i, served in enumerate(served_by) if served > position]
-            if chosen:
-                outcomes = tier.dump([keys[i] for i in chosen], [views[i] for i in chosen])
-                self._count("promoted_shards", sum(1 for o in outcomes if o is None))
-
-    def _run_load(self, keys: list[Key], memory: arguments.ShardMemory) -> dict[Key, BaseException]:
-        failures: dict[Key, BaseException]
-        served_by: list[int]
-        if self._buffer is not None:
-            failures, served_by = self._buffer.load_through(
-                keys, memory.views, lambda k, v: self._cascade_load(k, v, start_tier=1)
+            tier_config = tier.config
+            writable = not (
+                isinstance(tier_config, LowerTierConfig) and tier_config.write == "none"
             )
-        else:
-            failures, served_by = self._cascade_load(keys, memory.views)
-        hits = sum(1 for served in served_by if served == 0)
-        self._count("hits", hits)
-        self._count("misses", len(keys) - hits)
-        self._count("loaded_shards", sum(1 for served in served_by if served >= 0))
-        self._count("failed_shards", len(failures))
-        self._promote(keys, memory.views, served_by)
-        arguments.finish_cuda_loads(memory)
-        return failures
-
-    def _run_dump(self, keys: list[Key], memory: arguments.ShardMemory) -> dict[Key, BaseException]:
-        top = self.tiers[0]
-        outcomes = top.dump(keys, memory.views)
-        failures = {key: o for key, o in zip(keys, outcomes, strict=True) if o is not None}
-        through = [
-            tier
-            for tier in self.tiers[1:]
-            if isinstance(tier.config, LowerTierConfig) and tier.config.write == "through"
-        ]
-        if through:
-            # The caller may reuse its tensors once the task is done: snapshot the bytes.
-            accepted = [i for i, o in enumerate(outcomes) if o is None]
-            snapshot = [b"".join(bytes(v) for v in memory.views[i]) for i in accepted]
-            self._writer.put(through, [keys[i] for i in accepted], snapshot)
-        self._count("dumped_shards", len(keys) - len(failures))
-        self._count("failed_shards", len(failures))
-        return failures
-
-    def _prefetch(self, keys: list[Key]) -> None:
-        top_present = self.tiers[0].lookup(keys)
-        missing = [key for key, hit in zip(keys, top_present, strict=True) if not hit]
-        if not missing:
-            return
-        buffers = [bytearray(self.layout.shard_size) for _ in missing]
-        views: list[ShardViews] = [[memoryview(b)] for b in buffers]
-        if self._buffer is not None:
-            # Claims the slots, so ranks prefetching the same blocks read each shard once.
-            _, served_by = self._buffer.load_through(
-                missing, views, lambda k, v: self._cascade_load(k, v, start_tier=1)
+            promote = position == 0 or bool(getattr(tier_config, "promote", False))
+            repair = [
+                i
+                for i, served in enumerate(served_by)
+                if served > position and position in broken[i]
+            ]
+            chosen = sorted(
+                {i for i, served in enumerate(served_by) if served > position and promote}
+                | (set(repair) if writable else set())
             )
-        else:
-            _, served_by = self._cascade_load(missing, views, start_tier=1)
-        self._promote(missing, views, served_by)
-        self._count("prefetched_shards", sum(1 for served in served_by if served > 0))
+            if not chosen:
+                continue
+            try:
+                outcomes: Sequence[Outcome] = tier.dump(
+                    [keys[i] for i in chosen], [views[i] for i in chosen]
+                )
+            except Exception as exc:
+                outcomes = [exc] * len(chosen)
+            written = {i for i, o in zip(chosen, outcomes, strict=True) if o is None}
+            repaired = sum(1 for i in repair if i in written)
+            self._count("repaired_shards", repaired)
+            self._count("promoted_shards", len(written) - repaired)
 
     def _evict_sink_for(
         self, position: int
@@ -388,57 +458,6 @@ class Store:
             return results
 
         return sink
-
-
-class _WriteQueue:
-    """Background writer for ``write: through`` tiers, bounded in bytes (backpressure)."""
-
-    def __init__(self, capacity_bytes: int, count: Callable[[str, int], None]) -> None:
-        self._capacity_bytes = capacity_bytes
-        self._count = count
-        self._pending_bytes = 0
-        self._condition = threading.Condition()
-        self._queue: queue.Queue[tuple[list[Tier], list[Key], list[bytes]] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="ucm-write-through", daemon=True)
-        self._thread.start()
-
-    @property
-    def pending_bytes(self) -> int:
-        return self._pending_bytes
-
-    def put(self, tiers: list[Tier], keys: list[Key], data: list[bytes]) -> None:
-        size = sum(len(d) for d in data)
-        with self._condition:
-            # Bounded wait loop: each pass sleeps until the writer frees bytes.
-            while self._pending_bytes and self._pending_bytes + size > self._capacity_bytes:
-                self._condition.wait(timeout=1.0)
-            self._pending_bytes += size
-        self._queue.put((tiers, keys, data))
-
-    def drain(self) -> None:
-        with self._condition:
-            while self._pending_bytes:
-                self._condition.wait(timeout=1.0)
-
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            tiers, keys, data = item
-            views: list[ShardViews] = [[memoryview(d)] for d in data]
-            for tier in tiers:
-                outcomes = tier.dump(keys, views)
-                failed = sum(1 for o in outcomes if o is not None)
-                self._count("write_through_shards", len(keys) - failed)
-                self._count("write_through_failures", failed)
-            with self._condition:
-                self._pending_bytes -= sum(len(d) for d in data)
-                self._condition.notify_all()
 
 
 def _check_rank(device_id: Any, local_rank_size: Any) -> None:

@@ -1,8 +1,10 @@
-"""Tasks: handles of submitted load/dump batches."""
+"""Tasks: handles of submitted load/dump batches, and the bookkeeping that completes them."""
 
 from __future__ import annotations
 
 import itertools
+import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -33,3 +35,56 @@ class Task:
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<Task {self.task_id} {self.kind} {len(self.keys)} keys {state}>"
+
+
+class Progress:
+    """Counts a task's entries down as the queues finish them (in any order, from any thread);
+    the last one completes the task's future with every failure, after ``on_complete``."""
+
+    def __init__(
+        self,
+        keys: list[Key],
+        on_complete: Callable[[Progress], None] | None = None,
+    ) -> None:
+        self.keys = keys
+        self.future: Future[dict[Key, BaseException]] = Future()
+        self.failures: dict[Key, BaseException] = {}
+        self._remaining = len(keys)
+        self._finished = [False] * len(keys)
+        self._lock = threading.Lock()
+        self._on_complete = on_complete
+        if not keys:
+            self._complete()
+
+    def finish(self, indices: Iterable[int], failure: BaseException | None = None) -> None:
+        """Marks entries done (failed with ``failure`` when given). Idempotent per entry."""
+        with self._lock:
+            newly = 0
+            for i in indices:
+                if self._finished[i]:
+                    continue
+                self._finished[i] = True
+                newly += 1
+                if failure is not None:
+                    self.failures[self.keys[i]] = failure
+            self._remaining -= newly
+            complete = newly > 0 and self._remaining == 0
+        if complete:
+            self._complete()
+
+    def fail(self, failures: dict[int, BaseException]) -> None:
+        for i, failure in failures.items():
+            self.finish([i], failure)
+
+    def unfinished(self) -> list[int]:
+        with self._lock:
+            return [i for i, done in enumerate(self._finished) if not done]
+
+    def _complete(self) -> None:
+        try:
+            if self._on_complete is not None:
+                self._on_complete(self)
+        except BaseException as exc:  # completing must never leave the task hanging
+            self.future.set_exception(exc)
+            return
+        self.future.set_result(dict(self.failures))

@@ -2,16 +2,20 @@
 
 Every rank of a node that opens the same ``unique_id`` maps the same control segment and data
 segments (``ucm.native.segments``); the slot logic (owner/waiter, CLOCK, Touch, Prealloc,
-batched remove) is ``ucm.native.buffer``. Beyond the plain Tier interface this tier offers
-:meth:`BufferTier.load_through`, the owner/waiter load path the Store uses when the buffer is the
-top of the stack: each missing shard is loaded from below exactly once node-wide, by whichever
-rank claims its slot first, while every other rank asking for it sleeps on the slot's futex.
+batched remove) is ``ucm.native.buffer``. Beyond the plain Tier interface this tier offers the
+slot protocol the rank's LoadQueue drives (``ucm.loadqueue``): :meth:`BufferTier.claim` (batched
+Get), :meth:`~BufferTier.commit`, :meth:`~BufferTier.wait_slots`, :meth:`~BufferTier.release`,
+:meth:`~BufferTier.prewarm` and the slot addresses, so that each missing shard is loaded from
+below exactly once node-wide, by whichever rank claims its slot first, while every other rank
+asking for it sleeps on the slot's futex. The queue and tuning keys of this tier's config
+(``load_workers``, ``step_keys``, queue depths, ``prealloc``...) configure that LoadQueue.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -21,18 +25,26 @@ import ucm
 from ucm.config import Size, TierConfig
 from ucm.errors import KeyMissingError, TierError
 from ucm.layout import Key
-from ucm.native.buffer import BufferCore, Geometry, GetResult, State, WaitResult
+from ucm.native import buffer as native_buffer
+from ucm.native.buffer import (
+    BufferCore,
+    Geometry,
+    GetBatch,
+    GetResult,
+    KeyBatch,
+    PreallocResult,
+    State,
+    WaitResult,
+)
 from ucm.native.segments import SharedRegion
 from ucm.tier import EvictSink, Outcome, ShardViews, Tier, TierContext
 
 SEGMENT_TARGET_BYTES = 1 << 30
+SEGMENTS_MAX = 256
+"""Data segments per buffer the native segment layer accepts (constants.seg_segments_max)."""
 """Data segments of at most ~1 GiB: small enough to create quickly, large enough to be few."""
 
-BUFFER_CTRL_LAYOUT_VERSION = 1
-
-Fill = Callable[[list[Key], list[ShardViews]], tuple[dict[Key, BaseException], list[int]]]
-"""Loads keys from the tiers below into the views; returns failures and, per key, the position
-of the tier that served it (-1 if none)."""
+BUFFER_CTRL_LAYOUT_VERSION: int = getattr(native_buffer, "CTRL_LAYOUT_VERSION", 1)
 
 
 class BufferTierConfig(TierConfig):
@@ -44,6 +56,38 @@ class BufferTierConfig(TierConfig):
     wait_timeout_s: PositiveFloat = Field(
         default=30.0,
         description="Longest a rank waits for another rank's load before loading it itself.",
+    )
+    prealloc: bool = Field(
+        default=True,
+        description="Prewarm (block, index + 1) of each loaded block in the dispatcher's idle "
+        "window (seed 3.4).",
+    )
+    load_queue_depth: int = Field(
+        default=64, ge=1, description="Load tasks queued for the dispatcher before load() blocks."
+    )
+    dump_queue_depth: int = Field(
+        default=64, ge=1, description="Dump tasks queued for the dump thread before dump() blocks."
+    )
+    queue_timeout_s: PositiveFloat = Field(
+        default=60.0,
+        description="Longest load()/dump() blocks on a full queue before raising TimeoutError.",
+    )
+    load_workers: int = Field(
+        default=4, ge=1, le=256, description="Concurrent loads from the tiers below, per rank."
+    )
+    step_keys: int = Field(
+        default=1024,
+        ge=1,
+        description="Most keys one dispatcher step claims (one batched Get).",
+    )
+    rearrange: bool = Field(
+        default=True,
+        description="Walk each load task in RearrangeIndex order (false: natural order, kept "
+        "only to measure what the rotation buys).",
+    )
+    write_queue_bytes: Size = Field(
+        default=256 * 1024 * 1024,
+        description="Bytes of dumped shards waiting for write-through before dump tasks block.",
     )
 
 
@@ -61,6 +105,10 @@ class BufferTier(Tier):
             slots_per_segment *= 2
         total = config.capacity // shard_size + config.reserved_slots
         slots_per_segment = min(slots_per_segment, 1 << max(0, (max(total, 1) - 1).bit_length()))
+        # A huge buffer gets larger segments rather than more than the native core can pass
+        # over its socket, so its size is judged against /dev/shm, not against a segment limit.
+        while -(-total // slots_per_segment) > SEGMENTS_MAX:
+            slots_per_segment *= 2
         self.geometry = Geometry.from_capacity(
             config.capacity,
             shard_size,
@@ -83,156 +131,197 @@ class BufferTier(Tier):
             init=init,
             ctrl_layout_version=BUFFER_CTRL_LAYOUT_VERSION,
         )
-        self.core = BufferCore.attach(self.region.ctrl_address, self.region.ctrl_bytes, geometry)
+        try:
+            self.core = BufferCore.attach(
+                self.region.ctrl_address, self.region.ctrl_bytes, geometry
+            )
+        except BaseException:
+            self.region.close()  # a refused attach must not keep the segments mapped
+            raise
+        if not context.is_scheduler:
+            # A rank (re)joining frees what ranks killed earlier still held, so a restart
+            # never inherits leaked references even if the buffer never fills up.
+            self.core.reclaim_dead()
         self.bases = [self.region.segment_address(i) for i in range(geometry.segment_count)]
-        # Slot ownership is recorded per process: threads of one rank go through one at a time.
+        # References and ownership are recorded per process in the native core, so the threads
+        # of one rank share them here, under `_lock` together with the native call that changes
+        # them: `_refs` counts this process's uses of each slot it holds (the native reference
+        # is dropped with the last use: an early release by one thread would read as the owner
+        # giving up), `_local_owned` maps each key this process owns and has not committed.
         self._lock = threading.Lock()
-        self._counts = {"bypassed": 0, "waited": 0, "owned": 0, "write_back_failures": 0}
+        self._local_owned: dict[Key, int] = {}
+        self._refs: dict[int, int] = {}
+        self._ready: set[int] = set()
+        """Slots held here that are known Ready (a Ready shard never changes while held)."""
+        self._counts = {
+            "bypassed": 0,
+            "waited": 0,
+            "owned": 0,
+            "write_back_failures": 0,
+            "get_native_ns": 0,
+            "get_native_keys": 0,
+            "hits": 0,
+            "misses": 0,
+        }
+        self._counts_lock = threading.Lock()
+
+    def count(self, name: str, amount: int = 1) -> None:
+        with self._counts_lock:
+            self._counts[name] = self._counts.get(name, 0) + amount
 
     # ---- slot memory ------------------------------------------------------------------------
 
-    def _slot_views(self, slots: Sequence[int]) -> list[memoryview]:
+    def slot_addresses(self, slots: Sequence[int]) -> list[int]:
         if not slots:
             return []
-        size = self.layout.shard_size
-        addresses = self.core.slot_addresses(list(slots), self.bases)
+        addresses = list(self.core.slot_addresses(list(slots), self.bases))
         if any(address == 0 for address in addresses):
             raise TierError("the scheduler role has no data plane: it cannot move shard bytes")
+        return addresses
+
+    def slot_views(self, slots: Sequence[int]) -> list[memoryview]:
+        size = self.layout.shard_size
         return [
             memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
-            for address in addresses
+            for address in self.slot_addresses(slots)
         ]
 
-    @staticmethod
-    def _copy_out(slot: memoryview, views: ShardViews) -> None:
+    def copy_out(self, address: int, views: ShardViews) -> None:
+        """Slot bytes at ``address`` into the views (one memmove per view)."""
         offset = 0
         for view in views:
-            view[:] = slot[offset : offset + len(view)]
-            offset += len(view)
+            n = view.nbytes
+            target = _address_of(view)
+            if target is None:
+                raise TierError("cannot load into a read-only destination")
+            ctypes.memmove(target, address + offset, n)
+            offset += n
 
-    @staticmethod
-    def _copy_in(slot: memoryview, views: ShardViews) -> None:
+    def copy_in(self, address: int, views: ShardViews) -> None:
+        """The views' bytes into the slot at ``address``."""
         offset = 0
         for view in views:
-            slot[offset : offset + len(view)] = view
-            offset += len(view)
+            n = view.nbytes
+            source = _address_of(view)
+            if source is None:  # read-only source (bytes): copy through a view of the slot
+                memoryview((ctypes.c_ubyte * n).from_address(address + offset)).cast("B")[:] = (
+                    view.cast("B")
+                )
+            else:
+                ctypes.memmove(address + offset, source, n)
+            offset += n
 
-    def _write_back(self, slots: Sequence[int], victims: list[tuple[int, Key]]) -> None:
+    def write_back(self, slots: Sequence[int], victims: list[tuple[int, Key]]) -> None:
         """Writes evicted Ready shards (still in their old slot) to `write: back` tiers."""
         sink: EvictSink | None = self.context.evict_sink
         if sink is None or not victims:
             return
-        slot_views = self._slot_views([slots[i] for i, _ in victims])
+        slot_views = self.slot_views([slots[i] for i, _ in victims])
         outcomes = sink([key for _, key in victims], [[view] for view in slot_views])
-        self._counts["write_back_failures"] += sum(1 for o in outcomes if o is not None)
+        self.count("write_back_failures", sum(1 for o in outcomes if o is not None))
 
-    # ---- the owner/waiter load path ---------------------------------------------------------
+    # ---- slot protocol for the load and dump queues ----------------------------------------
 
-    def _chunk_keys(self) -> int:
-        # A batch holds a reference on every slot it gets until it releases them: keep batches
-        # to half the regular pool so a task larger than the buffer still finds free slots.
-        return max(1, min(1024, self.geometry.slot_count_regular // 2))
-
-    def load_through(
-        self, keys: Sequence[Key], destinations: Sequence[ShardViews], fill: Fill
-    ) -> tuple[dict[Key, BaseException], list[int]]:
-        """Loads keys into caller memory through the buffer: hits are copied out, claimed slots
-        are filled from below (``fill``) and published, keys another rank is filling are
-        waited for. Returns failures and per key the position that served it (0 = buffer)."""
-        failures: dict[Key, BaseException] = {}
-        served_by: list[int] = []
-        size = self._chunk_keys()
-        for start in range(0, len(keys), size):
-            chunk_failures, chunk_served = self._load_chunk(
-                keys[start : start + size], destinations[start : start + size], fill
-            )
-            failures.update(chunk_failures)
-            served_by.extend(chunk_served)
-        return failures, served_by
-
-    def _load_chunk(
-        self, keys: Sequence[Key], destinations: Sequence[ShardViews], fill: Fill
-    ) -> tuple[dict[Key, BaseException], list[int]]:
-        served_by = [-1] * len(keys)
-        failures: dict[Key, BaseException] = {}
+    def claim(self, keys: Sequence[Key], for_load: bool = True) -> GetBatch:
+        """Batched Get. The native core records one reference per process and slot, so the
+        threads of this process share it through a local count (``_refs``): a key this process
+        already holds (``HELD``) is reported as HIT when Ready and as WAITER otherwise (another
+        rank or thread is filling it), with the local count raised. OWNER results are recorded
+        as owned here. Evicted Ready shards are written back before their slots are reused."""
+        batch_keys = KeyBatch.of(keys)
         with self._lock:
-            batch = self.core.get(list(keys), evicted=self.context.evict_sink is not None)
-            slots = list(batch.slots)
-            results = [GetResult(code) for code in batch.results]
-            self._write_back(slots, batch.evicted)
-            owned = [i for i, r in enumerate(results) if r is GetResult.OWNER]
-            waiting = [i for i, r in enumerate(results) if r is GetResult.WAITER]
-            bypass = [i for i, r in enumerate(results) if r > GetResult.WAITER]
-            try:
-                for i in (i for i, r in enumerate(results) if r is GetResult.HIT):
-                    served_by[i] = 0
-                self._copy_hits(slots, keys, destinations, served_by)
-                self._fill_owned(owned, slots, keys, destinations, fill, served_by, failures)
-                if waiting:
-                    self._counts["waited"] += len(waiting)
-                    states = self.core.wait([slots[i] for i in waiting], self.cfg.wait_timeout_s)
-                    takeover = []
-                    for i, state in zip(waiting, states, strict=True):
-                        if state is WaitResult.READY:
-                            served_by[i] = 0
-                        elif state is WaitResult.TAKEOVER:
-                            takeover.append(i)
-                        else:  # failed by its owner, timed out, or lock trouble: load it here
-                            bypass.append(i)
-                    self._copy_hits(slots, keys, destinations, served_by, only=waiting)
-                    self._fill_owned(takeover, slots, keys, destinations, fill, served_by, failures)
-            finally:
-                self.core.release(batch.held_slots())
-        if bypass:
-            # No slot for them (all in use) or their owner failed: straight from below.
-            self._counts["bypassed"] += len(bypass)
-            bypass_failures, bypass_served = fill(
-                [keys[i] for i in bypass], [destinations[i] for i in bypass]
+            started = time.perf_counter_ns()
+            batch = self.core.get(batch_keys, evicted=self.context.evict_sink is not None)
+            self._counts["get_native_ns"] += time.perf_counter_ns() - started
+            self._counts["get_native_keys"] += len(batch_keys)
+            results = batch.results
+            refs = self._refs
+            for i, result in enumerate(results):
+                if result > _WAITER and result != _HELD:
+                    continue  # nothing taken
+                slot = batch.slots[i]
+                refs[slot] = refs.get(slot, 0) + 1
+                if result == _HIT:
+                    self._ready.add(slot)
+                elif result == _OWNER:
+                    self._local_owned[keys[i]] = slot
+                elif result == _HELD:
+                    ready = slot in self._ready or (
+                        keys[i] not in self._local_owned
+                        and self.core.slot_info(slot).state is State.READY
+                    )
+                    results[i] = _HIT if ready else _WAITER
+        if for_load:  # this tier's hits/misses: keys a load found Ready here, or not
+            hits = sum(1 for r in batch.results if r == _HIT)
+            waiting = sum(1 for r in batch.results if r == _WAITER)
+            self.count("hits", hits)
+            self.count("misses", len(batch.results) - hits - waiting)
+        if batch.evicted:
+            self.write_back(batch.slots, batch.evicted)
+        return batch
+
+    def commit(self, keys: Sequence[Key], slots: Sequence[int], states: Sequence[State]) -> None:
+        with self._lock:
+            self.core.commit(list(slots), list(states))
+            for key in keys:
+                self._local_owned.pop(key, None)
+            self._ready.update(
+                slot for slot, s in zip(slots, states, strict=True) if s is State.READY
             )
-            failures.update(bypass_failures)
-            for i, position in zip(bypass, bypass_served, strict=True):
-                served_by[i] = position
-        return failures, served_by
 
-    def _copy_hits(
-        self,
-        slots: list[int],
-        keys: Sequence[Key],
-        destinations: Sequence[ShardViews],
-        served_by: list[int],
-        only: Sequence[int] | None = None,
-    ) -> None:
-        chosen = [i for i in (only if only is not None else range(len(keys))) if served_by[i] == 0]
-        for i, view in zip(chosen, self._slot_views([slots[i] for i in chosen]), strict=True):
-            self._copy_out(view, destinations[i])
+    def adopt(self, keys: Sequence[Key], slots: Sequence[int]) -> None:
+        """Records slots taken over from a dead owner (Wait returned TAKEOVER)."""
+        with self._lock:
+            for key, slot in zip(keys, slots, strict=True):
+                self._local_owned[key] = slot
 
-    def _fill_owned(
-        self,
-        owned: list[int],
-        slots: list[int],
-        keys: Sequence[Key],
-        destinations: Sequence[ShardViews],
-        fill: Fill,
-        served_by: list[int],
-        failures: dict[Key, BaseException],
-    ) -> None:
-        if not owned:
-            return
-        self._counts["owned"] += len(owned)
-        slot_views = self._slot_views([slots[i] for i in owned])
-        owned_failures, owned_served = fill(
-            [keys[i] for i in owned], [[view] for view in slot_views]
-        )
-        states = []
-        for i, view, position in zip(owned, slot_views, owned_served, strict=True):
-            if position >= 0:
-                self._copy_out(view, destinations[i])
-                served_by[i] = position
-                states.append(State.READY)
-            else:
-                failures[keys[i]] = owned_failures[keys[i]]
-                states.append(State.FAILED)
-        self.core.commit([slots[i] for i in owned], states)
+    def owned_here(self, key: Key) -> bool:
+        with self._lock:
+            return key in self._local_owned
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Drops this process's uses of the slots; the native reference goes with the last."""
+        with self._lock:
+            last = []
+            refs = self._refs
+            for slot in slots:
+                count = refs.get(slot, 0)
+                if count <= 1:
+                    refs.pop(slot, None)
+                    self._ready.discard(slot)
+                    last.append(slot)
+                else:
+                    refs[slot] = count - 1
+            if last:
+                self.core.release(last)
+
+    def wait_slots(self, keys: Sequence[Key], slots: Sequence[int]) -> list[WaitResult]:
+        """Waits (futex) for slots another rank or thread fills. A timeout while the owner is a
+        thread of this process is waited out again (a bounded number of times): releasing it
+        Idle would hand the slot to another owner mid-fill."""
+        states = self.core.wait(list(slots), self.cfg.wait_timeout_s)
+        for _round in range(WAIT_ROUNDS_MAX):
+            again = [
+                i
+                for i, state in enumerate(states)
+                if state is WaitResult.IDLE and self.owned_here(keys[i])
+            ]
+            if not again:
+                break
+            retried = self.core.wait([slots[i] for i in again], self.cfg.wait_timeout_s)
+            for i, state in zip(again, retried, strict=True):
+                states[i] = state
+        ready = sum(1 for state in states if state is WaitResult.READY)
+        self.count("hits", ready)
+        self.count("misses", len(states) - ready)
+        takeover = [i for i, state in enumerate(states) if state is WaitResult.TAKEOVER]
+        if takeover:
+            self.adopt([keys[i] for i in takeover], [slots[i] for i in takeover])
+        return states
+
+    def prewarm(self, keys: Sequence[Key]) -> list[PreallocResult]:
+        """Prealloc (seed 3.4): idle slots hung for keys a later Get will probably ask for."""
+        return self.core.prealloc(list(keys))
 
     # ---- the Tier interface ----------------------------------------------------------------
 
@@ -242,17 +331,58 @@ class BufferTier(Tier):
     def lookup_blocks(self, block_ids: Sequence[bytes]) -> list[bool]:
         return self.core.lookup_blocks(list(block_ids), self.layout.shards_per_block)
 
+    def _chunk_keys(self) -> int:
+        # A batch holds a reference on every slot it gets until it releases them: keep batches
+        # to half the regular pool so a task larger than the buffer still finds free slots.
+        return max(1, min(self.cfg.step_keys, self.geometry.slot_count_regular // 2))
+
     def load(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
-        """Copies out the keys that are Ready; everything else is a miss (nothing is claimed)."""
+        """Copies out the keys that are Ready (waiting for ones being filled); everything else
+        is a miss. A key claimed here with nothing to fill it is failed at once (not kept)."""
+        outcomes: list[Outcome] = []
+        size = self._chunk_keys()
+        for start in range(0, len(keys), size):
+            outcomes.extend(
+                self._load_chunk(keys[start : start + size], destinations[start : start + size])
+            )
+        return outcomes
 
-        def nothing_below(
-            keys_below: list[Key], _views: list[ShardViews]
-        ) -> tuple[dict[Key, BaseException], list[int]]:
-            miss = KeyMissingError("not in the buffer")
-            return {key: miss for key in keys_below}, [-1] * len(keys_below)
-
-        failures, _ = self.load_through(keys, destinations, nothing_below)
-        return [failures.get(key) for key in keys]
+    def _load_chunk(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
+        miss = KeyMissingError("not in the buffer")
+        outcomes: list[Outcome] = [miss] * len(keys)
+        batch = self.claim(keys)
+        slots = list(batch.slots)
+        results = [GetResult(code) for code in batch.results]
+        ready = [i for i, r in enumerate(results) if r is GetResult.HIT]
+        owned = [i for i, r in enumerate(results) if r is GetResult.OWNER]
+        waiting = [i for i, r in enumerate(results) if r is GetResult.WAITER]
+        try:
+            if owned:  # nothing below this tier here: give the claimed slots back as failed
+                self.commit(
+                    [keys[i] for i in owned], [slots[i] for i in owned], [State.FAILED] * len(owned)
+                )
+            if waiting:
+                states = self.wait_slots([keys[i] for i in waiting], [slots[i] for i in waiting])
+                taken = []
+                for i, state in zip(waiting, states, strict=True):
+                    if state is WaitResult.READY:
+                        ready.append(i)
+                    elif state is WaitResult.TAKEOVER:
+                        taken.append(i)
+                if taken:
+                    self.commit(
+                        [keys[i] for i in taken],
+                        [slots[i] for i in taken],
+                        [State.FAILED] * len(taken),
+                    )
+            for i, address in zip(
+                ready, self.slot_addresses([slots[i] for i in ready]), strict=True
+            ):
+                self.copy_out(address, destinations[i])
+                outcomes[i] = None
+        finally:
+            self.release(batch.held_slots())
+        return outcomes
 
     def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
         """Writes each shard into a claimed slot and publishes it Ready. A key that is already
@@ -267,45 +397,94 @@ class BufferTier(Tier):
 
     def _dump_chunk(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
         outcomes: list[Outcome] = [None] * len(keys)
+        # Keys a thread of this process is filling right now get the same bytes from it.
         with self._lock:
-            batch = self.core.get(list(keys), evicted=self.context.evict_sink is not None)
-            slots = list(batch.slots)
-            results = [GetResult(code) for code in batch.results]
-            try:
-                self._write_back(slots, batch.evicted)
-                owned = [i for i, r in enumerate(results) if r is GetResult.OWNER]
-                for i, view in zip(owned, self._slot_views([slots[i] for i in owned]), strict=True):
-                    self._copy_in(view, sources[i])
-                self.core.commit([slots[i] for i in owned], [State.READY] * len(owned))
-                for i, result in enumerate(results):
-                    if result > GetResult.WAITER:
-                        outcomes[i] = TierError(
-                            f"no buffer slot for the shard ({result.name}): every slot is in use"
-                        )
-            finally:
-                self.core.release(batch.held_slots())
+            chosen = [keys[i] for i, key in enumerate(keys) if key not in self._local_owned]
+        source_of = {key: sources[i] for i, key in enumerate(keys)}
+        index_of = {key: i for i, key in enumerate(keys)}
+        batch = self.claim(chosen, for_load=False)
+        present = [key for key, r in zip(chosen, batch.results, strict=True) if r == _HIT]
+        self._fill_claimed(chosen, batch, source_of, index_of, outcomes)
+        if present:
+            # Already Ready: a dump replaces a key's bytes (the Tier contract). Its slot may be
+            # in use (another rank copying out of it): remove only what is not in use, then
+            # claim the removed keys afresh; a key still in use keeps its (equal) bytes.
+            self.core.remove(present, force=False)
+            again = self.claim(present, for_load=False)
+            self._fill_claimed(present, again, source_of, index_of, outcomes)
         return outcomes
 
-    def prealloc(self, keys: Sequence[Key]) -> None:
-        with self._lock:
-            self.core.prealloc(list(keys))
+    def _fill_claimed(
+        self,
+        keys: list[Key],
+        batch: GetBatch,
+        source_of: dict[Key, ShardViews],
+        index_of: dict[Key, int],
+        outcomes: list[Outcome],
+    ) -> None:
+        """Copies the sources into the slots claimed as OWNER, publishes them Ready and
+        releases every reference the batch took."""
+        slots = list(batch.slots)
+        try:
+            owned = [j for j, r in enumerate(batch.results) if r == _OWNER]
+            addresses = self.slot_addresses([slots[j] for j in owned])
+            for j, address in zip(owned, addresses, strict=True):
+                self.copy_in(address, source_of[keys[j]])
+            self.commit(
+                [keys[j] for j in owned], [slots[j] for j in owned], [State.READY] * len(owned)
+            )
+            for j, result in enumerate(batch.results):
+                if result > _WAITER:
+                    outcomes[index_of[keys[j]]] = TierError(
+                        f"no buffer slot for the shard ({GetResult(result).name}): every slot is "
+                        "in use"
+                    )
+        finally:
+            self.release(batch.held_slots())
 
     def touch(self, block_ids: Sequence[bytes]) -> None:
         self.core.touch(list(block_ids))
 
     def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
-        with self._lock:
-            return self.core.remove(list(dict.fromkeys(keys)), force=force)
+        """Removes the keys (native: one bucket-lock pass per chunk). Keys pinned through
+        ``Tier.pins`` and slots in use by any rank are kept unless ``force``."""
+        unique = list(dict.fromkeys(keys))
+        if not force:
+            unique = [key for key in unique if not self.pins.is_pinned(key)]
+        if not unique:
+            return 0
+        return self.core.remove(unique, force=force)
 
     def stats(self) -> dict[str, int | float]:
+        """Node-wide native counters (Get hits and misses as ``get_hits``/``get_misses``, every
+        rank's loads and dumps together) and this process's counters: ``hits``/``misses`` are
+        the keys its loads found Ready here or not (the Tier stats contract)."""
         counters: dict[str, int | float] = dict(self.core.stats())
-        counters.update(self._counts)
+        counters["get_hits"] = counters.pop("hits")
+        counters["get_misses"] = counters.pop("misses")
+        with self._counts_lock:
+            counters.update(self._counts)
         counters["capacity_slots"] = self.geometry.slot_count_regular
         counters["reserved_slots"] = self.geometry.slot_count_reserved
         return counters
 
     def close(self) -> None:
         self.region.close()
+
+
+_HIT, _OWNER, _WAITER = int(GetResult.HIT), int(GetResult.OWNER), int(GetResult.WAITER)
+_HELD = 5
+"""``GetResult.HELD`` of the native core: this process already holds the slot."""
+
+WAIT_ROUNDS_MAX = 8
+"""Times a wait on a slot owned by a thread of this process is renewed before giving up."""
+
+
+def _address_of(view: memoryview) -> int | None:
+    """Address of a writable contiguous memoryview's first byte (None if read-only or empty)."""
+    if view.readonly or not view.nbytes:
+        return None
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 @ucm.hookimpl

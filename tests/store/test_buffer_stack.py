@@ -75,7 +75,7 @@ def test_eviction_from_a_small_buffer_falls_back_to_posix(tmp_path: Path) -> Non
     with ucm.open(buffer_stack(tmp_path, slots=4, shards=1)) as store:
         blocks = [block(i) for i in range(12)]
         store.wait(store.dump(blocks, 0, [[shard_tensor(b, 0)] for b in blocks]))
-        store._writer.drain()
+        store.drain()
         dst = [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in blocks]
         store.wait(store.load(blocks, 0, dst))
         assert [d[0].numpy().tobytes() for d in dst] == [payload(b, 0, SHARD) for b in blocks]

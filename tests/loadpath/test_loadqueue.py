@@ -1,0 +1,299 @@
+"""The load path of one rank: dispatcher order, many tasks in flight, non-blocking check,
+TaskError, idle-window Prealloc (Scenario E), repair and promotion, dumps beside loads."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ucm
+from ucm.errors import TaskError
+from ucm.native.buffer import State
+
+from ._tiers import CONTENTS, CORRUPT, RECORDED, block, payload
+
+SHARD = 4096
+
+
+def stack(
+    unique_id: str, *lower: dict[str, Any], slots: int = 64, shards: int = 4, **buffer: Any
+) -> dict[str, Any]:
+    return {
+        "unique_id": unique_id,
+        "shard_size": SHARD,
+        "shards_per_block": shards,
+        "tiers": [{"type": "buffer", "capacity": slots * SHARD, **buffer}, *lower],
+    }
+
+
+def fill_space(space: str, blocks: list[bytes], shards: range) -> None:
+    data = CONTENTS.setdefault(space, {})
+    for b in blocks:
+        for s in shards:
+            data[(b, s)] = payload(b, s, SHARD)
+
+
+def dst_for(n: int) -> list[list[torch.Tensor]]:
+    return [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in range(n)]
+
+
+def exact(blocks: list[bytes], shard: int | list[int], dst: list[list[torch.Tensor]]) -> bool:
+    shards = shard if isinstance(shard, list) else [shard] * len(blocks)
+    return all(
+        d[0].numpy().tobytes() == payload(b, s, SHARD)
+        for b, s, d in zip(blocks, shards, dst, strict=True)
+    )
+
+
+def test_dispatcher_claims_in_rearrange_index_order(test_tiers: None, unique_id: str) -> None:
+    blocks = [block(i) for i in range(12)]
+    fill_space("low", blocks, range(4))
+    lower = {"type": "recording", "space": "low"}
+    config = stack(unique_id, lower, load_workers=1)
+    with ucm.open(config, device_id=6, local_rank_size=4) as store:  # 6 % 4 = 2
+        dst = dst_for(12)
+        store.wait(store.load(blocks, 1, dst))
+        assert exact(blocks, 1, dst)
+    # One loader, one stride per step: the tier below saw the own stride first, then rotation.
+    order = [int.from_bytes(b, "big") for b, _ in RECORDED["low"]]
+    assert order == [2, 6, 10, 3, 7, 11, 0, 4, 8, 1, 5, 9]
+
+
+def test_many_tasks_in_flight_check_does_not_block(test_tiers: None, unique_id: str) -> None:
+    blocks = [block(i) for i in range(9)]
+    fill_space("low", blocks, range(4))
+    lower = {"type": "recording", "space": "low", "delay_s": 0.02}
+    with ucm.open(stack(unique_id, lower, load_workers=2)) as store:
+        dsts = [dst_for(3) for _ in range(3)]
+        tasks = [store.load(blocks[3 * t : 3 * t + 3], t, dsts[t]) for t in range(3)]
+        started = time.perf_counter()
+        states = [store.check(task) for task in tasks]
+        assert time.perf_counter() - started < 0.05  # check never waits for the load
+        assert states == [False, False, False]
+        for task in reversed(tasks):
+            store.wait(task)
+        assert [store.check(task) for task in tasks] == [True] * 3
+        for t in range(3):
+            assert exact(blocks[3 * t : 3 * t + 3], t, dsts[t])
+        stats = store.stats()
+        assert (stats["hits"], stats["misses"], stats["loaded_shards"]) == (0, 9, 9)
+        assert stats["load_tasks"] == 3
+
+
+def test_wait_names_each_failed_key_and_loads_the_others(test_tiers: None, unique_id: str) -> None:
+    blocks = [block(i) for i in range(6)]
+    fill_space("low", blocks, range(4))
+    del CONTENTS["low"][(block(4), 0)]  # missing everywhere
+    CORRUPT["low"] = {(block(1), 0)}  # a corrupt copy with nothing below it
+    with ucm.open(stack(unique_id, {"type": "recording", "space": "low"})) as store:
+        dst = dst_for(6)
+        task = store.load(blocks, 0, dst)
+        with pytest.raises(TaskError) as info:
+            store.wait(task)
+        assert set(info.value.failures) == {(block(1), 0), (block(4), 0)}
+        message = str(info.value)
+        assert message.startswith("2 key(s) failed: ")
+        assert f"block {block(1).hex()} shard 0: TierError: corrupt shard in low" in message
+        assert f"block {block(4).hex()} shard 0: KeyMissingError: not found in any" in message
+        assert store.check(task) is True
+        good = [i for i in range(6) if i not in (1, 4)]
+        assert exact([blocks[i] for i in good], 0, [dst[i] for i in good])
+        # Failed keys are not remembered in the buffer: once the data is back, they load.
+        CONTENTS["low"][(block(4), 0)] = payload(block(4), 0, SHARD)
+        CORRUPT["low"].clear()
+        again = dst_for(2)
+        store.wait(store.load([block(1), block(4)], 0, again))
+        assert exact([block(1), block(4)], 0, again)
+        assert store.stats()["tiers"][0]["commits_failed"] == 2
+
+
+def test_a_corrupt_copy_is_repaired_from_the_tier_that_served_it(test_tiers: None) -> None:
+    tiers = [
+        {"type": "recording", "space": "top"},
+        {"type": "recording", "space": "nvme"},
+        {"type": "recording", "space": "s3", "write": "none"},
+    ]
+    config = {"unique_id": "rp", "shard_size": 64, "shards_per_block": 1, "tiers": tiers}
+    good, torn, missing = block(1), block(2), block(3)
+    for b in (good, torn, missing):
+        CONTENTS.setdefault("s3", {})[(b, 0)] = payload(b, 0, 64)
+    CONTENTS["nvme"] = {(good, 0): payload(good, 0, 64), (torn, 0): b"torn" * 16}
+    CORRUPT["nvme"] = {(torn, 0)}
+    with ucm.open(config) as store:
+        dst = [[torch.zeros(64, dtype=torch.uint8)] for _ in range(3)]
+        store.wait(store.load([good, torn, missing], 0, dst))
+        assert [d[0].numpy().tobytes() for d in dst] == [
+            payload(b, 0, 64) for b in (good, torn, missing)
+        ]
+        # nvme failed the torn key with an error (not a miss): it gets the good shard back;
+        # the plain miss is not written there (nvme has no `promote`), the top tier gets all.
+        assert CONTENTS["nvme"][(torn, 0)] == payload(torn, 0, 64)
+        assert CORRUPT["nvme"] == set()
+        assert (missing, 0) not in CONTENTS["nvme"]
+        assert set(CONTENTS["top"]) == {(good, 0), (torn, 0), (missing, 0)}
+        stats = store.stats()
+        assert stats["repaired_shards"] == 1
+        assert stats["tier1_errors"] == 1
+        assert stats["promoted_shards"] == 3
+
+
+def test_repair_below_the_buffer(test_tiers: None, unique_id: str) -> None:
+    torn = block(7)
+    CONTENTS["nvme"] = {(torn, 2): b"x" * SHARD}
+    CORRUPT["nvme"] = {(torn, 2)}
+    fill_space("s3", [torn], range(4))
+    lower = ({"type": "recording", "space": "nvme"}, {"type": "recording", "space": "s3"})
+    with ucm.open(stack(unique_id, *lower)) as store:
+        dst = dst_for(1)
+        store.wait(store.load([torn], 2, dst))
+        assert exact([torn], 2, dst)
+        assert CONTENTS["nvme"][(torn, 2)] == payload(torn, 2, SHARD)
+        assert store.stats()["repaired_shards"] == 1
+        assert store.stats()["tiers"][0]["owned"] == 1
+
+
+def test_prealloc_prewarms_the_next_index_scenario_e(test_tiers: None, unique_id: str) -> None:
+    ids = [block(i) for i in range(4)]  # B0..B3
+    fill_space("low", ids, range(3))
+    fillers = [block(100 + i) for i in range(8)]
+    lower = {"type": "recording", "space": "low"}
+    # 8 regular slots (filled below with other data), 4 reserved for Prealloc.
+    config = stack(unique_id, lower, slots=8, shards=3, reserved_slots=4, step_keys=4)
+    with ucm.open(config) as store:
+        store.wait(store.dump(fillers, 0, [[torch.full((SHARD,), 1, dtype=torch.uint8)]] * 8))
+        core = store.tiers[0].core
+        assert all(core.slot_of((f, 0)) is not None for f in fillers)  # the regular pool is full
+        s = 1
+        dst = dst_for(3)
+        store.wait(store.load(ids[:3], s, dst))  # B0.s, B1.s, B2.s
+        assert exact(ids[:3], s, dst)
+        deadline = time.monotonic() + 10
+        while store.stats().get("prewarmed", 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the idle window follows the task's completion
+        assert store.stats()["prewarmed"] == 3
+        for b in ids[:3]:
+            slot = core.slot_of((b, s + 1))
+            assert slot is not None
+            info = core.slot_info(slot)
+            assert (info.refcount, info.state, info.preallocated) == (0, State.IDLE, True)
+            assert info.reserved  # the regular pool was full
+        assert core.slot_of((ids[3], s + 1)) is None  # B3 is not in the task: untouched
+        assert store.lookup(ids[:1]) == [True]  # idle prewarmed slots are not data
+        assert store.tiers[0].lookup([(ids[0], s + 1)]) == [False]
+        before = store.stats()["tiers"][0]["prealloc_hits"]
+        dst = dst_for(3)
+        store.wait(store.load(ids[:3], s + 1, dst))  # takes the prewarmed slots over
+        assert exact(ids[:3], s + 1, dst)
+        assert store.stats()["tiers"][0]["prealloc_hits"] - before == 3
+        # The last index has no next one: nothing is prewarmed after it.
+        deadline = time.monotonic() + 10
+        while core.slot_of((ids[0], 2)) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        prewarmed = store.stats()["prewarmed"]
+        store.wait(store.load(ids[:3], 2, dst_for(3)))
+        time.sleep(0.1)
+        assert store.stats()["prewarmed"] == prewarmed
+
+
+def test_prealloc_can_be_switched_off(test_tiers: None, unique_id: str) -> None:
+    ids = [block(i) for i in range(3)]
+    fill_space("low", ids, range(2))
+    config = stack(unique_id, {"type": "recording", "space": "low"}, shards=2, prealloc=False)
+    with ucm.open(config) as store:
+        store.wait(store.load(ids, 0, dst_for(3)))
+        time.sleep(0.1)
+        assert store.stats().get("prewarmed", 0) == 0
+        assert store.tiers[0].core.slot_of((ids[0], 1)) is None
+
+
+def test_dumps_do_not_starve_loads(test_tiers: None, unique_id: str) -> None:
+    hot = [block(i) for i in range(4)]
+    slow = {"type": "recording", "space": "slow", "write": "through"}
+    with ucm.open(stack(unique_id, slow, slots=128)) as store:
+        src = [[torch.full((SHARD,), i, dtype=torch.uint8)] for i in range(4)]
+        store.wait(store.dump(hot, 0, src))
+        store.drain()
+        # A write-through tier that takes 0.25 s per batch, and a backlog of dumps for it.
+        original = store.tiers[1].dump
+
+        def slow_dump(keys: Any, sources: Any) -> Any:
+            time.sleep(0.25)
+            return original(keys, sources)
+
+        store.tiers[1].dump = slow_dump  # type: ignore[method-assign]
+        backlog = [block(50 + i) for i in range(8)]
+        dumps = [store.dump([b], 1, [[torch.zeros(SHARD, dtype=torch.uint8)]]) for b in backlog]
+        started = time.perf_counter()
+        dst = dst_for(4)
+        store.wait(store.load(hot, 0, dst))
+        elapsed = time.perf_counter() - started
+        assert elapsed < 0.5, elapsed  # the 2 s write-through backlog did not delay the load
+        assert [int(d[0][0]) for d in dst] == [0, 1, 2, 3]
+        assert store.stats()["write_queue_bytes"] > 0
+        for task in dumps:
+            store.wait(task)  # acknowledged once in the buffer, before the write-through
+
+
+def test_a_full_load_queue_times_out_naming_the_knob(test_tiers: None, unique_id: str) -> None:
+    blocks = [block(i) for i in range(4)]
+    fill_space("low", blocks, range(4))
+    lower = {"type": "recording", "space": "low", "delay_s": 0.3}
+    config = stack(unique_id, lower, load_queue_depth=1, queue_timeout_s=0.1, load_workers=1)
+    with ucm.open(config) as store:
+        tasks = [store.load([blocks[0]], 0, dst_for(1))]  # taken by the dispatcher
+        time.sleep(0.05)
+        tasks.append(store.load([blocks[1]], 0, dst_for(1)))  # fills the queue
+        with pytest.raises(TimeoutError, match="raise load_queue_depth / queue_timeout_s"):
+            store.load([blocks[2]], 0, dst_for(1))
+        for task in tasks:
+            store.wait(task)
+
+
+def test_raw_pointer_load_through_the_buffer(test_tiers: None, unique_id: str) -> None:
+    import ctypes
+
+    fill_space("low", [block(1)], range(4))
+    config = stack(unique_id, {"type": "recording", "space": "low"})
+    config["tensor_size_list"] = [1000, 3096]
+    del config["shard_size"]
+    with ucm.open(config) as store:
+        first, second = (ctypes.c_ubyte * 1000)(), (ctypes.c_ubyte * 3096)()
+        ptrs = [[ctypes.addressof(first), ctypes.addressof(second)]]
+        for _ in range(2):  # cold (owner), then a hit
+            store.wait(store.load_data([block(1)], [3], ptrs))
+            assert bytes(first) + bytes(second) == payload(block(1), 3, SHARD)
+        assert (store.stats()["hits"], store.stats()["misses"]) == (1, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+def test_cuda_destinations_copy_from_registered_buffer_memory(
+    test_tiers: None, unique_id: str
+) -> None:
+    blocks = [block(i) for i in range(8)]
+    fill_space("low", blocks, range(4))
+    with ucm.open(stack(unique_id, {"type": "recording", "space": "low"})) as store:
+        for _ in range(2):  # cold, then hits
+            dst = [[torch.zeros(SHARD, dtype=torch.uint8, device="cuda")] for _ in blocks]
+            store.wait(store.load(blocks, 2, dst))
+            assert all(
+                d[0].cpu().numpy().tobytes() == payload(b, 2, SHARD)
+                for b, d in zip(blocks, dst, strict=True)
+            )
+        assert store._loads is not None and store._loads._cuda is not None
+        assert store.stats().get("cuda_register_failures", 0) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+def test_cuda_dump_then_load_round_trip(test_tiers: None, unique_id: str, tmp_path: Path) -> None:
+    lower = {"type": "posix", "path": str(tmp_path / "nvme")}
+    with ucm.open(stack(unique_id, lower)) as store:
+        src = [[torch.arange(SHARD, device="cuda").to(torch.uint8)] for _ in range(3)]
+        ids = [block(i) for i in range(3)]
+        store.wait(store.dump(ids, 0, src))
+        dst = [[torch.zeros(SHARD, dtype=torch.uint8, device="cuda")] for _ in ids]
+        store.wait(store.load(ids, 0, dst))
+        assert all(torch.equal(s[0], d[0]) for s, d in zip(src, dst, strict=True))
