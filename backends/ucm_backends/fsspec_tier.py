@@ -3,9 +3,10 @@ s3fs, ``gs://``, ...), typically an object store shared by many nodes.
 
 Objects are keyed by (block id, shard index) only, never by ``unique_id``, so every node reading
 the same URL sees the same blocks: ``<url>/<hex[:2]>/<hex>/<shard>``. Each object is a 16-byte
-header (magic, crc32, length) followed by the shard; a short or corrupted object is a miss and
-is deleted. ``<hex>/touch`` is a marker whose modification time records the block's last touch;
-with ``capacity`` set, an eviction pass drops whole blocks whose newest object is oldest.
+header (magic, crc32, length) followed by the shard; a short or corrupted object is deleted and
+its load fails with a TierError saying so (not a miss, so the stack repairs it from below).
+``<hex>/touch`` is a marker whose modification time records the block's last touch; with
+``capacity`` set, an eviction pass drops whole blocks whose newest object is oldest.
 
 Requests of a batch run concurrently on a thread pool (``io_threads``). For ``s3://`` we default
 botocore's connect/read timeouts and retries low, so a down endpoint fails a key within seconds
@@ -14,6 +15,7 @@ instead of hanging a rank; ``storage_options`` overrides any of it.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import secrets
@@ -23,6 +25,7 @@ import time
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from typing import Any, Literal
 
 import fsspec  # type: ignore[import-untyped]
@@ -37,7 +40,7 @@ import ucm
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
-from ucm.tier import Outcome, ShardViews, Tier, TierContext, chunks
+from ucm.tier import REMOVE_CHUNK_KEYS, Outcome, ShardViews, Tier, TierContext, chunks
 
 MAGIC = b"UCMF"
 _HEADER = struct.Struct("<4sIQ")
@@ -92,8 +95,9 @@ def open_filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str
     options = dict(storage_options)
     s3_retries = int(options.pop("retries", S3_DEFAULT_RETRIES))
     if protocol in ("s3", "s3a"):
-        config = dict(S3_DEFAULT_CONFIG)
-        config.update(options.get("config_kwargs", {}))
+        # Deep copies: botocore rewrites the `retries` dict it is given in place.
+        config = copy.deepcopy(S3_DEFAULT_CONFIG)
+        config.update(copy.deepcopy(options.get("config_kwargs", {})))
         options["config_kwargs"] = config
         # Listings must not be cached: other nodes add blocks behind our back.
         options.setdefault("use_listings_cache", False)
@@ -107,6 +111,20 @@ def open_filesystem(url: str, storage_options: dict[str, Any]) -> tuple[Any, str
     if protocol in ("s3", "s3a") and hasattr(fs, "retries"):
         fs.retries = s3_retries
     return fs, str(root).rstrip("/")
+
+
+def default_request_timeout(url: str, storage_options: dict[str, Any]) -> float | None:
+    """For s3: the longest botocore and s3fs may legitimately take over one request, with
+    every retry, plus a second; None for other protocols."""
+    if _protocol(url) not in ("s3", "s3a"):
+        return None
+    config = {**S3_DEFAULT_CONFIG, **storage_options.get("config_kwargs", {})}
+    retries = config.get("retries") or {}
+    # botocore: max_attempts counts retries after the first try, total_max_attempts all tries.
+    attempts = int(retries.get("total_max_attempts") or int(retries.get("max_attempts", 0)) + 1)
+    s3fs_attempts = int(storage_options.get("retries", S3_DEFAULT_RETRIES) or 1)
+    per_attempt = float(config.get("connect_timeout", 60)) + float(config.get("read_timeout", 60))
+    return per_attempt * max(attempts, 1) * max(s3fs_attempts, 1) + 1.0
 
 
 def _timestamp(info: dict[str, Any]) -> float:
@@ -130,12 +148,20 @@ def _timestamp(info: dict[str, Any]) -> float:
 class FsspecTier(Tier):
     type_name = "fsspec"
     config_model = FsspecConfig
+    remove_chunk_keys = REMOVE_CHUNK_KEYS
+    """Keys per lock acquisition in batched_remove (a benchmark compares other values)."""
 
     def __init__(self, config: ucm.TierConfig, context: TierContext) -> None:
         super().__init__(config, context)
         assert isinstance(config, FsspecConfig)
         self.cfg: FsspecConfig = config
         self.fs, self.root = open_filesystem(config.url, config.storage_options)
+        timeout = default_request_timeout(config.url, config.storage_options)
+        # fsspec's sync wrapper of an async filesystem bounds a call with `timeout=`: botocore's
+        # read_timeout alone does not stop a PUT to an endpoint that accepts and never answers.
+        self._call: dict[str, Any] = (
+            {"timeout": timeout} if timeout and getattr(self.fs, "async_impl", False) else {}
+        )
         self._local_fs = isinstance(self.fs, LocalFileSystem)
         self.shard_size = self.layout.shard_size
         self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ucm-fsspec")
@@ -191,16 +217,23 @@ class FsspecTier(Tier):
 
     def _present_shards(self, block_id: bytes) -> set[int]:
         """Shard indices with an object in the block's directory (one listing)."""
+        return self._listing(block_id)[0]
+
+    def _listing(self, block_id: bytes) -> tuple[set[int], bool]:
+        """(shard indices present, whether the touch marker exists): one listing."""
         try:
-            names = self.fs.ls(self.block_dir(block_id), detail=False)
+            names = self.fs.ls(self.block_dir(block_id), detail=False, **self._call)
         except FileNotFoundError:
-            return set()
+            return set(), False
         shards = set()
+        marker = False
         for name in names:
             base = str(name).rstrip("/").rsplit("/", 1)[-1]
             if base.isdigit() and int(base) < self.layout.shards_per_block:
                 shards.add(int(base))
-        return shards
+            elif base == TOUCH_MARKER:
+                marker = True
+        return shards, marker
 
     # -------------------------------------------------------------------------------- lookup
 
@@ -231,7 +264,7 @@ class FsspecTier(Tier):
         key, views = item
         path = self.object_path(key)
         try:
-            data = self.fs.cat_file(path)
+            data = self.fs.cat_file(path, **self._call)
         except FileNotFoundError:
             self._bump(misses=1)
             return KeyMissingError(
@@ -242,12 +275,13 @@ class FsspecTier(Tier):
             return self._error("loading", key, exc)
         problem = self._check(data)
         if problem:
-            self._bump(misses=1, corrupt=1)
+            self._bump(corrupt=1)
             try:
-                self.fs.rm_file(path)
+                self.fs.rm_file(path, **self._call)
             except Exception:  # best effort: the next reader finds it corrupt again
                 self._bump(errors=1)
-            return KeyMissingError(
+            # A failure, not a miss: the stack repairs the shard here from a tier below.
+            return TierError(
                 f"fsspec tier {self.label!r}: block {key[0].hex()} shard {key[1]} is corrupt "
                 f"({problem}); it was removed"
             )
@@ -302,7 +336,7 @@ class FsspecTier(Tier):
                 self.fs.pipe_file(temp, data)
                 os.replace(temp, path)
             else:
-                self.fs.pipe_file(path, data)
+                self.fs.pipe_file(path, data, **self._call)
         except Exception as exc:
             self._bump(errors=1)
             return self._error("writing", key, exc)
@@ -319,7 +353,9 @@ class FsspecTier(Tier):
             try:
                 if self._present_shards(block_id):
                     self.fs.pipe_file(
-                        f"{self.block_dir(block_id)}/{TOUCH_MARKER}", str(time.time_ns()).encode()
+                        f"{self.block_dir(block_id)}/{TOUCH_MARKER}",
+                        str(time.time_ns()).encode(),
+                        **self._call,
                     )
             except Exception:
                 self._bump(errors=1)
@@ -332,7 +368,7 @@ class FsspecTier(Tier):
     def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
         distinct = list(dict.fromkeys(keys))
         removed = 0
-        for chunk in chunks(distinct):
+        for chunk in chunks(distinct, self.remove_chunk_keys):
             with self._lock:
                 self._bump(lock_acquisitions=1, remove_lock_acquisitions=1)
                 wanted: dict[bytes, set[int]] = {}
@@ -341,20 +377,18 @@ class FsspecTier(Tier):
                         wanted.setdefault(block_id, set()).add(shard)
                 blocks = list(wanted)
                 try:
-                    found = self._map(self._present_shards, blocks)
+                    found = self._map(self._listing, blocks)
                 except Exception as exc:
                     raise TierError(
                         f"fsspec tier {self.label!r} ({self.cfg.url}): batched_remove could not "
                         f"list blocks: {type(exc).__name__}: {exc}"
                     ) from exc
                 paths: list[str] = []
-                for block_id, present in zip(blocks, found, strict=True):
+                for block_id, (present, has_marker) in zip(blocks, found, strict=True):
                     gone = wanted[block_id] & present
                     paths += [self.object_path((block_id, s)) for s in sorted(gone)]
-                    if gone == present:  # nothing left: the touch marker goes too
-                        marker = f"{self.block_dir(block_id)}/{TOUCH_MARKER}"
-                        if self.fs.exists(marker):
-                            paths.append(marker)
+                    if gone == present and has_marker:  # nothing left: the marker goes too
+                        paths.append(f"{self.block_dir(block_id)}/{TOUCH_MARKER}")
                 if paths:
                     self._rm(paths)
                 removed += sum(1 for p in paths if not p.endswith(TOUCH_MARKER))
@@ -362,7 +396,16 @@ class FsspecTier(Tier):
 
     def _rm(self, paths: list[str]) -> None:
         try:
-            self.fs.rm(paths)
+            if getattr(self.fs, "async_impl", False):
+                self.fs.rm(
+                    paths, **self._call
+                )  # object stores: bulk deletes (s3: 1,000 keys a request)
+            else:
+                # Others delete one by one anyway, and some (memory://) check each path of a
+                # list against every stored path: quadratic in the number stored.
+                for path in paths:
+                    with suppress(FileNotFoundError):
+                        self.fs.rm_file(path)
         except FileNotFoundError:
             pass  # removed concurrently by another node
         except Exception as exc:
@@ -376,7 +419,7 @@ class FsspecTier(Tier):
     def _scan(self) -> list[tuple[float, int, bytes, list[str]]]:
         """[(last touch, bytes, block id, object paths)] of every block under the root."""
         try:
-            found = self.fs.find(self.root, detail=True)
+            found = self.fs.find(self.root, detail=True, **self._call)
         except FileNotFoundError:
             return []
         blocks: dict[bytes, tuple[float, int, list[str]]] = {}

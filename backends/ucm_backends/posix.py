@@ -4,10 +4,16 @@ File format. ``<path>/<hex[:2]>/<hex>.blk`` holds shard ``s`` at byte ``shard_si
 footer at ``block_size``, padded to 4 KiB so O_DIRECT I/O stays aligned::
 
     magic "UCMPOSX1" | u32 version | u32 shards_per_block | u64 shard_size
-    per shard: u32 flags (bit 0 = present) | u32 crc32 of the shard
+    per shard: u32 flags (bit 0 = present, bit 1 = lost) | u32 crc32 of the shard
     u32 crc32 of everything above
 
-A shard whose crc does not match (a torn or corrupted file) is a miss and is removed.
+A shard whose crc does not match (a torn or corrupted file) is removed and its load fails with a
+TierError saying so (not a miss: the stack then repairs it from a tier below). The removed shard
+stays marked *lost* in the footer (a file whose footer is unreadable becomes a footer-only file
+with every shard lost), so a later load of it, by any rank or process, is again a failure and
+gets repaired too, instead of a plain miss that nobody repairs: ranks load different shards of a
+block, and only the first one to read a torn file sees it torn. A lost shard is not present
+(lookup says False); a dump, remove or eviction of it clears the mark.
 
 Writes. A block file is never modified in place: a dump builds the new file (the shards already
 present plus the new ones) under a temporary name and ``os.replace``-s it, so readers, which take
@@ -17,7 +23,8 @@ existing block, done under an exclusive ``flock`` on the block's lock stripe, so
 different shards of one block in different processes never lose each other's shard.
 
 Locks (``<path>/.locks``): ``global.lock`` is taken shared by writers/touch and exclusive by
-``batched_remove`` (once per chunk of REMOVE_CHUNK_KEYS keys) and eviction; ``NN.lock`` (256
+``batched_remove`` (once per chunk of REMOVE_CHUNK_KEYS keys) and eviction, each time through
+``gate.lock`` so a stream of shared holders cannot starve an exclusive one; ``NN.lock`` (256
 stripes by the first block-id byte) serialise writers of the same block. flock locks belong to an
 open file description, so each acquisition opens its own descriptor: threads of one process
 exclude each other exactly like processes do. Every lock wait is bounded by ``lock_timeout``.
@@ -31,6 +38,7 @@ shard whose write-down failed. A block touched or rewritten between the scan and
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -53,7 +61,7 @@ import ucm
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
-from ucm.tier import Outcome, ShardViews, Tier, TierContext, chunks
+from ucm.tier import REMOVE_CHUNK_KEYS, Outcome, ShardViews, Tier, TierContext, chunks
 
 MAGIC = b"UCMPOSX1"
 VERSION = 1
@@ -62,8 +70,10 @@ _HEAD = struct.Struct("<8sIIQ")
 _ENTRY = struct.Struct("<II")
 _CRC = struct.Struct("<I")
 _PRESENT = 1
+_LOST = 2
 _STRIPES = 256
 _TEMP_MAX_AGE_S = 3600.0
+_IOV_MAX = 1024
 
 T = TypeVar("T")
 
@@ -81,7 +91,12 @@ class PosixConfig(LowerTierConfig):
         description="Bypass the page cache (O_DIRECT) when the filesystem and geometry allow it "
         "(shard_size a multiple of 4096); falls back to buffered I/O otherwise.",
     )
-    io_threads: int = Field(default=4, ge=1, le=256, description="Parallel file I/O per batch.")
+    io_threads: int = Field(
+        default=8,
+        ge=1,
+        le=256,
+        description="Parallel file I/O per batch (a deeper queue keeps the device busy).",
+    )
     fsync: bool = Field(default=False, description="fsync each block file and its directory.")
     lock_timeout: float = Field(
         default=30.0, gt=0, description="Seconds to wait for a file lock before failing."
@@ -104,6 +119,7 @@ class _Foreign(Exception):
 class _Footer:
     present: list[bool]
     crcs: list[int]
+    lost: list[bool]
 
 
 @dataclass
@@ -113,6 +129,39 @@ class _Counts:
     corrupt: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+
+
+def _aligned(view: memoryview) -> bool:
+    """Whether O_DIRECT can read into the view: address and length multiples of ALIGN."""
+    if len(view) % ALIGN or view.readonly:
+        return False
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):
+        return False
+    return address % ALIGN == 0
+
+
+def _scatter(data: ShardViews, views: ShardViews) -> None:
+    """Copies a shard held in ``data`` into ``views`` (both split any way)."""
+    whole = data[0] if len(data) == 1 else memoryview(b"".join(data))
+    pos = 0
+    for view in views:
+        view[:] = whole[pos : pos + len(view)]
+        pos += len(view)
+
+
+def _split_present(run: list[int], footer: _Footer) -> list[list[int]]:
+    """The run's present shards, as runs of adjacent shards."""
+    pieces: list[list[int]] = []
+    for shard in run:
+        if not footer.present[shard]:
+            continue
+        if pieces and pieces[-1][-1] == shard - 1:
+            pieces[-1].append(shard)
+        else:
+            pieces.append([shard])
+    return pieces
 
 
 def _views_crc(views: ShardViews) -> int:
@@ -125,6 +174,8 @@ def _views_crc(views: ShardViews) -> int:
 class PosixTier(Tier):
     type_name = "posix"
     config_model = PosixConfig
+    remove_chunk_keys = REMOVE_CHUNK_KEYS
+    """Keys per lock acquisition in batched_remove (a benchmark compares other values)."""
 
     def __init__(self, config: ucm.TierConfig, context: TierContext) -> None:
         super().__init__(config, context)
@@ -150,6 +201,7 @@ class PosixTier(Tier):
                 f"{exc.strerror}"
             ) from None
         self._global_lock_path = str(self.root / ".locks" / "global.lock")
+        self._gate_lock_path = str(self.root / ".locks" / "gate.lock")
         self._direct = False
         self.o_direct_fallback_reason = ""
         if config.o_direct:
@@ -191,14 +243,15 @@ class PosixTier(Tier):
         with self._stats_lock:
             self._stat[name] += amount
 
-    def _flock(self, path: str, mode: int) -> int:
+    def _flock(self, path: str, mode: int, counted: bool = True) -> int:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         deadline = time.monotonic() + self.cfg.lock_timeout
         delay = 0.0002
         while True:
             try:
                 fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                self._bump("lock_acquisitions")
+                if counted:
+                    self._bump("lock_acquisitions")
                 return fd
             except BlockingIOError:
                 if time.monotonic() >= deadline:
@@ -212,7 +265,16 @@ class PosixTier(Tier):
 
     @contextmanager
     def _global(self, exclusive: bool) -> Iterator[None]:
-        fd = self._flock(self._global_lock_path, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        # flock prefers readers: while writers keep the global lock shared without a gap (two
+        # ranks dumping), an exclusive request (remove, eviction) would never be granted. So
+        # every locker first passes a gate, held only until its global lock is granted: a
+        # remover waiting in the gate stops new shared holders, the current ones finish, and
+        # it gets its turn.
+        gate = self._flock(self._gate_lock_path, fcntl.LOCK_EX, counted=False)
+        try:
+            fd = self._flock(self._global_lock_path, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            os.close(gate)
         try:
             yield
         finally:
@@ -271,8 +333,8 @@ class PosixTier(Tier):
     def _encode_footer(self, footer: _Footer) -> bytes:
         parts = [_HEAD.pack(MAGIC, VERSION, self.spb, self.shard_size)]
         parts += [
-            _ENTRY.pack(_PRESENT if p else 0, c)
-            for p, c in zip(footer.present, footer.crcs, strict=True)
+            _ENTRY.pack((_PRESENT if p else 0) | (_LOST if lost else 0), c)
+            for p, c, lost in zip(footer.present, footer.crcs, footer.lost, strict=True)
         ]
         body = b"".join(parts)
         return body + _CRC.pack(zlib.crc32(body))
@@ -290,12 +352,13 @@ class PosixTier(Tier):
                 f"block file of another geometry (version {version}, shards_per_block {spb}, "
                 f"shard_size {shard_size})"
             )
-        present, crcs = [], []
+        present, crcs, lost = [], [], []
         for index in range(self.spb):
             flags, shard_crc = _ENTRY.unpack_from(body, _HEAD.size + index * _ENTRY.size)
             present.append(bool(flags & _PRESENT))
+            lost.append(bool(flags & _LOST) and not flags & _PRESENT)
             crcs.append(shard_crc)
-        return _Footer(present, crcs)
+        return _Footer(present, crcs, lost)
 
     def _read_footer(self, fd: int, direct: bool) -> _Footer:
         try:
@@ -413,6 +476,14 @@ class PosixTier(Tier):
                 f"posix tier {self.label!r}: block {hexid} shard {keys[position][1]} {why}"
             )
 
+        def corrupt(position: int, why: str) -> None:
+            # A failure, not a miss: the stack rewrites (repairs) the shard here once a tier
+            # below serves it.
+            outcomes[position] = TierError(
+                f"posix tier {self.label!r}: block {hexid} shard {keys[position][1]} is corrupt "
+                f"({why})"
+            )
+
         try:
             fd, direct = self._open_read(path)
         except FileNotFoundError:
@@ -426,42 +497,63 @@ class PosixTier(Tier):
                 )
             return counts
         try:
+            by_shard: dict[int, list[int]] = {}
+            for position in positions:
+                by_shard.setdefault(keys[position][1], []).append(position)
+            # Each requested shard is read once, into the first destination asking for it
+            # (straight into it when O_DIRECT allows), in one call per run of adjacent shards.
+            targets = {
+                shard: self._read_target(destinations[ps[0]], direct, shard)
+                for shard, ps in by_shard.items()
+            }
+            done: set[int] = set()
             try:
-                footer = self._read_footer(fd, direct)
+                footer = self._read_runs_and_footer(fd, direct, sorted(by_shard), targets, done)
             except _Foreign as exc:
                 for position in positions:
                     miss(position, f"is not readable here: {exc}")
                 return counts
             except _Corrupt as exc:
                 for position in positions:
-                    miss(position, f"is corrupt ({exc}); the file was removed")
+                    corrupt(position, f"{exc}; its data was removed")
                 counts.corrupt += 1
                 self._drop_corrupt(block_id, fd, None, None)
                 return counts
             bad: list[int] = []
-            for position in positions:
-                shard = keys[position][1]
+            for shard, shard_positions in by_shard.items():
                 if not footer.present[shard]:
-                    miss(position, "is not present")
+                    for position in shard_positions:
+                        if footer.lost[shard]:
+                            corrupt(position, "it was removed earlier; a tier below may repair it")
+                        else:
+                            miss(position, "is not present")
                     continue
-                views = destinations[position]
                 try:
-                    self._read_shard(fd, direct, shard, views)
+                    if shard not in done:
+                        self._read_run(fd, direct, [shard], targets)
                 except _Corrupt as exc:
                     bad.append(shard)
-                    miss(position, f"is corrupt ({exc}); it was removed")
+                    for position in shard_positions:
+                        corrupt(position, f"{exc}; it was removed")
                     continue
                 except OSError as exc:
-                    outcomes[position] = TierError(
-                        f"posix tier {self.label!r}: reading {path!r}: {exc.strerror}"
-                    )
+                    for position in shard_positions:
+                        outcomes[position] = TierError(
+                            f"posix tier {self.label!r}: reading {path!r}: {exc.strerror}"
+                        )
                     continue
-                if _views_crc(views) != footer.crcs[shard]:
+                data = targets[shard]
+                if _views_crc(data) != footer.crcs[shard]:
                     bad.append(shard)
-                    miss(position, "is corrupt (checksum mismatch); it was removed")
+                    for position in shard_positions:
+                        corrupt(position, "checksum mismatch; it was removed")
                     continue
-                counts.hits += 1
-                counts.bytes_read += self.shard_size
+                for position in shard_positions:
+                    views = destinations[position]
+                    if views is not data:
+                        _scatter(data, views)
+                    counts.hits += 1
+                    counts.bytes_read += self.shard_size
             if bad:
                 counts.corrupt += len(bad)
                 self._drop_corrupt(block_id, fd, bad, footer)
@@ -471,18 +563,79 @@ class PosixTier(Tier):
             self._set_time(path)
         return counts
 
-    def _read_shard(self, fd: int, direct: bool, shard: int, views: ShardViews) -> None:
-        offset = shard * self.shard_size
-        if direct:
-            data = self._pread_exact(fd, True, self.shard_size, offset)
-            pos = 0
-            for view in views:
-                view[:] = data[pos : pos + len(view)]
-                pos += len(view)
+    def _read_target(self, views: ShardViews, direct: bool, shard: int) -> ShardViews:
+        """Where a shard is read to: the destination views themselves, unless O_DIRECT needs
+        aligned memory they do not offer (then this thread's scratch, copied out after)."""
+        if not direct or all(_aligned(view) for view in views):
+            return views
+        scratch = memoryview(self._buffer("scratch", self.block_size))
+        return [scratch[shard * self.shard_size : (shard + 1) * self.shard_size]]
+
+    def _read_runs_and_footer(
+        self,
+        fd: int,
+        direct: bool,
+        shards: list[int],
+        targets: dict[int, ShardViews],
+        done: set[int],
+    ) -> _Footer:
+        """Reads the footer, together with the run of requested shards that ends at the last
+        shard (the footer follows it in the file: one read like ``dd``'s for a whole block),
+        then every other run of requested shards present in the footer; adds what it read to
+        ``done``. Raises _Corrupt / _Foreign for an unusable footer."""
+        runs: list[list[int]] = []
+        for shard in shards:
+            if runs and runs[-1][-1] == shard - 1:
+                runs[-1].append(shard)
+            else:
+                runs.append([shard])
+        footer: _Footer | None = None
+        if runs and runs[-1][-1] == self.spb - 1:
+            tail = runs.pop()
+            scratch = memoryview(self._buffer("footer", self.footer_region))
+            iov = [view for shard in tail for view in targets[shard]]
+            wanted = len(tail) * self.shard_size + self.footer_region
+            try:
+                got = (
+                    os.preadv(fd, [*iov, scratch], tail[0] * self.shard_size)
+                    if len(iov) < _IOV_MAX
+                    else -1
+                )
+            except OSError:
+                got = -1  # left to the plain path below, which reports it
+            if got != wanted:
+                runs.append(tail)
+            if got == wanted:
+                try:
+                    footer = self._decode_footer(scratch[: self.footer_len])
+                except _Corrupt:
+                    self._check_foreign(fd, direct)
+                    raise
+                done.update(tail)
+        if footer is None:
+            footer = self._read_footer(fd, direct)
+        for run in runs:
+            for piece in _split_present(run, footer):
+                try:
+                    self._read_run(fd, direct, piece, targets)
+                except (OSError, _Corrupt):
+                    continue  # read again one shard at a time, which reports the failure
+                done.update(piece)
+        return footer
+
+    def _read_run(
+        self, fd: int, direct: bool, run: list[int], targets: dict[int, ShardViews]
+    ) -> None:
+        """Reads adjacent shards into their targets in one call; _Corrupt when short."""
+        iov = [view for shard in run for view in targets[shard]]
+        if len(iov) >= _IOV_MAX and len(run) > 1:
+            for shard in run:
+                self._read_run(fd, direct, [shard], targets)
             return
-        got = os.preadv(fd, list(views), offset)
-        if got < self.shard_size:
-            raise _Corrupt(f"short read ({got} of {self.shard_size} bytes)")
+        wanted = len(run) * self.shard_size
+        got = os.preadv(fd, iov, run[0] * self.shard_size)
+        if got < wanted:
+            raise _Corrupt(f"short read ({got} of {wanted} bytes)")
 
     def _set_time(self, path: str) -> None:
         now = time.time_ns()
@@ -504,9 +657,12 @@ class PosixTier(Tier):
             except FileNotFoundError:
                 return
             if shards is None or footer is None:
-                os.unlink(path)
-                return
-            grown = self._rewrite_locked(block_id, footer, drop=set(shards))
+                # Which shards the file held is unknown: mark every one lost.
+                every = set(range(self.spb))
+                nothing = _Footer([False] * self.spb, [0] * self.spb, [False] * self.spb)
+                grown = self._rewrite_locked(block_id, nothing, lose=every)
+            else:
+                grown = self._rewrite_locked(block_id, footer, drop=set(shards), lose=set(shards))
             with self._stats_lock:
                 self._usage += grown
 
@@ -570,16 +726,20 @@ class PosixTier(Tier):
         footer: _Footer | None,
         new: dict[int, ShardViews] | None = None,
         drop: set[int] | None = None,
+        lose: set[int] | None = None,
     ) -> int:
-        """Writes the block's new file (existing shards minus ``drop`` plus ``new``) via a temp
-        name and rename, or unlinks it when nothing is left. Caller holds the block's write
-        lock (or the global lock exclusively). Returns the change in disk bytes."""
+        """Writes the block's new file (existing shards minus ``drop`` plus ``new``; ``lose``:
+        dropped shards to mark lost) via a temp name and rename, or unlinks it when nothing is
+        left. Caller holds the block's write lock (or the global lock exclusively). Returns the
+        change in disk bytes."""
         new = new or {}
         drop = drop or set()
+        lose = lose or set()
         path = self.block_path(block_id)
         image = self._buffer("image", self.file_size)
         present = [False] * self.spb
         crcs = [0] * self.spb
+        lost = [shard in lose and shard not in new for shard in range(self.spb)]
         old_bytes = 0
         try:
             old_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -595,6 +755,8 @@ class PosixTier(Tier):
                         footer = None  # replaced wholesale below
                 if footer is not None:
                     for shard in range(self.spb):
+                        if footer.lost[shard] and shard not in new and shard not in drop:
+                            lost[shard] = True
                         if not footer.present[shard] or shard in new or shard in drop:
                             continue
                         offset = shard * self.shard_size
@@ -613,11 +775,11 @@ class PosixTier(Tier):
                 offset += len(view)
             present[shard] = True
             crcs[shard] = _views_crc(views)
-        if not any(present):
+        if not any(present) and not any(lost):
             with suppress(FileNotFoundError):
                 os.unlink(path)
             return -old_bytes
-        footer_bytes = self._encode_footer(_Footer(present, crcs))
+        footer_bytes = self._encode_footer(_Footer(present, crcs, lost))
         image[self.block_size : self.block_size + len(footer_bytes)] = footer_bytes
         head = footer_bytes[: _HEAD.size]
         image[self.block_size + len(footer_bytes) : self.file_size - len(head)] = bytes(
@@ -707,7 +869,7 @@ class PosixTier(Tier):
     def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
         distinct = list(dict.fromkeys(keys))
         removed = 0
-        for chunk in chunks(distinct):
+        for chunk in chunks(distinct, self.remove_chunk_keys):
             with self._global(exclusive=True):
                 self._bump("remove_lock_acquisitions")
                 by_block: dict[bytes, set[int]] = {}
@@ -723,8 +885,8 @@ class PosixTier(Tier):
         if footer is None:
             return 0
         gone = {s for s in shards if footer.present[s]}
-        if gone:
-            grown = self._rewrite_locked(block_id, footer, drop=gone)
+        if gone or any(footer.lost[s] for s in shards):
+            grown = self._rewrite_locked(block_id, footer, drop=set(shards))
             with self._stats_lock:
                 self._usage += grown
         return len(gone)
@@ -863,10 +1025,12 @@ class PosixTier(Tier):
         if footer is None:
             os.unlink(path)
             return 0
-        drop = {s for s in range(self.spb) if footer.present[s] and (block_id, s) not in keep}
-        if not drop:
+        kept = {s for s in range(self.spb) if footer.present[s] and (block_id, s) in keep}
+        drop = {s for s in range(self.spb) if footer.present[s]} - kept
+        if not drop and not any(footer.lost):
             return 0
-        grown = self._rewrite_locked(block_id, footer, drop=drop)
+        # Lost marks go with the block: only a resident block is worth repairing.
+        grown = self._rewrite_locked(block_id, footer, drop=set(range(self.spb)) - kept)
         with self._stats_lock:
             self._usage += grown
             self._stat["evictions"] += len(drop)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,9 +14,10 @@ from ucm_backends.posix import PosixConfig, PosixTier
 
 from ucm.layout import Layout
 from ucm.testing import make_context
+from ucm.testing.s3 import S3_TEST_BUCKET, S3Server, shared_server
 from ucm.tier import EvictSink, Tier
 
-S3_BUCKET = "ucm-test"
+S3_BUCKET = S3_TEST_BUCKET
 _DUMMY_AWS = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -27,46 +26,27 @@ _DUMMY_AWS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """A real S3-compatible server (moto) on 127.0.0.1, with the test bucket created."""
+def s3_server() -> Iterator[S3Server]:
+    """A real S3-compatible server (moto) on 127.0.0.1, with the test bucket created; one per
+    test process (ucm.testing.s3.shared_server), with dummy credentials in the environment so
+    spawned processes and option-less clients reach it too."""
     pytest.importorskip("s3fs")
-    from moto.server import ThreadedMotoServer
-
     saved = {name: os.environ.get(name) for name in _DUMMY_AWS}
     os.environ.update(_DUMMY_AWS)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
     try:
-        import boto3
-
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.create_bucket(Bucket=S3_BUCKET)
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-        yield endpoint
+        yield shared_server()
     finally:
-        server.stop()
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(s3_server: S3Server) -> str:
+    return s3_server.endpoint
 
 
 def posix_tier(
@@ -94,8 +74,8 @@ def s3_url(s3_endpoint: str) -> str:
 
 
 @pytest.fixture
-def s3_options(s3_endpoint: str) -> dict[str, Any]:
-    return {"endpoint_url": s3_endpoint}
+def s3_options(s3_server: S3Server) -> dict[str, Any]:
+    return s3_server.storage_options
 
 
 TierBuilder = Callable[[Layout], Tier]

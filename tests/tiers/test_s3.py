@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
+import socket
 import time
 from typing import Any
 
 import pytest
-from ucm_backends.fsspec_tier import FsspecConfig, FsspecTier
+from ucm_backends.fsspec_tier import (
+    S3_DEFAULT_CONFIG,
+    FsspecConfig,
+    FsspecTier,
+    default_request_timeout,
+)
 
 from ucm.errors import KeyMissingError, TierError
 from ucm.layout import Layout
 from ucm.testing import make_context
 from ucm.testing.conformance import assert_loads_exact, block_ids, dump_keys, load_keys
+from ucm.testing.s3 import free_port
 
 from . import _workers
-from .conftest import S3_BUCKET, free_port, fsspec_tier
+from .conftest import S3_BUCKET, fsspec_tier
 
 LAYOUT = Layout(shard_size=2048, shards_per_block=2, tensor_sizes=(2048,))
 
@@ -50,14 +58,14 @@ def test_new_blocks_of_other_nodes_are_seen(s3_url: str, s3_options: dict[str, A
     writer.close()
 
 
-def test_corrupt_object_is_a_miss_and_removed(s3_url: str, s3_options: dict[str, Any]) -> None:
+def test_corrupt_object_fails_and_is_removed(s3_url: str, s3_options: dict[str, Any]) -> None:
     tier = fsspec_tier(s3_url, LAYOUT, storage_options=s3_options)
     (block,) = block_ids(1)
     dump_keys(tier, [(block, 0), (block, 1)])
     tier.fs.pipe_file(tier.object_path((block, 1)), b"UCMF" + bytes(100))
     outcomes, _ = load_keys(tier, [(block, 0), (block, 1)])
     assert outcomes[0] is None
-    assert isinstance(outcomes[1], KeyMissingError)
+    assert isinstance(outcomes[1], TierError) and not isinstance(outcomes[1], KeyMissingError)
     assert "is corrupt (104 bytes, expected 2064); it was removed" in str(outcomes[1])
     assert not tier.fs.exists(tier.object_path((block, 1)))
     tier.close()
@@ -93,3 +101,50 @@ def test_endpoint_down_fails_in_bounded_time(s3_endpoint: str) -> None:
     assert present == [False]
     assert tier.stats()["errors"] == 3
     tier.close()
+
+
+def test_request_timeout_defaults_from_the_s3_client_timeouts(
+    s3_url: str, s3_options: dict[str, Any]
+) -> None:
+    before = copy.deepcopy(S3_DEFAULT_CONFIG)
+    tier = fsspec_tier(s3_url, LAYOUT, storage_options=s3_options)
+    assert tier.lookup([(bytes(16), 0)]) == [False]  # botocore built its client
+    tier.close()
+    assert before == S3_DEFAULT_CONFIG  # it rewrote a copy, not the module's defaults
+    # botocore's max_attempts counts retries: 2 means 3 tries; s3fs's own loop: 1 try.
+    assert default_request_timeout("s3://b/p", {}) == (5 + 30) * 3 * 1 + 1.0
+    tight = {"connect_timeout": 1, "read_timeout": 2, "retries": {"max_attempts": 3}}
+    assert default_request_timeout("s3://b/p", {"config_kwargs": tight, "retries": 2}) == 25.0
+    total = {"connect_timeout": 1, "read_timeout": 1, "retries": {"total_max_attempts": 2}}
+    assert default_request_timeout("s3://b/p", {"config_kwargs": total}) == 5.0
+    assert default_request_timeout("memory://p", {}) is None
+    assert default_request_timeout("file:///tmp/p", {}) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_endpoint_fails_a_dump_within_the_request_timeout(s3_endpoint: str) -> None:
+    # The port accepts connections (kernel backlog) and never answers: botocore's read_timeout
+    # does not end a PUT there; the tier's per-request timeout does.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        options = {
+            "endpoint_url": f"http://127.0.0.1:{silent.getsockname()[1]}",
+            "config_kwargs": {
+                "connect_timeout": 1,
+                "read_timeout": 1,
+                "retries": {"max_attempts": 1},
+            },
+        }
+        tier = fsspec_tier(f"s3://{S3_BUCKET}/silent", LAYOUT, storage_options=options)
+        (block,) = block_ids(1)
+        started = time.monotonic()
+        dumped = tier.dump([(block, 0)], [[memoryview(bytes(2048))]])
+        elapsed = time.monotonic() - started
+        assert elapsed < 10, f"a dump to a silent endpoint took {elapsed:.1f}s"
+        assert isinstance(dumped[0], TierError) and not isinstance(dumped[0], KeyMissingError)
+        assert str(dumped[0]).startswith(
+            f"fsspec tier 'fsspec' (s3://{S3_BUCKET}/silent): writing block {block.hex()} "
+            "shard 0: FSTimeoutError"
+        )
+        tier.close()
