@@ -60,7 +60,13 @@ class Figure:
 
 @dataclass
 class Plot:
-    """A picture of a result: ``series`` maps a label to (xs, ys)."""
+    """A picture of a result: ``series`` maps a label to (xs, ys).
+
+    ``kind="line"``: a curve through (xs, ys) per series. ``kind="cdf"``: an empirical CDF per
+    series; give raw samples as xs with ys empty (``ucm bench`` sorts them), or the CDF's own
+    points. ``kind="bar"``: grouped bars, one group per distinct x, one bar per series.
+    ``ucm bench --plot DIR`` writes ``DIR/<filename>`` (``.png`` added when missing).
+    """
 
     filename: str
     title: str

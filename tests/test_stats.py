@@ -1,0 +1,171 @@
+"""`ucm stats` attached (as the scheduler role, in its own process) to a CacheBuffer that a real
+worker process holds: the node-wide numbers it shows are exactly the worker's own."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from _live_buffer import (
+    DUMPED,
+    LOADED,
+    PREALLOCATED,
+    RESERVED,
+    SLOTS,
+    LiveBuffer,
+    live_buffer,
+)
+
+from ucm.native.buffer import BufferCore
+from ucm.native.segments import ctrl_path
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveBuffer]:
+    """One worker holding the buffer for every test here: `ucm stats` only reads it."""
+    with live_buffer(tmp_path_factory.mktemp("live")) as running:
+        yield running
+
+
+def ucm_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ucm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_stats_json_is_the_live_buffers_node_wide_state(live: LiveBuffer) -> None:
+    shown = ucm_cli("stats", str(live.stack_path), "--json")
+    assert shown.returncode == 0, shown.stderr
+    data: dict[str, Any] = json.loads(shown.stdout)
+    worker = live.worker_view
+    assert data["unique_id"] == live.unique_id
+    assert data["device_id"] == -1
+    # Node-wide: the shared counters, identical to what the worker reads itself.
+    assert data["buffer"] == worker["native"]
+    assert data["buffer"]["hits"] == LOADED
+    assert data["buffer"]["misses"] == DUMPED
+    assert data["buffer"]["evictions"] == DUMPED - SLOTS
+    assert data["buffer"]["preallocs"] == PREALLOCATED
+    assert data["buffer"]["commits_ready"] == DUMPED
+    assert data["hit_rate"] == LOADED / (LOADED + DUMPED)
+    assert data["occupancy"] == {
+        "capacity_slots": SLOTS,
+        "reserved_slots": RESERVED,
+        "resident": worker["resident"],
+        "filling": 0,
+        "preallocated": PREALLOCATED,
+        "in_use": 0,
+        "waiters": 0,
+        "free": RESERVED - PREALLOCATED,
+        "detached": 0,
+        "resident_reserved": 0,
+        "resident_fraction": 1.0,
+    }
+    assert worker["resident"] == SLOTS
+    assert data["node_wide"] == ["buffer", "occupancy", "hit_rate", "attached_pids"]
+    if hasattr(BufferCore, "holders"):  # the holder table: processes registered on the buffer
+        assert data["attached_pids"] == [live.pid]
+    # This process (the scheduler) did nothing itself; the worker's own Store counters differ.
+    assert (data["process"]["hits"], data["process"]["misses"]) == (0, 0)
+    assert worker["store"]["hits"] == LOADED
+    assert [tier["type"] for tier in data["tiers"]] == ["buffer", "posix"]
+    assert "hits" not in data["tiers"][0]  # native counters are reported once, node-wide
+    assert data["tiers"][0]["capacity_slots"] == SLOTS
+
+
+def test_stats_table_shows_occupancy_hit_rate_and_counters(live: LiveBuffer) -> None:
+    shown = ucm_cli("stats", str(live.stack_path))
+    assert shown.returncode == 0, shown.stderr
+    out = shown.stdout
+    assert f"CacheBuffer '{live.unique_id}'" in out and "node-wide, shared by every rank" in out
+    rows = {
+        "occupancy": f"{SLOTS} / {SLOTS} slots (100.0%)",
+        "reserved pool": f"0 / {RESERVED} resident",
+        "hit rate": f"{100 * LOADED / (LOADED + DUMPED):.1f}%",
+        "waiters now": "0",
+        "preallocated (unclaimed)": str(PREALLOCATED),
+        "free": str(RESERVED - PREALLOCATED),
+        "evictions": str(DUMPED - SLOTS),
+        "prealloc_hits": "0",
+        "hits": str(LOADED),
+        "misses": str(DUMPED),
+    }
+    for label, value in rows.items():
+        assert re.search(rf"│ {re.escape(label)}\s+│\s+{re.escape(value)} │", out), (label, out)
+    assert "tiers as seen by this process" in out and "posix" in out
+
+
+def test_stats_watch_takes_bounded_readings(live: LiveBuffer) -> None:
+    as_json = ucm_cli(
+        "stats", str(live.stack_path), "--watch", "--json", "--count", "3", "--interval", "0.2"
+    )
+    live_view = ucm_cli(
+        "stats", str(live.stack_path), "--watch", "--count", "2", "--interval", "0.2"
+    )
+    assert as_json.returncode == 0, as_json.stderr
+    lines = as_json.stdout.splitlines()
+    assert len(lines) == 3
+    readings = [json.loads(line) for line in lines]
+    assert all(reading["buffer"]["hits"] == LOADED for reading in readings)
+    stamps = [reading["taken_at"] for reading in readings]
+    assert all(later - earlier >= 0.2 for earlier, later in itertools.pairwise(stamps))
+    assert live_view.returncode == 0, live_view.stderr
+    assert "per s" in live_view.stdout  # the second reading shows rates against the first
+
+
+def test_stats_refuses_a_buffer_that_is_not_running(tmp_path: Path) -> None:
+    unique_id = f"absent-{uuid.uuid4().hex[:12]}"
+    stack = tmp_path / "stack.yaml"
+    stack.write_text(
+        yaml.safe_dump(
+            {
+                "unique_id": unique_id,
+                "shard_size": 4096,
+                "shards_per_block": 1,
+                "tiers": [{"type": "buffer", "capacity": 4096 * 4}],
+            }
+        )
+    )
+    shown = ucm_cli("stats", str(stack))
+    assert shown.returncode == 1
+    assert " ".join(shown.stderr.split()) == (
+        f"error: no live CacheBuffer for unique_id '{unique_id}': {ctrl_path(unique_id)} does "
+        "not exist; start a rank that opens this stack first"
+    )
+    assert not ctrl_path(unique_id).exists()  # looking did not create one
+
+
+def test_stats_on_a_stack_without_buffer_and_on_a_bad_stack(tmp_path: Path) -> None:
+    stack = tmp_path / "stack.yaml"
+    stack.write_text(
+        yaml.safe_dump(
+            {
+                "unique_id": "posix-only",
+                "shard_size": 4096,
+                "shards_per_block": 1,
+                "tiers": [{"type": "posix", "path": str(tmp_path / "nvme")}],
+            }
+        )
+    )
+    shown = ucm_cli("stats", str(stack), "--json")
+    assert shown.returncode == 0, shown.stderr
+    data = json.loads(shown.stdout)
+    assert (data["buffer"], data["occupancy"], data["hit_rate"]) == (None, None, None)
+    assert data["tiers"][0]["type"] == "posix"
+    stack.write_text("unique_id: x\nshard_size: 0\ntiers: []\n")
+    bad = ucm_cli("stats", str(stack))
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("invalid:")

@@ -1,0 +1,426 @@
+"""Observability: one snapshot of a live store's counters, and Prometheus metrics made from it.
+
+Two kinds of numbers, kept apart because they mean different things:
+
+- **node-wide**: the shared CacheBuffer's native counters (``ucm.native.buffer.COUNTER_NAMES``)
+  and its slot occupancy live in the shared control segment; every process attached to the same
+  ``unique_id`` (any rank, or the scheduler role that ``ucm stats`` uses) reads the same values.
+- **this process**: the Store's own counters (load hits and misses, shards loaded and dumped...)
+  and each lower tier's ``stats()`` count what *this* process did. A scheduler that only attaches
+  to look sees zeros there; a rank that serves its own metrics endpoint sees its own work.
+
+:func:`snapshot` reads both; :class:`StoreCollector` turns a snapshot into Prometheus metric
+families on every scrape; :func:`serve` exposes them over HTTP on the loopback interface only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidArgumentError
+from .native.buffer import (
+    COUNTER_NAMES,
+    SLOT_NONE,
+    BufferCore,
+    State,
+    _HeaderStruct,
+    _SlotStruct,
+)
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import CollectorRegistry
+
+    from .store import Store
+
+NODE_WIDE_COUNTERS: tuple[str, ...] = COUNTER_NAMES
+"""Counters of the shared CacheBuffer: the same for every process of the node."""
+
+_SLOT_BYTES = ctypes.sizeof(_SlotStruct)
+_DETACHED_BUCKET = SLOT_NONE - 1
+_FLAG_PREALLOCATED = 2
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Where the buffer's slots are, read from the shared slot table (node-wide).
+
+    Read without locks while ranks work: each slot is read once, so the counts are a consistent
+    picture of each slot but the sum may mix instants; it is a gauge, not an audit.
+    """
+
+    capacity_slots: int
+    """Regular slots (the buffer's capacity)."""
+    reserved_slots: int
+    """Extra slots of the reserved pool (Prealloc, and misses when the regular pool is full)."""
+    resident: int
+    """Slots holding a Ready shard that lookups find."""
+    filling: int
+    """Slots claimed by an owner that is loading them (Idle, referenced)."""
+    preallocated: int
+    """Slots hung by Prealloc, waiting for their Get (Idle, unreferenced)."""
+    in_use: int
+    """Slots some process holds a reference on (copying out, filling, waiting)."""
+    waiters: int
+    """References held on slots being filled, beyond their owner's: ranks waiting right now."""
+    free: int
+    """Slots on no hash chain: never used, removed or failed."""
+    detached: int
+    """Slots removed (or failed) while still referenced: freed at their last release."""
+    resident_reserved: int
+    """Of ``resident``, slots in the reserved pool."""
+
+    @property
+    def total_slots(self) -> int:
+        return self.capacity_slots + self.reserved_slots
+
+    @property
+    def resident_fraction(self) -> float:
+        """Resident shards over the regular capacity (can exceed 1 when reserved slots hold
+        shards too)."""
+        return self.resident / self.capacity_slots if self.capacity_slots else 0.0
+
+
+def _references(raw: ctypes.Array[ctypes.c_uint64]) -> list[int]:
+    """References held on each slot: one per holder process, a bit in the slot's bitmap."""
+    offset = _SlotStruct.holders.offset // 8
+    bitmaps: list[int] = memoryview(raw).cast("B").cast("Q")[offset :: _SLOT_BYTES // 8].tolist()
+    return [bitmap.bit_count() for bitmap in bitmaps]
+
+
+def buffer_occupancy(core: BufferCore, ctrl_address: int) -> Occupancy:
+    """Counts the slots of the buffer whose control region is mapped at ``ctrl_address``.
+
+    Reads the slot table directly (a few list operations per field, no per-slot native call), so
+    it takes milliseconds even for a million slots.
+    """
+    header = _HeaderStruct.from_address(ctrl_address)
+    geometry = core.geometry
+    total = geometry.slot_count_total
+    raw = (ctypes.c_uint64 * (total * _SLOT_BYTES // 8)).from_address(
+        ctrl_address + header.slots_offset_bytes
+    )
+    words = memoryview(raw).cast("B").cast("I")
+
+    def column(name: str) -> list[int]:
+        offset = getattr(_SlotStruct, name).offset // 4
+        values: list[int] = words[offset :: _SLOT_BYTES // 4].tolist()
+        return values
+
+    buckets = column("bucket")
+    states = column("state")
+    flags = column("flags")
+    references = _references(raw)
+    regular = geometry.slot_count_regular
+    on_chain = [bucket < _DETACHED_BUCKET for bucket in buckets]
+    ready = int(State.READY)
+    resident_slots = [
+        i
+        for i, (chained, state) in enumerate(zip(on_chain, states, strict=True))
+        if chained and state == ready
+    ]
+    filling = preallocated = waiters = 0
+    for chained, state, held, flag in zip(on_chain, states, references, flags, strict=True):
+        if chained and state != ready:
+            if held:
+                filling += 1
+                waiters += held - 1
+            elif flag & _FLAG_PREALLOCATED:
+                preallocated += 1
+    return Occupancy(
+        capacity_slots=regular,
+        reserved_slots=geometry.slot_count_reserved,
+        resident=len(resident_slots),
+        filling=filling,
+        preallocated=preallocated,
+        in_use=total - references.count(0),
+        waiters=waiters,
+        free=buckets.count(SLOT_NONE),
+        detached=buckets.count(_DETACHED_BUCKET),
+        resident_reserved=sum(1 for slot in resident_slots if slot >= regular),
+    )
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every counter of a store at one instant (see the module docstring for node-wide versus
+    this process)."""
+
+    unique_id: str
+    taken_at: float
+    """``time.time()`` of the reading."""
+    pid: int
+    device_id: int
+    buffer: dict[str, int] | None
+    """Node-wide native counters of the shared CacheBuffer; None without a buffer tier."""
+    occupancy: Occupancy | None
+    """Node-wide slot occupancy; None without a buffer tier."""
+    attached_pids: list[int] | None = None
+    """Node-wide: pids of the processes registered as holders of the buffer (ranks that have
+    used it and are alive); None without a buffer tier."""
+    process: dict[str, int | float] = field(default_factory=dict)
+    """This process's Store counters (``Store.stats()`` without ``tiers``)."""
+    tiers: list[dict[str, Any]] = field(default_factory=list)
+    """Each tier's ``stats()`` as seen by this process (for the buffer tier: only its
+    per-process counters; the native ones are in ``buffer``)."""
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Node-wide: buffer Get hits over hits + misses (loads and dumps both claim slots, so a
+        dump of a new shard counts as a miss). None without a buffer or before any Get."""
+        if self.buffer is None:
+            return None
+        lookups = self.buffer["hits"] + self.buffer["misses"]
+        return self.buffer["hits"] / lookups if lookups else None
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["hit_rate"] = self.hit_rate
+        if self.occupancy is not None:
+            data["occupancy"]["resident_fraction"] = self.occupancy.resident_fraction
+        data["node_wide"] = ["buffer", "occupancy", "hit_rate", "attached_pids"]
+        return data
+
+
+def snapshot(store: Store) -> Snapshot:
+    """Reads every counter of ``store`` now (works on a scheduler: nothing reads shard data)."""
+    stats = store.stats()
+    tier_stats: list[dict[str, Any]] = stats.pop("tiers")
+    buffer_counters: dict[str, int] | None = None
+    occupancy: Occupancy | None = None
+    attached_pids: list[int] | None = None
+    top = store.tiers[0]
+    core = getattr(top, "core", None)
+    region = getattr(top, "region", None)
+    if isinstance(core, BufferCore) and region is not None:
+        buffer_counters = core.stats()
+        occupancy = buffer_occupancy(core, region.ctrl_address)
+        attached_pids = _attached_pids(core)
+        tier_stats[0] = {
+            name: value for name, value in tier_stats[0].items() if name not in NODE_WIDE_COUNTERS
+        }
+    return Snapshot(
+        unique_id=store.config.unique_id,
+        taken_at=time.time(),
+        pid=os.getpid(),
+        device_id=store.device_id,
+        buffer=buffer_counters,
+        occupancy=occupancy,
+        attached_pids=attached_pids,
+        process=stats,
+        tiers=tier_stats,
+    )
+
+
+def _attached_pids(core: BufferCore) -> list[int]:
+    """Pids of the processes registered as live holders of the buffer."""
+    return sorted(row.pid for row in core.holders() if row.state.name == "LIVE")
+
+
+# ---- Prometheus ---------------------------------------------------------------------------------
+
+_NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
+_OCCUPANCY_STATES = ("resident", "filling", "preallocated", "free", "detached")
+
+
+def _metric_name(raw: str) -> str:
+    name = _NAME_RE.sub("_", raw).strip("_").lower()
+    return name if name and not name[0].isdigit() else f"x_{name}"
+
+
+def _is_number(value: object) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(float(value))
+    )
+
+
+class StoreCollector:
+    """A Prometheus collector reading a store on every scrape (``registry.register(...)``).
+
+    Metric names: ``ucm_buffer_*`` node-wide (native counters as ``*_total`` counters, slots by
+    state, hit ratio), ``ucm_store_*`` this process's Store counters, ``ucm_tier_*`` each tier's
+    own counters as gauges labelled by ``tier`` (position) and ``type``. Every metric carries a
+    ``unique_id`` label.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        shot = snapshot(self.store)
+        uid = ["unique_id"]
+        uid_value = [shot.unique_id]
+        if shot.buffer is not None:
+            for name in NODE_WIDE_COUNTERS:
+                family = CounterMetricFamily(
+                    f"ucm_buffer_{name}",
+                    f"CacheBuffer {name.replace('_', ' ')} (node-wide, shared by every rank).",
+                    labels=uid,
+                )
+                family.add_metric(uid_value, shot.buffer[name])
+                yield family
+        if shot.occupancy is not None:
+            occupancy = shot.occupancy
+            slots = GaugeMetricFamily(
+                "ucm_buffer_slots",
+                "CacheBuffer slots by state (node-wide).",
+                labels=[*uid, "state"],
+            )
+            for state in _OCCUPANCY_STATES:
+                slots.add_metric([*uid_value, state], getattr(occupancy, state))
+            yield slots
+            for name, help_text, number in (
+                ("capacity_slots", "Regular slots of the CacheBuffer", occupancy.capacity_slots),
+                (
+                    "reserved_slots",
+                    "Reserved-pool slots of the CacheBuffer",
+                    occupancy.reserved_slots,
+                ),
+                ("in_use_slots", "Slots some process holds a reference on", occupancy.in_use),
+                ("waiters", "Ranks waiting right now for another rank's load", occupancy.waiters),
+            ):
+                gauge = GaugeMetricFamily(
+                    f"ucm_buffer_{name}", f"{help_text} (node-wide).", labels=uid
+                )
+                gauge.add_metric(uid_value, number)
+                yield gauge
+        if shot.attached_pids is not None:
+            attached = GaugeMetricFamily(
+                "ucm_buffer_attached_processes",
+                "Live processes registered on the CacheBuffer (node-wide).",
+                labels=uid,
+            )
+            attached.add_metric(uid_value, len(shot.attached_pids))
+            yield attached
+        if shot.hit_rate is not None:
+            ratio = GaugeMetricFamily(
+                "ucm_buffer_hit_ratio",
+                "CacheBuffer Get hits / (hits + misses) since creation (node-wide).",
+                labels=uid,
+            )
+            ratio.add_metric(uid_value, shot.hit_rate)
+            yield ratio
+        labels = [*uid, "device_id"]
+        label_values = [*uid_value, str(shot.device_id)]
+        for name, value in sorted(shot.process.items()):
+            if not _is_number(value):
+                continue
+            metric = _metric_name(name)
+            if name in ("hit_rate", "write_queue_bytes"):
+                gauge = GaugeMetricFamily(
+                    f"ucm_store_{metric}", f"Store {name} (this process).", labels=labels
+                )
+                gauge.add_metric(label_values, float(value))
+                yield gauge
+            else:
+                counter = CounterMetricFamily(
+                    f"ucm_store_{metric}", f"Store {name} (this process).", labels=labels
+                )
+                counter.add_metric(label_values, float(value))
+                yield counter
+        families: dict[str, GaugeMetricFamily] = {}
+        for position, tier in enumerate(shot.tiers):
+            tier_labels = [*label_values, str(position), str(tier.get("type", ""))]
+            for name, value in tier.items():
+                if not _is_number(value):
+                    continue
+                metric = f"ucm_tier_{_metric_name(name)}"
+                if metric not in families:
+                    families[metric] = GaugeMetricFamily(
+                        metric,
+                        f"Tier counter {name} (this process's view).",
+                        labels=[*labels, "tier", "type"],
+                    )
+                families[metric].add_metric(tier_labels, float(value))
+        yield from families.values()
+
+
+def registry_for(store: Store) -> CollectorRegistry:
+    """A fresh registry holding only this store's collector."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StoreCollector(store))
+    return registry
+
+
+def render(store: Store) -> bytes:
+    """The Prometheus text exposition of the store's metrics (no network)."""
+    from prometheus_client import generate_latest
+
+    return generate_latest(registry_for(store))
+
+
+class MetricsServer:
+    """A running metrics endpoint; :attr:`port` is the bound port. Close it (or use ``with``)."""
+
+    def __init__(self, host: str, port: int, server: Any, thread: threading.Thread) -> None:
+        self.host = host
+        self.port = port
+        self._server = server
+        self._thread = thread
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5.0)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def serve(store: Store, port: int = 0, host: str = "127.0.0.1") -> MetricsServer:
+    """Serves ``/metrics`` for ``store`` on a loopback address in a daemon thread.
+
+    ``port=0`` picks a free port (read it from the result). Only loopback addresses are allowed:
+    the endpoint has no authentication, so expose it beyond the host through something that has
+    (a reverse proxy, an agent scraping locally).
+    """
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidArgumentError(f"port={port!r} is not valid: expected an integer in [0, 65535]")
+    if not _is_loopback(host):
+        raise InvalidArgumentError(
+            f"host={host!r} is not valid: the metrics endpoint listens on a loopback address "
+            "only (127.0.0.1, ::1 or localhost); it has no authentication"
+        )
+    from prometheus_client import start_http_server
+
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry_for(store))
+    except OSError as exc:
+        raise InvalidArgumentError(
+            f"port={port} is not valid: cannot listen on it ({exc})"
+        ) from exc
+    return MetricsServer(host, int(server.server_port), server, thread)
+
+
+def _is_loopback(host: object) -> bool:
+    if not isinstance(host, str):
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
