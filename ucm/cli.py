@@ -1,4 +1,4 @@
-"""The ``ucm`` command line: validate, schema, demo."""
+"""The ``ucm`` command line: validate, schema, demo, bench, stats."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from . import cli_ops
 from .errors import ConfigError, PluginError
 from .sizes import format_size
+from .soak import soak_command
 
 app = typer.Typer(
     name="ucm",
@@ -146,6 +148,11 @@ def demo(
         json_out.write_text(json.dumps([asdict(r) for r in reports], indent=2))
     if failed:
         raise typer.Exit(1)
+
+
+app.command("bench")(cli_ops.bench)
+app.command("stats")(cli_ops.stats)
+app.command("soak")(soak_command)
 
 
 def _rate(part: int, whole: int) -> str:
