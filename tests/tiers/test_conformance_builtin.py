@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 from ucm_backends.buffer import BufferTier, BufferTierConfig
 
-from ucm.layout import Layout
+from ucm.layout import Key, Layout
 from ucm.testing import TierConformance, TierFactory, make_context
+from ucm.tier import chunks
 
 from .conftest import fsspec_tier, posix_tier
 
@@ -51,16 +52,6 @@ class TestFsspecS3Conformance(TierConformance):
         return make
 
 
-def _buffer_gap(reason: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=f"buffer tier (issue 4): {reason}")
-
-
-_LOCKS_PER_BUCKET = _buffer_gap(
-    "remove_lock_acquisitions counts bucket-lock acquisitions (3 for 12 keys, 27 for 2,500), "
-    "not one per chunk of REMOVE_CHUNK_KEYS keys"
-)
-
-
 class TestBufferConformance(TierConformance):
     """The shared CacheBuffer used as a plain tier (its own segments per test)."""
 
@@ -74,14 +65,10 @@ class TestBufferConformance(TierConformance):
 
         return make
 
-    # Where the buffer tier does not (yet) behave as the Tier interface says: each xfail is
-    # strict, so it turns into a failure the day the gap closes and the marker must go. (The
-    # overrides wrap the inherited tests: marking the inherited function itself would mark it
-    # for every tier.)
-    @_LOCKS_PER_BUCKET
-    def test_remove_batch_under_one_lock(self, make_tier: TierFactory) -> None:
-        super().test_remove_batch_under_one_lock(make_tier)
-
-    @_LOCKS_PER_BUCKET
-    def test_remove_takes_one_lock_per_chunk(self, make_tier: TierFactory) -> None:
-        super().test_remove_takes_one_lock_per_chunk(make_tier)
+    def expected_remove_locks(self, tier: Any, keys: list[Key]) -> int:
+        # Bucket locks, not one tier lock: a chunk takes each distinct bucket lock it needs
+        # once (a block's shards share a bucket), never once per key.
+        return sum(
+            len({tier.core.bucket_of(block_id) for block_id, _ in chunk})
+            for chunk in chunks(list(dict.fromkeys(keys)))
+        )
