@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +11,15 @@ from pathlib import Path
 import pytest
 
 
-def ucm(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def ucm(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "ucm.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "ucm.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
 
 
@@ -74,6 +81,14 @@ def test_validate_missing_file(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_demo_runs_ranks_and_reports_hits_with_verified_bytes(tmp_path: Path) -> None:
     out = tmp_path / "demo.json"
+    # The README's demo install (`.[torch]`) has no numpy: make it unimportable here too.
+    blocker = tmp_path / "no-numpy" / "numpy"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n"
+    )
+    path = os.pathsep.join(filter(None, [str(blocker.parent), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
     result = ucm(
         "demo",
         "--ranks",
@@ -87,6 +102,7 @@ def test_demo_runs_ranks_and_reports_hits_with_verified_bytes(tmp_path: Path) ->
         "--json",
         str(out),
         timeout=280,
+        env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "KV blocks served from cache instead of recomputed" in result.stdout

@@ -9,6 +9,7 @@ them. Every loaded byte is checked against its key. The command prints hit rate 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import multiprocessing as mp
 import os
@@ -129,7 +130,8 @@ def _rank_main(
                 for block, tensors in zip(hit_blocks, dst, strict=True):
                     if block in failed:
                         continue
-                    data = b"".join(t.numpy().tobytes() for t in tensors)
+                    # Read the tensors' bytes without numpy (torch does not require it).
+                    data = b"".join(ctypes.string_at(t.data_ptr(), t.numel()) for t in tensors)
                     if data != shard_payload(block, rank, shard_size):
                         report.verify_errors += 1
                     report.loaded_bytes += shard_size
@@ -205,6 +207,15 @@ def run_demo(
                         reports.append(RankReport(**results.get_nowait()))
                 except queue.Empty:
                     pass
+                if not any(process.is_alive() for process in processes):
+                    # Every rank exited: take what they reported and stop waiting (a rank that
+                    # died before reporting is listed below as "no report").
+                    time.sleep(0.2)
+                    try:
+                        while True:
+                            reports.append(RankReport(**results.get_nowait()))
+                    except queue.Empty:
+                        break
         for process in processes:
             process.join(timeout=30)
             if process.is_alive():
