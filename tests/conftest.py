@@ -15,7 +15,7 @@ import ucm
 from ucm import plugins
 from ucm.config import Size
 from ucm.layout import Key
-from ucm.tier import Outcome, ShardViews, chunks
+from ucm.tier import Outcome, ShardViews, chunks, scatter
 
 
 class ScratchTierConfig(ucm.LowerTierConfig):
@@ -49,10 +49,7 @@ class ScratchTier(ucm.Tier):
             if data is None:
                 outcomes.append(ucm.KeyMissingError(f"{key!r} not in scratch tier"))
                 continue
-            offset = 0
-            for view in views:
-                view[:] = data[offset : offset + view.nbytes]
-                offset += view.nbytes
+            scatter(data, views)
             outcomes.append(None)
         return outcomes
 

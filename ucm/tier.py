@@ -94,6 +94,16 @@ class PinTable:
             self.unpin(keys)
 
 
+def scatter(data: bytes | bytearray | memoryview, views: ShardViews) -> None:
+    """Copies a whole shard (``data``) into its destination views, in order."""
+    source = memoryview(data).cast("B")
+    assert source.nbytes == sum(view.nbytes for view in views), (source.nbytes, len(views))
+    offset = 0
+    for view in views:
+        view[:] = source[offset : offset + view.nbytes]
+        offset += view.nbytes
+
+
 def chunks(items: Sequence[Any], size: int = REMOVE_CHUNK_KEYS) -> Iterator[Sequence[Any]]:
     assert size > 0
     for start in range(0, len(items), size):

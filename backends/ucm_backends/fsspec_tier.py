@@ -40,7 +40,7 @@ import ucm
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
-from ucm.tier import REMOVE_CHUNK_KEYS, Outcome, ShardViews, Tier, TierContext, chunks
+from ucm.tier import REMOVE_CHUNK_KEYS, Outcome, ShardViews, Tier, TierContext, chunks, scatter
 
 MAGIC = b"UCMF"
 _HEADER = struct.Struct("<4sIQ")
@@ -285,11 +285,7 @@ class FsspecTier(Tier):
                 f"fsspec tier {self.label!r}: block {key[0].hex()} shard {key[1]} is corrupt "
                 f"({problem}); it was removed"
             )
-        payload = memoryview(data)[_HEADER.size :]
-        pos = 0
-        for view in views:
-            view[:] = payload[pos : pos + len(view)]
-            pos += len(view)
+        scatter(memoryview(data)[_HEADER.size :], views)
         self._bump(hits=1, bytes_read=self.shard_size)
         return None
 

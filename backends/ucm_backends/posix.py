@@ -61,7 +61,7 @@ import ucm
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
-from ucm.tier import REMOVE_CHUNK_KEYS, Outcome, ShardViews, Tier, TierContext, chunks
+from ucm.tier import REMOVE_CHUNK_KEYS, Outcome, ShardViews, Tier, TierContext, chunks, scatter
 
 MAGIC = b"UCMPOSX1"
 VERSION = 1
@@ -144,11 +144,7 @@ def _aligned(view: memoryview) -> bool:
 
 def _scatter(data: ShardViews, views: ShardViews) -> None:
     """Copies a shard held in ``data`` into ``views`` (both split any way)."""
-    whole = data[0] if len(data) == 1 else memoryview(b"".join(data))
-    pos = 0
-    for view in views:
-        view[:] = whole[pos : pos + len(view)]
-        pos += len(view)
+    scatter(data[0] if len(data) == 1 else b"".join(data), views)
 
 
 def _split_present(run: list[int], footer: _Footer) -> list[list[int]]:

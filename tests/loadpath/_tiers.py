@@ -17,7 +17,7 @@ from ucm.config import LowerTierConfig
 from ucm.errors import KeyMissingError, TierError
 from ucm.layout import Key
 from ucm.plugins import pm
-from ucm.tier import Outcome, ShardViews, Tier, TierContext
+from ucm.tier import Outcome, ShardViews, Tier, TierContext, scatter
 
 PLUGIN_NAME = "test-loadpath-tiers"
 
@@ -105,10 +105,7 @@ class RecordingTier(Tier):
             elif data is None:
                 outcomes.append(KeyMissingError("absent"))
             else:
-                offset = 0
-                for view in views:
-                    view[:] = data[offset : offset + view.nbytes]
-                    offset += view.nbytes
+                scatter(data, views)
                 outcomes.append(None)
         return outcomes
 

@@ -14,7 +14,7 @@ from ucm.config import LowerTierConfig
 from ucm.errors import KeyMissingError, TierError
 from ucm.layout import Key
 from ucm.plugins import pm
-from ucm.tier import Outcome, ShardViews, Tier, chunks
+from ucm.tier import Outcome, ShardViews, Tier, chunks, scatter
 
 SHARED: dict[str, dict[Key, bytes]] = {}
 """Contents of every DictTier by its `space`, so tests can inspect what each tier holds."""
@@ -59,10 +59,7 @@ class DictTier(Tier):
             if data is None:
                 outcomes.append(KeyMissingError("absent"))
                 continue
-            offset = 0
-            for view in views:
-                view[:] = data[offset : offset + len(view)]
-                offset += len(view)
+            scatter(data, views)
             outcomes.append(None)
         return outcomes
 

@@ -25,7 +25,7 @@ from ..config import LowerTierConfig
 from ..errors import UcmError
 from ..hookspecs import hookimpl
 from ..layout import Key
-from ..tier import Outcome, ShardViews, Tier, TierContext
+from ..tier import Outcome, ShardViews, Tier, TierContext, scatter
 from . import BenchOptions, BenchResult, Figure, Plot
 
 SHARD = 4096
@@ -60,10 +60,7 @@ class LatencyTier(Tier):
         for key, views in zip(keys, destinations, strict=True):
             time.sleep(self.delay_s)
             data = key[0] * (self.layout.shard_size // 16 + 1)
-            offset = 0
-            for view in views:
-                view[:] = data[offset : offset + view.nbytes]
-                offset += view.nbytes
+            scatter(data[: self.layout.shard_size], views)
             self.loads += 1
         return [None] * len(keys)
 

@@ -32,7 +32,7 @@ import ucm
 from ucm.config import Size
 from ucm.errors import ConfigError, InvalidArgumentError, KeyMissingError, TierError
 from ucm.layout import BLOCK_ID_BYTES, Key
-from ucm.tier import REMOVE_CHUNK_KEYS, Outcome, ShardViews, TierContext, chunks
+from ucm.tier import REMOVE_CHUNK_KEYS, Outcome, ShardViews, TierContext, chunks, scatter
 
 __all__ = ["SqliteTier", "SqliteTierConfig", "register_tiers"]
 
@@ -324,12 +324,8 @@ class SqliteTier(ucm.Tier):
                                     f"{self.shard_size} (written with another shard_size?)"
                                 )
                             continue
-                        source = memoryview(data)
                         for i in wanted.pop(key):
-                            offset = 0
-                            for view in destinations[i]:  # scatter into the caller's views
-                                view[:] = source[offset : offset + view.nbytes]
-                                offset += view.nbytes
+                            scatter(data, destinations[i])
                         hits.append(key)
             except (sqlite3.Error, TierError) as exc:  # TierError: closed, or lock timeout
                 error = exc if isinstance(exc, TierError) else self._error("load", exc)
