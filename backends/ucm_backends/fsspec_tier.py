@@ -2,9 +2,10 @@
 s3fs, ``gs://``, ...), typically an object store shared by many nodes.
 
 Objects are keyed by (block id, shard index) only, never by ``unique_id``, so every node reading
-the same URL sees the same blocks: ``<url>/<hex[:2]>/<hex>/<shard>``. Each object is a 16-byte
-header (magic, crc32, length) followed by the shard; a short or corrupted object is deleted and
-its load fails with a TierError saying so (not a miss, so the stack repairs it from below).
+the same URL sees the same blocks: ``<url>/<hex[:2]>/<hex>/<shard>``. Each object is a 20-byte
+header (magic, XXH3-64 of the shard, length) followed by the shard; a short or corrupted object
+is deleted and its load fails with a TierError saying so (not a miss, so the stack repairs it
+from below).
 ``<hex>/touch`` is a marker whose modification time records the block's last touch; with
 ``capacity`` set, an eviction pass drops whole blocks whose newest object is oldest.
 
@@ -22,7 +23,6 @@ import secrets
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
@@ -40,10 +40,13 @@ import ucm
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
+from ucm.native.checksum import checksum
 from ucm.tier import REMOVE_CHUNK_KEYS, Outcome, ShardViews, Tier, TierContext, chunks, scatter
 
-MAGIC = b"UCMF"
-_HEADER = struct.Struct("<4sIQ")
+MAGIC = b"UCF2"  # "UCMF" objects carried a crc32: they read as corrupt and are replaced
+_HEADER = struct.Struct("<4sQQ")
+HEADER_BYTES = _HEADER.size
+"""Bytes before the shard in every object (capacity counts them)."""
 TOUCH_MARKER = "touch"
 
 S3_DEFAULT_CONFIG: dict[str, Any] = {
@@ -292,10 +295,10 @@ class FsspecTier(Tier):
     def _check(self, data: bytes) -> str:
         if len(data) != _HEADER.size + self.shard_size:
             return f"{len(data)} bytes, expected {_HEADER.size + self.shard_size}"
-        magic, crc, length = _HEADER.unpack_from(data)
+        magic, digest, length = _HEADER.unpack_from(data)
         if magic != MAGIC or length != self.shard_size:
             return "bad header"
-        if zlib.crc32(memoryview(data)[_HEADER.size :]) != crc:
+        if checksum([memoryview(data)[_HEADER.size :]]) != digest:
             return "checksum mismatch"
         return ""
 
@@ -320,10 +323,7 @@ class FsspecTier(Tier):
     def _dump_one(self, item: tuple[Key, ShardViews]) -> Outcome:
         key, views = item
         assert sum(len(v) for v in views) == self.shard_size, "source size != shard_size"
-        crc = 0
-        for view in views:
-            crc = zlib.crc32(view, crc)
-        data = b"".join([_HEADER.pack(MAGIC, crc, self.shard_size), *views])
+        data = b"".join([_HEADER.pack(MAGIC, checksum(views), self.shard_size), *views])
         path = self.object_path(key)
         try:
             if self._local_fs:

@@ -4,13 +4,17 @@ File format. ``<path>/<hex[:2]>/<hex>.blk`` holds shard ``s`` at byte ``shard_si
 footer at ``block_size``, padded to 4 KiB so O_DIRECT I/O stays aligned::
 
     magic "UCMPOSX1" | u32 version | u32 shards_per_block | u64 shard_size
-    per shard: u32 flags (bit 0 = present, bit 1 = lost) | u32 crc32 of the shard
+    per shard: u32 flags (bit 0 = present, bit 1 = lost) | u64 XXH3-64 of the shard
     u32 crc32 of everything above
 
-A shard whose crc does not match (a torn or corrupted file) is removed and its load fails with a
-TierError saying so (not a miss: the stack then repairs it from a tier below). The removed shard
-stays marked *lost* in the footer (a file whose footer is unreadable becomes a footer-only file
-with every shard lost), so a later load of it, by any rank or process, is again a failure and
+(Version 1 kept a crc32 per shard; at NVMe speeds it cost as much CPU as the read, so version
+2 uses the native XXH3, ``ucm.native.checksum``. A version-1 file reads as a foreign one: a miss,
+replaced by the next dump of its block.)
+
+A shard whose checksum does not match (a torn or corrupted file) is removed and its load fails
+with a TierError saying so (not a miss: the stack then repairs it from a tier below). The removed
+shard stays marked *lost* in the footer (a file whose footer is unreadable becomes a footer-only
+file with every shard lost), so a later load of it, by any rank or process, is again a failure and
 gets repaired too, instead of a plain miss that nobody repairs: ranks load different shards of a
 block, and only the first one to read a torn file sees it torn. A lost shard is not present
 (lookup says False); a dump, remove or eviction of it clears the mark.
@@ -61,13 +65,15 @@ import ucm
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
+from ucm.native.checksum import checksum
 from ucm.tier import REMOVE_CHUNK_KEYS, Outcome, ShardViews, Tier, TierContext, chunks, scatter
 
 MAGIC = b"UCMPOSX1"
-VERSION = 1
+VERSION = 2
 ALIGN = 4096
 _HEAD = struct.Struct("<8sIIQ")
-_ENTRY = struct.Struct("<II")
+_ENTRY = struct.Struct("<IQ")
+_V1_ENTRY = struct.Struct("<II")  # flags, crc32 of the shard
 _CRC = struct.Struct("<I")
 _PRESENT = 1
 _LOST = 2
@@ -118,7 +124,8 @@ class _Foreign(Exception):
 @dataclass
 class _Footer:
     present: list[bool]
-    crcs: list[int]
+    sums: list[int]
+    """XXH3-64 of each present shard."""
     lost: list[bool]
 
 
@@ -158,13 +165,6 @@ def _split_present(run: list[int], footer: _Footer) -> list[list[int]]:
         else:
             pieces.append([shard])
     return pieces
-
-
-def _views_crc(views: ShardViews) -> int:
-    crc = 0
-    for view in views:
-        crc = zlib.crc32(view, crc)
-    return crc
 
 
 class PosixTier(Tier):
@@ -330,7 +330,7 @@ class PosixTier(Tier):
         parts = [_HEAD.pack(MAGIC, VERSION, self.spb, self.shard_size)]
         parts += [
             _ENTRY.pack((_PRESENT if p else 0) | (_LOST if lost else 0), c)
-            for p, c, lost in zip(footer.present, footer.crcs, footer.lost, strict=True)
+            for p, c, lost in zip(footer.present, footer.sums, footer.lost, strict=True)
         ]
         body = b"".join(parts)
         return body + _CRC.pack(zlib.crc32(body))
@@ -340,21 +340,30 @@ class PosixTier(Tier):
         magic, version, spb, shard_size = _HEAD.unpack_from(body)
         if magic != MAGIC:
             raise _Corrupt("bad magic")
+        if version == 1 and spb == self.spb and self._valid_v1_footer(raw):
+            raise _Foreign(f"block file of format version 1; this tier reads {VERSION}")
         (crc,) = _CRC.unpack_from(raw, self.footer_len - _CRC.size)
         if crc != zlib.crc32(body):
             raise _Corrupt("footer checksum mismatch")
-        if version != VERSION or spb != self.spb or shard_size != self.shard_size:
+        if spb != self.spb or shard_size != self.shard_size:
             raise _Foreign(
                 f"block file of another geometry (version {version}, shards_per_block {spb}, "
                 f"shard_size {shard_size})"
             )
-        present, crcs, lost = [], [], []
+        present, sums, lost = [], [], []
         for index in range(self.spb):
-            flags, shard_crc = _ENTRY.unpack_from(body, _HEAD.size + index * _ENTRY.size)
+            flags, shard_sum = _ENTRY.unpack_from(body, _HEAD.size + index * _ENTRY.size)
             present.append(bool(flags & _PRESENT))
             lost.append(bool(flags & _LOST) and not flags & _PRESENT)
-            crcs.append(shard_crc)
-        return _Footer(present, crcs, lost)
+            sums.append(shard_sum)
+        return _Footer(present, sums, lost)
+
+    def _valid_v1_footer(self, raw: memoryview) -> bool:
+        """A whole version-1 footer (8-byte entries)? Any other version is checked, and fails,
+        as a corrupt footer of this version: a flipped version byte is damage, not a format."""
+        end = _HEAD.size + _V1_ENTRY.size * self.spb
+        (crc,) = _CRC.unpack_from(raw, end)
+        return crc == zlib.crc32(raw[:end])
 
     def _read_footer(self, fd: int, direct: bool) -> _Footer:
         try:
@@ -539,7 +548,7 @@ class PosixTier(Tier):
                         )
                     continue
                 data = targets[shard]
-                if _views_crc(data) != footer.crcs[shard]:
+                if checksum(data) != footer.sums[shard]:
                     bad.append(shard)
                     for position in shard_positions:
                         corrupt(position, "checksum mismatch; it was removed")
@@ -734,7 +743,7 @@ class PosixTier(Tier):
         path = self.block_path(block_id)
         image = self._buffer("image", self.file_size)
         present = [False] * self.spb
-        crcs = [0] * self.spb
+        sums = [0] * self.spb
         lost = [shard in lose and shard not in new for shard in range(self.spb)]
         old_bytes = 0
         try:
@@ -761,7 +770,7 @@ class PosixTier(Tier):
                         )
                         if got == self.shard_size:
                             present[shard] = True
-                            crcs[shard] = footer.crcs[shard]
+                            sums[shard] = footer.sums[shard]
             finally:
                 os.close(old_fd)
         for shard, views in new.items():
@@ -770,12 +779,12 @@ class PosixTier(Tier):
                 image[offset : offset + len(view)] = view
                 offset += len(view)
             present[shard] = True
-            crcs[shard] = _views_crc(views)
+            sums[shard] = checksum(views)
         if not any(present) and not any(lost):
             with suppress(FileNotFoundError):
                 os.unlink(path)
             return -old_bytes
-        footer_bytes = self._encode_footer(_Footer(present, crcs, lost))
+        footer_bytes = self._encode_footer(_Footer(present, sums, lost))
         image[self.block_size : self.block_size + len(footer_bytes)] = footer_bytes
         head = footer_bytes[: _HEAD.size]
         image[self.block_size + len(footer_bytes) : self.file_size - len(head)] = bytes(
@@ -990,7 +999,7 @@ class PosixTier(Tier):
                         continue
                     data = bytearray(self.shard_size)
                     got = os.preadv(fd, [data], shard * self.shard_size)
-                    if got == self.shard_size and zlib.crc32(data) == footer.crcs[shard]:
+                    if got == self.shard_size and checksum([data]) == footer.sums[shard]:
                         keys.append((block_id, shard))
                         views.append([memoryview(data)])
             except (_Corrupt, _Foreign):

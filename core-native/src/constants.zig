@@ -4,7 +4,7 @@
 const std = @import("std");
 
 /// Bumped whenever the C ABI changes; the Python binding refuses a library with another value.
-pub const abi_version: u32 = 2;
+pub const abi_version: u32 = 3;
 
 /// Futex words are 32-bit on Linux, and they must be naturally aligned.
 pub const futex_word_size_bytes: usize = 4;
@@ -18,6 +18,16 @@ comptime {
     std.debug.assert(@alignOf(std.atomic.Value(u32)) == futex_word_size_bytes);
     std.debug.assert(futex_wait_slice_ns > 0);
     std.debug.assert(futex_wait_slice_ns < std.time.ns_per_s);
+}
+
+// ---- Checksums (checksum.zig) ----
+
+/// Most memory ranges one checksum call streams over: a shard's views, one per tensor.
+pub const checksum_parts_max: usize = 1 << 16;
+
+comptime {
+    std.debug.assert(checksum_parts_max > 0);
+    std.debug.assert(checksum_parts_max <= std.math.maxInt(u32));
 }
 
 // ---- Segments (shm.zig, memfd.zig, fdpass.zig, seg_region.zig) ----

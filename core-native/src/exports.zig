@@ -46,6 +46,22 @@ export fn ucm_monotonic_ns() u64 {
     return futex.monotonic_ns();
 }
 
+// ---- Checksums ----
+
+const checksum = @import("checksum.zig");
+
+/// XXH3-64 with `seed` over `n` caller ranges (`lengths_bytes[i]` bytes at `addresses[i]`),
+/// streamed in order, written to `out`. Returns 0, or invalid_argument for too many ranges or
+/// a null address with a non-zero length.
+export fn ucm_checksum(n: u32, addresses: [*]const usize, lengths_bytes: [*]const usize, seed: u64, out: *u64) i32 {
+    if (n > constants.checksum_parts_max) return @intFromEnum(Error.invalid_argument);
+    for (addresses[0..n], lengths_bytes[0..n]) |address, length_bytes| {
+        if (address == 0 and length_bytes != 0) return @intFromEnum(Error.invalid_argument);
+    }
+    out.* = checksum.checksum_ranges(seed, addresses[0..n], lengths_bytes[0..n]);
+    return @intFromEnum(Error.ok);
+}
+
 // ---- CacheBuffer ----
 // Batched entry points over a control region at `ctrl` (see buffer.zig). Arrays are caller
 // memory of `n` elements; per-key outcomes are written to `out_*`. A negative return is a

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import register_implementation
-from ucm_backends.fsspec_tier import FsspecConfig, FsspecTier
+from ucm_backends.fsspec_tier import HEADER_BYTES, FsspecConfig, FsspecTier
 
 from ucm.config import parse_stack
 from ucm.errors import ConfigError, KeyMissingError, TierError
@@ -34,7 +34,7 @@ def test_objects_keyed_by_block_and_shard_only(memory_url: str) -> None:
     root = memory_url.removeprefix("memory://")
     expected = f"/{root}/{block.hex()[:2]}/{block.hex()}/1"
     assert node1.fs.find(f"/{root}") == [expected]
-    assert node1.fs.cat_file(expected)[:4] == b"UCMF"
+    assert node1.fs.cat_file(expected)[:4] == b"UCF2"
     assert_loads_exact(node2, [(block, 1)])  # another unique_id reads the same object
     node1.close()
     node2.close()
@@ -60,7 +60,7 @@ def test_corrupt_object_fails_and_is_removed(tmp_path: Path, damage: str) -> Non
     data = bytearray(path.read_bytes())
     if damage == "truncate":
         path.write_bytes(data[:500])
-        why = f"500 bytes, expected {16 + LAYOUT.shard_size}"
+        why = f"500 bytes, expected {HEADER_BYTES + LAYOUT.shard_size}"
     else:
         data[700] ^= 0x01
         path.write_bytes(data)
@@ -180,7 +180,7 @@ def test_requests_of_a_batch_run_concurrently() -> None:
 
 
 def test_capacity_evicts_oldest_touched_block(tmp_path: Path) -> None:
-    object_bytes = 16 + LAYOUT.shard_size
+    object_bytes = HEADER_BYTES + LAYOUT.shard_size
     tier = fsspec_tier(f"file://{tmp_path}", LAYOUT, capacity=6 * object_bytes + 200)
     a, b, c, d = block_ids(4)
     for block in (a, b, c):
@@ -204,7 +204,7 @@ def test_evict_sink_failure_keeps_the_shard(memory_url: str) -> None:
         received.extend(keys)
         return [TierError("down") if k[1] == 0 else None for k in keys]
 
-    object_bytes = 16 + LAYOUT.shard_size
+    object_bytes = HEADER_BYTES + LAYOUT.shard_size
     tier = fsspec_tier(memory_url, LAYOUT, evict_sink=sink, capacity=4 * object_bytes)
     a, b, c = block_ids(3)
     for block in (a, b, c):
@@ -217,7 +217,7 @@ def test_evict_sink_failure_keeps_the_shard(memory_url: str) -> None:
 
 
 def test_eviction_drops_a_leftover_touch_marker(memory_url: str) -> None:
-    object_bytes = 16 + LAYOUT.shard_size
+    object_bytes = HEADER_BYTES + LAYOUT.shard_size
     tier = fsspec_tier(memory_url, LAYOUT, capacity=2 * object_bytes)
     orphan, a, b = block_ids(3)
     marker = f"{tier.block_dir(orphan)}/touch"

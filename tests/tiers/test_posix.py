@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -206,6 +208,26 @@ def test_file_of_another_geometry_is_a_miss_and_kept(tmp_path: Path, o_direct: b
     assert_loads_exact(writer, [(block, 0)])
     writer.close()
     reader.close()
+
+
+def test_file_of_an_older_format_version_is_a_miss_until_dumped_again(tmp_path: Path) -> None:
+    # Version 1 kept a crc32 per shard (a shorter footer): its checksums cannot be checked.
+    tier = posix_tier(tmp_path, LAYOUT)
+    (block,) = block_ids(1)
+    dump_keys(tier, [(block, 0), (block, 1)])
+    head = struct.pack("<8sIIQ", MAGIC, 1, LAYOUT.shards_per_block, LAYOUT.shard_size)
+    entries = b"".join(struct.pack("<II", 1, 0) for _ in range(LAYOUT.shards_per_block))
+    with open(tier.block_path(block), "r+b") as handle:
+        handle.seek(tier.block_size)
+        handle.write(head + entries + struct.pack("<I", zlib.crc32(head + entries)))
+    outcomes, _ = load_keys(tier, [(block, 0)])
+    assert isinstance(outcomes[0], KeyMissingError)
+    assert "block file of format version 1; this tier reads 2" in str(outcomes[0])
+    assert tier.lookup([(block, 0), (block, 1)]) == [False, False]
+    dump_keys(tier, [(block, 1)])  # replaces the old file wholesale
+    assert tier.lookup([(block, 0), (block, 1)]) == [False, True]
+    assert_loads_exact(tier, [(block, 1)])
+    tier.close()
 
 
 def test_readers_never_see_a_partial_file(tmp_path: Path) -> None:

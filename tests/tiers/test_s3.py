@@ -62,11 +62,11 @@ def test_corrupt_object_fails_and_is_removed(s3_url: str, s3_options: dict[str, 
     tier = fsspec_tier(s3_url, LAYOUT, storage_options=s3_options)
     (block,) = block_ids(1)
     dump_keys(tier, [(block, 0), (block, 1)])
-    tier.fs.pipe_file(tier.object_path((block, 1)), b"UCMF" + bytes(100))
+    tier.fs.pipe_file(tier.object_path((block, 1)), b"UCF2" + bytes(100))
     outcomes, _ = load_keys(tier, [(block, 0), (block, 1)])
     assert outcomes[0] is None
     assert isinstance(outcomes[1], TierError) and not isinstance(outcomes[1], KeyMissingError)
-    assert "is corrupt (104 bytes, expected 2064); it was removed" in str(outcomes[1])
+    assert "is corrupt (104 bytes, expected 2068); it was removed" in str(outcomes[1])
     assert not tier.fs.exists(tier.object_path((block, 1)))
     tier.close()
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..errors import NativeLibraryError
 
 LIBRARY_NAME = "libucm_core.so"
-ABI_VERSION = 2
+ABI_VERSION = 3
 _REBUILD_HINT = (
     "reinstall the package to rebuild it (`pip install -e .` or `pip install .` from the "
     "repository; the pinned ziglang build requirement compiles core-native/)"
@@ -64,6 +64,10 @@ def _declare(handle: ctypes.CDLL) -> None:
         "ucm_version_bump": (i64, [usize]),
         "ucm_version_load": (i64, [usize]),
         "ucm_monotonic_ns": (u64, []),
+        "ucm_checksum": (
+            i32,
+            [u32, ctypes.c_void_p, ctypes.c_void_p, u64, ctypes.POINTER(ctypes.c_uint64)],
+        ),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(handle, name)
