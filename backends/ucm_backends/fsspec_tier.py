@@ -363,6 +363,12 @@ class FsspecTier(Tier):
 
     def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
         distinct = list(dict.fromkeys(keys))
+        # Object stores take bulk deletes (s3: 1,000 keys a request) but report absent keys as
+        # deleted too, so blocks are listed first for an exact count. Others delete one path
+        # per call anyway, and the call says whether the path existed: no listing needed,
+        # except to tell whether a partly removed block is left empty (some, like memory://,
+        # list a directory by scanning every stored path).
+        bulk = bool(getattr(self.fs, "async_impl", False))
         removed = 0
         for chunk in chunks(distinct, self.remove_chunk_keys):
             with self._lock:
@@ -371,37 +377,62 @@ class FsspecTier(Tier):
                 for block_id, shard in chunk:
                     if force or not self.pins.is_pinned((block_id, shard)):
                         wanted.setdefault(block_id, set()).add(shard)
-                blocks = list(wanted)
                 try:
-                    found = self._map(self._listing, blocks)
+                    removed += self._remove_listed(wanted) if bulk else self._remove_each(wanted)
+                except TierError:
+                    raise
                 except Exception as exc:
                     raise TierError(
-                        f"fsspec tier {self.label!r} ({self.cfg.url}): batched_remove could not "
-                        f"list blocks: {type(exc).__name__}: {exc}"
+                        f"fsspec tier {self.label!r} ({self.cfg.url}): batched_remove: "
+                        f"{type(exc).__name__}: {exc}"
                     ) from exc
-                paths: list[str] = []
-                for block_id, (present, has_marker) in zip(blocks, found, strict=True):
-                    gone = wanted[block_id] & present
-                    paths += [self.object_path((block_id, s)) for s in sorted(gone)]
-                    if gone == present and has_marker:  # nothing left: the marker goes too
-                        paths.append(f"{self.block_dir(block_id)}/{TOUCH_MARKER}")
-                if paths:
-                    self._rm(paths)
-                removed += sum(1 for p in paths if not p.endswith(TOUCH_MARKER))
+        return removed
+
+    def _remove_listed(self, wanted: dict[bytes, set[int]]) -> int:
+        blocks = list(wanted)
+        try:
+            listings = self._map(self._listing, blocks)
+        except Exception as exc:
+            raise TierError(
+                f"fsspec tier {self.label!r} ({self.cfg.url}): batched_remove could not list "
+                f"blocks: {type(exc).__name__}: {exc}"
+            ) from exc
+        paths: list[str] = []
+        removed = 0
+        for block_id, (present, has_marker) in zip(blocks, listings, strict=True):
+            gone = wanted[block_id] & present
+            paths += [self.object_path((block_id, s)) for s in sorted(gone)]
+            removed += len(gone)
+            if gone == present and has_marker:  # nothing left: the marker goes too
+                paths.append(f"{self.block_dir(block_id)}/{TOUCH_MARKER}")
+        if paths:
+            self._rm(paths)
+        return removed
+
+    def _remove_each(self, wanted: dict[bytes, set[int]]) -> int:
+        removed = 0
+        for block_id, shards in wanted.items():
+            for shard in sorted(shards):
+                try:
+                    self.fs.rm_file(self.object_path((block_id, shard)), **self._call)
+                except FileNotFoundError:
+                    continue  # absent (or removed concurrently): not counted
+                removed += 1
+            if len(shards) == self.layout.shards_per_block or not self._listing(block_id)[0]:
+                with suppress(FileNotFoundError):  # nothing left: the marker goes too
+                    self.fs.rm_file(f"{self.block_dir(block_id)}/{TOUCH_MARKER}", **self._call)
         return removed
 
     def _rm(self, paths: list[str]) -> None:
         try:
             if getattr(self.fs, "async_impl", False):
-                self.fs.rm(
-                    paths, **self._call
-                )  # object stores: bulk deletes (s3: 1,000 keys a request)
+                self.fs.rm(paths, **self._call)  # object stores: bulk deletes
             else:
                 # Others delete one by one anyway, and some (memory://) check each path of a
                 # list against every stored path: quadratic in the number stored.
                 for path in paths:
                     with suppress(FileNotFoundError):
-                        self.fs.rm_file(path)
+                        self.fs.rm_file(path, **self._call)
         except FileNotFoundError:
             pass  # removed concurrently by another node
         except Exception as exc:

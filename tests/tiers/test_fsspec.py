@@ -229,3 +229,27 @@ def test_eviction_drops_a_leftover_touch_marker(memory_url: str) -> None:
     assert not tier.fs.exists(marker)
     assert tier.lookup([(a, 0), (a, 1), (b, 0)]) == [False, False, True]
     tier.close()
+
+
+@pytest.mark.parametrize("where", ["memory", "file"])
+def test_batched_remove_counts_exactly_and_drops_the_marker_of_an_emptied_block(
+    memory_url: str, tmp_path: Path, where: str
+) -> None:
+    # Local filesystems delete path by path and count what existed, listing a block only
+    # when it was partly removed; object stores list first (test_s3.py covers that path).
+    url = memory_url if where == "memory" else f"file://{tmp_path}"
+    tier = fsspec_tier(url, LAYOUT, capacity="1GiB")  # touch markers exist with a capacity
+    a, b, absent = block_ids(3)
+    dump_keys(tier, LAYOUT.keys_of_blocks([a, b]))
+    tier.touch([a, b])
+    marker_a = f"{tier.block_dir(a)}/touch"
+    marker_b = f"{tier.block_dir(b)}/touch"
+    assert tier.fs.exists(marker_a) and tier.fs.exists(marker_b)
+    assert tier.batched_remove([(a, 0), (absent, 0), (absent, 1)]) == 1
+    assert tier.fs.exists(marker_a)  # shard 1 is still there
+    assert tier.batched_remove([(a, 0), (a, 1)]) == 1
+    assert not tier.fs.exists(marker_a)  # emptied: checked by listing
+    assert tier.batched_remove(LAYOUT.keys_of_blocks([b])) == 2
+    assert not tier.fs.exists(marker_b)  # whole block named: no listing needed
+    assert tier.lookup(LAYOUT.keys_of_blocks([a, b])) == [False] * 4
+    tier.close()
