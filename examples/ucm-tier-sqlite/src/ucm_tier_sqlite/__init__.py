@@ -494,15 +494,27 @@ class SqliteTier(ucm.Tier):
                 # One lock acquisition per chunk, never per key (seed 003).
                 with self._write("remove_lock_acquisitions") as conn:
                     doomed = [key for key in part if force or not self.pins.is_pinned(key)]
-                    cursor = conn.executemany(
-                        "DELETE FROM shards WHERE block_id = ? AND shard = ?", doomed
-                    )
-                    removed += max(cursor.rowcount, 0)
+                    if doomed:
+                        removed += self._delete(conn, doomed)
         except sqlite3.Error as exc:
             raise self._error("batched_remove", exc) from exc
         finally:
             self._count(removed=removed)
         return removed
+
+    @staticmethod
+    def _delete(conn: sqlite3.Connection, keys: Sequence[Key]) -> int:
+        """Deletes the keys with one statement (row values: 2 parameters a key, at most
+        2 * REMOVE_CHUNK_KEYS, below SQLite's 32,766): one parse and one index walk instead of
+        a bound, stepped and reset statement per key."""
+        assert 0 < len(keys) <= REMOVE_CHUNK_KEYS
+        rows = ",".join(["(?,?)"] * len(keys))
+        flat = [value for key in keys for value in key]
+        cursor = conn.execute(
+            f"DELETE FROM shards WHERE (block_id, shard) IN (VALUES {rows})",
+            flat,
+        )
+        return max(cursor.rowcount, 0)
 
     def stats(self) -> dict[str, int | float]:
         with self._counters_lock:
