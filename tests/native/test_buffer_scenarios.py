@@ -390,6 +390,13 @@ def test_bad_arguments_name_argument_and_value() -> None:
         assert core.slot_info(got.slots[0]).refcount == 0  # the first was released
         with pytest.raises(InvalidArgumentError, match=r"states\[0\]=<State.IDLE: 0> is not"):
             core.commit([0], [State.IDLE])
+        with pytest.raises(InvalidArgumentError, match=r"states\[1\]='x' is not valid"):
+            core.commit([0, 1], [State.READY, "x"])  # type: ignore[list-item]
+        with pytest.raises(InvalidArgumentError, match=r"states\[0\]=300 is not valid"):
+            core.commit([0], [300])  # type: ignore[list-item]
+        with pytest.raises(InvalidArgumentError, match="states has 2 entries, slots has 1"):
+            core.commit([0], [State.READY, State.READY])
+        assert core.slot_info(0).state == State.IDLE  # nothing was committed
         with pytest.raises(InvalidArgumentError, match=r"shards_per_block=0 is not valid"):
             core.lookup_blocks([block("A")], 0)
         assert core.get([]).results.tolist() == []

@@ -111,6 +111,7 @@ class CommitResult(enum.IntEnum):
     LOCK_TIMEOUT = 3
 
 
+_REAL_NUMBER = (int, float)
 _COMMIT_RESULTS = tuple(CommitResult)
 _WAIT_RESULTS = tuple(WaitResult)
 assert all(result.value == index for index, result in enumerate(_COMMIT_RESULTS))
@@ -718,60 +719,70 @@ class BufferCore:
     def commit(
         self, slots: Sequence[int] | array[int], states: Sequence[State]
     ) -> list[CommitResult]:
+        # The commit sits on every waiter's wake-up latency, and an owner that has just slept
+        # on I/O runs it with cold caches, where each Python step costs microseconds: the
+        # happy path is one conversion and one native call. The native side validates every
+        # state; only a refused call walks the arguments to name the bad one.
         slot_array = _as_u32_array(slots, "slots")
-        if len(states) != len(slot_array):
-            raise InvalidArgumentError(
-                f"states has {len(states)} entries, slots has {len(slot_array)}: one state per slot"
-            )
-        # Fast path (one C-level conversion and two counts): an owner commits right before
-        # waiters wake, so this sits on the wake-up latency. The loop only names a bad entry.
+        count = len(slot_array)
         try:
-            state_array: array[int] | None = array("B", states)
+            state_array = array("B", states)
         except (TypeError, OverflowError):
-            state_array = None
-        if state_array is None or state_array.count(State.READY) + state_array.count(
-            State.FAILED
-        ) != len(slot_array):
-            for index, state in enumerate(states):
-                if state not in (State.READY, State.FAILED):
-                    raise InvalidArgumentError(
-                        f"states[{index}]={state!r} is not valid: expected State.READY or "
-                        "State.FAILED"
-                    )
-        assert state_array is not None
-        if not slot_array:
+            self._reject_states(states, count)
+            raise  # _reject_states always raises here
+        if len(state_array) != count:
+            self._reject_states(states, count)
+        if not count:
             return []
-        out = array("B", bytes(len(slot_array)))
+        out = array("B", bytes(count))
         status = self._native.ucm_buffer_commit(
             self._ctrl,
             self.holder,
-            len(slot_array),
+            count,
             _address(slot_array),
             _address(state_array),
             _address(out),
         )
-        self._check_slots(status, slot_array, "commit")
+        if status:
+            self._reject_states(states, count)
+            self._check_slots(status, slot_array, "commit")
         return [_COMMIT_RESULTS[code] for code in out]
+
+    @staticmethod
+    def _reject_states(states: Sequence[State], count: int) -> None:
+        """Raises naming the first invalid entry of ``states`` (or its length), if any."""
+        if len(states) != count:
+            raise InvalidArgumentError(
+                f"states has {len(states)} entries, slots has {count}: one state per slot"
+            )
+        for index, state in enumerate(states):
+            if state not in (State.READY, State.FAILED):
+                raise InvalidArgumentError(
+                    f"states[{index}]={state!r} is not valid: expected State.READY or State.FAILED"
+                )
 
     def wait(self, slots: Sequence[int] | array[int], timeout_s: float) -> list[WaitResult]:
         """Blocks (futex, zero CPU) until each slot is final, all within ``timeout_s``."""
         slot_array = _as_u32_array(slots, "slots")
-        if not (isinstance(timeout_s, int | float) and 0 <= timeout_s < 1e9):
+        if not (isinstance(timeout_s, _REAL_NUMBER) and 0 <= timeout_s < 1e9):
             raise InvalidArgumentError(
                 f"timeout_s={timeout_s!r} is not valid: expected seconds in [0, 1e9)"
             )
-        if not slot_array:
+        count = len(slot_array)
+        if not count:
             return []
-        out = array("B", bytes(len(slot_array)))
+        out = array("B", bytes(count))
         status = self._native.ucm_buffer_wait(
             self._ctrl,
             self.holder,
-            len(slot_array),
+            count,
             _address(slot_array),
             int(timeout_s * 1e9),
             _address(out),
         )
-        self._check_slots(status, slot_array, "wait", referenced=True)
+        # The waiter has just woken, cold: nothing but the result list on the way back.
+        if status:
+            self._check_slots(status, slot_array, "wait", referenced=True)
         return [_WAIT_RESULTS[code] for code in out]
 
     def release(self, slots: Sequence[int] | array[int]) -> None:
