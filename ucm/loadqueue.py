@@ -32,6 +32,7 @@ import queue
 import sys
 import threading
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -42,6 +43,7 @@ from . import arguments
 from .errors import StoreClosedError, TierError
 from .layout import Key
 from .native.buffer import Geometry, GetBatch, PreallocResult, State, WaitResult
+from .native.memcopy import ADDRESS_TYPECODE, copy_ranges
 from .rearrange import rearrange_strides
 from .task import Progress
 from .tier import ShardViews, Tier
@@ -371,8 +373,11 @@ class LoadQueue:
             memory = job.memory
             if memory is not None:
                 addresses = buffer.slot_addresses(slots)
-                memmove = ctypes.memmove
                 cuda = self._cuda
+                # Host tensors: every (slot -> tensor) range of the task in one native call.
+                targets = array(ADDRESS_TYPECODE)
+                sources = array(ADDRESS_TYPECODE)
+                lengths = array(ADDRESS_TYPECODE)
                 for i, source in zip(entries, addresses, strict=True):
                     pairs = memory.cuda[i]
                     if pairs is not None and cuda is not None:
@@ -380,8 +385,11 @@ class LoadQueue:
                         job.direct.add(i)
                         continue
                     for target, nbytes in memory.addresses[i]:
-                        memmove(target, source, nbytes)
+                        targets.append(target)
+                        sources.append(source)
+                        lengths.append(nbytes)
                         source += nbytes
+                copy_ranges(targets, sources, lengths)
                 if cuda is not None and any(memory.cuda[i] is not None for i in entries):
                     cuda.synchronize()  # the slot bytes must be copied before the release
                 self._count("loaded_shards", len(entries))

@@ -30,6 +30,16 @@ comptime {
     std.debug.assert(checksum_parts_max <= std.math.maxInt(u32));
 }
 
+// ---- Batched copies (memcopy.zig) ----
+
+/// Most ranges one copy call moves: every tensor of a task's shards.
+pub const copy_ranges_max: usize = 1 << 20;
+
+comptime {
+    std.debug.assert(copy_ranges_max > 0);
+    std.debug.assert(copy_ranges_max <= std.math.maxInt(u32));
+}
+
 // ---- Segments (shm.zig, memfd.zig, fdpass.zig, seg_region.zig) ----
 
 /// Directory of the named control segments and their creation lock files.
