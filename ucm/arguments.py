@@ -80,7 +80,7 @@ class ShardMemory:
 
     ``addresses[i]`` lists ``(address, nbytes)`` per tensor of key i (host memory: the tensor
     itself, or its staging tensor); ``views[i]`` are memoryviews of the same bytes, built on
-    first use (the buffer's copier only needs the addresses: one memmove per tensor).
+    first use (the buffer's copier only needs the addresses: one native call per task).
     ``cuda_pairs`` lists (device tensor, host staging tensor) pairs — the CPU staging fallback:
     loads land in the staging tensor and are copied to the device after the task's I/O; dumps
     copy to staging first. ``cuda[i]``, when set, holds key i's (device tensor, staging tensor)

@@ -16,9 +16,10 @@ loading: with every rank starting on its own stride the ranks own disjoint keys,
 concurrently and find the other strides Ready (Scenario A). In the idle window after a task (no
 task pending), the dispatcher prewarms (block, index + 1) of the task's blocks (Prealloc).
 
-The **copier** moves slot bytes into the destinations (one memmove per tensor; CUDA tensors take
-an async host-to-device copy from the registered buffer, or the staging fallback) and releases
-the slots. Without a buffer tier the dispatcher simply hands each step to the loader threads.
+The **copier** moves slot bytes into the destinations (every host tensor of a task in one
+native call, ``ucm.native.memcopy``; CUDA tensors take an async host-to-device copy from the
+registered buffer, or the staging fallback) and releases the slots. Without a buffer tier the
+dispatcher simply hands each step to the loader threads.
 
 The **DumpQueue** takes dumps on its own thread, so dumps never delay the dispatcher: each shard
 goes into the top tier, and a snapshot goes to the write-through writer for every ``write:
