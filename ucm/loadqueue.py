@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from . import arguments
-from .errors import StoreClosedError, TierError
+from .errors import KeyMissingError, StoreClosedError, TierError
 from .layout import Key
 from .native.buffer import Geometry, GetBatch, PreallocResult, State, WaitResult
 from .native.memcopy import ADDRESS_TYPECODE, copy_ranges
@@ -75,7 +75,7 @@ of the tier that served it (-1 if none)."""
 Count = Callable[[str, int], None]
 
 _HIT, _OWNER, _WAITER = 0, 1, 2
-_READY, _FAILED, _TAKEOVER = 1, 2, 3
+_READY, _FAILED, _TAKEOVER, _MISSING = 1, 2, 3, 5
 
 
 @dataclass(frozen=True)
@@ -267,8 +267,10 @@ class LoadQueue:
             raise
         ready = [k for k, s in enumerate(states) if s == _READY]
         failed = [k for k, s in enumerate(states) if s == _FAILED]
+        missing = [k for k, s in enumerate(states) if s == _MISSING]
         taken = [k for k, s in enumerate(states) if s == _TAKEOVER]
-        other = [k for k, s in enumerate(states) if s not in (_READY, _FAILED, _TAKEOVER)]
+        handled = (_READY, _FAILED, _MISSING, _TAKEOVER)
+        other = [k for k, s in enumerate(states) if s not in handled]
         if ready and job.memory is not None:
             self._count("hits", len(ready))
         if ready:
@@ -276,16 +278,23 @@ class LoadQueue:
         if taken:  # the owner died: this rank loads it now
             self._count("takeovers", len(taken))
             self._fill_owned(job, [entries[k] for k in taken], [held[k] for k in taken])
-        if failed or other:
-            buffer.release([held[k] for k in failed + other])
-        if failed and job.memory is not None:
-            self._count("misses", len(failed))
-            self._count("failed_shards", len(failed))
+        if failed or missing or other:
+            buffer.release([held[k] for k in failed + missing + other])
+        if (failed or missing) and job.memory is not None:
+            self._count("misses", len(failed) + len(missing))
+            self._count("failed_shards", len(failed) + len(missing))
         if failed:
             job.progress.finish(
                 [entries[k] for k in failed],
                 TierError(
                     "the rank that was loading this shard from the tiers below failed to load it"
+                ),
+            )
+        if missing:
+            job.progress.finish(
+                [entries[k] for k in missing],
+                KeyMissingError(
+                    "not found in any tier (by the rank that was loading it from the tiers below)"
                 ),
             )
         if other:  # timed out behind a live owner, or lock trouble: load it here, from below
@@ -303,7 +312,16 @@ class LoadQueue:
             failures, served = self._fill(keys, views)
         except BaseException as exc:
             failures, served = {key: _as_error(exc) for key in keys}, [-1] * len(keys)
-        states = [State.READY if position >= 0 else State.FAILED for position in served]
+        # A miss everywhere is committed as such, so waiters in other ranks raise the same
+        # KeyMissingError as this one instead of a generic failure.
+        states = [
+            State.READY
+            if position >= 0
+            else State.MISSING
+            if isinstance(failures.get(key), KeyMissingError)
+            else State.FAILED
+            for key, position in zip(keys, served, strict=True)
+        ]
         buffer.commit(keys, slots, states)
         loaded = [k for k, position in enumerate(served) if position >= 0]
         bad = [k for k, position in enumerate(served) if position < 0]

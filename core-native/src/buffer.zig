@@ -47,7 +47,9 @@ pub const bucket_detached: u32 = std.math.maxInt(u32) - 1;
 pub const block_id_size_bytes = 16;
 pub const BlockId = [block_id_size_bytes]u8;
 
-pub const State = enum(u32) { idle = 0, ready = 1, failed = 2 };
+/// `failed` and `missing` are both final and detach the slot; `missing` says the owner found
+/// the key in no tier, so waiters in other processes can report a miss rather than an error.
+pub const State = enum(u32) { idle = 0, ready = 1, failed = 2, missing = 3 };
 
 pub const slot_flag_reserved: u32 = 1 << 0;
 pub const slot_flag_preallocated: u32 = 1 << 1;
@@ -267,6 +269,7 @@ pub const WaitResult = enum(u8) {
     failed = 2,
     takeover = 3,
     lock_timeout = 4,
+    missing = 5,
 };
 
 pub const CommitResult = enum(u8) {
@@ -1173,7 +1176,7 @@ pub const Buffer = struct {
         const holders = slot.holders.load(.monotonic);
         if (holders & mine != 0) return .held;
         const state: State = @enumFromInt(slot.state.load(.monotonic));
-        assert(state != .failed); // Failed slots are detached by `commit`.
+        assert(state != .failed and state != .missing); // Detached by `commit`.
         // Monotonic holder/bit updates: the bucket lock orders them.
         if (state == .ready) {
             _ = slot.holders.fetchOr(mine, .monotonic);
@@ -1216,7 +1219,7 @@ pub const Buffer = struct {
         assert(slot_indices.len == states.len and out.len == states.len);
         for (slot_indices, states, out) |slot_index, state_code, *result| {
             assert(slot_index < buffer.slots.len);
-            assert(state_code == @intFromEnum(State.ready) or state_code == @intFromEnum(State.failed));
+            assert(state_code >= @intFromEnum(State.ready) and state_code <= @intFromEnum(State.missing));
             const state: State = @enumFromInt(state_code);
             const slot = &buffer.slots[slot_index];
             if (slot.owner.load(.monotonic) != buffer.holder + 1) {
@@ -1227,8 +1230,8 @@ pub const Buffer = struct {
                 result.* = .not_idle;
                 continue;
             }
-            if (state == .failed) {
-                buffer.detach_failed(slot_index) catch {
+            if (state == .failed or state == .missing) {
+                buffer.detach_failed(slot_index, state) catch {
                     result.* = .lock_timeout;
                     continue;
                 };
@@ -1246,19 +1249,20 @@ pub const Buffer = struct {
 
     /// Failures are not remembered: the slot leaves its chain at once (a later Get retries the
     /// key in a fresh slot) and is freed by its last release.
-    fn detach_failed(buffer: Buffer, slot_index: u32) error{LockTimeout}!void {
+    fn detach_failed(buffer: Buffer, slot_index: u32, state: State) error{LockTimeout}!void {
+        assert(state == .failed or state == .missing);
         const slot = &buffer.slots[slot_index];
         assert(slot.holders.load(.monotonic) & holder_bit(buffer.holder) != 0);
         const bucket_index = slot.bucket.load(.acquire);
         if (bucket_index == bucket_detached) {
-            slot.state.store(@intFromEnum(State.failed), .release);
+            slot.state.store(@intFromEnum(state), .release);
             return;
         }
         assert(bucket_index < buffer.buckets.len);
         try buffer.lock_acquire(bucket_index);
         defer buffer.lock_release(bucket_index);
         // Release: pairs with the acquire load of the state in `wait`.
-        slot.state.store(@intFromEnum(State.failed), .release);
+        slot.state.store(@intFromEnum(state), .release);
         if (slot.bucket.load(.monotonic) == bucket_index) {
             buffer.unlink(bucket_index, slot_index);
             slot.bucket.store(bucket_detached, .release);
@@ -1290,7 +1294,12 @@ pub const Buffer = struct {
             // call visible: it changes the version, so FUTEX_WAIT returns at once.
             const version = slot.version.load(.acquire);
             const state: State = @enumFromInt(slot.state.load(.acquire));
-            if (state != .idle) return if (state == .ready) .ready else .failed;
+            switch (state) {
+                .idle => {},
+                .ready => return .ready,
+                .failed => return .failed,
+                .missing => return .missing,
+            }
             if (debug_wait_pause_ns > 0) std.Thread.sleep(debug_wait_pause_ns);
             const now_ns = futex.monotonic_ns();
             const owner = slot.owner.load(.monotonic);

@@ -281,9 +281,10 @@ fn run_seed(seed: u64) !void {
                 const index = random.uintLessThan(usize, model.ref_count);
                 const ref = model.refs[index];
                 if (ref.role == .owner and ref.key != null and model.keys[ref.key.?].owner == ref.process) {
-                    const ready = random.boolean();
+                    const state = random.enumValue(State);
+                    const ready = state == .ready or state == .idle; // idle: commit Ready
                     var out: [1]buffer_module.CommitResult = undefined;
-                    const code: u8 = @intCast(@intFromEnum(if (ready) State.ready else State.failed));
+                    const code: u8 = @intCast(@intFromEnum(if (ready) State.ready else state));
                     views[ref.process].commit(&.{ref.slot}, &.{code}, &out);
                     try expectEqual(buffer_module.CommitResult.ok, out[0]);
                     model.refs[index].role = .hit;

@@ -226,7 +226,7 @@ export fn ucm_buffer_commit(ctrl: usize, holder: u32, n: u32, slots: [*]const u3
     };
     if (!buffer_slots_valid(view, slots[0..n])) return buffer_status(.invalid_argument);
     for (states[0..n]) |state| {
-        if (state != @intFromEnum(buffer.State.ready) and state != @intFromEnum(buffer.State.failed)) {
+        if (state < @intFromEnum(buffer.State.ready) or state > @intFromEnum(buffer.State.missing)) {
             return buffer_status(.invalid_argument);
         }
     }

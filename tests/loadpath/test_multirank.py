@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ucm
-from ucm.errors import TaskError
+from ucm.errors import KeyMissingError, TaskError
 
 from . import _ranks, _tiers
 from ._tiers import block, payload
@@ -116,6 +116,47 @@ def test_four_ranks_and_a_scheduler_share_one_buffer(
     causes = {w["failed"][f"{bad.hex()}:1"] for w in workers}
     assert any("injected failure in slowposix" in cause for cause in causes), causes
     _tiers.unregister()
+
+
+@pytest.mark.timeout(120)
+def test_a_key_in_no_tier_is_a_miss_for_the_waiter_in_another_process_too(
+    test_tiers: None, unique_id: str, tmp_path: Path
+) -> None:
+    absent = block(78)  # in no tier: the owner commits State.MISSING, not a failure
+    config: dict[str, Any] = {
+        "unique_id": unique_id,
+        "shard_size": SHARD,
+        "shards_per_block": 1,
+        "tiers": [
+            {"type": "buffer", "capacity": 16 * SHARD},
+            {"type": "slowposix", "path": str(tmp_path / "nvme"), "delay_s": 1.0},
+        ],
+    }
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    owner = context.Process(target=_ranks.failing_owner, args=(config, absent.hex(), out))
+    owner.start()
+    try:
+        with ucm.open(config, device_id=1, local_rank_size=2) as store:
+            core = store.tiers[0].core
+            deadline = time.monotonic() + 60
+            while core.slot_of((absent, 0)) is None:  # the other process has claimed the key
+                assert time.monotonic() < deadline, "the owner never claimed the key"
+                time.sleep(0.005)
+            with pytest.raises(TaskError) as info:
+                store.wait(store.load([absent], 0, [[torch.zeros(SHARD, dtype=torch.uint8)]]))
+            cause = info.value.failures[(absent, 0)]
+            assert type(cause) is KeyMissingError
+            assert str(cause) == (
+                "not found in any tier (by the rank that was loading it from the tiers below)"
+            )
+            assert store.stats()["tiers"][0]["waited"] == 1  # it waited, never asked below
+            owner_cause, _ = out.get(timeout=60)
+        assert owner_cause == "KeyMissingError('not found in any of the 2 tier(s)')"
+    finally:
+        owner.join(timeout=30)
+        if owner.is_alive():
+            owner.kill()
 
 
 @pytest.mark.timeout(120)

@@ -257,7 +257,12 @@ def test_attach_refuses_bad_magic_layout_and_geometry() -> None:
         region.close()
 
 
-def test_failed_load_is_not_remembered() -> None:
+@pytest.mark.parametrize(
+    ("final", "seen"),
+    [(State.FAILED, WaitResult.FAILED), (State.MISSING, WaitResult.MISSING)],
+)
+def test_failed_load_is_not_remembered(final: State, seen: WaitResult) -> None:
+    # MISSING (the owner found the key in no tier) behaves like FAILED, and says so to waiters.
     geometry = Geometry(shard_size_bytes=64, slot_count_regular=4, bucket_count=4)
     x = (block("X"), 0)
     with shared_buffer(geometry) as shared:
@@ -268,9 +273,9 @@ def test_failed_load_is_not_remembered() -> None:
         assert list(owner.results) == [OWN] and waiter_results == [W]
         slot = owner.slots[0]
         assert waiter_slots == [slot]
-        assert core.commit([slot], [State.FAILED]) == [CommitResult.OK]
+        assert core.commit([slot], [final]) == [CommitResult.OK]
         assert core.commit([slot], [State.READY]) == [CommitResult.NOT_IDLE]
-        assert rank.call("wait", waiter_slots, 1.0) == [WaitResult.FAILED]
+        assert rank.call("wait", waiter_slots, 1.0) == [seen]
         # Unlinked at once: nobody finds the failure, a later get retries in another slot.
         assert core.slot_info(slot).bucket == DETACHED
         assert core.lookup([x]) == [False]

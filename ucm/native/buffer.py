@@ -76,6 +76,8 @@ class State(enum.IntEnum):
     IDLE = 0
     READY = 1
     FAILED = 2
+    MISSING = 3
+    """Final like FAILED: the owner found the key in no tier (waiters report a miss)."""
 
 
 class GetResult(enum.IntEnum):
@@ -102,6 +104,8 @@ class WaitResult(enum.IntEnum):
     TAKEOVER = 3
     """The owner died (or gave up): the caller is now the owner and must load and commit."""
     LOCK_TIMEOUT = 4
+    MISSING = 5
+    """The owner found the key in no tier (it committed State.MISSING)."""
 
 
 class CommitResult(enum.IntEnum):
@@ -756,9 +760,10 @@ class BufferCore:
                 f"states has {len(states)} entries, slots has {count}: one state per slot"
             )
         for index, state in enumerate(states):
-            if state not in (State.READY, State.FAILED):
+            if state not in (State.READY, State.FAILED, State.MISSING):
                 raise InvalidArgumentError(
-                    f"states[{index}]={state!r} is not valid: expected State.READY or State.FAILED"
+                    f"states[{index}]={state!r} is not valid: expected State.READY, "
+                    "State.FAILED or State.MISSING"
                 )
 
     def wait(self, slots: Sequence[int] | array[int], timeout_s: float) -> list[WaitResult]:
