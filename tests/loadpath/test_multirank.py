@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ucm
-from ucm.errors import KeyMissingError, TaskError
+from ucm.errors import KeyMissingError, TaskError, TierError
 
 from . import _ranks, _tiers
 from ._tiers import block, payload
@@ -119,88 +119,54 @@ def test_four_ranks_and_a_scheduler_share_one_buffer(
 
 
 @pytest.mark.timeout(120)
-def test_a_key_in_no_tier_is_a_miss_for_the_waiter_in_another_process_too(
-    test_tiers: None, unique_id: str, tmp_path: Path
+@pytest.mark.parametrize("in_no_tier", [False, True], ids=["owner-fails", "key-in-no-tier"])
+def test_the_owners_outcome_reaches_the_waiter_in_another_process(
+    test_tiers: None, unique_id: str, tmp_path: Path, in_no_tier: bool
 ) -> None:
-    absent = block(78)  # in no tier: the owner commits State.MISSING, not a failure
+    key = block(78 if in_no_tier else 77)
+    slow: dict[str, Any] = {"type": "slowposix", "path": str(tmp_path / "nvme"), "delay_s": 1.0}
+    if not in_no_tier:
+        slow["fail_keys"] = [f"{key.hex()}:0"]
     config: dict[str, Any] = {
         "unique_id": unique_id,
         "shard_size": SHARD,
         "shards_per_block": 1,
-        "tiers": [
-            {"type": "buffer", "capacity": 16 * SHARD},
-            {"type": "slowposix", "path": str(tmp_path / "nvme"), "delay_s": 1.0},
-        ],
+        "tiers": [{"type": "buffer", "capacity": 16 * SHARD}, slow],
     }
     context = mp.get_context("spawn")
     out = context.Queue()
-    owner = context.Process(target=_ranks.failing_owner, args=(config, absent.hex(), out))
+    owner = context.Process(target=_ranks.failing_owner, args=(config, key.hex(), out))
     owner.start()
     try:
         with ucm.open(config, device_id=1, local_rank_size=2) as store:
             core = store.tiers[0].core
             deadline = time.monotonic() + 60
-            while core.slot_of((absent, 0)) is None:  # the other process has claimed the key
+            while core.slot_of((key, 0)) is None:  # the other process has claimed the key
                 assert time.monotonic() < deadline, "the owner never claimed the key"
                 time.sleep(0.005)
             with pytest.raises(TaskError) as info:
-                store.wait(store.load([absent], 0, [[torch.zeros(SHARD, dtype=torch.uint8)]]))
-            cause = info.value.failures[(absent, 0)]
-            assert type(cause) is KeyMissingError
-            assert str(cause) == (
-                "not found in any tier (by the rank that was loading it from the tiers below)"
-            )
-            assert store.stats()["tiers"][0]["waited"] == 1  # it waited, never asked below
-            owner_cause, _ = out.get(timeout=60)
-        assert owner_cause == "KeyMissingError('not found in any of the 2 tier(s)')"
-    finally:
-        owner.join(timeout=30)
-        if owner.is_alive():
-            owner.kill()
-
-
-@pytest.mark.timeout(120)
-def test_an_owner_failure_reaches_the_waiter_in_another_process(
-    test_tiers: None, unique_id: str, tmp_path: Path
-) -> None:
-    bad = block(77)
-    config: dict[str, Any] = {
-        "unique_id": unique_id,
-        "shard_size": SHARD,
-        "shards_per_block": 1,
-        "tiers": [
-            {"type": "buffer", "capacity": 16 * SHARD},
-            {
-                "type": "slowposix",
-                "path": str(tmp_path / "nvme"),
-                "delay_s": 1.0,
-                "fail_keys": [f"{bad.hex()}:0"],
-            },
-        ],
-    }
-    context = mp.get_context("spawn")
-    out = context.Queue()
-    owner = context.Process(target=_ranks.failing_owner, args=(config, bad.hex(), out))
-    owner.start()
-    try:
-        with ucm.open(config, device_id=1, local_rank_size=2) as store:
-            core = store.tiers[0].core
-            deadline = time.monotonic() + 60
-            while core.slot_of((bad, 0)) is None:  # the other process has claimed the key
-                assert time.monotonic() < deadline, "the owner never claimed the key"
-                time.sleep(0.005)
-            with pytest.raises(TaskError) as info:
-                store.wait(store.load([bad], 0, [[torch.zeros(SHARD, dtype=torch.uint8)]]))
-            cause = info.value.failures[(bad, 0)]
-            assert str(cause) == (
-                "the rank that was loading this shard from the tiers below failed to load it"
-            )
+                store.wait(store.load([key], 0, [[torch.zeros(SHARD, dtype=torch.uint8)]]))
+            cause = info.value.failures[(key, 0)]
+            if in_no_tier:  # the owner committed State.MISSING: a miss here too
+                assert type(cause) is KeyMissingError
+                assert str(cause) == (
+                    "not found in any tier (by the rank that was loading it from the tiers below)"
+                )
+            else:
+                assert type(cause) is TierError
+                assert str(cause) == (
+                    "the rank that was loading this shard from the tiers below failed to load it"
+                )
             stats = store.stats()
             assert stats["tiers"][1]["injected"] == 0  # this rank never asked the tier
             assert stats["tiers"][0]["waited"] == 1
             owner_cause, owner_injected = out.get(timeout=60)
-        assert "injected failure in slowposix" in owner_cause
-        assert owner_injected == 1
+        if in_no_tier:
+            assert owner_cause == "KeyMissingError('not found in any of the 2 tier(s)')"
+            assert owner_injected == 0
+        else:
+            assert "injected failure in slowposix" in owner_cause
+            assert owner_injected == 1
     finally:
         owner.join(timeout=30)
         if owner.is_alive():
