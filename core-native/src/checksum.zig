@@ -1,9 +1,10 @@
 //! Shard checksums for the lower tiers: XXH3-64 streamed over a shard's views (one view per
-//! tensor), so a torn or corrupted copy on disk or in an object store reads as a miss.
+//! tensor), so a torn or corrupted copy on disk or in an object store is caught (and repaired
+//! from a tier below) instead of being served.
 //!
 //! Why XXH3 rather than zlib's crc32: the posix tier checks every shard it loads, and at
 //! NVMe speeds crc32 (~2 GB/s per core here) costs as much CPU as the read itself. XXH3 runs
-//! at tens of GB/s, and detects random corruption as well as a 64-bit CRC would.
+//! at tens of GB/s; a random corruption goes unnoticed with probability 2^-64.
 const std = @import("std");
 const assert = std.debug.assert;
 const constants = @import("constants.zig");

@@ -91,8 +91,8 @@ comptime {
 pub const buffer_magic: u64 = 0x3130_4655_424D_4355;
 /// Bumped whenever the control-region layout changes; attach refuses another value.
 /// 2: holder table after the counters; Slot.refcount/owner_pid replaced by a holder bitmap and
-/// the owner's holder index.
-pub const buffer_layout_version: u32 = 3; // 3: slot State `missing`
+/// the owner's holder index. 3: slot State `missing` (the owner found the key in no tier).
+pub const buffer_layout_version: u32 = 3;
 pub const buffer_cache_line_bytes: u64 = 64;
 pub const buffer_header_size_bytes: usize = 256;
 pub const buffer_clock_size_bytes: usize = 64;

@@ -397,6 +397,8 @@ def test_bad_arguments_name_argument_and_value() -> None:
             core.commit([0], [State.IDLE])
         with pytest.raises(InvalidArgumentError, match=r"states\[1\]='x' is not valid"):
             core.commit([0, 1], [State.READY, "x"])  # type: ignore[list-item]
+        with pytest.raises(InvalidArgumentError, match=r"states\[0\]=1.0 is not valid"):
+            core.commit([0], [1.0])  # type: ignore[list-item]
         with pytest.raises(InvalidArgumentError, match=r"states\[0\]=300 is not valid"):
             core.commit([0], [300])  # type: ignore[list-item]
         with pytest.raises(InvalidArgumentError, match="states has 2 entries, slots has 1"):

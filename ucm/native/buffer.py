@@ -116,6 +116,7 @@ class CommitResult(enum.IntEnum):
 
 
 _REAL_NUMBER = (int, float)
+_FINAL_STATES = (State.READY, State.FAILED, State.MISSING)
 _COMMIT_RESULTS = tuple(CommitResult)
 _WAIT_RESULTS = tuple(WaitResult)
 assert all(result.value == index for index, result in enumerate(_COMMIT_RESULTS))
@@ -760,7 +761,7 @@ class BufferCore:
                 f"states has {len(states)} entries, slots has {count}: one state per slot"
             )
         for index, state in enumerate(states):
-            if state not in (State.READY, State.FAILED, State.MISSING):
+            if not isinstance(state, int) or state not in _FINAL_STATES:
                 raise InvalidArgumentError(
                     f"states[{index}]={state!r} is not valid: expected State.READY, "
                     "State.FAILED or State.MISSING"
