@@ -418,3 +418,16 @@ def test_too_many_slots_says_to_use_larger_shards() -> None:
         ),
     ):
         Geometry.from_capacity(((1 << 30) + 1) * 64, 64)
+
+
+def test_segments_of_an_odd_shard_size_are_padded_to_whole_pages() -> None:
+    # 4 slots of 100 bytes end mid-page: each segment is one whole page, and slot addresses
+    # count from their own segment's base, never into the padding.
+    geometry = Geometry(shard_size_bytes=100, slot_count_regular=16, slots_per_segment=4)
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert geometry.segment_size_bytes == page
+    assert geometry.segment_count == 4
+    with shared_buffer(geometry) as shared:
+        bases = [0x10000000 + index * geometry.segment_size_bytes for index in range(4)]
+        addresses = shared.core.slot_addresses(list(range(16)), bases).tolist()
+        assert addresses == [bases[slot // 4] + (slot % 4) * 100 for slot in range(16)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import uuid
 from pathlib import Path
@@ -153,3 +154,35 @@ def test_four_ranks_cold_load_reads_each_shard_from_below_exactly_once(tmp_path:
     # Node-wide, every shard came from posix exactly once; the other ranks waited on its slot.
     assert sum(r[2] for r in results) == 48
     assert sum(r[3] for r in results) == 48
+
+
+def test_hits_copy_large_and_small_tensors_of_one_shard_byte_exact() -> None:
+    # The copier sends tensors of LIBC_COPY_MIN_BYTES and more through memmove, the rest
+    # through one batched native call: one shard here has both, in an odd order. Its size
+    # (135,276 bytes) is no page multiple either: the buffer pads its segments (this stack
+    # failed to open before that).
+    from ucm.loadqueue import LIBC_COPY_MIN_BYTES
+
+    sizes = [100, LIBC_COPY_MIN_BYTES, 7, LIBC_COPY_MIN_BYTES + 4096, 1]
+    config = {
+        "unique_id": f"t-{uuid.uuid4().hex[:12]}",
+        "tensor_size_list": sizes,
+        "shards_per_block": 1,
+        "tiers": [{"type": "buffer", "capacity": 8 * sum(sizes)}],
+    }
+    blocks = [block(i) for i in range(4)]
+    with ucm.open(config) as store:
+        whole = [payload(b, 0, sum(sizes)) for b in blocks]
+
+        def split(data: bytes) -> list[torch.Tensor]:
+            cuts = [sum(sizes[:j]) for j in range(len(sizes) + 1)]
+            return [
+                torch.frombuffer(bytearray(data[a:b]), dtype=torch.uint8)
+                for a, b in itertools.pairwise(cuts)
+            ]
+
+        store.wait(store.dump(blocks, 0, [split(data) for data in whole]))
+        dst = [[torch.zeros(n, dtype=torch.uint8) for n in sizes] for _ in blocks]
+        store.wait(store.load(blocks, 0, dst))
+        assert store.stats()["hits"] == len(blocks)
+        assert [b"".join(t.numpy().tobytes() for t in shard) for shard in dst] == whole

@@ -116,6 +116,7 @@ class CommitResult(enum.IntEnum):
 
 
 _REAL_NUMBER = (int, float)
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 _FINAL_STATES = (State.READY, State.FAILED, State.MISSING)
 _COMMIT_RESULTS = tuple(CommitResult)
 _WAIT_RESULTS = tuple(WaitResult)
@@ -376,7 +377,11 @@ class Geometry:
 
     @property
     def segment_size_bytes(self) -> int:
-        return self.slots_per_segment * self.shard_size_bytes
+        """Bytes of one data segment: its slots, padded to a whole page (segments are mapped
+        page by page; a shard size like 100 bytes, from an odd ``tensor_size_list``, would
+        otherwise leave a segment's end mid-page). Slot addresses ignore the padding."""
+        slots_bytes = self.slots_per_segment * self.shard_size_bytes
+        return -(-slots_bytes // _PAGE_BYTES) * _PAGE_BYTES
 
     @property
     def ctrl_size_bytes(self) -> int:
