@@ -157,13 +157,10 @@ def test_four_ranks_cold_load_reads_each_shard_from_below_exactly_once(tmp_path:
 
 
 def test_hits_copy_large_and_small_tensors_of_one_shard_byte_exact() -> None:
-    # The copier sends tensors of LIBC_COPY_MIN_BYTES and more through memmove, the rest
-    # through one batched native call: one shard here has both, in an odd order. Its size
-    # (135,276 bytes) is no page multiple either: the buffer pads its segments (this stack
-    # failed to open before that).
-    from ucm.loadqueue import LIBC_COPY_MIN_BYTES
-
-    sizes = [100, LIBC_COPY_MIN_BYTES, 7, LIBC_COPY_MIN_BYTES + 4096, 1]
+    # The copier moves every tensor of a task in one batched native call: large and tiny
+    # tensors of one shard land byte-exact, in order. The shard's size (135,276 bytes) is no
+    # page multiple either: the buffer pads its segments (this stack failed to open before).
+    sizes = [100, 65_536, 7, 69_632, 1]
     config = {
         "unique_id": f"t-{uuid.uuid4().hex[:12]}",
         "tensor_size_list": sizes,

@@ -66,7 +66,7 @@ def _declare(handle: ctypes.CDLL) -> None:
         "ucm_monotonic_ns": (u64, []),
         "ucm_copy_ranges": (
             i32,
-            [u32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],
+            [u32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],
         ),
         "ucm_checksum": (
             i32,

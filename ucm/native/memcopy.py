@@ -13,6 +13,9 @@ ADDRESS_TYPECODE = "Q"
 """``array`` typecode of a ``size_t`` (addresses and lengths) on the 64-bit Linux we support."""
 assert array(ADDRESS_TYPECODE).itemsize == ctypes.sizeof(ctypes.c_size_t)
 _MAX_RANGES = 1 << 20  # constants.copy_ranges_max
+_LIBC_MEMMOVE = ctypes.cast(ctypes.memmove, ctypes.c_void_p).value
+"""The C library's memmove, the function ``ctypes.memmove`` calls: the native core copies
+through it (tuned per CPU; a few % faster than compiler-rt's memcpy at 256 KiB)."""
 
 
 def copy_ranges(targets: array[int], sources: array[int], lengths: array[int]) -> None:
@@ -38,7 +41,11 @@ def copy_ranges(targets: array[int], sources: array[int], lengths: array[int]) -
     if not count:
         return
     status = lib().ucm_copy_ranges(
-        count, targets.buffer_info()[0], sources.buffer_info()[0], lengths.buffer_info()[0]
+        count,
+        targets.buffer_info()[0],
+        sources.buffer_info()[0],
+        lengths.buffer_info()[0],
+        _LIBC_MEMMOVE,
     )
     if status != 0:
         index = next(i for i in range(count) if lengths[i] and not (targets[i] and sources[i]))
