@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
 from typing import Any, Literal
 
 import fsspec  # type: ignore[import-untyped]
@@ -412,16 +411,18 @@ class FsspecTier(Tier):
     def _remove_each(self, wanted: dict[bytes, set[int]]) -> int:
         removed = 0
         for block_id, shards in wanted.items():
-            for shard in sorted(shards):
-                try:
-                    self.fs.rm_file(self.object_path((block_id, shard)), **self._call)
-                except FileNotFoundError:
-                    continue  # absent (or removed concurrently): not counted
-                removed += 1
+            removed += sum(self._rm_one(self.object_path((block_id, s))) for s in sorted(shards))
             if len(shards) == self.layout.shards_per_block or not self._listing(block_id)[0]:
-                with suppress(FileNotFoundError):  # nothing left: the marker goes too
-                    self.fs.rm_file(f"{self.block_dir(block_id)}/{TOUCH_MARKER}", **self._call)
+                self._rm_one(f"{self.block_dir(block_id)}/{TOUCH_MARKER}")  # nothing left
         return removed
+
+    def _rm_one(self, path: str) -> bool:
+        """Removes one path; False when it was absent (or removed concurrently)."""
+        try:
+            self.fs.rm_file(path, **self._call)
+        except FileNotFoundError:
+            return False
+        return True
 
     def _rm(self, paths: list[str]) -> None:
         try:
@@ -431,8 +432,7 @@ class FsspecTier(Tier):
                 # Others delete one by one anyway, and some (memory://) check each path of a
                 # list against every stored path: quadratic in the number stored.
                 for path in paths:
-                    with suppress(FileNotFoundError):
-                        self.fs.rm_file(path, **self._call)
+                    self._rm_one(path)
         except FileNotFoundError:
             pass  # removed concurrently by another node
         except Exception as exc:
