@@ -835,7 +835,7 @@ pub const Buffer = struct {
         // Release: publishes our chain and slot writes to the next acquirer.
         const previous = word.swap(0, .release);
         assert(previous & lock_pid_mask == buffer.pid);
-        if (previous & lock_contended_bit != 0) futex.wake_all(word);
+        if (previous & lock_contended_bit != 0) _ = futex.wake_all(word);
     }
 
     /// Restores the chain invariants after stealing the lock of a holder that died mid-update:
@@ -1235,14 +1235,18 @@ pub const Buffer = struct {
                     result.* = .lock_timeout;
                     continue;
                 };
-                buffer.count(.commits_failed, 1);
             } else {
                 // Release: the shard bytes written before are visible to whoever acquires it.
                 slot.state.store(@intFromEnum(State.ready), .release);
-                buffer.count(.commits_ready, 1);
             }
-            // `bump` increments with release ordering and wakes every waiter (futex.zig).
-            _ = futex.bump(&slot.version);
+            // Release increment, then the wake, before any bookkeeping: an owner commits with
+            // cold caches (it has just slept on I/O), and every cache line touched first would
+            // delay each waiter. The waiters count nothing once woken, for the same reason:
+            // the kernel tells the owner how many it woke.
+            _ = futex.increment(&slot.version);
+            const woken = futex.wake_all(&slot.version);
+            buffer.count(if (state == .ready) .commits_ready else .commits_failed, 1);
+            buffer.count(.wakeups, woken);
             result.* = .ok;
         }
     }
@@ -1322,7 +1326,7 @@ pub const Buffer = struct {
             blocked = true;
             const slice_ns = @min(deadline_ns - now_ns, constants.futex_wait_slice_ns);
             switch (futex.wait(&slot.version, version, slice_ns)) {
-                .changed => buffer.count(.wakeups, 1),
+                .changed => {}, // Counted by the committer (`wakeups`), off this wake-up path.
                 .timed_out => check_owner = true,
             }
         }

@@ -62,16 +62,24 @@ pub fn wait(word: *const std.atomic.Value(u32), expected: u32, timeout_ns: u64) 
 /// Increments the version (release, so the state written before is published with it) and
 /// wakes every waiter on the word. Returns the new version.
 pub fn bump(word: *std.atomic.Value(u32)) u32 {
+    const current = increment(word);
+    _ = wake_all(word);
+    return current;
+}
+
+/// The first half of `bump`: increments the version with release ordering, wakes nobody.
+/// Returns the new version. Every increment must be followed by `wake_all` on the same word.
+pub fn increment(word: *std.atomic.Value(u32)) u32 {
     assert(@intFromPtr(word) % constants.futex_word_size_bytes == 0);
     const previous = word.fetchAdd(1, .release);
-    wake_all(word);
     const current = previous +% 1;
     assert(current != previous);
     return current;
 }
 
-/// Wakes every process blocked on `word`. Returns the number woken.
-pub fn wake_all(word: *const std.atomic.Value(u32)) void {
+/// Wakes every process blocked on `word`. Returns the number woken (the kernel's count of
+/// waiters it took off the word's queue).
+pub fn wake_all(word: *const std.atomic.Value(u32)) u32 {
     assert(@intFromPtr(word) % constants.futex_word_size_bytes == 0);
     const rc = linux.futex_3arg(
         @ptrCast(&word.raw),
@@ -82,6 +90,9 @@ pub fn wake_all(word: *const std.atomic.Value(u32)) void {
         .SUCCESS => {},
         else => |err| std.debug.panic("futex wake failed: {s}", .{@tagName(err)}),
     }
+    const woken: u32 = @intCast(rc);
+    assert(woken <= std.math.maxInt(i32));
+    return woken;
 }
 
 pub fn monotonic_ns() u64 {
@@ -117,4 +128,33 @@ test "bump wakes a blocked thread" {
     try std.testing.expectEqual(@as(u32, 1), bump(&word));
     thread.join();
     try std.testing.expectEqual(WaitResult.changed, result);
+}
+
+test "wake_all returns how many blocked waiters it woke" {
+    var word = std.atomic.Value(u32).init(0);
+    try std.testing.expectEqual(@as(u32, 0), wake_all(&word)); // Nobody blocked yet.
+    const Waiter = struct {
+        fn run(w: *std.atomic.Value(u32), out: *WaitResult) void {
+            out.* = wait(w, 0, 10 * std.time.ns_per_s);
+        }
+    };
+    var results = [2]WaitResult{ .timed_out, .timed_out };
+    var threads: [2]std.Thread = undefined;
+    for (&threads, &results) |*thread, *result| {
+        thread.* = try std.Thread.spawn(.{}, Waiter.run, .{ &word, result });
+    }
+    // A wake without a change sends the waiters straight back to sleep (the word still holds
+    // what they expect), so probing until both were blocked at once is harmless.
+    var both_seen = false;
+    var probes: u32 = 0;
+    while (probes < 500 and !both_seen) : (probes += 1) {
+        std.Thread.sleep(10 * std.time.ns_per_ms);
+        const woken = wake_all(&word);
+        assert(woken <= 2);
+        both_seen = woken == 2;
+    }
+    try std.testing.expect(both_seen);
+    _ = bump(&word);
+    for (threads) |thread| thread.join();
+    try std.testing.expectEqualSlices(WaitResult, &.{ .changed, .changed }, &results);
 }
