@@ -245,6 +245,38 @@ export fn ucm_buffer_wait(ctrl: usize, holder: u32, n: u32, slots: [*]const u32,
     return 0;
 }
 
+/// `ucm_buffer_commit` for one slot, without arrays: the single-shard commit sits on every
+/// waiter's wake-up latency and runs cold, where each argument array the caller builds costs
+/// microseconds. Returns the CommitResult code (>= 0) or a negative Status.
+export fn ucm_buffer_commit_one(ctrl: usize, holder: u32, slot: u32, state: u8) i32 {
+    const view = switch (buffer_open_holder(ctrl, holder)) {
+        .view => |v| v,
+        .status => |code| return code,
+    };
+    const slots = [1]u32{slot};
+    if (!buffer_slots_valid(view, &slots)) return buffer_status(.invalid_argument);
+    if (state < @intFromEnum(buffer.State.ready) or state > @intFromEnum(buffer.State.missing)) {
+        return buffer_status(.invalid_argument);
+    }
+    var out = [1]buffer.CommitResult{.ok};
+    view.commit(&slots, &[1]u8{state}, &out);
+    return @intFromEnum(out[0]);
+}
+
+/// `ucm_buffer_wait` for one slot, without arrays (the waiter returns cold from the futex).
+/// Returns the WaitResult code (>= 0) or a negative Status.
+export fn ucm_buffer_wait_one(ctrl: usize, holder: u32, slot: u32, timeout_ns: u64) i32 {
+    const view = switch (buffer_open_holder(ctrl, holder)) {
+        .view => |v| v,
+        .status => |code| return code,
+    };
+    const slots = [1]u32{slot};
+    if (!buffer_slots_held(view, &slots)) return buffer_status(.invalid_argument);
+    var out = [1]buffer.WaitResult{.idle};
+    view.wait(&slots, timeout_ns, &out);
+    return @intFromEnum(out[0]);
+}
+
 export fn ucm_buffer_release(ctrl: usize, holder: u32, n: u32, slots: [*]const u32) i64 {
     const view = switch (buffer_open_holder(ctrl, holder)) {
         .view => |v| v,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+from array import array
+from typing import Any
 
 import pytest
 from buffer_shm import RemoteRank, ShmRegion, block, shared_buffer
@@ -404,6 +406,20 @@ def test_bad_arguments_name_argument_and_value() -> None:
         with pytest.raises(InvalidArgumentError, match="states has 2 entries, slots has 1"):
             core.commit([0], [State.READY, State.READY])
         assert core.slot_info(0).state == State.IDLE  # nothing was committed
+        # One slot takes an array-free native call; its refusals read like the batch ones.
+        with pytest.raises(
+            InvalidArgumentError,
+            match=r"slots\[0\]=99 is not valid: expected a slot index in \[0, 4\)",
+        ):
+            core.commit([99], [State.READY])
+        with pytest.raises(InvalidArgumentError, match=r"slots=\[4294967297\] is not valid"):
+            core.commit([2**32 + 1], [State.READY])  # never masked down to slot 1
+        with pytest.raises(
+            InvalidArgumentError,
+            match=r"slots\[0\]=3 is not valid for wait: this process holds no reference",
+        ):
+            core.wait([3], 0.1)
+        assert [core.slot_info(slot).state for slot in range(4)] == [State.IDLE] * 4
         with pytest.raises(InvalidArgumentError, match=r"shards_per_block=0 is not valid"):
             core.lookup_blocks([block("A")], 0)
         assert core.get([]).results.tolist() == []
@@ -431,3 +447,44 @@ def test_segments_of_an_odd_shard_size_are_padded_to_whole_pages() -> None:
         bases = [0x10000000 + index * geometry.segment_size_bytes for index in range(4)]
         addresses = shared.core.slot_addresses(list(range(16)), bases).tolist()
         assert addresses == [bases[slot // 4] + (slot % 4) * 100 for slot in range(16)]
+
+
+class _NativeSpy:
+    """Records which native entry points a BufferCore calls."""
+
+    def __init__(self, native: Any) -> None:
+        self.native = native
+        self.called: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        self.called.append(name)
+        return getattr(self.native, name)
+
+
+@pytest.mark.parametrize("container", [list, tuple, lambda v: array("I", v)])
+def test_single_slot_commit_and_wait_match_the_batch_path(container: Any) -> None:
+    geometry = Geometry(shard_size_bytes=64, slot_count_regular=4, bucket_count=4)
+    with shared_buffer(geometry) as shared:
+        core = shared.core
+        keys = [(block("A"), 0), (block("B"), 0)]
+        got = core.get(keys)
+        single = container([got.slots[0]])
+        spy = _NativeSpy(core._native)
+        core._native = spy  # type: ignore[assignment]
+        assert core.commit(single, [State.READY]) == [CommitResult.OK]
+        assert core.wait(single, 0.1) == [WaitResult.READY]
+        assert spy.called == ["ucm_buffer_commit_one", "ucm_buffer_wait_one"]
+        assert core.commit(single, [State.READY]) == [CommitResult.NOT_IDLE]
+        assert core.commit(got.slots, [State.READY] * 2) == [CommitResult.NOT_IDLE, CommitResult.OK]
+        assert core.wait(single, 0.1) == [WaitResult.READY]
+        core.release(got.slots)
+        other = core.get([(block("C"), 0)])
+        rank = RemoteRank(shared)
+        _, waiter_slots = rank.get([(block("C"), 0)])
+        # Not this process's slot to commit (the remote rank is a waiter, not the owner).
+        assert rank.call("commit", waiter_slots, [State.READY]) == [CommitResult.NOT_OWNER]
+        assert core.commit(container(list(other.slots)), [State.FAILED]) == [CommitResult.OK]
+        assert rank.call("wait", waiter_slots, 1.0) == [WaitResult.FAILED]
+        rank.call("release", waiter_slots)
+        rank.close()
+        core.release(other.slots)

@@ -118,6 +118,7 @@ class CommitResult(enum.IntEnum):
 _REAL_NUMBER = (int, float)
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 _FINAL_STATES = (State.READY, State.FAILED, State.MISSING)
+_SLOT_SEQUENCES = (list, tuple, array)
 _COMMIT_RESULTS = tuple(CommitResult)
 _WAIT_RESULTS = tuple(WaitResult)
 assert all(result.value == index for index, result in enumerate(_COMMIT_RESULTS))
@@ -244,6 +245,8 @@ def _native() -> ctypes.CDLL:
         "ucm_buffer_get": (i32, [usize, u32, u32, ids, u32p, u8p, u32p, u8p, u32p]),
         "ucm_buffer_commit": (i32, [usize, u32, u32, u32p, u8p, u8p]),
         "ucm_buffer_wait": (i32, [usize, u32, u32, u32p, u64, u8p]),
+        "ucm_buffer_commit_one": (i32, [usize, u32, u32, ctypes.c_uint8]),
+        "ucm_buffer_wait_one": (i32, [usize, u32, u32, u64]),
         "ucm_buffer_release": (i64, [usize, u32, u32, u32p]),
         "ucm_buffer_prealloc": (i32, [usize, u32, ids, u32p, u8p]),
         "ucm_buffer_touch": (i64, [usize, u32, ids]),
@@ -731,8 +734,22 @@ class BufferCore:
     ) -> list[CommitResult]:
         # The commit sits on every waiter's wake-up latency, and an owner that has just slept
         # on I/O runs it with cold caches, where each Python step costs microseconds: the
-        # happy path is one conversion and one native call. The native side validates every
-        # state; only a refused call walks the arguments to name the bad one.
+        # happy path is one conversion and one native call, and a single slot needs no array
+        # at all. The native side validates every state; only a refused call walks the
+        # arguments to name the bad one.
+        if (
+            type(states) is list
+            and len(states) == 1
+            and type(slots) in _SLOT_SEQUENCES
+            and len(slots) == 1
+        ):
+            slot, state = slots[0], states[0]
+            # Exact types only: ctypes would silently mask a wider int into the u32 slot.
+            if type(slot) is int and 0 <= slot <= _U32_MAX and type(state) is State:
+                code = self._native.ucm_buffer_commit_one(self._ctrl, self.holder, slot, state)
+                if code >= 0:
+                    return [_COMMIT_RESULTS[code]]
+                # Refused before anything changed: the general path names the reason.
         slot_array = _as_u32_array(slots, "slots")
         count = len(slot_array)
         try:
@@ -782,6 +799,13 @@ class BufferCore:
         count = len(slot_array)
         if not count:
             return []
+        if count == 1:  # no result array: the waiter has just woken, cold
+            code = self._native.ucm_buffer_wait_one(
+                self._ctrl, self.holder, slot_array[0], int(timeout_s * 1e9)
+            )
+            if code >= 0:
+                return [_WAIT_RESULTS[code]]
+            self._check_slots(code, slot_array, "wait", referenced=True)
         out = array("B", bytes(count))
         status = self._native.ucm_buffer_wait(
             self._ctrl,
@@ -794,7 +818,7 @@ class BufferCore:
         # The waiter has just woken, cold: nothing but the result list on the way back.
         if status:
             self._check_slots(status, slot_array, "wait", referenced=True)
-        return [_WAIT_RESULTS[code] for code in out]
+        return list(map(_WAIT_RESULTS.__getitem__, out))
 
     def release(self, slots: Sequence[int] | array[int]) -> None:
         slot_array = _as_u32_array(slots, "slots")
