@@ -336,16 +336,23 @@ class BufferTier(Tier):
         # to half the regular pool so a task larger than the buffer still finds free slots.
         return max(1, min(self.cfg.step_keys, self.geometry.slot_count_regular // 2))
 
-    def load(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
-        """Copies out the keys that are Ready (waiting for ones being filled); everything else
-        is a miss. A key claimed here with nothing to fill it is failed at once (not kept)."""
+    def _chunked(
+        self,
+        run: Callable[[Sequence[Key], Sequence[ShardViews]], list[Outcome]],
+        keys: Sequence[Key],
+        views: Sequence[ShardViews],
+    ) -> list[Outcome]:
+        """``run`` over chunks of at most ``_chunk_keys()`` keys, outcomes in key order."""
         outcomes: list[Outcome] = []
         size = self._chunk_keys()
         for start in range(0, len(keys), size):
-            outcomes.extend(
-                self._load_chunk(keys[start : start + size], destinations[start : start + size])
-            )
+            outcomes.extend(run(keys[start : start + size], views[start : start + size]))
         return outcomes
+
+    def load(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
+        """Copies out the keys that are Ready (waiting for ones being filled); everything else
+        is a miss. A key claimed here with nothing to fill it is failed at once (not kept)."""
+        return self._chunked(self._load_chunk, keys, destinations)
 
     def _load_chunk(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
         miss = KeyMissingError("not in the buffer")
@@ -387,13 +394,7 @@ class BufferTier(Tier):
     def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
         """Writes each shard into a claimed slot and publishes it Ready. A key that is already
         Ready (or being filled by another rank) is left as it is: a key's bytes never change."""
-        outcomes: list[Outcome] = []
-        size = self._chunk_keys()
-        for start in range(0, len(keys), size):
-            outcomes.extend(
-                self._dump_chunk(keys[start : start + size], sources[start : start + size])
-            )
-        return outcomes
+        return self._chunked(self._dump_chunk, keys, sources)
 
     def _dump_chunk(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
         outcomes: list[Outcome] = [None] * len(keys)

@@ -362,7 +362,7 @@ class PosixTier(Tier):
         """A whole version-1 footer (8-byte entries)? Any other version is checked, and fails,
         as a corrupt footer of this version: a flipped version byte is damage, not a format."""
         end = _HEAD.size + _V1_ENTRY.size * self.spb
-        (crc,) = _CRC.unpack_from(raw, end)
+        crc: int = _CRC.unpack_from(raw, end)[0]
         return crc == zlib.crc32(raw[:end])
 
     def _read_footer(self, fd: int, direct: bool) -> _Footer:
