@@ -47,7 +47,7 @@ from .native.buffer import Geometry, GetBatch, PreallocResult, State, WaitResult
 from .native.memcopy import ADDRESS_TYPECODE, copy_ranges
 from .rearrange import rearrange_strides
 from .task import Progress
-from .tier import ShardViews, Tier
+from .tier import Outcome, ShardViews, Tier
 
 
 class BufferTier(Protocol):
@@ -65,6 +65,9 @@ class BufferTier(Protocol):
     def prewarm(self, keys: Sequence[Key]) -> list[PreallocResult]: ...
     def slot_addresses(self, slots: Sequence[int]) -> list[int]: ...
     def slot_views(self, slots: Sequence[int]) -> list[memoryview]: ...
+    def dump_ranges(
+        self, keys: Sequence[Key], sources: Sequence[Sequence[tuple[int, int]]]
+    ) -> list[Outcome]: ...
     def count(self, name: str, amount: int = 1) -> None: ...
 
 
@@ -491,8 +494,10 @@ class DumpQueue:
         through: list[Tier],
         count: Count,
         settings: QueueSettings,
+        buffer: BufferTier | None = None,
     ) -> None:
         self._top = top
+        self._buffer = buffer
         self._through = through
         self._count = count
         self._settings = settings
@@ -539,7 +544,10 @@ class DumpQueue:
                 progress.finish(progress.unfinished(), _as_error(exc))
 
     def _dump(self, keys: list[Key], memory: arguments.ShardMemory, progress: Progress) -> None:
-        outcomes = self._top.dump(keys, memory.views)
+        if self._buffer is not None:  # the top tier: straight from the tensors' addresses
+            outcomes = self._buffer.dump_ranges(keys, memory.addresses)
+        else:
+            outcomes = self._top.dump(keys, memory.views)
         if self._through:
             # The caller may reuse its tensors once the task is done: snapshot the bytes. Keys
             # the top tier refused still reach the write-through tiers.

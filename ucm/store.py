@@ -114,7 +114,14 @@ class Store:
                 shard_size=self.layout.shard_size,
                 settings=settings,
             )
-            self._dumps = DumpQueue(top=top, through=through, count=self._count, settings=settings)
+            self._dumps = DumpQueue(
+                top=top,
+                through=through,
+                count=self._count,
+                settings=settings,
+                # A buffer-like plugin without the ranges entry point dumps through views.
+                buffer=self._buffer if hasattr(self._buffer, "dump_ranges") else None,
+            )
         self._prefetches: list[Task] = []
         self._prefetch_lock = threading.Lock()
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ucm
+from ucm.arguments import ShardMemory
 from ucm.errors import ConfigError, RoleError
 
 from .conftest import block, payload
@@ -156,10 +157,17 @@ def test_four_ranks_cold_load_reads_each_shard_from_below_exactly_once(tmp_path:
     assert sum(r[3] for r in results) == 48
 
 
-def test_hits_copy_large_and_small_tensors_of_one_shard_byte_exact() -> None:
+def test_hits_copy_large_and_small_tensors_of_one_shard_byte_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # The copier moves every tensor of a task in one batched native call: large and tiny
     # tensors of one shard land byte-exact, in order. The shard's size (135,276 bytes) is no
     # page multiple either: the buffer pads its segments (this stack failed to open before).
+    # Dumps go the same way, from the tensors' addresses: no memoryview per tensor is made.
+    def no_views(self: ShardMemory) -> None:
+        raise AssertionError("a dump into the buffer made a memoryview per tensor")
+
+    monkeypatch.setattr(ShardMemory, "views", property(no_views))
     sizes = [100, 65_536, 7, 69_632, 1]
     config = {
         "unique_id": f"t-{uuid.uuid4().hex[:12]}",
@@ -183,3 +191,8 @@ def test_hits_copy_large_and_small_tensors_of_one_shard_byte_exact() -> None:
         store.wait(store.load(blocks, 0, dst))
         assert store.stats()["hits"] == len(blocks)
         assert [b"".join(t.numpy().tobytes() for t in shard) for shard in dst] == whole
+        # A second dump of Ready keys replaces their bytes (nobody is reading them).
+        again = [payload(b, 1, sum(sizes)) for b in blocks]
+        store.wait(store.dump(blocks, 0, [split(data) for data in again]))
+        store.wait(store.load(blocks, 0, dst))
+        assert [b"".join(t.numpy().tobytes() for t in shard) for shard in dst] == again

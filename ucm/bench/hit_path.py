@@ -8,6 +8,10 @@ submission to the last ``wait`` returning: argument checks, the dispatcher's bat
 copier's memmoves and the releases. Baseline, same run:
 ``ctypes.memmove`` of every shard from its slot to the same destinations, in a Python loop (the
 same bytes, the same source and destination pages, nothing else).
+
+Dumps, same run and stack: ``store.dump`` of one task of 256 fresh keys per round (the buffer is
+full by then, so each dump also evicts), from the first submission to ``wait`` returning,
+against ``ctypes.memmove`` of the same bytes from the same tensors into buffer slots.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class HitPath:
         memcpy_series: tuple[list[float], list[float]] = ([], [])
         for size, tensors in CASES:
             options.progress(f"{BATCH} x {_case(size, tensors)}")
-            ours, plain = self._measure(size, tensors, rounds)
+            ours, plain, dumped, dump_plain = self._measure(size, tensors, rounds)
             single = tensors == 1
             figures.append(
                 Figure(
@@ -62,6 +66,16 @@ class HitPath:
                     baseline_value=plain,
                     target=f">= {TARGET_RATIO:.0%} of memcpy" if single else None,
                     target_ratio=TARGET_RATIO if single else None,
+                )
+            )
+            figures.append(
+                Figure(
+                    name=f"dump {BATCH} fresh shards x {_case(size, tensors)} into the buffer",
+                    value=dumped,
+                    unit="GB/s",
+                    baseline="ctypes.memmove of the same bytes, tensors -> slots"
+                    + ("" if single else " (one call per tensor)"),
+                    baseline_value=dump_plain,
                 )
             )
             if single:
@@ -79,7 +93,7 @@ class HitPath:
         )
         return BenchResult(name=self.name, figures=figures, plots=[plot], notes=notes)
 
-    def _measure(self, size: int, tensors: int, rounds: int) -> tuple[float, float]:
+    def _measure(self, size: int, tensors: int, rounds: int) -> tuple[float, float, float, float]:
         import torch
 
         import ucm
@@ -148,10 +162,43 @@ class HitPath:
                                     memmove(target, address, part)
                                     address += part
                     plain.append(time.perf_counter() - started)
+                dumps, dump_plain = self._measure_dumps(store, pieces, addresses[0], rounds)
         finally:
             segments.unlink(unique_id)
         moved = IN_FLIGHT * BATCH * size / 1e9
-        return moved / statistics.median(ours), moved / statistics.median(plain)
+        dump_moved = BATCH * size / 1e9
+        return (
+            moved / statistics.median(ours),
+            moved / statistics.median(plain),
+            dump_moved / statistics.median(dumps),
+            dump_moved / statistics.median(dump_plain),
+        )
+
+    @staticmethod
+    def _measure_dumps(
+        store: Any, pieces: list[Any], slots: list[int], rounds: int
+    ) -> tuple[list[float], list[float]]:
+        """Seconds per dump of BATCH fresh keys, and per memmove of the same bytes into slots."""
+        sources = [[piece.clone() for piece in pieces] for _ in range(BATCH)]
+        pointers = [[(t.data_ptr(), t.nbytes) for t in shard] for shard in sources]
+        ours: list[float] = []
+        plain: list[float] = []
+        for round_index in range(rounds + 1):
+            first = (round_index + 2) * BATCH  # after the two load sets: never dumped before
+            ids = [(first + i).to_bytes(16, "big") for i in range(BATCH)]
+            started = time.perf_counter()
+            store.wait(store.dump(ids, 0, sources))
+            elapsed = time.perf_counter() - started
+            memmove = ctypes.memmove
+            started = time.perf_counter()
+            for shard, address in zip(pointers, slots, strict=True):
+                for pointer, nbytes in shard:
+                    memmove(address, pointer, nbytes)
+                    address += nbytes
+            if round_index:  # the first is a warm-up
+                plain.append(time.perf_counter() - started)
+                ours.append(elapsed)
+        return ours, plain
 
 
 BENCHMARK = HitPath()
