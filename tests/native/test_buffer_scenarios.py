@@ -460,6 +460,13 @@ class _NativeSpy:
         self.called.append(name)
         return getattr(self.native, name)
 
+    def wrap(self, name: str, function: Any) -> Any:
+        def recorded(*args: Any) -> Any:
+            self.called.append(name)
+            return function(*args)
+
+        return recorded
+
 
 @pytest.mark.parametrize("container", [list, tuple, lambda v: array("I", v)])
 def test_single_slot_commit_and_wait_match_the_batch_path(container: Any) -> None:
@@ -471,6 +478,8 @@ def test_single_slot_commit_and_wait_match_the_batch_path(container: Any) -> Non
         single = container([got.slots[0]])
         spy = _NativeSpy(core._native)
         core._native = spy  # type: ignore[assignment]
+        core._commit_one = spy.wrap("ucm_buffer_commit_one", core._commit_one)
+        core._wait_one = spy.wrap("ucm_buffer_wait_one", core._wait_one)
         assert core.commit(single, [State.READY]) == [CommitResult.OK]
         assert core.wait(single, 0.1) == [WaitResult.READY]
         assert spy.called == ["ucm_buffer_commit_one", "ucm_buffer_wait_one"]

@@ -556,6 +556,12 @@ class ReclaimReport:
 DETACHED = -1
 
 
+_PROCESS_ID = [os.getpid()]
+"""This process's pid, refreshed in a forked child: ``holder`` compares against it on every
+call, where ``os.getpid()`` would be a system call each time."""
+os.register_at_fork(after_in_child=lambda: _PROCESS_ID.__setitem__(0, os.getpid()))
+
+
 class BufferCore:
     """A CacheBuffer control region at ``ctrl_address`` (a shared mapping kept alive by the
     caller for this object's life)."""
@@ -565,6 +571,9 @@ class BufferCore:
         self._ctrl_bytes = ctrl_bytes
         self.geometry = geometry
         self._native = _native()
+        # Bound once: the single-slot commit and wait run cold on every waiter's wake-up path.
+        self._commit_one = self._native.ucm_buffer_commit_one
+        self._wait_one = self._native.ucm_buffer_wait_one
         self._holder = -1
         self._holder_pid = 0
 
@@ -573,7 +582,7 @@ class BufferCore:
     @property
     def holder(self) -> int:
         """This process's holder index (registered on first use; again after a fork)."""
-        if self._holder_pid != os.getpid():
+        if self._holder_pid != _PROCESS_ID[0]:
             index = int(self._native.ucm_buffer_register(self._ctrl))
             if index == _Status.HOLDERS_FULL:
                 raise InvalidArgumentError(
@@ -581,7 +590,7 @@ class BufferCore:
                     "processes; close processes attached to this unique_id (or use another)"
                 )
             self._check(min(index, 0), "register")
-            self._holder, self._holder_pid = index, os.getpid()
+            self._holder, self._holder_pid = index, _PROCESS_ID[0]
         return self._holder
 
     def _unregistered(self, operation: str) -> InvalidArgumentError:
@@ -746,7 +755,8 @@ class BufferCore:
             slot, state = slots[0], states[0]
             # Exact types only: ctypes would silently mask a wider int into the u32 slot.
             if type(slot) is int and 0 <= slot <= _U32_MAX and type(state) is State:
-                code = self._native.ucm_buffer_commit_one(self._ctrl, self.holder, slot, state)
+                holder = self._holder if self._holder_pid == _PROCESS_ID[0] else self.holder
+                code = self._commit_one(self._ctrl, holder, slot, state)
                 if code >= 0:
                     return [_COMMIT_RESULTS[code]]
                 # Refused before anything changed: the general path names the reason.
@@ -800,9 +810,7 @@ class BufferCore:
         if not count:
             return []
         if count == 1:  # no result array: the waiter has just woken, cold
-            code = self._native.ucm_buffer_wait_one(
-                self._ctrl, self.holder, slot_array[0], int(timeout_s * 1e9)
-            )
+            code = self._wait_one(self._ctrl, self.holder, slot_array[0], int(timeout_s * 1e9))
             if code >= 0:
                 return [_WAIT_RESULTS[code]]
             self._check_slots(code, slot_array, "wait", referenced=True)
