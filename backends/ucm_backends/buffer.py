@@ -409,8 +409,9 @@ class BufferTier(Tier):
         return outcomes
 
     def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
-        """Writes each shard into a claimed slot and publishes it Ready. A key that is already
-        Ready (or being filled by another rank) is left as it is: a key's bytes never change."""
+        """Writes each shard into a claimed slot and publishes it Ready. A key already Ready
+        is rewritten unless a rank is reading it (then it keeps its bytes, which for a KV block
+        id are the same); a key another rank is filling right now is left to that rank."""
         return self._chunked(self._dump_chunk, keys, sources)
 
     def dump_ranges(self, keys: Sequence[Key], sources: Sequence[ShardRanges]) -> list[Outcome]:
