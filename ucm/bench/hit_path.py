@@ -191,6 +191,8 @@ class HitPath:
             elapsed = time.perf_counter() - started
             memmove = ctypes.memmove
             started = time.perf_counter()
+            # Into slots that now hold some dumped key: every key here has the same bytes, so
+            # the baseline rewrites what is already there.
             for shard, address in zip(pointers, slots, strict=True):
                 for pointer, nbytes in shard:
                     memmove(address, pointer, nbytes)
