@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -37,7 +36,7 @@ from ucm.native.buffer import (
     State,
     WaitResult,
 )
-from ucm.native.memcopy import ADDRESS_TYPECODE, copy_ranges
+from ucm.native.memcopy import CopyRanges
 from ucm.native.segments import SharedRegion
 from ucm.tier import EvictSink, Outcome, ShardViews, Tier, TierContext
 
@@ -196,7 +195,7 @@ class BufferTier(Tier):
         """Each slot's bytes (``addresses[i]``) into ``destinations[i]``, every view of the
         batch in one native call (one ``ctypes.memmove`` per view would give up and win back
         the GIL once per tensor)."""
-        ranges = _Ranges()
+        ranges = CopyRanges()
         for address, views in zip(addresses, destinations, strict=True):
             for view in views:
                 target = _address_of(view)
@@ -209,7 +208,7 @@ class BufferTier(Tier):
     def copy_in(self, addresses: Sequence[int], sources: Sequence[ShardSource]) -> None:
         """Each source's bytes into the slot at ``addresses[i]``, in one native call; read-only
         views (``bytes``) go through a view of the slot instead."""
-        ranges = _Ranges()
+        ranges = CopyRanges()
         for address, parts in zip(addresses, sources, strict=True):
             for part in parts:
                 if type(part) is tuple:
@@ -502,24 +501,6 @@ _HELD = 5
 
 WAIT_ROUNDS_MAX = 8
 """Times a wait on a slot owned by a thread of this process is renewed before giving up."""
-
-
-class _Ranges:
-    """(target, source, length) byte ranges gathered for one ``copy_ranges`` call."""
-
-    def __init__(self) -> None:
-        self.targets = array(ADDRESS_TYPECODE)
-        self.sources = array(ADDRESS_TYPECODE)
-        self.lengths = array(ADDRESS_TYPECODE)
-
-    def add(self, target: int, source: int, length: int) -> None:
-        self.targets.append(target)
-        self.sources.append(source)
-        self.lengths.append(length)
-
-    def copy(self) -> None:
-        if self.targets:
-            copy_ranges(self.targets, self.sources, self.lengths)
 
 
 def _address_of(view: memoryview) -> int | None:

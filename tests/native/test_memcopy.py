@@ -9,7 +9,7 @@ from array import array
 import pytest
 
 from ucm.errors import InvalidArgumentError
-from ucm.native.memcopy import ADDRESS_TYPECODE, copy_ranges
+from ucm.native.memcopy import ADDRESS_TYPECODE, CopyRanges, copy_ranges
 
 
 def _address(buffer: bytearray) -> int:
@@ -50,3 +50,14 @@ def test_bad_arguments_are_named_and_nothing_is_copied() -> None:
             array(ADDRESS_TYPECODE, [4, 4]),
         )
     assert target == bytearray(4)  # checked before any copy
+
+
+def test_copy_ranges_gathered_one_by_one_land_byte_exact() -> None:
+    source = bytearray(b"abcdefgh")
+    target = bytearray(8)
+    ranges = CopyRanges()
+    ranges.copy()  # nothing gathered: no call, no error
+    ranges.add(_address(target) + 4, _address(source), 4)
+    ranges.add(_address(target), _address(source) + 4, 4)
+    ranges.copy()
+    assert target == b"efghabcd"

@@ -53,3 +53,22 @@ def copy_ranges(targets: array[int], sources: array[int], lengths: array[int]) -
             f"range {index} is not valid: {lengths[index]} bytes from {sources[index]:#x} to "
             f"{targets[index]:#x} (a null address)"
         )
+
+
+class CopyRanges:
+    """(target, source, length) byte ranges gathered for one :func:`copy_ranges` call."""
+
+    def __init__(self) -> None:
+        self.targets = array(ADDRESS_TYPECODE)
+        self.sources = array(ADDRESS_TYPECODE)
+        self.lengths = array(ADDRESS_TYPECODE)
+
+    def add(self, target: int, source: int, length: int) -> None:
+        self.targets.append(target)
+        self.sources.append(source)
+        self.lengths.append(length)
+
+    def copy(self) -> None:
+        """Copies every range gathered so far (none: no native call)."""
+        if self.targets:
+            copy_ranges(self.targets, self.sources, self.lengths)
