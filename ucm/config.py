@@ -195,10 +195,13 @@ def parse_stack(data: Mapping[str, Any] | StackConfig, source: str = "stack") ->
         raise ConfigError(message, problems) from None
 
 
-def load_stack(source: str | os.PathLike[str] | Mapping[str, Any] | StackConfig) -> StackConfig:
-    """Loads a stack from a YAML file path, a mapping, or returns a StackConfig unchanged."""
-    if isinstance(source, StackConfig | Mapping):
-        return parse_stack(source)
+def read_stack_source(
+    source: str | os.PathLike[str] | Mapping[str, Any],
+) -> tuple[Mapping[str, Any], str]:
+    """The raw mapping of a stack (a YAML file's contents, or the mapping itself) and the name
+    errors use for it. Raises ConfigError for an unreadable file, bad YAML or a non-mapping."""
+    if isinstance(source, Mapping):
+        return source, "stack"
     path = Path(source)
     try:
         text = path.read_text()
@@ -210,7 +213,17 @@ def load_stack(source: str | os.PathLike[str] | Mapping[str, Any] | StackConfig)
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     except RecursionError:
         raise ConfigError(f"{path}: YAML nested too deeply to be a stack") from None
-    return parse_stack(data, source=str(path))
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: a stack must be a mapping, got {type(data).__name__}")
+    return data, str(path)
+
+
+def load_stack(source: str | os.PathLike[str] | Mapping[str, Any] | StackConfig) -> StackConfig:
+    """Loads a stack from a YAML file path, a mapping, or returns a StackConfig unchanged."""
+    if isinstance(source, StackConfig):
+        return source
+    data, name = read_stack_source(source)
+    return parse_stack(data, source=name)
 
 
 def stack_json_schema() -> dict[str, Any]:

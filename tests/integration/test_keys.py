@@ -1,0 +1,174 @@
+"""The key and geometry module every engine integration shares (ucm.integration.keys)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ucm
+from ucm.integration.keys import (
+    EngineGeometry,
+    KeySpace,
+    chain_block_ids,
+    engine_stack,
+    named_block_id,
+)
+
+SPACE = KeySpace(
+    engine="vllm",
+    model="/models/llama-tiny",
+    dtype="torch.float32",
+    block_tokens=4,
+    kv_layout="[num_blocks, kv_heads, block_size, 2*head_size] x 2 layers",
+    tp_size=1,
+)
+GEOMETRY = EngineGeometry(tensor_sizes=(4096, 4096), shards_per_block=2, description="2 layers")
+
+
+def test_chain_ids_name_the_whole_prefix() -> None:
+    salt = SPACE.salt()
+    tokens = list(range(100, 111))  # 2 full blocks of 4 and a partial one of 3
+    ids = chain_block_ids(salt, tokens, 4)
+    assert len(ids) == 2
+    assert all(isinstance(i, bytes) and len(i) == 16 for i in ids)
+    assert ids == chain_block_ids(salt, tokens, 4)  # deterministic
+    # Same first block, different second block: the first id is shared, the second is not.
+    other = chain_block_ids(salt, [*tokens[:4], 7, 7, 7, 7], 4)
+    assert other[0] == ids[0] and other[1] != ids[1]
+    # A different first block changes every later id, even with equal later tokens.
+    shifted = chain_block_ids(salt, [0, *tokens[1:]], 4)
+    assert shifted[0] != ids[0] and shifted[1] != ids[1]
+    # A continued chain gives the same ids as one computed from the start.
+    assert chain_block_ids(salt, tokens, 4, parent=ids[0], start_block=1) == ids[1:]
+    with pytest.raises(ValueError, match="parent"):
+        chain_block_ids(salt, tokens, 4, start_block=1)
+
+
+def test_every_key_space_field_changes_the_ids() -> None:
+    tokens = list(range(8))
+    base = chain_block_ids(SPACE.salt(), tokens, 4)
+    variants = [
+        dataclasses.replace(SPACE, engine="sglang"),
+        dataclasses.replace(SPACE, model="/models/other"),
+        dataclasses.replace(SPACE, dtype="torch.bfloat16"),
+        dataclasses.replace(SPACE, block_tokens=8),
+        dataclasses.replace(SPACE, kv_layout="[2, num_blocks, block_size, kv_heads, head_size]"),
+        dataclasses.replace(SPACE, tp_size=2),
+        dataclasses.replace(SPACE, extra=(("kv_cache_dtype", "fp8"),)),
+    ]
+    seen = {base[0]}
+    for space in variants:
+        first = chain_block_ids(space.salt(), tokens, 4)[0]
+        assert first not in seen, space
+        seen.add(first)
+    salted = chain_block_ids(SPACE.salt("tenant-a"), tokens, 4)[0]
+    assert salted not in seen
+    assert salted != chain_block_ids(SPACE.salt("tenant-b"), tokens, 4)[0]
+
+
+def test_named_ids_are_typed_and_distinct_from_chain_ids() -> None:
+    salt = SPACE.salt()
+    ids = {
+        named_block_id(salt, 5),
+        named_block_id(salt, "5"),
+        named_block_id(salt, b"5"),
+        named_block_id(salt, -5),
+    }
+    assert len(ids) == 4
+    assert named_block_id(salt, "abc") == named_block_id(salt, "abc")
+    other = dataclasses.replace(SPACE, tp_size=2).salt()
+    assert named_block_id(salt, "abc") != named_block_id(other, "abc")
+    assert all(len(i) == 16 for i in ids)
+
+
+def test_ids_are_stable_across_processes() -> None:
+    """Python's hash() is randomised per process; UCM ids must not be."""
+    code = (
+        "from ucm.integration.keys import KeySpace, chain_block_ids;"
+        "s = KeySpace('vllm', 'm', 'f32', 4, 'l', 1).salt('x');"
+        "print(chain_block_ids(s, list(range(8)), 4)[1].hex())"
+    )
+    outputs = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for _ in range(2)
+    }
+    assert len(outputs) == 1
+    salt = KeySpace("vllm", "m", "f32", 4, "l", 1).salt("x")
+    assert outputs == {chain_block_ids(salt, list(range(8)), 4)[1].hex()}
+
+
+def test_engine_stack_adds_the_geometry(tmp_path: Path) -> None:
+    stack = {"unique_id": "engine-keys", "tiers": [{"type": "posix", "path": str(tmp_path)}]}
+    config = engine_stack(stack, GEOMETRY, key="extra['ucm_stack']", engine="vLLM")
+    assert isinstance(config, ucm.StackConfig)
+    assert config.tensor_size_list == [4096, 4096]
+    assert config.shards_per_block == 2
+    assert config.resolved_shard_size == 8192
+    path = tmp_path / "stack.yaml"
+    path.write_text(f"unique_id: engine-keys\ntiers:\n  - type: posix\n    path: {tmp_path}\n")
+    assert engine_stack(str(path), GEOMETRY, key="k", engine="vLLM") == config
+    assert engine_stack(path, GEOMETRY, key="k", engine="vLLM") == config
+    # A stated geometry that agrees is accepted; a StackConfig goes through the same check.
+    agreeing = {**stack, "shard_size": 8192, "shards_per_block": 2}
+    assert engine_stack(agreeing, GEOMETRY, key="k", engine="vLLM") == config
+    assert engine_stack(config, GEOMETRY, key="k", engine="vLLM") == config
+
+
+@pytest.mark.parametrize(
+    ("stated", "named"),
+    [
+        ({"shards_per_block": 4}, "shards_per_block: 4"),
+        ({"shard_size": 1024}, "shard_size: 1024"),
+        ({"tensor_size_list": [4096]}, "tensor_size_list: [4096]"),
+    ],
+)
+def test_engine_stack_refuses_a_contradicting_geometry(
+    tmp_path: Path, stated: dict[str, object], named: str
+) -> None:
+    stack = {"unique_id": "u", "tiers": [{"type": "posix", "path": str(tmp_path)}], **stated}
+    with pytest.raises(ucm.ConfigError) as info:
+        engine_stack(stack, GEOMETRY, key="kv_connector_extra_config['ucm_stack']", engine="vLLM")
+    message = str(info.value)
+    assert message.startswith("kv_connector_extra_config['ucm_stack']: the stack states ")
+    assert named in message
+    assert (
+        "vLLM's KV cache has shard_size 8192, tensor_size_list [4096, 4096], shards_per_block 2"
+        " (2 layers)" in message
+    )
+
+
+def test_engine_stack_errors_name_the_key(tmp_path: Path) -> None:
+    key = "kv_connector_extra_config['ucm_stack']"
+    with pytest.raises(
+        ucm.ConfigError,
+        match=r"^kv_connector_extra_config\['ucm_stack'\] is "
+        "missing: give the path of a YAML stack",
+    ):
+        engine_stack(None, GEOMETRY, key=key, engine="vLLM")
+    with pytest.raises(ucm.ConfigError, match=r"\['ucm_stack'\]: cannot read stack file"):
+        engine_stack(str(tmp_path / "absent.yaml"), GEOMETRY, key=key, engine="vLLM")
+    with pytest.raises(ucm.ConfigError, match=r"must be the path of a YAML stack or a dict, got"):
+        engine_stack(42, GEOMETRY, key=key, engine="vLLM")  # type: ignore[arg-type]
+    bad = {"unique_id": "u", "tiers": [{"type": "posix", "path": str(tmp_path), "capcity": 1}]}
+    with pytest.raises(ucm.ConfigError) as info:
+        engine_stack(bad, GEOMETRY, key=key, engine="vLLM")
+    assert str(info.value).startswith(f"{key} (stack): invalid stack")
+    assert "tiers[0].capcity: unknown key" in str(info.value)
+    unknown = {"unique_id": "u", "tiers": [{"type": "nvme"}]}
+    with pytest.raises(ucm.ConfigError, match=r"unknown tier type 'nvme'; installed tier types"):
+        engine_stack(unknown, GEOMETRY, key=key, engine="vLLM")
+
+
+def test_importing_the_integration_package_imports_no_engine() -> None:
+    code = (
+        "import sys, ucm.integration, ucm.integration.keys;"
+        "print(sorted(m for m in ('torch', 'vllm', 'lmcache', 'sglang') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,228 @@
+"""Block ids and stack geometry shared by every engine integration (vLLM, LMCache, SGLang).
+
+**Block ids.** A block id is 16 bytes of keyed BLAKE2b. The key is a *salt*: the digest of
+everything that makes two engines' KV for the same tokens incompatible (:class:`KeySpace`: the
+engine, model, dtype, tokens per block, KV layout, TP size, and a request's ``cache_salt`` when it
+has one). Two engines whose key spaces differ in any field never compute the same block id, so
+they never serve each other's blocks even on one stack.
+
+- :func:`chain_block_ids`: the id of each *full* block of a token sequence is the hash of the
+  previous block's id and the block's own token ids, so block *i*'s id names the whole prefix
+  ``tokens[: (i + 1) * block_tokens]`` (vLLM's prefix-hash chain, rebuilt here because UCM ids
+  must be stable across processes and engine versions, which Python's ``hash`` is not).
+- :func:`named_block_id`: the id of a block an engine already names (LMCache's chunk hash,
+  SGLang's page key).
+
+**Geometry.** A stack for an engine states ``unique_id`` and ``tiers`` only; the engine's KV cache
+fixes the shard geometry (:class:`EngineGeometry`), and :func:`engine_stack` adds it. A stack
+that states a geometry the engine contradicts is refused with a :class:`~ucm.ConfigError` that
+says what the engine's layout is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import StackConfig, parse_stack, read_stack_source
+from ..errors import ConfigError
+from ..layout import BLOCK_ID_BYTES
+
+KEYS_VERSION = 1
+"""Bumped whenever the derivation below changes: old ids then simply stop matching (misses)."""
+
+_CHAIN_TAG = b"ucm-chain\0"
+_NAME_TAG = b"ucm-name\0"
+
+GEOMETRY_KEYS = ("shard_size", "tensor_size_list", "shards_per_block")
+"""Stack keys an engine integration derives from the engine instead of reading them."""
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """Everything that makes KV for the same tokens incompatible between two engines."""
+
+    engine: str
+    """``vllm``, ``lmcache``, ``sglang``: integrations never share ids with each other."""
+    model: str
+    dtype: str
+    block_tokens: int
+    """Tokens per block (vLLM block, LMCache chunk, SGLang page)."""
+    kv_layout: str
+    """The KV cache's memory layout as the engine reports it (shape order, layers, heads)."""
+    tp_size: int
+    extra: tuple[tuple[str, str], ...] = field(default=())
+    """Engine-specific fields that also change the KV (sorted by name when salted)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_tokens, int) or self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be an int >= 1, got {self.block_tokens!r}")
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
+
+    def salt(self, cache_salt: str | None = None) -> bytes:
+        """The 32-byte key of this key space (and of one ``cache_salt``, when given)."""
+        fields: list[tuple[str, Any]] = [
+            ("keys_version", KEYS_VERSION),
+            ("engine", self.engine),
+            ("model", self.model),
+            ("dtype", self.dtype),
+            ("block_tokens", self.block_tokens),
+            ("kv_layout", self.kv_layout),
+            ("tp_size", self.tp_size),
+            *sorted(self.extra),
+        ]
+        if cache_salt is not None:
+            fields.append(("cache_salt", cache_salt))
+        encoded = json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
+        return hashlib.blake2b(encoded, digest_size=32).digest()
+
+
+def chain_block_ids(
+    salt: bytes,
+    token_ids: Sequence[int],
+    block_tokens: int,
+    parent: bytes | None = None,
+    start_block: int = 0,
+) -> list[bytes]:
+    """The id of every full block of ``token_ids`` (a trailing partial block has none).
+
+    Block *i*'s id hashes block *i - 1*'s id with block *i*'s tokens, so it names the whole
+    prefix. ``parent`` and ``start_block`` continue a chain: pass the id of block
+    ``start_block - 1`` to hash only the blocks from ``start_block`` on.
+    """
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    if (parent is None) != (start_block == 0):
+        raise ValueError("a chain continued at start_block > 0 needs the parent block's id")
+    ids: list[bytes] = []
+    previous = parent if parent is not None else b""
+    full = len(token_ids) // block_tokens
+    for block in range(start_block, full):
+        tokens = array("q", token_ids[block * block_tokens : (block + 1) * block_tokens])
+        digest = hashlib.blake2b(
+            _CHAIN_TAG + previous + tokens.tobytes(), digest_size=BLOCK_ID_BYTES, key=salt
+        ).digest()
+        ids.append(digest)
+        previous = digest
+    return ids
+
+
+def named_block_id(salt: bytes, name: bytes | str | int) -> bytes:
+    """The id of a block the engine names itself (a chunk hash, a page key)."""
+    if isinstance(name, int):
+        data = name.to_bytes((name.bit_length() + 8) // 8 or 1, "little", signed=True)
+        data = b"i" + data
+    elif isinstance(name, str):
+        data = b"s" + name.encode()
+    else:
+        data = b"b" + bytes(name)
+    return hashlib.blake2b(_NAME_TAG + data, digest_size=BLOCK_ID_BYTES, key=salt).digest()
+
+
+@dataclass(frozen=True)
+class EngineGeometry:
+    """The shard geometry an engine's KV cache fixes."""
+
+    tensor_sizes: tuple[int, ...]
+    """Byte sizes of the tensors of one shard, in order (e.g. one per layer)."""
+    shards_per_block: int
+    """Shards per block (e.g. the TP size: one shard per rank)."""
+    description: str = ""
+    """How the engine lays the shard out, for error messages (e.g. tensor shapes)."""
+
+    def __post_init__(self) -> None:
+        if not self.tensor_sizes or any(
+            not isinstance(size, int) or size < 1 for size in self.tensor_sizes
+        ):
+            raise ValueError(f"tensor_sizes must be positive ints, got {self.tensor_sizes!r}")
+        if self.shards_per_block < 1:
+            raise ValueError(f"shards_per_block must be >= 1, got {self.shards_per_block}")
+
+    @property
+    def shard_size(self) -> int:
+        return sum(self.tensor_sizes)
+
+    def explain(self) -> str:
+        sizes = list(self.tensor_sizes)
+        shown = f"{sizes}" if len(sizes) <= 8 else f"{len(sizes)} tensors of {sorted(set(sizes))}"
+        text = (
+            f"shard_size {self.shard_size}, tensor_size_list {shown}, "
+            f"shards_per_block {self.shards_per_block}"
+        )
+        return f"{text} ({self.description})" if self.description else text
+
+
+StackSource = str | os.PathLike[str] | Mapping[str, Any] | StackConfig
+
+
+def engine_stack(
+    source: StackSource | None, geometry: EngineGeometry, *, key: str, engine: str
+) -> StackConfig:
+    """The stack ``source`` (a YAML path, a mapping or a StackConfig) with the engine's geometry.
+
+    ``key`` names where the user gave the stack (``kv_connector_extra_config['ucm_stack']``) and
+    starts every error message. A stack may leave every geometry key out (the usual case) or
+    state them; stated values must match the engine's, or a ConfigError names the key, the
+    stated value and the engine's layout.
+    """
+    if source is None:
+        raise ConfigError(
+            f"{key} is missing: give the path of a YAML stack or the stack itself as a dict "
+            "(unique_id and tiers; UCM derives the geometry from the engine)"
+        )
+    if isinstance(source, StackConfig):
+        data: Mapping[str, Any] = source.model_dump(exclude_none=True)
+        name = "stack"
+    elif isinstance(source, Mapping | str | os.PathLike):
+        try:
+            data, name = read_stack_source(source)
+        except ConfigError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+    else:
+        raise ConfigError(
+            f"{key} must be the path of a YAML stack or a dict, got {type(source).__name__}"
+        )
+    merged = dict(data)
+    stated_sizes = merged.get("tensor_size_list")
+    stated_shard = merged.get("shard_size")
+    stated_shards = merged.get("shards_per_block")
+    problems = []
+    if stated_sizes is not None and list(stated_sizes) != list(geometry.tensor_sizes):
+        problems.append(f"tensor_size_list: {_short(stated_sizes)}")
+    if stated_shard is not None and stated_shard != geometry.shard_size:
+        problems.append(f"shard_size: {stated_shard!r}")
+    if stated_shards is not None and stated_shards != geometry.shards_per_block:
+        problems.append(f"shards_per_block: {stated_shards!r}")
+    if problems:
+        raise ConfigError(
+            f"{key}: the stack states {'; '.join(problems)}, but {engine}'s KV cache has "
+            f"{geometry.explain()}. Leave {', '.join(GEOMETRY_KEYS)} out of a stack for "
+            f"{engine}: UCM derives them from the engine"
+        )
+    merged.pop("shard_size", None)
+    merged["tensor_size_list"] = list(geometry.tensor_sizes)
+    merged["shards_per_block"] = geometry.shards_per_block
+    return parse_stack(merged, source=f"{key} ({name})")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+__all__ = [
+    "GEOMETRY_KEYS",
+    "KEYS_VERSION",
+    "EngineGeometry",
+    "KeySpace",
+    "StackSource",
+    "chain_block_ids",
+    "engine_stack",
+    "named_block_id",
+]
