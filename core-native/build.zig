@@ -12,6 +12,10 @@ pub fn build(b: *std.Build) void {
         .root_source_file = b.path("src/exports.zig"),
         .target = target,
         .optimize = optimize,
+        // libc: the native queue's threads are pthreads (the library lives in a glibc process,
+        // whose TLS and signal handlers a raw clone() thread would break), and its copies call
+        // the C library's memcpy, tuned per CPU.
+        .link_libc = true,
     });
     const lib = b.addLibrary(.{
         .name = "ucm_core",
@@ -27,6 +31,7 @@ pub fn build(b: *std.Build) void {
             .root_source_file = b.path(root),
             .target = target,
             .optimize = .Debug,
+            .link_libc = true,
         });
         const unit_tests = b.addTest(.{ .root_module = test_module });
         const run_tests = b.addRunArtifact(unit_tests);

@@ -90,6 +90,13 @@ class BufferTierConfig(TierConfig):
         description="Walk each load task in RearrangeIndex order (false: natural order, kept "
         "only to measure what the rotation buys).",
     )
+    populate_threads: int = Field(
+        default=2,
+        ge=0,
+        le=8,
+        description="Native threads that fault the data plane in behind open, in each worker "
+        "process (0: every page faults in on its first write). Open never waits for them.",
+    )
     write_queue_bytes: Size = Field(
         default=256 * 1024 * 1024,
         description="Bytes of dumped shards waiting for write-through before dump tasks block.",
@@ -147,6 +154,8 @@ class BufferTier(Tier):
             # A rank (re)joining frees what ranks killed earlier still held, so a restart
             # never inherits leaked references even if the buffer never fills up.
             self.core.reclaim_dead()
+            # Open returns at once; the data plane faults in behind it.
+            self.region.populate(config.populate_threads)
         self.bases = [self.region.segment_address(i) for i in range(geometry.segment_count)]
         # References and ownership are recorded per process in the native core, so the threads
         # of one rank share them here, under `_lock` together with the native call that changes
@@ -487,6 +496,11 @@ class BufferTier(Tier):
         counters["get_misses"] = counters.pop("misses")
         with self._counts_lock:
             counters.update(self._counts)
+        residency = self.region.residency()
+        counters["resident_bytes"] = residency.resident_bytes
+        counters["data_bytes"] = residency.data_bytes
+        counters["populated_bytes"] = residency.populated_bytes
+        counters["populate_failed"] = int(residency.populate_error is not None)
         counters["capacity_slots"] = self.geometry.slot_count_regular
         counters["reserved_slots"] = self.geometry.slot_count_reserved
         return counters

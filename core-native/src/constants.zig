@@ -4,7 +4,7 @@
 const std = @import("std");
 
 /// Bumped whenever the C ABI changes; the Python binding refuses a library with another value.
-pub const abi_version: u32 = 4;
+pub const abi_version: u32 = 5;
 
 /// Futex words are 32-bit on Linux, and they must be naturally aligned.
 pub const futex_word_size_bytes: usize = 4;
@@ -74,6 +74,18 @@ pub const seg_server_poll_ms: i32 = 500;
 pub const seg_socket_timeout_ms: u32 = 2000;
 /// How long close() tries to take the lock to unlink a segment nobody serves any more.
 pub const seg_close_lock_ns: u64 = 500 * std.time.ns_per_ms;
+
+/// Background population of the data plane (populate.zig): chunk size and thread bound.
+pub const populate_chunk_bytes: usize = 32 * 1024 * 1024;
+pub const populate_threads_max: u32 = 8;
+pub const populate_chunks_max: usize = seg_data_bytes_max / populate_chunk_bytes;
+
+comptime {
+    std.debug.assert(populate_chunk_bytes % seg_huge_page_bytes == 0);
+    std.debug.assert(populate_chunks_max % 64 == 0);
+    std.debug.assert(populate_chunks_max <= std.math.maxInt(u32));
+    std.debug.assert(populate_threads_max > 0);
+}
 
 comptime {
     std.debug.assert(seg_header_bytes % seg_page_bytes == 0);

@@ -513,6 +513,22 @@ export fn ucm_seg_info(handle: usize, out: *seg_region.Info, out_bytes: usize) i
     return 0;
 }
 
+/// Starts `thread_count` (0..populate_threads_max) background threads that fault this process's
+/// data mapping in; returns how many started (0 for a scheduler or a second call).
+export fn ucm_seg_populate(handle: usize, thread_count: u32) i32 {
+    const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
+    if (thread_count > constants.populate_threads_max) return @intFromEnum(Error.invalid_argument);
+    return @intCast(seg_region.start_population(region, thread_count));
+}
+
+/// How much of the data plane is resident (node-wide) and how far this process's populater got.
+export fn ucm_seg_residency(handle: usize, out: *seg_region.Residency, out_bytes: usize) i32 {
+    const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
+    if (out_bytes != @sizeOf(seg_region.Residency)) return @intFromEnum(Error.invalid_argument);
+    out.* = seg_region.residency(region);
+    return 0;
+}
+
 /// Removes the names of `unique_id` under /dev/shm (tests, admin cleanup); returns how many
 /// existed. Processes that still map the segments keep them.
 export fn ucm_seg_unlink(unique_id_ptr: [*]const u8, unique_id_len: usize) i32 {

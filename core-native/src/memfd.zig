@@ -7,10 +7,11 @@
 //! (transparent huge pages, effective only if shmem THP is enabled). The mode in use and the
 //! reason for the fallback are reported to the caller.
 //!
-//! Every segment is pre-faulted when created: the first write to a shared page costs ~1.3 GB/s
-//! (allocation + fault), a resident copy 11 GB/s, and a shortage must fail at open, not as a
-//! SIGBUS in the middle of a load. Sizes are checked against /dev/shm before anything is
-//! allocated.
+//! Segments are created sized (ftruncate) but not faulted in: pre-faulting cost ~1.9 s per GiB at
+//! open. populate.zig faults them in behind open on background threads; a page nobody populated
+//! yet is allocated on its first touch. Sizes are checked against /dev/shm before anything is
+//! created, and the native queue populates a slot's pages (an errno, not a SIGBUS, on a
+//! shortage) before it writes them.
 const std = @import("std");
 const linux = std.os.linux;
 const constants = @import("constants.zig");
@@ -40,10 +41,7 @@ pub const Fallback = enum(u32) {
     memfd_failed = 4,
     ftruncate_failed = 5,
     mmap_failed = 6,
-    populate_failed = 7,
 };
-
-const madvise_populate_write: u32 = 23;
 
 pub const DataSet = struct {
     fds: [constants.seg_segments_max]i32 = [_]i32{-1} ** constants.seg_segments_max,
@@ -149,7 +147,8 @@ pub fn check_space(ctrl_file_bytes: u64, data_bytes: u64, diag: *Diag) SegError!
     }
 }
 
-/// Creates `count` segments of `segment_bytes`, maps them into `mapping` and pre-faults them.
+/// Creates `count` segments of `segment_bytes` and maps them into `mapping`; no page is
+/// allocated yet (populate.zig faults them in behind open).
 pub fn create(
     set: *DataSet,
     mapping: *Mapping,
@@ -224,13 +223,6 @@ fn try_create(
     }
     // MADV_HUGEPAGE must precede the first touch to matter; hugetlb mappings are huge already.
     if (!hugetlb) _ = linux.madvise(@ptrFromInt(mapping.base), mapping.bytes, linux.MADV.HUGEPAGE);
-    const populate_err = prefault(mapping);
-    if (populate_err != .SUCCESS) {
-        note_failure(hugetlb, created, .populate_failed, populate_err, diag, "pre-fault", segment_bytes);
-        mapping.unmap();
-        set.close_all();
-        return false;
-    }
     assert(set.count == count);
     return true;
 }
@@ -279,24 +271,7 @@ fn map_raw(set: *const DataSet, mapping: *Mapping) linux.E {
     return .SUCCESS;
 }
 
-/// Writes every page once (MADV_POPULATE_WRITE, or a store per page on kernels before 5.14).
-/// An allocation failure comes back as an errno instead of a SIGBUS later.
-pub fn prefault(mapping: *const Mapping) linux.E {
-    assert(mapping.base % constants.seg_page_bytes == 0);
-    assert(mapping.bytes % constants.seg_page_bytes == 0);
-    const rc = linux.madvise(@ptrFromInt(mapping.base), mapping.bytes, madvise_populate_write);
-    const err = sys.errno(rc);
-    if (err != .INVAL) return err;
-    const page_count = mapping.bytes / constants.seg_page_bytes;
-    var page: usize = 0;
-    while (page < page_count) : (page += 1) {
-        const byte: *volatile u8 = @ptrFromInt(mapping.base + page * constants.seg_page_bytes);
-        byte.* = byte.*;
-    }
-    return .SUCCESS;
-}
-
-test "normal memfd segments are created, mapped contiguously, shared and pre-faulted" {
+test "normal memfd segments are created, mapped contiguously and shared, nothing allocated" {
     var diag_buffer: [512]u8 = undefined;
     var diag = Diag.init(&diag_buffer);
     var set: DataSet = .{};
@@ -307,6 +282,10 @@ test "normal memfd segments are created, mapped contiguously, shared and pre-fau
     try std.testing.expectEqual(Fallback.disabled, created.fallback);
     try std.testing.expectEqual(@as(u32, 3), set.count);
     try std.testing.expectEqual(@as(usize, 0), mapping.base % constants.seg_huge_page_bytes);
+    // Creation allocates no page: open time does not grow with capacity (populate.zig).
+    var st: linux.Stat = undefined;
+    try std.testing.expectEqual(linux.E.SUCCESS, sys.errno(linux.fstat(set.fds[2], &st)));
+    try std.testing.expectEqual(@as(i64, 0), st.blocks);
     const bytes: [*]u8 = @ptrFromInt(mapping.base);
     bytes[2 * 64 * 1024 + 5] = 0xab;
     // A second mapping of the same descriptors sees the byte: the pages are shared.

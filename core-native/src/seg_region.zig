@@ -7,8 +7,8 @@
 //!      attach table, drop the lock, fetch the data descriptors from a live holder, map them,
 //!      start serving them too (so the buffer outlives its creator).
 //!   2. A published segment whose holders are all dead (stale): unlink it, go to 3.
-//!   3. None: check the space, create the control segment under its temporary name, create and
-//!      pre-fault the data, start serving, and return "created" still holding the lock; the
+//!   3. None: check the space, create the control segment under its temporary name, create the
+//!      data segments (sized, not yet faulted in: see populate.zig), start serving, and return "created" still holding the lock; the
 //!      caller initialises its control region and calls `publish`, which links the segment to
 //!      its final name and drops the lock.
 //! A scheduler (role `scheduler`) attaching maps the control segment only. A scheduler that
@@ -20,6 +20,7 @@ const sys = @import("seg_sys.zig");
 const shm = @import("shm.zig");
 const memfd = @import("memfd.zig");
 const fdpass = @import("fdpass.zig");
+const populate = @import("populate.zig");
 
 const assert = std.debug.assert;
 const SegError = sys.SegError;
@@ -67,6 +68,8 @@ pub const Region = struct {
     data: memfd.DataSet = .{},
     mapping: memfd.Mapping = .{ .base = 0, .bytes = 0, .reservation = 0, .reservation_bytes = 0 },
     server: fdpass.Server = .{},
+    /// Background population of `mapping` (started by `start_population`, stopped by `close`).
+    populater: populate.Populater = .{},
     lock: shm.Lock = .{ .fd = -1 },
     created: bool = false,
     published: bool = false,
@@ -186,11 +189,7 @@ fn attach(self: *Region, deadline_ns: u64, diag: *Diag) SegError!void {
     errdefer self.data.close_all();
     try memfd.map(&self.data, &self.mapping, diag);
     errdefer self.mapping.unmap();
-    // The pages exist already; populating fills our page tables now instead of on first copy.
-    const populate_err = memfd.prefault(&self.mapping);
-    if (populate_err != .SUCCESS) {
-        return diag.fail(error.NoSpace, "cannot populate the {d}-byte data mapping: {s}", .{ self.mapping.bytes, @tagName(populate_err) });
-    }
+    self.populater.init(self.mapping.base, self.mapping.bytes);
     try self.server.start(self.unique_id(), self.identity.pid, self.entry_index, self.data.fds[0..count], diag);
 }
 
@@ -261,6 +260,7 @@ fn create(self: *Region, policy: memfd.HugetlbPolicy, diag: *Diag) SegError!void
     h.hugetlb_fallback = @intFromEnum(created.fallback) | (created.fallback_errno << 16);
     if (self.role == .scheduler) self.mapping.unmap();
     errdefer if (self.mapping.base != 0) self.mapping.unmap();
+    if (self.mapping.base != 0) self.populater.init(self.mapping.base, self.mapping.bytes);
     try self.server.start(self.unique_id(), self.identity.pid, self.entry_index, self.data.fds[0..count], diag);
     self.created = true;
 }
@@ -279,12 +279,41 @@ pub fn publish(self: *Region, diag: *Diag) SegError!void {
     self.lock.release();
 }
 
+/// Starts `thread_count` background threads faulting this process's data mapping in (0: lazy,
+/// pages fault in on first touch). Returns how many started; none without a data mapping.
+pub fn start_population(self: *Region, thread_count: u32) u32 {
+    assert(thread_count <= constants.populate_threads_max);
+    if (self.mapping.base == 0 or self.populater.thread_count > 0) return 0;
+    return self.populater.start(thread_count);
+}
+
+pub const Residency = extern struct {
+    /// Bytes of the data segments backed by memory, node-wide (the memfds' allocated blocks).
+    resident_bytes: u64,
+    data_bytes: u64,
+    /// This process's populater.
+    populate: populate.Populater.Progress,
+};
+
+pub fn residency(self: *const Region) Residency {
+    var resident: u64 = 0;
+    for (self.data.fds[0..self.data.count]) |fd| {
+        var st: linux.Stat = undefined;
+        if (sys.errno(linux.fstat(fd, &st)) != .SUCCESS) continue;
+        resident += @as(u64, @intCast(@max(st.blocks, 0))) * 512;
+    }
+    const progress = if (self.mapping.base != 0) self.populater.progress() else std.mem.zeroes(populate.Populater.Progress);
+    return .{ .resident_bytes = @min(resident, self.geometry.data_bytes), .data_bytes = self.geometry.data_bytes, .populate = progress };
+}
+
 /// Releases everything; the serve loop must have returned. The last data holder to leave
 /// unlinks the control segment: the data dies with the last descriptor anyway.
 pub fn close(self: *Region) void {
     assert(self.ctrl.base != 0);
     assert(self.unique_id_len > 0);
     if (self.server.started()) self.server.deinit();
+    // The populater writes into the mapping: it stops before the mapping goes.
+    self.populater.stop_and_join();
     if (self.mapping.base != 0) self.mapping.unmap();
     self.data.close_all();
     const h = self.ctrl.header();

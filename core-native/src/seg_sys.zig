@@ -89,6 +89,17 @@ pub fn sleep_ns(duration_ns: u64) void {
     _ = linux.nanosleep(&ts, null);
 }
 
+extern "c" fn sigfillset(set: *std.c.sigset_t) c_int;
+
+/// Blocks every signal in the calling (native, pthread) thread: signals meant for the process
+/// go to its own threads, and glibc keeps the few it reserves (pthread_sigmask filters them).
+pub fn block_signals() void {
+    var all: std.c.sigset_t = undefined;
+    assert(sigfillset(&all) == 0);
+    var previous: std.c.sigset_t = undefined;
+    assert(std.c.pthread_sigmask(linux.SIG.BLOCK, &all, &previous) == 0);
+}
+
 pub fn monotonic_ns() u64 {
     var ts: linux.timespec = undefined;
     const rc = linux.clock_gettime(.MONOTONIC, &ts);

@@ -10,6 +10,7 @@ comptime {
     _ = @import("seg_sys.zig");
     _ = @import("shm.zig");
     _ = @import("memfd.zig");
+    _ = @import("populate.zig");
     _ = @import("fdpass.zig");
     _ = @import("seg_region.zig");
 }

@@ -258,6 +258,53 @@ def test_hugetlb_falls_back_to_a_normal_memfd_and_reports_it(unique_id: str) -> 
         assert small.hugetlb_fallback == "segment_bytes is not a multiple of the huge page size"
 
 
+def test_open_allocates_no_data_and_unpopulated_pages_serve_correct_bytes(
+    unique_id: str,
+) -> None:
+    data_bytes = 64 << 20
+    with SharedRegion.open(unique_id, CTRL_BYTES, data_bytes, 32 << 20) as region:
+        lazy = region.residency()
+        assert (lazy.resident_bytes, lazy.data_bytes) == (0, data_bytes)
+        assert (lazy.populated_bytes, lazy.populate_threads, lazy.populate_error) == (0, 0, None)
+        # A page nobody populated reads as zeros and keeps what is written to it.
+        address = region.data_address + data_bytes - 4096
+        assert ctypes.string_at(address, 4096) == bytes(4096)
+        ctypes.memmove(address, b"x" * 4096, 4096)
+        assert ctypes.string_at(address, 4096) == b"x" * 4096
+        assert region.residency().resident_bytes == 4096
+        with SharedRegion.open(unique_id, CTRL_BYTES, data_bytes, 32 << 20) as second:
+            assert ctypes.string_at(second.data_address + data_bytes - 4096, 4096) == b"x" * 4096
+
+
+def test_background_population_makes_the_whole_data_plane_resident(unique_id: str) -> None:
+    data_bytes = 96 << 20
+    with SharedRegion.open(unique_id, CTRL_BYTES, data_bytes, 32 << 20) as region:
+        ctypes.memmove(region.data_address + 5, b"kept", 4)
+        assert region.populate(2) == 2
+        assert region.populate(2) == 0  # once per region
+        deadline = time.monotonic() + 60
+        while region.residency().populate_seconds is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        done = region.residency()
+        assert (done.resident_bytes, done.populated_bytes) == (data_bytes, data_bytes)
+        assert done.populate_threads == 2 and done.populate_error is None
+        assert done.populate_seconds is not None and done.populate_seconds > 0
+        assert ctypes.string_at(region.data_address + 5, 4) == b"kept"  # population writes no byte
+    with (
+        SharedRegion.open(unique_id, CTRL_BYTES, DATA_BYTES, SEGMENT_BYTES) as region,
+        pytest.raises(InvalidArgumentError, match=r"threads=9 is not valid: expected an int"),
+    ):
+        region.populate(9)
+
+
+def test_close_stops_background_population_promptly(unique_id: str) -> None:
+    data_bytes = 2 << 30  # far more than two threads fault in before close
+    with SharedRegion.open(unique_id, CTRL_BYTES, data_bytes, 1 << 30) as region:
+        region.populate(2)
+        started = time.monotonic()
+    assert time.monotonic() - started < 5.0
+
+
 def test_scheduler_maps_the_control_segment_only(unique_id: str, ranks: list[Rank]) -> None:
     scheduler = Rank(unique_id, role="scheduler")
     ranks.append(scheduler)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -196,3 +197,25 @@ def test_hits_copy_large_and_small_tensors_of_one_shard_byte_exact(
         store.wait(store.dump(blocks, 0, [split(data) for data in again]))
         store.wait(store.load(blocks, 0, dst))
         assert [b"".join(t.numpy().tobytes() for t in shard) for shard in dst] == again
+
+
+def test_buffer_opens_lazily_and_reports_what_is_resident(tmp_path: Path) -> None:
+    lazy = buffer_stack(tmp_path, slots=64, populate_threads=0)
+    with ucm.open(lazy) as store:
+        stats = store.stats()["tiers"][0]
+        assert (stats["resident_bytes"], stats["populated_bytes"]) == (0, 0)
+        assert stats["data_bytes"] == 64 * SHARD
+        blocks = [block(i) for i in range(4)]
+        store.wait(store.dump(blocks, 0, [[shard_tensor(b, 0)] for b in blocks]))
+        assert store.stats()["tiers"][0]["resident_bytes"] == 4 * SHARD
+        dst = [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in blocks]
+        store.wait(store.load(blocks, 0, dst))
+        assert [d[0].numpy().tobytes() for d in dst] == [payload(b, 0, SHARD) for b in blocks]
+    with ucm.open(buffer_stack(tmp_path, slots=64, populate_threads=2)) as store:
+        deadline = time.monotonic() + 60
+        while store.stats()["tiers"][0]["populated_bytes"] < 64 * SHARD:
+            assert time.monotonic() < deadline, store.stats()["tiers"][0]
+            time.sleep(0.01)
+        stats = store.stats()["tiers"][0]
+        assert stats["resident_bytes"] == stats["data_bytes"] == 64 * SHARD
+        assert stats["populate_failed"] == 0

@@ -9,7 +9,9 @@ exactly one creates, the others attach, whatever the start order:
   zeroed when created. A creator initialises it in ``init`` *before* the segment is published,
   so no rank ever sees it half-built.
 - the data segments are memfds (hugetlb when the kernel has free huge pages, else a normal
-  memfd with ``MADV_HUGEPAGE``), pre-faulted, mapped back to back at :attr:`data_address`, and
+  memfd with ``MADV_HUGEPAGE``), sized but not faulted in at open (:meth:`SharedRegion.populate`
+  starts native threads that fault them in behind it), mapped back to back at
+  :attr:`data_address`, and
   handed to later ranks over a Unix socket after a same-uid check (SO_PEERCRED). Every worker
   serves them on a daemon thread, so the buffer outlives its creator.
 - a scheduler (``role="scheduler"``, device_id < 0) maps the control segment only; its
@@ -25,6 +27,7 @@ import math
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -48,7 +51,6 @@ _FALLBACKS: dict[int, str] = {
     4: "memfd_create(MFD_HUGETLB) failed",
     5: "ftruncate of the hugetlb memfd failed",
     6: "mmap of the hugetlb memfd failed",
-    7: "pre-faulting the hugetlb mapping failed",
 }
 _ERROR_BUFFER_BYTES = 1024
 _SERVE_JOIN_TIMEOUT_S = 5.0
@@ -109,6 +111,44 @@ class _Info(ctypes.Structure):
     ]
 
 
+class _Progress(ctypes.Structure):
+    _fields_ = [
+        ("populated_bytes", ctypes.c_uint64),
+        ("mapping_bytes", ctypes.c_uint64),
+        ("threads", ctypes.c_uint32),
+        ("error_code", ctypes.c_uint32),
+        ("elapsed_ns", ctypes.c_uint64),
+    ]
+
+
+class _Residency(ctypes.Structure):
+    _fields_ = [
+        ("resident_bytes", ctypes.c_uint64),
+        ("data_bytes", ctypes.c_uint64),
+        ("populate", _Progress),
+    ]
+
+
+POPULATE_THREADS_MAX = 8
+"""``constants.populate_threads_max``: background threads one process may fault its data in on."""
+
+
+@dataclass(frozen=True)
+class Residency:
+    """How much of a buffer's data plane is backed by memory."""
+
+    resident_bytes: int
+    """Bytes of the data segments allocated, node-wide (every rank's writes and populating)."""
+    data_bytes: int
+    populated_bytes: int
+    """Bytes of this process's mapping its background threads have faulted in."""
+    populate_threads: int
+    populate_error: str | None
+    """Why this process's background population stopped early (e.g. ``ENOMEM``), or None."""
+    populate_seconds: float | None
+    """Seconds from the start of population to its end (None while it runs, or when lazy)."""
+
+
 def _declare(handle: ctypes.CDLL) -> None:
     u32, u64, i32, usize = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32, ctypes.c_size_t
     ptr = ctypes.c_void_p
@@ -124,6 +164,8 @@ def _declare(handle: ctypes.CDLL) -> None:
         "ucm_seg_info": (i32, [usize, ctypes.POINTER(_Info), usize]),
         "ucm_seg_unlink": (i32, [ptr, usize]),
         "ucm_seg_debug_set_peer_uid": (i32, [usize, u32]),
+        "ucm_seg_populate": (i32, [usize, u32]),
+        "ucm_seg_residency": (i32, [usize, ctypes.POINTER(_Residency), usize]),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(handle, name)
@@ -420,6 +462,52 @@ class SharedRegion:
     @property
     def closed(self) -> bool:
         return not self._owner.handle
+
+    def populate(self, threads: int) -> int:
+        """Starts ``threads`` (0 to :data:`POPULATE_THREADS_MAX`) native threads that fault this
+        process's data mapping in, chunk by chunk, behind open; 0 leaves every page to fault in
+        on first touch. Returns how many started (0 for a scheduler, or when already started)."""
+        if (
+            isinstance(threads, bool)
+            or not isinstance(threads, int)
+            or not 0 <= threads <= POPULATE_THREADS_MAX
+        ):
+            raise InvalidArgumentError(
+                f"threads={threads!r} is not valid: expected an int in [0, {POPULATE_THREADS_MAX}]"
+            )
+        if not self._owner.handle:
+            raise UcmError(f"the shared region {self.unique_id!r} is closed")
+        started = int(lib().ucm_seg_populate(self._owner.handle, threads))
+        assert started >= 0, started
+        return started
+
+    def residency(self) -> Residency:
+        """Resident bytes of the data plane (node-wide) and this process's population."""
+        if not self._owner.handle:
+            raise UcmError(f"the shared region {self.unique_id!r} is closed")
+        raw = _Residency()
+        code = lib().ucm_seg_residency(self._owner.handle, ctypes.byref(raw), ctypes.sizeof(raw))
+        assert code == 0, code
+        error = None
+        if raw.populate.error_code:
+            code_name = errno_module.errorcode.get(raw.populate.error_code)
+            error = code_name or str(raw.populate.error_code)
+        elapsed = raw.populate.elapsed_ns
+        return Residency(
+            resident_bytes=int(raw.resident_bytes),
+            data_bytes=int(raw.data_bytes),
+            populated_bytes=int(raw.populate.populated_bytes),
+            populate_threads=int(raw.populate.threads),
+            populate_error=error,
+            populate_seconds=elapsed / 1e9 if elapsed else None,
+        )
+
+    @property
+    def handle(self) -> int:
+        """The native region handle (the native load queue checks slot pages through it)."""
+        if not self._owner.handle:
+            raise UcmError(f"the shared region {self.unique_id!r} is closed")
+        return self._owner.handle
 
     def debug_set_peer_uid(self, uid: int) -> None:
         """Test hook: the data server then only accepts peers of ``uid``."""
