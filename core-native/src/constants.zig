@@ -40,6 +40,40 @@ comptime {
     std.debug.assert(copy_ranges_max <= std.math.maxInt(u32));
 }
 
+// ---- The native load queue (queue.zig) ----
+
+/// Task records per queue (load and dump lanes together): the most tasks in flight at once.
+pub const queue_tasks_max: u32 = 1024;
+/// Keys one task may hold (a task is walked in steps; this only bounds counters).
+pub const queue_task_keys_max: u32 = 1 << 24;
+/// Keys one step claims with one batched Get (the per-lane scratch is sized by step_keys).
+pub const queue_step_keys_max: u32 = 1 << 15;
+/// Tensors one shard spans (one caller address each).
+pub const queue_tensors_max: u32 = 1 << 12;
+pub const queue_copy_threads_max: u32 = 16;
+/// Work batches a step's owned keys are cut into (the loaders' concurrency).
+pub const queue_fill_parts_max: u32 = 256;
+pub const queue_local_rank_size_max: u32 = buffer_holders_max;
+/// Items each of the work ring (to the loaders) and the copy ring holds before producers wait.
+pub const queue_ring_items: usize = 1 << 16;
+/// A copy thread takes this many bytes of copies at once (at least one shard), at most
+/// queue_copy_batch_items shards: big enough to amortise the ring, small enough to spread
+/// one task's copies over every copy thread.
+pub const queue_copy_batch_bytes: u64 = 1 << 20;
+pub const queue_copy_batch_items: usize = 64;
+/// Longest a blocked queue thread sleeps before re-checking its condition (stop, deadline).
+pub const queue_ring_wait_slice_ns: u64 = 100 * std.time.ns_per_ms;
+/// Times a wait on a slot this process is filling is renewed before loading it from below.
+pub const queue_wait_rounds_max: u32 = 8;
+
+comptime {
+    std.debug.assert(queue_tasks_max >= 2);
+    std.debug.assert(queue_step_keys_max <= queue_task_keys_max);
+    std.debug.assert(queue_ring_items >= 2 * queue_step_keys_max);
+    std.debug.assert(queue_copy_batch_items > 0);
+    std.debug.assert(queue_ring_wait_slice_ns <= futex_wait_slice_ns);
+}
+
 // ---- Segments (shm.zig, memfd.zig, fdpass.zig, seg_region.zig) ----
 
 /// Directory of the named control segments and their creation lock files.

@@ -410,6 +410,250 @@ export fn ucm_buffer_debug_set_wait_pause_ns(pause_ns: u64) void {
 }
 // ---- end CacheBuffer ----
 
+// ---- The native load queue ----
+// One queue per worker process and buffer (queue.zig). The caller's arrays passed to
+// ucm_queue_submit must stay valid until the task completes (ucm_queue_done returns 1).
+const queue_module = @import("queue.zig");
+const populate_module = @import("populate.zig");
+
+fn queue_status(status: queue_module.Status) i32 {
+    return @intFromEnum(status);
+}
+
+fn queue_handle(handle: usize) ?*queue_module.Queue {
+    if (handle == 0 or handle % @alignOf(queue_module.Queue) != 0) return null;
+    const queue: *queue_module.Queue = @ptrFromInt(handle);
+    return queue;
+}
+
+/// The queue of `handle`, refusing a call from another process (a fork() child).
+fn queue_of(handle: usize) union(enum) { queue: *queue_module.Queue, status: i32 } {
+    const queue = queue_handle(handle) orelse return .{ .status = queue_status(.invalid_argument) };
+    if (queue.pid != buffer.current_pid()) return .{ .status = queue_status(.wrong_process) };
+    return .{ .queue = queue };
+}
+
+/// Creates the queue of this process over the control region at `ctrl` (holder `holder`, which
+/// must be registered to the caller) and the data segments at `segment_bases`. `region` is the
+/// ucm_seg handle whose populater faults slot pages in before they are written (0: none).
+export fn ucm_queue_create(
+    ctrl: usize,
+    holder: u32,
+    region: usize,
+    segment_bases: [*]const u64,
+    segment_count: u32,
+    settings: *const queue_module.Settings,
+    tensor_sizes: [*]const u64,
+    out_handle: *usize,
+) i32 {
+    const view = switch (buffer_open_holder(ctrl, holder)) {
+        .view => |v| v,
+        .status => |code| return code,
+    };
+    if (segment_count != view.header.segment_count) return queue_status(.invalid_argument);
+    if (!queue_module.Queue.validate_settings(settings.*, view)) return queue_status(.invalid_argument);
+    var total: u64 = 0;
+    for (tensor_sizes[0..settings.tensor_count]) |size| {
+        if (size == 0) return queue_status(.invalid_argument);
+        total +|= size;
+    }
+    if (total != settings.shard_size_bytes) return queue_status(.invalid_argument);
+    for (segment_bases[0..segment_count]) |base| {
+        if (base == 0) return queue_status(.invalid_argument);
+    }
+    var populater: ?*const populate_module.Populater = null;
+    if (region != 0) {
+        const seg = seg_handle(region) orelse return queue_status(.invalid_argument);
+        if (seg.mapping.base == 0) return queue_status(.invalid_argument);
+        populater = &seg.populater;
+    }
+    const bases: []const usize = @ptrCast(segment_bases[0..segment_count]);
+    const queue = queue_module.Queue.create(std.heap.page_allocator, view, settings.*, tensor_sizes[0..settings.tensor_count], bases, populater) catch |err| {
+        return queue_status(switch (err) {
+            error.OutOfMemory, error.SystemResources => .out_of_memory,
+        });
+    };
+    out_handle.* = @intFromPtr(queue);
+    return 0;
+}
+
+/// Hands a task over: `n` keys (`ids`, `shards`), `addresses` (n * tensor_count caller
+/// addresses: destinations of a load, sources of a dump; null for a prefetch), optional
+/// `entry_flags` (load only), `results` (n bytes the queue fills with EntryResult codes) and
+/// the caller's `tag`, echoed by ucm_queue_next_work. Blocks up to `timeout_ns` while the lane
+/// is full. Writes the task's token.
+export fn ucm_queue_submit(
+    handle: usize,
+    kind: u32,
+    flags: u32,
+    n: u32,
+    ids: [*]const buffer.BlockId,
+    shards: [*]const u32,
+    addresses: ?[*]const u64,
+    entry_flags: ?[*]const u8,
+    results: [*]u8,
+    tag: u64,
+    timeout_ns: u64,
+    out_token: *u64,
+) i32 {
+    const queue = switch (queue_of(handle)) {
+        .queue => |q| q,
+        .status => |code| return code,
+    };
+    const task_kind = std.meta.intToEnum(queue_module.TaskKind, kind) catch return queue_status(.invalid_argument);
+    if (n > constants.queue_task_keys_max) return queue_status(.invalid_argument);
+    const tensors: usize = queue.settings.tensor_count;
+    const submission: queue_module.Queue.Submission = .{
+        .kind = task_kind,
+        .flags = flags,
+        .ids = ids[0..n],
+        .shards = shards[0..n],
+        .addresses = if (addresses) |a| a[0 .. n * tensors] else null,
+        .entry_flags = if (entry_flags) |f| f[0..n] else null,
+        .results = results[0..n],
+        .tag = tag,
+    };
+    if (!queue.validate(submission)) return queue_status(.invalid_argument);
+    out_token.* = queue.submit(submission, timeout_ns) catch |err| return queue_status(switch (err) {
+        error.Full => .full,
+        error.Closed => .closed,
+    });
+    return 0;
+}
+
+/// 1 when the task of `token` completed (its results are final), else 0.
+export fn ucm_queue_done(handle: usize, token: u64) i32 {
+    const queue = switch (queue_of(handle)) {
+        .queue => |q| q,
+        .status => |code| return code,
+    };
+    const finished = queue.done(token) orelse return queue_status(.invalid_argument);
+    return @intFromBool(finished);
+}
+
+/// Blocks (futex) until the task completes: 1, or 0 when `timeout_ns` passed first.
+export fn ucm_queue_wait(handle: usize, token: u64, timeout_ns: u64) i32 {
+    const queue = switch (queue_of(handle)) {
+        .queue => |q| q,
+        .status => |code| return code,
+    };
+    const finished = queue.wait(token, timeout_ns) orelse return queue_status(.invalid_argument);
+    return @intFromBool(finished);
+}
+
+/// Takes one batch of work for a loader (at most `capacity` items of one task and kind),
+/// waiting up to `timeout_ns`: the count (0 when none came), or `closed` once the queue stopped.
+export fn ucm_queue_next_work(
+    handle: usize,
+    timeout_ns: u64,
+    capacity: u32,
+    out_tags: [*]u64,
+    out_tokens: [*]u64,
+    out_entries: [*]u32,
+    out_slots: [*]u32,
+    out_steps: [*]u32,
+    out_addresses: [*]u64,
+    out_kinds: [*]u8,
+) i32 {
+    const queue = switch (queue_of(handle)) {
+        .queue => |q| q,
+        .status => |code| return code,
+    };
+    if (capacity == 0 or capacity > constants.queue_step_keys_max) return queue_status(.invalid_argument);
+    var items: [256]queue_module.WorkItem = undefined;
+    const taken = queue.next_work(timeout_ns, items[0..@min(capacity, items.len)]) orelse
+        return queue_status(.closed);
+    for (items[0..taken], 0..) |item, i| {
+        const task = &queue.tasks[item.task];
+        out_tags[i] = task.tag;
+        out_tokens[i] = (@as(u64, item.generation) << 32) | item.task;
+        out_entries[i] = item.entry;
+        out_slots[i] = item.slot;
+        out_steps[i] = item.step;
+        out_kinds[i] = @intFromEnum(item.kind);
+        out_addresses[i] = if (item.slot == buffer.slot_none) 0 else queue.slot_address_of(item.slot);
+    }
+    return @intCast(taken);
+}
+
+/// A loader's results for work items it took (echoing tokens, entries, slots, steps, kinds),
+/// with `states` (1 ready, 2 failed, 3 missing). Items refused (not handed out, reported
+/// twice) are skipped; returns how many were applied.
+export fn ucm_queue_work_done(
+    handle: usize,
+    n: u32,
+    tokens: [*]const u64,
+    entries: [*]const u32,
+    slots: [*]const u32,
+    steps: [*]const u32,
+    kinds: [*]const u8,
+    states: [*]const u8,
+) i32 {
+    const queue = switch (queue_of(handle)) {
+        .queue => |q| q,
+        .status => |code| return code,
+    };
+    if (n > constants.queue_step_keys_max) return queue_status(.invalid_argument);
+    var applied: i32 = 0;
+    for (0..n) |i| {
+        const kind = std.meta.intToEnum(queue_module.WorkKind, kinds[i]) catch continue;
+        const state = std.meta.intToEnum(queue_module.WorkState, states[i]) catch continue;
+        const report: queue_module.Queue.Report = .{
+            .token = tokens[i],
+            .entry = entries[i],
+            .slot = slots[i],
+            .step = steps[i],
+            .kind = kind,
+            .state = state,
+        };
+        if (!queue.accept_report(report)) continue;
+        queue.work_done(report);
+        applied += 1;
+    }
+    return applied;
+}
+
+/// Refuses new tasks and blocks until every task completed: 1, or 0 when `timeout_ns` passed.
+export fn ucm_queue_drain(handle: usize, timeout_ns: u64) i32 {
+    const queue = switch (queue_of(handle)) {
+        .queue => |q| q,
+        .status => |code| return code,
+    };
+    return @intFromBool(queue.drain(timeout_ns));
+}
+
+/// Stops every thread of the queue; ucm_queue_next_work then returns `closed`. Idempotent.
+export fn ucm_queue_stop(handle: usize) i32 {
+    const queue = switch (queue_of(handle)) {
+        .queue => |q| q,
+        .status => |code| return code,
+    };
+    queue.stop_and_join();
+    return 0;
+}
+
+/// Frees a stopped queue (no loader may be inside ucm_queue_next_work).
+export fn ucm_queue_destroy(handle: usize) i32 {
+    const queue = switch (queue_of(handle)) {
+        .queue => |q| q,
+        .status => |code| return code,
+    };
+    queue.destroy();
+    return 0;
+}
+
+/// Copies up to `capacity` counters (queue.counter_names order); returns how many exist.
+/// `out_held` receives the slots this process holds through the queue.
+export fn ucm_queue_stats(handle: usize, out: [*]u64, capacity: u32, out_held: *u32) i32 {
+    const queue = queue_handle(handle) orelse return queue_status(.invalid_argument);
+    for (0..@min(capacity, queue_module.counter_count)) |index| {
+        out[index] = queue.counter_value(@enumFromInt(index));
+    }
+    out_held.* = queue.held_slot_count();
+    return queue_module.counter_count;
+}
+// ---- end native load queue ----
+
 // ---- Segments ----
 // The shared-memory segments of a buffer (seg_region.zig): open/publish/serve/stop/close on an
 // opaque handle. Errors return a negative code (seg_sys.error_code) and a NUL-terminated

@@ -7,6 +7,8 @@ comptime {
     _ = @import("exports.zig");
     _ = @import("buffer.zig"); // CacheBuffer
     _ = @import("buffer_fuzz.zig"); // CacheBuffer model-based fuzzer
+    _ = @import("queue.zig"); // native load queue
+    _ = @import("queue_test.zig"); // its tests and model-based fuzzer
     _ = @import("seg_sys.zig");
     _ = @import("shm.zig");
     _ = @import("memfd.zig");

@@ -1,0 +1,1431 @@
+//! The native per-rank load queue (seed §1, §3.1, §3.4): tasks go in with one call, native
+//! threads do the per-shard work, and the caller's thread (which holds the GIL in a real
+//! engine) is never needed again until it asks whether the task is done.
+//!
+//! Threads (all pthreads, all signals blocked):
+//! - a **load dispatcher** takes load and prefetch tasks in order, walks each one in
+//!   RearrangeIndex order (own stride first, then rotation; Scenario A) in steps of at most
+//!   `step_keys` keys, one batched Get per step. Hits go to the copy threads at once; owned keys
+//!   go to the caller's *loaders* (Python threads that read the tiers below) through the work
+//!   ring; waiters sleep on the slot's futex, then go to the copy threads. A step ends when what
+//!   it owns has been filled (or `wait_timeout_ns` passed), so a rank never claims more than it
+//!   is loading. In the idle window after a task, it prewarms (block, index + 1) (Scenario E).
+//! - a **dump dispatcher** does the buffer part of dump tasks: claim, copy in, commit Ready.
+//! - `copy_threads` **copy threads** move bytes between slots and caller memory with the C
+//!   library's memcpy, then release the slots and finish the entries.
+//!
+//! References: the CacheBuffer records one reference per *process* and slot (buffer.zig), so the
+//! threads of this process share it through a local use count per slot (`uses`), changed under
+//! `refs_mutex` together with the native Get/release that takes or drops the process's one
+//! reference. `local_flags` remembers what this process knows of a slot it holds: owned here
+//! (not committed yet) or Ready.
+//!
+//! Tasks live in a fixed pool of `queue_tasks_max` records; the caller's arrays (keys, caller
+//! memory addresses, per-entry results) stay the caller's and must outlive the task. A task's
+//! completion is one release store of its generation into the record's `completed` word and a
+//! futex wake on it: `wait` blocks on that word, `done` reads it; nobody polls. After that store
+//! no thread touches the caller's arrays again (the dispatcher holds one count of `remaining`
+//! until it is finished with the task, prewarm included).
+const std = @import("std");
+const linux = std.os.linux;
+const constants = @import("constants.zig");
+const buffer_module = @import("buffer.zig");
+const futex = @import("futex.zig");
+const populate = @import("populate.zig");
+const seg_sys = @import("seg_sys.zig");
+
+const assert = std.debug.assert;
+const Atomic = std.atomic.Value;
+const Buffer = buffer_module.Buffer;
+const BlockId = buffer_module.BlockId;
+const GetResult = buffer_module.GetResult;
+const WaitResult = buffer_module.WaitResult;
+const State = buffer_module.State;
+
+extern "c" fn memcpy(noalias target: *anyopaque, noalias source: *const anyopaque, length_bytes: usize) *anyopaque;
+
+pub const TaskKind = enum(u8) { load = 0, prefetch = 1, dump = 2 };
+
+/// Dump: commit the slots dirty (write-back debt, issue 11). Carried to the commit.
+pub const task_flag_dirty: u32 = 1 << 0;
+/// Load: nothing below the buffer; a key not Ready here is a miss, never handed to a loader.
+pub const task_flag_no_fill: u32 = 1 << 1;
+pub const task_flags_valid: u32 = task_flag_dirty | task_flag_no_fill;
+
+/// Per entry (optional array): the caller copies this entry's bytes itself (a CUDA destination):
+/// it gets a `copy_out` work item holding the Ready slot instead of a native copy.
+pub const entry_flag_caller_copy: u8 = 1 << 0;
+
+pub const settings_flag_prealloc: u32 = 1 << 0;
+pub const settings_flag_rearrange: u32 = 1 << 1;
+
+/// Final per-entry code, written into the caller's results array.
+pub const EntryResult = enum(u8) {
+    ok = 0,
+    /// A loader reported a failure; the caller recorded why.
+    caller_failed = 1,
+    /// Another rank's owner committed Failed.
+    owner_failed = 2,
+    /// Another rank's owner found the key in no tier.
+    owner_missing = 3,
+    /// Dump: every slot is in use.
+    no_slot = 4,
+    /// A bucket lock stayed held by a live process past the lock timeout.
+    lock_timeout = 5,
+    /// Shared memory ran out while faulting the slot in.
+    no_memory = 6,
+    /// `task_flag_no_fill`: not Ready in the buffer.
+    missing = 7,
+    /// Transient: a loader's report of the entry is being applied.
+    reported = 254,
+    pending = 255,
+};
+
+pub const WorkKind = enum(u8) {
+    /// Fill the slot (owned here) from the tiers below; report ready/failed/missing.
+    fill = 0,
+    /// Load the entry from the tiers below straight into its destination (no slot held).
+    bypass = 1,
+    /// Copy the Ready slot into the entry's destination (caller copy), then report.
+    copy_out = 2,
+};
+
+/// What a loader reports per work item (`fill` uses all three; the others ready or failed).
+pub const WorkState = enum(u8) { ready = 1, failed = 2, missing = 3 };
+
+pub const Status = enum(i32) {
+    ok = 0,
+    invalid_argument = -1,
+    /// The task pool or the lane stayed full for the whole timeout.
+    full = -2,
+    /// The queue is closing or stopped.
+    closed = -3,
+    /// Called from another process than the one that created the queue (after fork()).
+    wrong_process = -4,
+    out_of_memory = -5,
+};
+
+pub const Settings = extern struct {
+    shard_size_bytes: u64,
+    wait_timeout_ns: u64,
+    device_id: u32,
+    local_rank_size: u32,
+    shards_per_block: u32,
+    tensor_count: u32,
+    step_keys: u32,
+    copy_threads: u32,
+    /// Work batches a step's owned keys are cut into (the concurrent loads of the tiers below).
+    fill_parts: u32,
+    load_queue_depth: u32,
+    dump_queue_depth: u32,
+    flags: u32,
+};
+
+comptime {
+    assert(@sizeOf(Settings) == 2 * 8 + 10 * 4);
+}
+
+pub const counter_names = [_][]const u8{
+    "hits",              "misses",     "loaded_shards", "dumped_shards", "failed_shards",
+    "prefetched_shards", "owned",      "waited",        "bypassed",      "takeovers",
+    "prewarmed",         "get_ns",     "get_keys",      "copy_bytes",    "copy_ns",
+    "load_tasks",        "dump_tasks", "work_items",    "no_memory",     "release_failures",
+};
+pub const Counter = enum(u32) {
+    hits,
+    misses,
+    loaded_shards,
+    dumped_shards,
+    failed_shards,
+    prefetched_shards,
+    owned,
+    waited,
+    bypassed,
+    takeovers,
+    prewarmed,
+    get_ns,
+    get_keys,
+    copy_bytes,
+    copy_ns,
+    load_tasks,
+    dump_tasks,
+    work_items,
+    no_memory,
+    release_failures,
+};
+pub const counter_count = counter_names.len;
+
+comptime {
+    assert(@typeInfo(Counter).@"enum".fields.len == counter_count);
+}
+
+const local_flag_owned: u8 = 1 << 0;
+const local_flag_ready: u8 = 1 << 1;
+
+const task_none: u32 = std.math.maxInt(u32);
+
+const Task = struct {
+    kind: TaskKind = .load,
+    flags: u32 = 0,
+    entry_count: u32 = 0,
+    tag: u64 = 0,
+    ids: [*]const BlockId = undefined,
+    shards: [*]const u32 = undefined,
+    /// `entry_count * tensor_count` caller addresses (destinations or sources), or null.
+    addresses: ?[*]const u64 = null,
+    entry_flags: ?[*]const u8 = null,
+    results: [*]u8 = undefined,
+    /// Entries not finished yet, plus one held by the dispatcher until it is done with the task.
+    remaining: Atomic(u32) = Atomic(u32).init(0),
+    generation: u32 = 0,
+    /// Futex word: the generation of the last completed use of this record.
+    completed: Atomic(u32) = Atomic(u32).init(0),
+    next_free: u32 = task_none,
+    live: bool = false,
+};
+
+pub const WorkItem = struct {
+    task: u32,
+    /// The task record's generation when the item was made (its token's high half).
+    generation: u32 = 0,
+    entry: u32,
+    slot: u32,
+    step: u32,
+    kind: WorkKind,
+    /// The last item of a batch a loader takes at once.
+    batch_end: bool,
+};
+
+const CopyItem = struct {
+    task: u32,
+    generation: u32 = 0,
+    entry: u32,
+    slot: u32,
+};
+
+/// A bounded FIFO of items shared by producers and consumers under one mutex. Producers block
+/// while it is full (backpressure); consumers block while it is empty, until it is stopped.
+fn Ring(comptime Item: type) type {
+    return struct {
+        const Self = @This();
+        items: []Item,
+        head: usize = 0,
+        count: usize = 0,
+        stopped: bool = false,
+        mutex: std.Thread.Mutex = .{},
+        not_empty: std.Thread.Condition = .{},
+        not_full: std.Thread.Condition = .{},
+
+        fn push_locked_wait(ring: *Self) void {
+            // Bounded: each round waits for a consumer, and consumers always make progress
+            // (copies finish; loaders return to the ring after each batch).
+            var rounds: u64 = 0;
+            while (ring.count == ring.items.len) : (rounds += 1) {
+                assert(rounds < std.math.maxInt(u32));
+                ring.not_full.timedWait(&ring.mutex, constants.queue_ring_wait_slice_ns) catch {};
+            }
+        }
+
+        fn push(ring: *Self, item: Item) void {
+            ring.mutex.lock();
+            defer ring.mutex.unlock();
+            assert(!ring.stopped);
+            ring.push_locked_wait();
+            ring.items[(ring.head + ring.count) % ring.items.len] = item;
+            ring.count += 1;
+            ring.not_empty.signal();
+        }
+
+        fn stop(ring: *Self) void {
+            ring.mutex.lock();
+            defer ring.mutex.unlock();
+            ring.stopped = true;
+            ring.not_empty.broadcast();
+            ring.not_full.broadcast();
+        }
+
+        /// Waits up to `timeout_ns` for an item. False when none came or the ring is stopped
+        /// and empty. Returns with the mutex held when true.
+        fn wait_item_locked(ring: *Self, timeout_ns: u64) bool {
+            const deadline_ns = futex.monotonic_ns() +| timeout_ns;
+            var rounds: u64 = 0;
+            while (ring.count == 0) : (rounds += 1) {
+                assert(rounds < std.math.maxInt(u32));
+                if (ring.stopped) return false;
+                const now_ns = futex.monotonic_ns();
+                if (now_ns >= deadline_ns) return false;
+                const slice_ns = @min(deadline_ns - now_ns, constants.queue_ring_wait_slice_ns);
+                ring.not_empty.timedWait(&ring.mutex, slice_ns) catch {};
+            }
+            return true;
+        }
+
+        fn pop_locked(ring: *Self) Item {
+            assert(ring.count > 0);
+            const item = ring.items[ring.head];
+            ring.head = (ring.head + 1) % ring.items.len;
+            ring.count -= 1;
+            ring.not_full.signal();
+            return item;
+        }
+    };
+}
+
+const Lane = struct {
+    /// Task indexes waiting for this lane's dispatcher, in submit order.
+    pending: [constants.queue_tasks_max]u32 = undefined,
+    head: u32 = 0,
+    count: u32 = 0,
+    depth: u32 = 0,
+    not_empty: std.Thread.Condition = .{},
+    thread: ?std.Thread = null,
+    // Step scratch (dispatcher-local): `step_keys` entries each.
+    ids: []BlockId = &.{},
+    shards: []u32 = &.{},
+    results: []GetResult = &.{},
+    slots: []u32 = &.{},
+    entries: []u32 = &.{},
+    /// Dump lane: keys already Ready, replaced after the step (remove, then claim again).
+    again: []u32 = &.{},
+    /// Load lane: the current step (high 32 bits) and its owned keys not filled yet (low 32).
+    step_word: Atomic(u64) = Atomic(u64).init(0),
+    /// Futex word bumped when the current step's last owned key is filled.
+    step_wake: Atomic(u32) = Atomic(u32).init(0),
+};
+
+pub const Queue = struct {
+    allocator: std.mem.Allocator,
+    buffer: Buffer,
+    pid: u32,
+    settings: Settings,
+    tensor_sizes: []u64,
+    segment_bases: []usize,
+    /// The data mapping's populater (slot pages are faulted in before they are written), or
+    /// null when the caller's memory is not a populated region (tests).
+    populater: ?*const populate.Populater,
+
+    refs_mutex: std.Thread.Mutex = .{},
+    uses: []u32,
+    local_flags: []u8,
+
+    /// Guards the task pool, the lanes and `closing`.
+    mutex: std.Thread.Mutex = .{},
+    space: std.Thread.Condition = .{},
+    drained: std.Thread.Condition = .{},
+    tasks: [constants.queue_tasks_max]Task = @splat(.{}),
+    free_head: u32 = task_none,
+    tasks_live: u32 = 0,
+    closing: bool = false,
+    stopping: bool = false,
+    lanes: [2]Lane = .{ .{}, .{} },
+
+    work: Ring(WorkItem),
+    copies: Ring(CopyItem),
+    copy_threads: [constants.queue_copy_threads_max]std.Thread = undefined,
+    copy_thread_count: u32 = 0,
+
+    counters: [counter_count]Atomic(u64) = @splat(Atomic(u64).init(0)),
+
+    const load_lane = 0;
+    const dump_lane = 1;
+
+    pub fn validate_settings(settings: Settings, buffer: Buffer) bool {
+        if (settings.shard_size_bytes != buffer.geometry.shard_size_bytes) return false;
+        if (settings.local_rank_size == 0 or settings.local_rank_size > constants.queue_local_rank_size_max) return false;
+        if (settings.shards_per_block == 0) return false;
+        if (settings.tensor_count == 0 or settings.tensor_count > constants.queue_tensors_max) return false;
+        if (settings.step_keys == 0 or settings.step_keys > constants.queue_step_keys_max) return false;
+        if (settings.copy_threads == 0 or settings.copy_threads > constants.queue_copy_threads_max) return false;
+        if (settings.fill_parts == 0 or settings.fill_parts > constants.queue_fill_parts_max) return false;
+        if (settings.load_queue_depth == 0 or settings.dump_queue_depth == 0) return false;
+        if (settings.load_queue_depth + settings.dump_queue_depth > constants.queue_tasks_max) return false;
+        if (settings.flags & ~(settings_flag_prealloc | settings_flag_rearrange) != 0) return false;
+        return true;
+    }
+
+    /// Creates the queue and starts its threads. `buffer` acts as this process's holder.
+    pub fn create(
+        allocator: std.mem.Allocator,
+        buffer: Buffer,
+        settings: Settings,
+        tensor_sizes: []const u64,
+        segment_bases: []const usize,
+        populater: ?*const populate.Populater,
+    ) error{ OutOfMemory, SystemResources }!*Queue {
+        assert(validate_settings(settings, buffer));
+        assert(buffer.holder < constants.buffer_holders_max);
+        assert(tensor_sizes.len == settings.tensor_count);
+        assert(segment_bases.len == buffer.header.segment_count);
+        const queue = try allocator.create(Queue);
+        errdefer allocator.destroy(queue);
+        const slot_count = buffer.slots.len;
+        queue.* = .{
+            .allocator = allocator,
+            .buffer = buffer,
+            .pid = buffer_module.current_pid(),
+            .settings = settings,
+            .tensor_sizes = try allocator.dupe(u64, tensor_sizes),
+            .segment_bases = undefined,
+            .populater = populater,
+            .uses = undefined,
+            .local_flags = undefined,
+            .work = .{ .items = undefined },
+            .copies = .{ .items = undefined },
+        };
+        errdefer allocator.free(queue.tensor_sizes);
+        queue.segment_bases = try allocator.dupe(usize, segment_bases);
+        errdefer allocator.free(queue.segment_bases);
+        queue.uses = try allocator.alloc(u32, slot_count);
+        errdefer allocator.free(queue.uses);
+        @memset(queue.uses, 0);
+        queue.local_flags = try allocator.alloc(u8, slot_count);
+        errdefer allocator.free(queue.local_flags);
+        @memset(queue.local_flags, 0);
+        queue.work.items = try allocator.alloc(WorkItem, constants.queue_ring_items);
+        errdefer allocator.free(queue.work.items);
+        queue.copies.items = try allocator.alloc(CopyItem, constants.queue_ring_items);
+        errdefer allocator.free(queue.copies.items);
+        var sum: u64 = 0;
+        for (tensor_sizes) |size| sum += size;
+        assert(sum == settings.shard_size_bytes);
+        for (&queue.tasks, 0..) |*task, index| {
+            task.next_free = if (index + 1 < queue.tasks.len) @intCast(index + 1) else task_none;
+        }
+        queue.free_head = 0;
+        queue.lanes[load_lane].depth = settings.load_queue_depth;
+        queue.lanes[dump_lane].depth = settings.dump_queue_depth;
+        errdefer queue.free_scratch();
+        for (&queue.lanes) |*lane| {
+            const keys = settings.step_keys;
+            lane.ids = try allocator.alloc(BlockId, keys);
+            lane.shards = try allocator.alloc(u32, keys);
+            lane.results = try allocator.alloc(GetResult, keys);
+            lane.slots = try allocator.alloc(u32, keys);
+            lane.entries = try allocator.alloc(u32, keys);
+            lane.again = try allocator.alloc(u32, keys);
+        }
+        errdefer queue.stop_and_join();
+        queue.lanes[load_lane].thread = std.Thread.spawn(.{}, dispatch_loop, .{ queue, @as(u32, load_lane) }) catch
+            return error.SystemResources;
+        queue.lanes[dump_lane].thread = std.Thread.spawn(.{}, dispatch_loop, .{ queue, @as(u32, dump_lane) }) catch
+            return error.SystemResources;
+        var index: u32 = 0;
+        while (index < settings.copy_threads) : (index += 1) {
+            queue.copy_threads[index] = std.Thread.spawn(.{}, copy_loop, .{queue}) catch
+                return error.SystemResources;
+            queue.copy_thread_count = index + 1;
+        }
+        return queue;
+    }
+
+    fn free_scratch(queue: *Queue) void {
+        const allocator = queue.allocator;
+        for (&queue.lanes) |*lane| {
+            if (lane.ids.len > 0) allocator.free(lane.ids);
+            if (lane.shards.len > 0) allocator.free(lane.shards);
+            if (lane.results.len > 0) allocator.free(lane.results);
+            if (lane.slots.len > 0) allocator.free(lane.slots);
+            if (lane.entries.len > 0) allocator.free(lane.entries);
+            if (lane.again.len > 0) allocator.free(lane.again);
+            lane.ids = &.{};
+            lane.shards = &.{};
+            lane.results = &.{};
+            lane.slots = &.{};
+            lane.entries = &.{};
+            lane.again = &.{};
+        }
+    }
+
+    /// Stops every thread (after `drain`, or with tasks left: they never complete) and frees
+    /// the queue. The caller's loaders must have left `next_work` (it returns `closed`).
+    pub fn destroy(queue: *Queue) void {
+        queue.stop_and_join();
+        const allocator = queue.allocator;
+        queue.free_scratch();
+        allocator.free(queue.copies.items);
+        allocator.free(queue.work.items);
+        allocator.free(queue.local_flags);
+        allocator.free(queue.uses);
+        allocator.free(queue.segment_bases);
+        allocator.free(queue.tensor_sizes);
+        allocator.destroy(queue);
+    }
+
+    /// Stops the threads; idempotent. Work and copy rings stop, so loaders get `closed`.
+    pub fn stop_and_join(queue: *Queue) void {
+        queue.mutex.lock();
+        queue.closing = true;
+        queue.stopping = true;
+        for (&queue.lanes) |*lane| lane.not_empty.broadcast();
+        queue.space.broadcast();
+        queue.mutex.unlock();
+        queue.work.stop();
+        queue.copies.stop();
+        for (&queue.lanes) |*lane| {
+            if (lane.thread) |thread| thread.join();
+            lane.thread = null;
+        }
+        for (queue.copy_threads[0..queue.copy_thread_count]) |thread| thread.join();
+        queue.copy_thread_count = 0;
+    }
+
+    pub fn count(queue: *Queue, counter: Counter, amount: u64) void {
+        if (amount == 0) return;
+        // Monotonic: statistics order nothing else.
+        _ = queue.counters[@intFromEnum(counter)].fetchAdd(amount, .monotonic);
+    }
+
+    pub fn counter_value(queue: *const Queue, counter: Counter) u64 {
+        return queue.counters[@intFromEnum(counter)].load(.monotonic);
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Submission and completion.
+
+    pub const Submission = struct {
+        kind: TaskKind,
+        flags: u32,
+        ids: []const BlockId,
+        shards: []const u32,
+        addresses: ?[]const u64,
+        entry_flags: ?[]const u8,
+        results: []u8,
+        tag: u64,
+    };
+
+    /// Checks a submission against the settings; never trusts the caller.
+    pub fn validate(queue: *const Queue, submission: Submission) bool {
+        const n = submission.ids.len;
+        if (submission.shards.len != n or submission.results.len != n) return false;
+        if (n > constants.queue_task_keys_max) return false;
+        if (submission.flags & ~task_flags_valid != 0) return false;
+        if (submission.kind != .dump and submission.flags & task_flag_dirty != 0) return false;
+        if (submission.kind == .dump and submission.flags & task_flag_no_fill != 0) return false;
+        for (submission.shards) |shard| {
+            if (shard >= queue.settings.shards_per_block) return false;
+        }
+        if (submission.kind == .prefetch) {
+            if (submission.addresses != null or submission.entry_flags != null) return false;
+            return true;
+        }
+        const addresses = submission.addresses orelse return false;
+        if (addresses.len != n * queue.settings.tensor_count) return false;
+        for (addresses) |address| {
+            if (address == 0) return false;
+        }
+        if (submission.entry_flags) |entry_flags| {
+            if (submission.kind != .load or entry_flags.len != n) return false;
+            for (entry_flags) |flags| {
+                if (flags & ~entry_flag_caller_copy != 0) return false;
+            }
+        }
+        return true;
+    }
+
+    /// Hands a task over. Blocks up to `timeout_ns` while the lane is at its depth or every
+    /// task record is in use. Returns the token (generation << 32 | record index).
+    pub fn submit(queue: *Queue, submission: Submission, timeout_ns: u64) error{ Full, Closed }!u64 {
+        assert(queue.validate(submission));
+        const lane_index: u32 = if (submission.kind == .dump) dump_lane else load_lane;
+        const lane = &queue.lanes[lane_index];
+        @memset(submission.results, @intFromEnum(EntryResult.pending));
+        queue.mutex.lock();
+        defer queue.mutex.unlock();
+        const deadline_ns = futex.monotonic_ns() +| timeout_ns;
+        var rounds: u64 = 0;
+        while (queue.free_head == task_none or lane.count >= lane.depth) : (rounds += 1) {
+            assert(rounds < std.math.maxInt(u32));
+            if (queue.closing) return error.Closed;
+            const now_ns = futex.monotonic_ns();
+            if (now_ns >= deadline_ns) return error.Full;
+            queue.space.timedWait(&queue.mutex, @min(deadline_ns - now_ns, constants.queue_ring_wait_slice_ns)) catch {};
+        }
+        if (queue.closing) return error.Closed;
+        const index = queue.free_head;
+        const task = &queue.tasks[index];
+        assert(!task.live);
+        queue.free_head = task.next_free;
+        task.kind = submission.kind;
+        task.flags = submission.flags;
+        task.entry_count = @intCast(submission.ids.len);
+        task.tag = submission.tag;
+        task.ids = submission.ids.ptr;
+        task.shards = submission.shards.ptr;
+        task.addresses = if (submission.addresses) |a| a.ptr else null;
+        task.entry_flags = if (submission.entry_flags) |f| f.ptr else null;
+        task.results = submission.results.ptr;
+        task.generation +%= 1;
+        if (task.generation == 0) task.generation = 1;
+        // Monotonic: published to the dispatcher by the mutex.
+        task.remaining.store(task.entry_count + 1, .monotonic);
+        task.next_free = task_none;
+        task.live = true;
+        queue.tasks_live += 1;
+        lane.pending[(lane.head + lane.count) % lane.pending.len] = index;
+        lane.count += 1;
+        lane.not_empty.signal();
+        queue.count(if (submission.kind == .dump) .dump_tasks else .load_tasks, 1);
+        return (@as(u64, task.generation) << 32) | index;
+    }
+
+    fn token_parts(token: u64) struct { index: u32, generation: u32 } {
+        return .{ .index = @truncate(token), .generation = @intCast(token >> 32) };
+    }
+
+    /// Whether the task of `token` completed (null: not a token this queue handed out).
+    pub fn done(queue: *Queue, token: u64) ?bool {
+        const parts = token_parts(token);
+        if (parts.index >= queue.tasks.len or parts.generation == 0) return null;
+        const task = &queue.tasks[parts.index];
+        // Acquire: pairs with the release store in `complete`; the results are then visible.
+        const completed = task.completed.load(.acquire);
+        return @as(i32, @bitCast(completed -% parts.generation)) >= 0;
+    }
+
+    /// Blocks (futex, no polling) until the task completes or `timeout_ns` passes.
+    pub fn wait(queue: *Queue, token: u64, timeout_ns: u64) ?bool {
+        const parts = token_parts(token);
+        if (parts.index >= queue.tasks.len or parts.generation == 0) return null;
+        const task = &queue.tasks[parts.index];
+        const deadline_ns = futex.monotonic_ns() +| timeout_ns;
+        var rounds: u64 = 0;
+        while (rounds < std.math.maxInt(u32)) : (rounds += 1) {
+            const completed = task.completed.load(.acquire);
+            if (@as(i32, @bitCast(completed -% parts.generation)) >= 0) return true;
+            const now_ns = futex.monotonic_ns();
+            if (now_ns >= deadline_ns) return false;
+            _ = futex.wait(&task.completed, completed, deadline_ns - now_ns);
+        }
+        return false;
+    }
+
+    /// Blocks until no task is live (every submitted task completed) or `timeout_ns` passes;
+    /// refuses new submissions from now on.
+    pub fn drain(queue: *Queue, timeout_ns: u64) bool {
+        queue.mutex.lock();
+        defer queue.mutex.unlock();
+        queue.closing = true;
+        queue.space.broadcast();
+        const deadline_ns = futex.monotonic_ns() +| timeout_ns;
+        var rounds: u64 = 0;
+        while (queue.tasks_live > 0) : (rounds += 1) {
+            assert(rounds < std.math.maxInt(u32));
+            const now_ns = futex.monotonic_ns();
+            if (now_ns >= deadline_ns) return false;
+            queue.drained.timedWait(&queue.mutex, @min(deadline_ns - now_ns, constants.queue_ring_wait_slice_ns)) catch {};
+        }
+        return true;
+    }
+
+    fn finish_entry(queue: *Queue, task_index: u32, entry: u32, result: EntryResult) void {
+        const task = &queue.tasks[task_index];
+        assert(task.live);
+        assert(entry < task.entry_count);
+        assert(result != .pending);
+        // Each entry is finished exactly once; a loader's report claimed it first (`reported`).
+        const current = @atomicLoad(u8, &task.results[entry], .monotonic);
+        assert(current == @intFromEnum(EntryResult.pending) or current == @intFromEnum(EntryResult.reported));
+        // Monotonic: published by the release store that completes the task.
+        @atomicStore(u8, &task.results[entry], @intFromEnum(result), .monotonic);
+        if (result != .ok) queue.count(.failed_shards, 1);
+        queue.release_task(task_index);
+    }
+
+    /// Drops one count of `remaining`; the last completes the task.
+    fn release_task(queue: *Queue, task_index: u32) void {
+        const task = &queue.tasks[task_index];
+        // AcqRel: the last decrement sees every result written by the other threads.
+        const previous = task.remaining.fetchSub(1, .acq_rel);
+        assert(previous > 0);
+        if (previous == 1) queue.complete(task_index);
+    }
+
+    fn complete(queue: *Queue, task_index: u32) void {
+        const task = &queue.tasks[task_index];
+        const generation = task.generation;
+        queue.mutex.lock();
+        defer queue.mutex.unlock();
+        assert(task.live);
+        task.live = false;
+        task.next_free = queue.free_head;
+        queue.free_head = task_index;
+        assert(queue.tasks_live > 0);
+        queue.tasks_live -= 1;
+        // Release: every result byte and copied destination byte is visible to whoever
+        // acquires the generation. The caller's arrays are not touched after this store.
+        task.completed.store(generation, .release);
+        _ = futex.wake_all(&task.completed);
+        queue.space.signal();
+        if (queue.tasks_live == 0) queue.drained.broadcast();
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Local references.
+
+    /// Batched Get plus the local use counts: HELD (this process holds the slot already) is
+    /// resolved here into HIT (known Ready) or WAITER (being filled, here or elsewhere).
+    fn claim(queue: *Queue, ids: []const BlockId, shards: []const u32, results: []GetResult, slots: []u32) void {
+        assert(ids.len == shards.len and results.len == ids.len and slots.len == ids.len);
+        const started_ns = futex.monotonic_ns();
+        queue.refs_mutex.lock();
+        defer queue.refs_mutex.unlock();
+        queue.buffer.get(ids, shards, .{ .results = results, .slots = slots });
+        for (results, slots) |*result, slot| {
+            switch (result.*) {
+                .hit, .owner, .waiter => {
+                    assert(queue.uses[slot] == 0);
+                    queue.uses[slot] = 1;
+                    queue.local_flags[slot] = switch (result.*) {
+                        .hit => local_flag_ready,
+                        .owner => local_flag_owned,
+                        else => 0,
+                    };
+                },
+                .held => {
+                    assert(queue.uses[slot] > 0);
+                    queue.uses[slot] += 1;
+                    const flags = queue.local_flags[slot];
+                    if (flags & local_flag_ready != 0) {
+                        result.* = .hit;
+                    } else if (flags & local_flag_owned != 0) {
+                        result.* = .waiter;
+                    } else if (queue.buffer.slots[slot].state.load(.acquire) == @intFromEnum(State.ready)) {
+                        queue.local_flags[slot] = local_flag_ready;
+                        result.* = .hit;
+                    } else {
+                        result.* = .waiter;
+                    }
+                },
+                .no_slot, .lock_timeout => {},
+            }
+        }
+        queue.count(.get_ns, futex.monotonic_ns() - started_ns);
+        queue.count(.get_keys, ids.len);
+    }
+
+    /// Drops one local use per slot; the process's native reference goes with the last use.
+    fn release_slots(queue: *Queue, slots: []u32) void {
+        if (slots.len == 0) return;
+        queue.refs_mutex.lock();
+        defer queue.refs_mutex.unlock();
+        var last: usize = 0;
+        for (slots) |slot| {
+            assert(queue.uses[slot] > 0);
+            queue.uses[slot] -= 1;
+            if (queue.uses[slot] == 0) {
+                queue.local_flags[slot] = 0;
+                // In place: `last` never passes the read position.
+                slots[last] = slot;
+                last += 1;
+            }
+        }
+        const released = queue.buffer.release(slots[0..last]);
+        queue.count(.release_failures, last - released);
+    }
+
+    fn release_one(queue: *Queue, slot: u32) void {
+        var one = [1]u32{slot};
+        queue.release_slots(&one);
+    }
+
+    /// Publishes a slot owned here: the native commit (wakes other ranks), then the local flags.
+    fn commit(queue: *Queue, slot: u32, state: State, dirty: bool) bool {
+        assert(state != .idle);
+        // Write-back debt (issue 11) is recorded by the commit once the control plane has a
+        // dirty bit; until then a dirty dump commits like any other.
+        _ = dirty;
+        var out = [1]buffer_module.CommitResult{.ok};
+        const code: u8 = @intCast(@intFromEnum(state));
+        queue.buffer.commit(&.{slot}, &.{code}, &out);
+        queue.refs_mutex.lock();
+        defer queue.refs_mutex.unlock();
+        assert(queue.uses[slot] > 0);
+        queue.local_flags[slot] = if (out[0] == .ok and state == .ready) local_flag_ready else 0;
+        return out[0] == .ok;
+    }
+
+    fn locally_owned(queue: *Queue, slot: u32) bool {
+        queue.refs_mutex.lock();
+        defer queue.refs_mutex.unlock();
+        return queue.local_flags[slot] & local_flag_owned != 0;
+    }
+
+    fn mark_owned(queue: *Queue, slot: u32) void {
+        queue.refs_mutex.lock();
+        defer queue.refs_mutex.unlock();
+        assert(queue.uses[slot] > 0);
+        queue.local_flags[slot] = local_flag_owned;
+    }
+
+    /// Slots this process holds through the queue (tests and the leak check at close).
+    pub fn held_slot_count(queue: *Queue) u32 {
+        queue.refs_mutex.lock();
+        defer queue.refs_mutex.unlock();
+        var held: u32 = 0;
+        for (queue.uses) |uses| held += @intFromBool(uses > 0);
+        return held;
+    }
+
+    pub fn slot_address_of(queue: *const Queue, slot: u32) usize {
+        assert(slot < queue.buffer.slots.len);
+        return queue.slot_address(slot);
+    }
+
+    fn slot_address(queue: *const Queue, slot: u32) usize {
+        const location = queue.buffer.slot_location(slot);
+        const base = queue.segment_bases[location.segment];
+        assert(base != 0);
+        return base + @as(usize, @intCast(location.offset_bytes));
+    }
+
+    /// Faults the slot's pages in before it is written: a shortage is an errno here.
+    fn ensure_resident(queue: *Queue, slot: u32) bool {
+        const populater = queue.populater orelse return true;
+        const err = populater.ensure(queue.slot_address(slot), @intCast(queue.settings.shard_size_bytes));
+        if (err == .SUCCESS) return true;
+        queue.count(.no_memory, 1);
+        return false;
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Dispatchers.
+
+    fn dispatch_loop(queue: *Queue, lane_index: u32) void {
+        seg_sys.block_signals();
+        const lane = &queue.lanes[lane_index];
+        var tasks: u64 = 0;
+        while (tasks < std.math.maxInt(u64)) : (tasks += 1) {
+            const task_index = queue.pop_task(lane) orelse return;
+            const task = &queue.tasks[task_index];
+            switch (task.kind) {
+                .load, .prefetch => queue.dispatch_load(lane, task_index),
+                .dump => queue.dispatch_dump(lane, task_index),
+            }
+        }
+    }
+
+    fn pop_task(queue: *Queue, lane: *Lane) ?u32 {
+        queue.mutex.lock();
+        defer queue.mutex.unlock();
+        var rounds: u64 = 0;
+        while (lane.count == 0) : (rounds += 1) {
+            assert(rounds < std.math.maxInt(u64));
+            if (queue.stopping) return null;
+            lane.not_empty.wait(&queue.mutex);
+        }
+        const index = lane.pending[lane.head];
+        lane.head = (lane.head + 1) % @as(u32, lane.pending.len);
+        lane.count -= 1;
+        queue.space.signal();
+        return index;
+    }
+
+    fn lane_idle(queue: *Queue, lane: *const Lane) bool {
+        queue.mutex.lock();
+        defer queue.mutex.unlock();
+        return lane.count == 0;
+    }
+
+    /// The walk order of a task as at most `local_rank_size` pieces, each `start, start +
+    /// stride, ... < end`. RearrangeIndex: this rank's stride (start `device_id % L`, stride L)
+    /// first, then the others in rotation (Scenario A). Natural order (kept to measure what
+    /// the rotation buys): L contiguous pieces, so every rank claims the same piece at once.
+    const Piece = struct { start: u32, stride: u32, end: u32 };
+    const Walk = struct {
+        pieces: [constants.queue_local_rank_size_max]Piece,
+        piece_count: u32,
+    };
+
+    fn walk_of(queue: *const Queue, n: u32) Walk {
+        var walk = Walk{ .pieces = undefined, .piece_count = 0 };
+        const ranks = queue.settings.local_rank_size;
+        assert(ranks >= 1 and ranks <= constants.queue_local_rank_size_max);
+        if (n == 0) return walk;
+        if (queue.settings.flags & settings_flag_rearrange != 0) {
+            const first = queue.settings.device_id % ranks;
+            for (0..ranks) |k| {
+                const start: u32 = @intCast((first + k) % ranks);
+                if (start >= n) continue;
+                walk.pieces[walk.piece_count] = .{ .start = start, .stride = ranks, .end = n };
+                walk.piece_count += 1;
+            }
+        } else {
+            const width = std.math.divCeil(u32, n, ranks) catch unreachable;
+            var start: u32 = 0;
+            while (start < n) : (start += width) {
+                assert(walk.piece_count < ranks);
+                walk.pieces[walk.piece_count] = .{ .start = start, .stride = 1, .end = @min(n, start + width) };
+                walk.piece_count += 1;
+            }
+        }
+        assert(walk.piece_count >= 1);
+        return walk;
+    }
+
+    fn dispatch_load(queue: *Queue, lane: *Lane, task_index: u32) void {
+        const task = &queue.tasks[task_index];
+        const n = task.entry_count;
+        const limit = queue.step_limit();
+        const walk = queue.walk_of(n);
+        for (walk.pieces[0..walk.piece_count]) |piece| {
+            // Each piece is cut into steps of at most `limit` keys.
+            var position = piece.start;
+            var steps: u32 = 0;
+            while (position < piece.end) : (steps += 1) {
+                assert(steps <= n);
+                var k: u32 = 0;
+                while (k < limit and position < piece.end) : (k += 1) {
+                    lane.entries[k] = position;
+                    position += piece.stride;
+                }
+                queue.load_step(lane, task_index, lane.entries[0..k]);
+            }
+        }
+        // Idle window (seed 3.4): prewarm (block, index + 1) of this task's blocks when no
+        // task waits. The keys are copied first: the task may complete as soon as the
+        // dispatcher lets go of it, and its arrays are the caller's.
+        var prewarm_count: u32 = 0;
+        if (task.kind == .load and queue.settings.flags & settings_flag_prealloc != 0) {
+            var entry: u32 = 0;
+            while (entry < n and prewarm_count < lane.ids.len) : (entry += 1) {
+                const next = task.shards[entry] + 1;
+                if (next >= queue.settings.shards_per_block) continue;
+                lane.ids[prewarm_count] = task.ids[entry];
+                lane.shards[prewarm_count] = next;
+                prewarm_count += 1;
+            }
+        }
+        queue.release_task(task_index);
+        if (prewarm_count > 0 and queue.lane_idle(lane)) {
+            const outcomes: []buffer_module.PreallocResult = @ptrCast(lane.results[0..prewarm_count]);
+            queue.buffer.prealloc(lane.ids[0..prewarm_count], lane.shards[0..prewarm_count], outcomes);
+            var allocated: u64 = 0;
+            for (outcomes) |outcome| allocated += @intFromBool(outcome == .allocated);
+            queue.count(.prewarmed, allocated);
+        }
+    }
+
+    /// A step holds a reference on every slot it claims: half the regular pool at most, so a
+    /// task larger than the buffer still finds free slots.
+    fn step_limit(queue: *const Queue) u32 {
+        const half = @max(1, queue.buffer.geometry.slot_count_regular / 2);
+        return @max(1, @min(queue.settings.step_keys, half));
+    }
+
+    fn begin_step(lane: *Lane) u32 {
+        const previous = lane.step_word.load(.monotonic);
+        const step: u32 = @as(u32, @intCast(previous >> 32)) +% 1;
+        // Release: a loader that reads the word sees the step as begun.
+        lane.step_word.store(@as(u64, step) << 32, .release);
+        return step;
+    }
+
+    fn add_outstanding(lane: *Lane, step: u32, amount: u32) void {
+        if (amount == 0) return;
+        // AcqRel: orders with the loaders' decrements; only the dispatcher adds, for its step.
+        const previous = lane.step_word.fetchAdd(amount, .acq_rel);
+        assert(@as(u32, @intCast(previous >> 32)) == step);
+    }
+
+    /// A loader filled one owned key of `step`: counts it down if the step is still current.
+    fn fill_returned(lane: *Lane, step: u32) void {
+        var attempts: u32 = 0;
+        while (attempts < constants.buffer_cas_attempts_max * 64) : (attempts += 1) {
+            const word = lane.step_word.load(.acquire);
+            if (@as(u32, @intCast(word >> 32)) != step) return; // the dispatcher moved on
+            const outstanding: u32 = @truncate(word);
+            assert(outstanding > 0);
+            // AcqRel: the dispatcher's acquire load sees the fill's commit.
+            if (lane.step_word.cmpxchgWeak(word, word - 1, .acq_rel, .acquire) == null) {
+                if (outstanding == 1) {
+                    _ = lane.step_wake.fetchAdd(1, .release);
+                    _ = futex.wake_all(&lane.step_wake);
+                }
+                return;
+            }
+        }
+        unreachable; // The only other writers are loaders decrementing: the CAS succeeds soon.
+    }
+
+    fn wait_step(lane: *Lane, deadline_ns: u64) void {
+        var rounds: u64 = 0;
+        while (rounds < std.math.maxInt(u32)) : (rounds += 1) {
+            // Read the wake word before the count: a fill between the two changes the word.
+            const wake = lane.step_wake.load(.acquire);
+            if (@as(u32, @truncate(lane.step_word.load(.acquire))) == 0) return;
+            const now_ns = futex.monotonic_ns();
+            if (now_ns >= deadline_ns) return;
+            _ = futex.wait(&lane.step_wake, wake, deadline_ns - now_ns);
+        }
+    }
+
+    fn load_step(queue: *Queue, lane: *Lane, task_index: u32, entries: []const u32) void {
+        const task = &queue.tasks[task_index];
+        const k = entries.len;
+        assert(k > 0 and k <= lane.ids.len);
+        for (entries, 0..) |entry, i| {
+            lane.ids[i] = task.ids[entry];
+            lane.shards[i] = task.shards[entry];
+        }
+        const results = lane.results[0..k];
+        const slots = lane.slots[0..k];
+        queue.claim(lane.ids[0..k], lane.shards[0..k], results, slots);
+        const step = begin_step(lane);
+        const started_ns = futex.monotonic_ns();
+        const no_fill = task.flags & task_flag_no_fill != 0;
+        // Hits first: the copy threads start while the rest of the step is sorted out.
+        var hits: u64 = 0;
+        for (entries, results, slots) |entry, result, slot| {
+            if (result != .hit) continue;
+            hits += 1;
+            queue.entry_ready(task_index, entry, slot);
+        }
+        // Owned keys: to the loaders in `fill_parts` batches (concurrent loads below). Those
+        // that cannot be filled here are finished first, so the batches are cut exactly.
+        var owned: u32 = 0;
+        for (entries, results, slots) |entry, *result, slot| {
+            if (result.* != .owner) continue;
+            queue.count(.owned, 1);
+            const fail: ?EntryResult = if (no_fill) .missing else if (!queue.ensure_resident(slot)) .no_memory else null;
+            if (fail) |code| {
+                _ = queue.commit(slot, if (code == .missing) .missing else .failed, false);
+                queue.release_one(slot);
+                queue.finish_entry(task_index, entry, code);
+                result.* = .held; // handled: skipped below
+                continue;
+            }
+            owned += 1;
+        }
+        add_outstanding(lane, step, owned);
+        const parts = @min(queue.settings.fill_parts, @max(owned, 1));
+        var pushed: u32 = 0;
+        for (entries, results, slots) |entry, result, slot| {
+            if (result != .owner) continue;
+            pushed += 1;
+            const batch_end = part_ends(pushed, owned, parts);
+            queue.push_work(.{ .task = task_index, .entry = entry, .slot = slot, .step = step, .kind = .fill, .batch_end = batch_end });
+        }
+        assert(pushed == owned);
+        // Keys that got no slot: loaded from below straight into the destination.
+        var bypass_count: u32 = 0;
+        for (results) |result| bypass_count += @intFromBool(result == .no_slot or result == .lock_timeout);
+        const bypass_parts = @min(queue.settings.fill_parts, @max(bypass_count, 1));
+        var bypassed: u32 = 0;
+        for (entries, results) |entry, result| {
+            if (result != .no_slot and result != .lock_timeout) continue;
+            bypassed += 1;
+            queue.bypass(task_index, entry, step, part_ends(bypassed, bypass_count, bypass_parts));
+        }
+        // Waiters: sleep on each slot's futex, one deadline for the step. A prefetch does not
+        // wait: whoever fills the slot brings the key up anyway.
+        var waited: u64 = 0;
+        const deadline_ns = started_ns +| queue.settings.wait_timeout_ns;
+        for (entries, results, slots) |entry, result, slot| {
+            if (result != .waiter) continue;
+            waited += 1;
+            if (task.kind == .prefetch) {
+                queue.release_one(slot);
+                queue.finish_entry(task_index, entry, .ok);
+                continue;
+            }
+            if (queue.resolve_waiter(lane, step, task_index, entry, slot, deadline_ns)) hits += 1;
+        }
+        queue.count(.waited, waited);
+        if (task.kind == .load) {
+            queue.count(.hits, hits);
+            queue.count(.misses, k - hits);
+        }
+        wait_step(lane, deadline_ns);
+    }
+
+    /// Whether item `position` (1-based) of `total` ends one of `parts` near-equal pieces.
+    fn part_ends(position: u32, total: u32, parts: u32) bool {
+        assert(position >= 1 and position <= total);
+        assert(parts >= 1 and parts <= total);
+        if (position == total) return true;
+        var part: u32 = 1;
+        while (part < parts) : (part += 1) {
+            const boundary = (@as(u64, total) * part + parts - 1) / parts;
+            if (boundary == position) return true;
+        }
+        return false;
+    }
+
+    /// A Ready slot this entry holds: copied by the copy threads, by the caller (caller copy),
+    /// or, for a prefetch, simply released.
+    fn entry_ready(queue: *Queue, task_index: u32, entry: u32, slot: u32) void {
+        const task = &queue.tasks[task_index];
+        if (task.kind == .prefetch) {
+            queue.release_one(slot);
+            queue.finish_entry(task_index, entry, .ok);
+            return;
+        }
+        if (task.entry_flags) |flags| {
+            if (flags[entry] & entry_flag_caller_copy != 0) {
+                queue.push_work(.{ .task = task_index, .entry = entry, .slot = slot, .step = 0, .kind = .copy_out, .batch_end = true });
+                return;
+            }
+        }
+        queue.push_copy(.{ .task = task_index, .entry = entry, .slot = slot });
+    }
+
+    fn bypass(queue: *Queue, task_index: u32, entry: u32, step: u32, batch_end: bool) void {
+        const task = &queue.tasks[task_index];
+        queue.count(.bypassed, 1);
+        if (task.flags & task_flag_no_fill != 0) {
+            queue.finish_entry(task_index, entry, .missing);
+        } else if (task.kind == .prefetch) {
+            // Without a slot a prefetch has nowhere to put the bytes.
+            queue.finish_entry(task_index, entry, .ok);
+        } else {
+            queue.push_work(.{ .task = task_index, .entry = entry, .slot = buffer_module.slot_none, .step = step, .kind = .bypass, .batch_end = batch_end });
+        }
+    }
+
+    /// Waits for one slot another rank (or this one) fills. Returns whether it became a hit.
+    fn resolve_waiter(queue: *Queue, lane: *Lane, step: u32, task_index: u32, entry: u32, slot: u32, deadline_ns: u64) bool {
+        const task = &queue.tasks[task_index];
+        var rounds: u32 = 0;
+        var step_deadline_ns = deadline_ns;
+        while (rounds <= constants.queue_wait_rounds_max) : (rounds += 1) {
+            var out = [1]WaitResult{.idle};
+            const now_ns = futex.monotonic_ns();
+            queue.buffer.wait(&.{slot}, step_deadline_ns -| now_ns, &out);
+            switch (out[0]) {
+                .ready => {
+                    queue.set_ready(slot);
+                    queue.entry_ready(task_index, entry, slot);
+                    return true;
+                },
+                .failed, .missing => {
+                    queue.release_one(slot);
+                    queue.finish_entry(task_index, entry, if (out[0] == .failed) .owner_failed else .owner_missing);
+                    return false;
+                },
+                .takeover => {
+                    // The owner died: this rank loads it now.
+                    queue.count(.takeovers, 1);
+                    queue.mark_owned(slot);
+                    if (task.flags & task_flag_no_fill != 0) {
+                        _ = queue.commit(slot, .missing, false);
+                        queue.release_one(slot);
+                        queue.finish_entry(task_index, entry, .missing);
+                    } else if (!queue.ensure_resident(slot)) {
+                        _ = queue.commit(slot, .failed, false);
+                        queue.release_one(slot);
+                        queue.finish_entry(task_index, entry, .no_memory);
+                    } else {
+                        add_outstanding(lane, step, 1);
+                        queue.push_work(.{ .task = task_index, .entry = entry, .slot = slot, .step = step, .kind = .fill, .batch_end = true });
+                    }
+                    return false;
+                },
+                .idle, .lock_timeout => {
+                    // A thread of this process is filling it: waiting longer is the only
+                    // option (giving it up would hand the slot to another owner mid-fill).
+                    if (out[0] == .idle and rounds < constants.queue_wait_rounds_max and queue.locally_owned(slot)) {
+                        step_deadline_ns = futex.monotonic_ns() +| queue.settings.wait_timeout_ns;
+                        continue;
+                    }
+                    // Timed out behind a live owner, or lock trouble: load it here, from below.
+                    queue.release_one(slot);
+                    queue.bypass(task_index, entry, step, true);
+                    return false;
+                },
+            }
+        }
+        unreachable;
+    }
+
+    fn set_ready(queue: *Queue, slot: u32) void {
+        queue.refs_mutex.lock();
+        defer queue.refs_mutex.unlock();
+        assert(queue.uses[slot] > 0);
+        queue.local_flags[slot] |= local_flag_ready;
+    }
+
+    fn push_work(queue: *Queue, item: WorkItem) void {
+        var stamped = item;
+        stamped.generation = queue.tasks[item.task].generation;
+        assert(queue.tasks[item.task].live);
+        queue.count(.work_items, 1);
+        queue.work.push(stamped);
+    }
+
+    fn push_copy(queue: *Queue, item: CopyItem) void {
+        var stamped = item;
+        stamped.generation = queue.tasks[item.task].generation;
+        assert(queue.tasks[item.task].live);
+        queue.copies.push(stamped);
+    }
+
+    fn dispatch_dump(queue: *Queue, lane: *Lane, task_index: u32) void {
+        const task = &queue.tasks[task_index];
+        const n = task.entry_count;
+        const limit = queue.step_limit();
+        var position: u32 = 0;
+        var steps: u32 = 0;
+        while (position < n) : (steps += 1) {
+            assert(steps <= n);
+            const k = @min(limit, n - position);
+            for (0..k) |i| lane.entries[i] = position + @as(u32, @intCast(i));
+            queue.dump_step(lane, task_index, lane.entries[0..k]);
+            position += k;
+        }
+        queue.release_task(task_index);
+    }
+
+    fn dump_step(queue: *Queue, lane: *Lane, task_index: u32, entries: []const u32) void {
+        const task = &queue.tasks[task_index];
+        const k = entries.len;
+        for (entries, 0..) |entry, i| {
+            lane.ids[i] = task.ids[entry];
+            lane.shards[i] = task.shards[entry];
+        }
+        queue.claim(lane.ids[0..k], lane.shards[0..k], lane.results[0..k], lane.slots[0..k]);
+        var again: usize = 0;
+        for (entries, lane.results[0..k], lane.slots[0..k]) |entry, result, slot| {
+            switch (result) {
+                .owner => queue.dump_owned(task_index, entry, slot),
+                // Ready already: a dump replaces a key's bytes (the Tier contract), below.
+                .hit => {
+                    queue.release_one(slot);
+                    lane.again[again] = entry;
+                    again += 1;
+                },
+                // Another rank or thread is filling it right now: its bytes are the same.
+                .waiter => {
+                    queue.release_one(slot);
+                    queue.finish_entry(task_index, entry, .ok);
+                    queue.count(.dumped_shards, 1);
+                },
+                .no_slot => queue.finish_entry(task_index, entry, .no_slot),
+                .lock_timeout => queue.finish_entry(task_index, entry, .lock_timeout),
+                .held => unreachable, // Resolved by `claim`.
+            }
+        }
+        if (again == 0) return;
+        // Remove what nobody uses, then claim afresh; a key still in use keeps its (equal)
+        // bytes. The lane's id/shard scratch is reused: the first pass is done with it.
+        for (lane.again[0..again], 0..) |entry, i| {
+            lane.ids[i] = task.ids[entry];
+            lane.shards[i] = task.shards[entry];
+        }
+        _ = queue.buffer.remove(lane.ids[0..again], lane.shards[0..again], false) catch 0;
+        queue.claim(lane.ids[0..again], lane.shards[0..again], lane.results[0..again], lane.slots[0..again]);
+        for (lane.again[0..again], lane.results[0..again], lane.slots[0..again]) |entry, result, slot| {
+            switch (result) {
+                .owner => queue.dump_owned(task_index, entry, slot),
+                .hit, .waiter => {
+                    queue.release_one(slot);
+                    queue.finish_entry(task_index, entry, .ok);
+                    queue.count(.dumped_shards, 1);
+                },
+                .no_slot => queue.finish_entry(task_index, entry, .no_slot),
+                .lock_timeout => queue.finish_entry(task_index, entry, .lock_timeout),
+                .held => unreachable,
+            }
+        }
+    }
+
+    fn dump_owned(queue: *Queue, task_index: u32, entry: u32, slot: u32) void {
+        if (!queue.ensure_resident(slot)) {
+            _ = queue.commit(slot, .failed, false);
+            queue.release_one(slot);
+            queue.finish_entry(task_index, entry, .no_memory);
+            return;
+        }
+        queue.push_copy(.{ .task = task_index, .entry = entry, .slot = slot });
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Copy threads.
+
+    fn copy_loop(queue: *Queue) void {
+        seg_sys.block_signals();
+        var batch: [constants.queue_copy_batch_items]CopyItem = undefined;
+        var slots: [constants.queue_copy_batch_items]u32 = undefined;
+        var loads: [constants.queue_copy_batch_items]CopyItem = undefined;
+        var batches: u64 = 0;
+        while (batches < std.math.maxInt(u64)) : (batches += 1) {
+            const taken = queue.take_copies(&batch);
+            if (taken == 0) return;
+            const started_ns = futex.monotonic_ns();
+            var load_count: usize = 0;
+            for (batch[0..taken]) |item| {
+                const task = &queue.tasks[item.task];
+                // An item never outlives its task: its entry holds one count of `remaining`.
+                assert(task.live and task.generation == item.generation);
+                if (task.kind == .dump) {
+                    // Finishes its entry: the task (and its record) may be gone after this.
+                    queue.copy_dump(item);
+                } else {
+                    queue.copy_load(item);
+                    slots[load_count] = item.slot;
+                    loads[load_count] = item;
+                    load_count += 1;
+                }
+            }
+            queue.count(.copy_ns, futex.monotonic_ns() - started_ns);
+            queue.count(.copy_bytes, taken * queue.settings.shard_size_bytes);
+            // Released before the entries finish: a finished task's caller may reuse the keys.
+            queue.release_slots(slots[0..load_count]);
+            queue.count(.loaded_shards, load_count);
+            for (loads[0..load_count]) |item| queue.finish_entry(item.task, item.entry, .ok);
+        }
+    }
+
+    /// Takes up to `queue_copy_batch_bytes` of copies (at least one item); 0 when stopped.
+    fn take_copies(queue: *Queue, batch: []CopyItem) usize {
+        const ring = &queue.copies;
+        ring.mutex.lock();
+        defer ring.mutex.unlock();
+        var rounds: u64 = 0;
+        while (!ring.wait_item_locked(constants.queue_ring_wait_slice_ns)) : (rounds += 1) {
+            assert(rounds < std.math.maxInt(u64));
+            if (ring.stopped) return 0;
+        }
+        var taken: usize = 0;
+        var bytes: u64 = 0;
+        while (ring.count > 0 and taken < batch.len and (taken == 0 or bytes < constants.queue_copy_batch_bytes)) {
+            batch[taken] = ring.pop_locked();
+            taken += 1;
+            bytes += queue.settings.shard_size_bytes;
+        }
+        // More left: another copy thread may take it now.
+        if (ring.count > 0) ring.not_empty.signal();
+        return taken;
+    }
+
+    fn copy_load(queue: *Queue, item: CopyItem) void {
+        const task = &queue.tasks[item.task];
+        const addresses = task.addresses.?;
+        const tensors = queue.settings.tensor_count;
+        var source = queue.slot_address(item.slot);
+        const first = @as(usize, item.entry) * tensors;
+        for (queue.tensor_sizes, 0..) |size, j| {
+            const target: usize = @intCast(addresses[first + j]);
+            _ = memcpy(@ptrFromInt(target), @ptrFromInt(source), @intCast(size));
+            source += @intCast(size);
+        }
+    }
+
+    fn copy_dump(queue: *Queue, item: CopyItem) void {
+        const task = &queue.tasks[item.task];
+        const addresses = task.addresses.?;
+        const tensors = queue.settings.tensor_count;
+        var target = queue.slot_address(item.slot);
+        const first = @as(usize, item.entry) * tensors;
+        for (queue.tensor_sizes, 0..) |size, j| {
+            const source: usize = @intCast(addresses[first + j]);
+            _ = memcpy(@ptrFromInt(target), @ptrFromInt(source), @intCast(size));
+            target += @intCast(size);
+        }
+        const committed = queue.commit(item.slot, .ready, task.flags & task_flag_dirty != 0);
+        queue.release_one(item.slot);
+        if (committed) queue.count(.dumped_shards, 1);
+        queue.finish_entry(item.task, item.entry, if (committed) .ok else .lock_timeout);
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // The caller's loaders.
+
+    /// Takes one batch of work (at most `out.len` items of one task and kind), waiting up to
+    /// `timeout_ns`. 0 when none came; null when the queue stopped and the ring is empty.
+    pub fn next_work(queue: *Queue, timeout_ns: u64, out: []WorkItem) ?usize {
+        assert(out.len > 0);
+        const ring = &queue.work;
+        ring.mutex.lock();
+        defer ring.mutex.unlock();
+        if (!ring.wait_item_locked(timeout_ns)) {
+            return if (ring.stopped and ring.count == 0) null else 0;
+        }
+        var taken: usize = 0;
+        while (ring.count > 0 and taken < out.len) {
+            const item = ring.pop_locked();
+            out[taken] = item;
+            taken += 1;
+            if (item.batch_end) break;
+        }
+        return taken;
+    }
+
+    pub const Report = struct {
+        token: u64,
+        entry: u32,
+        slot: u32,
+        step: u32,
+        kind: WorkKind,
+        state: WorkState,
+    };
+
+    /// Checks a loader's report against what the queue handed out (never trusts the caller)
+    /// and, when it is valid, claims the entry for this report: a second report of the same
+    /// item is refused. The caller then calls `work_done`.
+    pub fn accept_report(queue: *Queue, report: Report) bool {
+        const parts = token_parts(report.token);
+        if (parts.index >= queue.tasks.len) return false;
+        const task = &queue.tasks[parts.index];
+        queue.mutex.lock();
+        const live = task.live and task.generation == parts.generation;
+        queue.mutex.unlock();
+        if (!live) return false;
+        if (report.entry >= task.entry_count) return false;
+        switch (report.kind) {
+            .bypass => if (report.slot != buffer_module.slot_none) return false,
+            .fill, .copy_out => {
+                if (report.slot >= queue.buffer.slots.len) return false;
+                const slot = &queue.buffer.slots[report.slot];
+                if (slot.shard_index != task.shards[report.entry]) return false;
+                if (!std.mem.eql(u8, &slot.block_id, &task.ids[report.entry])) return false;
+                queue.refs_mutex.lock();
+                defer queue.refs_mutex.unlock();
+                if (queue.uses[report.slot] == 0) return false;
+                const owned = queue.local_flags[report.slot] & local_flag_owned != 0;
+                if (owned != (report.kind == .fill)) return false;
+            },
+        }
+        // AcqRel: one report wins the entry; the loser touches nothing.
+        const result: *u8 = &task.results[report.entry];
+        return @cmpxchgStrong(u8, result, @intFromEnum(EntryResult.pending), @intFromEnum(EntryResult.reported), .acq_rel, .monotonic) == null;
+    }
+
+    /// A loader finished one work item (accepted by `accept_report`).
+    pub fn work_done(queue: *Queue, report: Report) void {
+        const task_index = token_parts(report.token).index;
+        const task = &queue.tasks[task_index];
+        const entry = report.entry;
+        assert(task.results[entry] == @intFromEnum(EntryResult.reported));
+        switch (report.kind) {
+            .fill => {
+                const state: State = switch (report.state) {
+                    .ready => .ready,
+                    .failed => .failed,
+                    .missing => .missing,
+                };
+                const committed = queue.commit(report.slot, state, false);
+                // The step may end now: the owned key is published (or given up).
+                fill_returned(&queue.lanes[load_lane], report.step);
+                if (committed and state == .ready) {
+                    if (task.kind == .prefetch) queue.count(.prefetched_shards, 1);
+                    // The report is applied; the entry goes on (a copy, or a caller copy
+                    // whose own report claims it again).
+                    @atomicStore(u8, &task.results[entry], @intFromEnum(EntryResult.pending), .monotonic);
+                    queue.entry_ready(task_index, entry, report.slot);
+                    return;
+                }
+                queue.release_one(report.slot);
+                queue.finish_entry(task_index, entry, if (committed) .caller_failed else .lock_timeout);
+            },
+            .bypass => {
+                if (report.state == .ready) queue.count(.loaded_shards, 1);
+                queue.finish_entry(task_index, entry, if (report.state == .ready) .ok else .caller_failed);
+            },
+            .copy_out => {
+                queue.release_one(report.slot);
+                if (report.state == .ready) queue.count(.loaded_shards, 1);
+                queue.finish_entry(task_index, entry, if (report.state == .ready) .ok else .caller_failed);
+            },
+        }
+    }
+};

@@ -1,0 +1,740 @@
+//! Tests of the native load queue (queue.zig) over an in-memory CacheBuffer: hits, owners
+//! filled by a loader thread, waiters on another (simulated) process's load, failures, a dead
+//! owner taken over, no-fill loads, prefetch, Prealloc, dumps, caller copies, drain and stop;
+//! then a seeded model-based fuzzer of the queue's state machine.
+const std = @import("std");
+const constants = @import("constants.zig");
+const buffer_module = @import("buffer.zig");
+const queue_module = @import("queue.zig");
+const futex = @import("futex.zig");
+
+const Buffer = buffer_module.Buffer;
+const BlockId = buffer_module.BlockId;
+const Queue = queue_module.Queue;
+const EntryResult = queue_module.EntryResult;
+const assert = std.debug.assert;
+const expect = std.testing.expect;
+const expectEqual = std.testing.expectEqual;
+
+const tensor_sizes = [_]u64{ 96, 160 };
+const shard_size_bytes: u64 = 256;
+
+fn block_id_of(block: u32) BlockId {
+    var id: BlockId = @splat(0);
+    std.mem.writeInt(u32, id[0..4], block + 1, .little);
+    id[15] = 0xA7;
+    return id;
+}
+
+fn pattern_byte(id: *const BlockId, shard: u32, offset: usize, salt: u8) u8 {
+    const block = std.mem.readInt(u32, id[0..4], .little);
+    return @truncate(block *% 31 +% shard *% 7 +% offset +% salt);
+}
+
+fn fill_pattern(target: [*]u8, id: *const BlockId, shard: u32, salt: u8) void {
+    for (0..shard_size_bytes) |offset| target[offset] = pattern_byte(id, shard, offset, salt);
+}
+
+fn matches_pattern(source: []const u8, id: *const BlockId, shard: u32, salt: u8) bool {
+    for (source, 0..) |byte, offset| {
+        if (byte != pattern_byte(id, shard, offset, salt)) return false;
+    }
+    return true;
+}
+
+/// Simulated other processes (other ranks): liveness by this table, the real process (the
+/// queue's own holder) is always alive.
+const FakeProcess = struct { pid: u32, start_time: u64, alive: bool };
+var fake_processes: [2]FakeProcess = undefined;
+
+fn fake_identity_alive(pid: u32, start_time: u64) bool {
+    for (fake_processes) |process| {
+        if (process.pid == pid and process.start_time == start_time) return process.alive;
+    }
+    return true;
+}
+
+const Harness = struct {
+    ctrl: []align(64) u8,
+    data: []align(4096) u8,
+    base: Buffer,
+    own: Buffer,
+    others: [2]Buffer,
+    queue: *Queue,
+    loader: std.Thread,
+    /// Keys (block << 8 | shard) the loader fails, and those it reports missing.
+    fail_keys: std.AutoHashMap(u64, void),
+    missing_keys: std.AutoHashMap(u64, void),
+    lock: std.Thread.Mutex = .{},
+    /// Fills by the loader (the tiers below), in the order it was asked.
+    fills: std.ArrayList(u64),
+    loader_delay_ns: u64 = 0,
+    salt: u8 = 0,
+
+    const Options = struct {
+        regular: u32 = 32,
+        reserved: u32 = 0,
+        slots_per_segment: u32 = 8,
+        local_rank_size: u32 = 1,
+        device_id: u32 = 0,
+        step_keys: u32 = 1024,
+        copy_threads: u32 = 3,
+        fill_parts: u32 = 2,
+        wait_timeout_ns: u64 = 5 * std.time.ns_per_s,
+        prealloc: bool = false,
+        rearrange: bool = true,
+        shards_per_block: u32 = 4,
+    };
+
+    fn init(harness: *Harness, options: Options) !void {
+        const allocator = std.testing.allocator;
+        const geometry = buffer_module.Geometry{
+            .shard_size_bytes = shard_size_bytes,
+            .slot_count_regular = options.regular,
+            .slot_count_reserved = options.reserved,
+            .bucket_count = 16,
+            .slots_per_segment = options.slots_per_segment,
+        };
+        const ctrl_bytes: usize = @intCast(buffer_module.ctrl_size_bytes(geometry));
+        harness.ctrl = try allocator.alignedAlloc(u8, .@"64", ctrl_bytes);
+        errdefer allocator.free(harness.ctrl);
+        try expectEqual(buffer_module.Status.ok, Buffer.init(@intFromPtr(harness.ctrl.ptr), ctrl_bytes, geometry, 0));
+        const segments = geometry.segment_count();
+        const segment_bytes = geometry.slots_per_segment * shard_size_bytes;
+        harness.data = try allocator.alignedAlloc(u8, .fromByteUnits(4096), @intCast(segments * segment_bytes));
+        errdefer allocator.free(harness.data);
+        @memset(harness.data, 0xEE);
+        buffer_module.debug_identity_alive = fake_identity_alive;
+        harness.base = Buffer.open(@intFromPtr(harness.ctrl.ptr)).?;
+        harness.own = harness.base;
+        harness.own.holder = try harness.base.register();
+        for (&fake_processes, 0..) |*process, index| {
+            process.* = .{ .pid = 3_900_001 + @as(u32, @intCast(index)), .start_time = 77, .alive = true };
+            var view = harness.base;
+            view.pid = process.pid;
+            view.holder = try harness.base.register_identity(process.pid, process.start_time);
+            harness.others[index] = view;
+        }
+        var bases: [64]usize = undefined;
+        for (0..segments) |segment| bases[segment] = @intFromPtr(harness.data.ptr) + segment * segment_bytes;
+        var flags: u32 = 0;
+        if (options.prealloc) flags |= queue_module.settings_flag_prealloc;
+        if (options.rearrange) flags |= queue_module.settings_flag_rearrange;
+        const settings = queue_module.Settings{
+            .shard_size_bytes = shard_size_bytes,
+            .wait_timeout_ns = options.wait_timeout_ns,
+            .device_id = options.device_id,
+            .local_rank_size = options.local_rank_size,
+            .shards_per_block = options.shards_per_block,
+            .tensor_count = tensor_sizes.len,
+            .step_keys = options.step_keys,
+            .copy_threads = options.copy_threads,
+            .fill_parts = options.fill_parts,
+            .load_queue_depth = 16,
+            .dump_queue_depth = 16,
+            .flags = flags,
+        };
+        try expect(Queue.validate_settings(settings, harness.own));
+        harness.fail_keys = std.AutoHashMap(u64, void).init(allocator);
+        harness.missing_keys = std.AutoHashMap(u64, void).init(allocator);
+        harness.fills = .empty;
+        harness.lock = .{};
+        harness.loader_delay_ns = 0;
+        harness.salt = 0;
+        harness.queue = try Queue.create(allocator, harness.own, settings, &tensor_sizes, bases[0..segments], null);
+        harness.loader = try std.Thread.spawn(.{}, loader_loop, .{harness});
+    }
+
+    fn deinit(harness: *Harness) void {
+        const allocator = std.testing.allocator;
+        harness.queue.stop_and_join();
+        harness.loader.join();
+        harness.queue.destroy();
+        harness.fail_keys.deinit();
+        harness.missing_keys.deinit();
+        harness.fills.deinit(allocator);
+        allocator.free(harness.data);
+        allocator.free(harness.ctrl);
+        buffer_module.debug_identity_alive = null;
+    }
+
+    fn key_code(id: *const BlockId, shard: u32) u64 {
+        return @as(u64, std.mem.readInt(u32, id[0..4], .little)) << 8 | shard;
+    }
+
+    /// The caller's loaders: fills slots and destinations with the pattern (the tiers below).
+    fn loader_loop(harness: *Harness) void {
+        var items: [32]queue_module.WorkItem = undefined;
+        var batches: u64 = 0;
+        while (batches < std.math.maxInt(u64)) : (batches += 1) {
+            const taken = harness.queue.next_work(20 * std.time.ns_per_ms, &items) orelse return;
+            if (harness.loader_delay_ns > 0 and taken > 0) std.Thread.sleep(harness.loader_delay_ns);
+            for (items[0..taken]) |item| harness.serve(item);
+        }
+    }
+
+    fn serve(harness: *Harness, item: queue_module.WorkItem) void {
+        const queue = harness.queue;
+        const task = &queue.tasks[item.task];
+        assert(task.live and task.generation == item.generation);
+        const id = &task.ids[item.entry];
+        const shard = task.shards[item.entry];
+        const code = key_code(id, shard);
+        harness.lock.lock();
+        const fails = harness.fail_keys.contains(code);
+        const missing = harness.missing_keys.contains(code);
+        if (item.kind != .copy_out) harness.fills.append(std.testing.allocator, code) catch unreachable;
+        const salt = harness.salt;
+        harness.lock.unlock();
+        var state: queue_module.WorkState = if (fails) .failed else if (missing) .missing else .ready;
+        switch (item.kind) {
+            .fill => if (state == .ready) fill_pattern(@ptrFromInt(queue.slot_address_of(item.slot)), id, shard, salt),
+            .bypass => if (state == .ready) {
+                var scratch: [shard_size_bytes]u8 = undefined;
+                fill_pattern(&scratch, id, shard, salt);
+                scatter(task, item.entry, &scratch);
+            } else {
+                state = .failed;
+            },
+            .copy_out => {
+                const slot: [*]const u8 = @ptrFromInt(queue.slot_address_of(item.slot));
+                scatter(task, item.entry, slot[0..shard_size_bytes]);
+                state = .ready;
+            },
+        }
+        const report = Queue.Report{
+            .token = (@as(u64, item.generation) << 32) | item.task,
+            .entry = item.entry,
+            .slot = item.slot,
+            .step = item.step,
+            .kind = item.kind,
+            .state = state,
+        };
+        assert(queue.accept_report(report));
+        assert(!queue.accept_report(report)); // a second report of the same item is refused
+        queue.work_done(report);
+    }
+
+    fn scatter(task: anytype, entry: u32, bytes: []const u8) void {
+        var offset: usize = 0;
+        for (tensor_sizes, 0..) |size, j| {
+            const target: [*]u8 = @ptrFromInt(task.addresses.?[entry * tensor_sizes.len + j]);
+            @memcpy(target[0..size], bytes[offset..][0..size]);
+            offset += size;
+        }
+    }
+};
+
+/// One task's caller memory: keys, destinations (or sources), results.
+const Call = struct {
+    ids: []BlockId,
+    shards: []u32,
+    memory: []u8,
+    addresses: []u64,
+    results: []u8,
+    entry_flags: ?[]u8 = null,
+
+    fn init(blocks: []const u32, shard: u32) !Call {
+        const allocator = std.testing.allocator;
+        const n = blocks.len;
+        var call = Call{
+            .ids = try allocator.alloc(BlockId, n),
+            .shards = try allocator.alloc(u32, n),
+            .memory = try allocator.alloc(u8, n * shard_size_bytes),
+            .addresses = try allocator.alloc(u64, n * tensor_sizes.len),
+            .results = try allocator.alloc(u8, n),
+        };
+        @memset(call.memory, 0);
+        for (blocks, 0..) |block, i| {
+            call.ids[i] = block_id_of(block);
+            call.shards[i] = shard;
+            var offset: usize = i * shard_size_bytes;
+            for (tensor_sizes, 0..) |size, j| {
+                call.addresses[i * tensor_sizes.len + j] = @intFromPtr(call.memory.ptr) + offset;
+                offset += size;
+            }
+        }
+        return call;
+    }
+
+    fn with_pattern(call: *Call, salt: u8) void {
+        for (call.ids, call.shards, 0..) |*id, shard, i| {
+            fill_pattern(call.memory[i * shard_size_bytes ..].ptr, id, shard, salt);
+        }
+    }
+
+    fn deinit(call: *Call) void {
+        const allocator = std.testing.allocator;
+        allocator.free(call.ids);
+        allocator.free(call.shards);
+        allocator.free(call.memory);
+        allocator.free(call.addresses);
+        allocator.free(call.results);
+        if (call.entry_flags) |flags| allocator.free(flags);
+    }
+
+    fn submit(call: *Call, queue: *Queue, kind: queue_module.TaskKind, flags: u32) !u64 {
+        const submission = Queue.Submission{
+            .kind = kind,
+            .flags = flags,
+            .ids = call.ids,
+            .shards = call.shards,
+            .addresses = if (kind == .prefetch) null else call.addresses,
+            .entry_flags = call.entry_flags,
+            .results = call.results,
+            .tag = 42,
+        };
+        try expect(queue.validate(submission));
+        return queue.submit(submission, std.time.ns_per_s);
+    }
+
+    fn run(call: *Call, queue: *Queue, kind: queue_module.TaskKind, flags: u32) !void {
+        const token = try call.submit(queue, kind, flags);
+        try expectEqual(@as(?bool, true), queue.wait(token, 20 * std.time.ns_per_s));
+        try expectEqual(@as(?bool, true), queue.done(token));
+    }
+
+    fn exact(call: *const Call, index: usize, salt: u8) bool {
+        return matches_pattern(call.memory[index * shard_size_bytes ..][0..shard_size_bytes], &call.ids[index], call.shards[index], salt);
+    }
+
+    fn all_ok(call: *const Call) bool {
+        for (call.results) |result| {
+            if (result != @intFromEnum(EntryResult.ok)) return false;
+        }
+        return true;
+    }
+};
+
+fn counter(queue: *Queue, which: queue_module.Counter) u64 {
+    return queue.counter_value(which);
+}
+
+fn expect_no_references(harness: *Harness) !void {
+    try expectEqual(@as(u32, 0), harness.queue.held_slot_count());
+    const mine = buffer_module.holder_bit(harness.own.holder);
+    for (harness.base.slots) |*slot| try expectEqual(@as(u64, 0), slot.holders.load(.monotonic) & mine);
+}
+
+test "queue: owners are filled by the loader, then every load is a hit, byte-exact" {
+    var harness: Harness = undefined;
+    try harness.init(.{});
+    defer harness.deinit();
+    const blocks = [_]u32{ 0, 1, 2, 3, 4, 5, 6, 7, 8, 9 };
+    var cold = try Call.init(&blocks, 1);
+    defer cold.deinit();
+    try cold.run(harness.queue, .load, 0);
+    try expect(cold.all_ok());
+    for (0..blocks.len) |i| try expect(cold.exact(i, 0));
+    try expectEqual(@as(u64, 10), counter(harness.queue, .owned));
+    try expectEqual(@as(u64, 10), counter(harness.queue, .misses));
+    var warm = try Call.init(&blocks, 1);
+    defer warm.deinit();
+    try warm.run(harness.queue, .load, 0);
+    try expect(warm.all_ok());
+    for (0..blocks.len) |i| try expect(warm.exact(i, 0));
+    try expectEqual(@as(u64, 10), counter(harness.queue, .hits));
+    try expectEqual(@as(u64, 20), counter(harness.queue, .loaded_shards));
+    try expectEqual(@as(usize, 10), harness.fills.items.len); // each key read from below once
+    try expect_no_references(&harness);
+}
+
+test "queue: RearrangeIndex order (own stride first, then rotation) reaches the loader" {
+    var harness: Harness = undefined;
+    try harness.init(.{ .local_rank_size = 4, .device_id = 6, .fill_parts = 1 });
+    defer harness.deinit();
+    const blocks = [_]u32{ 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11 };
+    var call = try Call.init(&blocks, 0);
+    defer call.deinit();
+    try call.run(harness.queue, .load, 0);
+    try expect(call.all_ok());
+    const expected = [_]u32{ 2, 6, 10, 3, 7, 11, 0, 4, 8, 1, 5, 9 };
+    for (harness.fills.items, expected) |code, block| try expectEqual(@as(u64, block + 1) << 8, code);
+}
+
+test "queue: loader failures and misses fail only their keys; a later load retries them" {
+    var harness: Harness = undefined;
+    try harness.init(.{});
+    defer harness.deinit();
+    try harness.fail_keys.put(Harness.key_code(&block_id_of(2), 0), {});
+    try harness.missing_keys.put(Harness.key_code(&block_id_of(4), 0), {});
+    const blocks = [_]u32{ 0, 1, 2, 3, 4, 5 };
+    var call = try Call.init(&blocks, 0);
+    defer call.deinit();
+    try call.run(harness.queue, .load, 0);
+    for (call.results, 0..) |result, i| {
+        const expected: EntryResult = if (i == 2 or i == 4) .caller_failed else .ok;
+        try expectEqual(@intFromEnum(expected), result);
+        if (expected == .ok) try expect(call.exact(i, 0));
+    }
+    try expectEqual(@as(u64, 2), counter(harness.queue, .failed_shards));
+    // Failures are not remembered: once the tier serves them, they load.
+    harness.fail_keys.clearRetainingCapacity();
+    harness.missing_keys.clearRetainingCapacity();
+    var again = try Call.init(&blocks, 0);
+    defer again.deinit();
+    try again.run(harness.queue, .load, 0);
+    try expect(again.all_ok());
+    try expect(again.exact(2, 0) and again.exact(4, 0));
+    try expect_no_references(&harness);
+}
+
+fn commit_later(view: Buffer, slot: u32, state: buffer_module.State, delay_ns: u64, data: usize, id: BlockId, shard: u32) void {
+    std.Thread.sleep(delay_ns);
+    if (state == .ready) fill_pattern(@ptrFromInt(data), &id, shard, 0);
+    var out = [1]buffer_module.CommitResult{.ok};
+    view.commit(&.{slot}, &.{@as(u8, @intCast(@intFromEnum(state)))}, &out);
+    assert(out[0] == .ok);
+    _ = view.release(&.{slot});
+}
+
+test "queue: waiters sleep on another rank's load and copy once it commits (Scenario B)" {
+    var harness: Harness = undefined;
+    try harness.init(.{});
+    defer harness.deinit();
+    const other = harness.others[0];
+    const states = [_]buffer_module.State{ .ready, .failed, .missing };
+    const expected = [_]EntryResult{ .ok, .owner_failed, .owner_missing };
+    for (states, expected, 0..) |state, want, index| {
+        const block: u32 = 40 + @as(u32, @intCast(index));
+        var result = [1]buffer_module.GetResult{.hit};
+        var slot = [1]u32{0};
+        other.get(&.{block_id_of(block)}, &.{0}, .{ .results = &result, .slots = &slot });
+        try expectEqual(buffer_module.GetResult.owner, result[0]);
+        const address = harness.queue.slot_address_of(slot[0]);
+        const committer = try std.Thread.spawn(.{}, commit_later, .{ other, slot[0], state, 50 * std.time.ns_per_ms, address, block_id_of(block), @as(u32, 0) });
+        var call = try Call.init(&.{block}, 0);
+        defer call.deinit();
+        try call.run(harness.queue, .load, 0);
+        committer.join();
+        try expectEqual(@intFromEnum(want), call.results[0]);
+        if (want == .ok) try expect(call.exact(0, 0));
+    }
+    try expectEqual(@as(u64, 3), counter(harness.queue, .waited));
+    try expectEqual(@as(usize, 0), harness.fills.items.len); // nothing was read from below here
+    try expect_no_references(&harness);
+}
+
+test "queue: a waiter whose owner died takes the slot over and fills it" {
+    var harness: Harness = undefined;
+    try harness.init(.{});
+    defer harness.deinit();
+    var result = [1]buffer_module.GetResult{.hit};
+    var slot = [1]u32{0};
+    harness.others[1].get(&.{block_id_of(5)}, &.{2}, .{ .results = &result, .slots = &slot });
+    try expectEqual(buffer_module.GetResult.owner, result[0]);
+    fake_processes[1].alive = false; // killed mid-load (kill -9): it never commits
+    var call = try Call.init(&.{5}, 2);
+    defer call.deinit();
+    try call.run(harness.queue, .load, 0);
+    try expect(call.all_ok());
+    try expect(call.exact(0, 0));
+    try expectEqual(@as(u64, 1), counter(harness.queue, .takeovers));
+    try expectEqual(@as(usize, 1), harness.fills.items.len);
+    try expect_no_references(&harness);
+}
+
+test "queue: a waiter that outlives a live owner loads the key from below (bypass)" {
+    var harness: Harness = undefined;
+    try harness.init(.{ .wait_timeout_ns = 100 * std.time.ns_per_ms });
+    defer harness.deinit();
+    var result = [1]buffer_module.GetResult{.hit};
+    var slot = [1]u32{0};
+    harness.others[0].get(&.{block_id_of(8)}, &.{0}, .{ .results = &result, .slots = &slot });
+    var call = try Call.init(&.{8}, 0);
+    defer call.deinit();
+    try call.run(harness.queue, .load, 0);
+    try expect(call.all_ok());
+    try expect(call.exact(0, 0));
+    try expectEqual(@as(u64, 1), counter(harness.queue, .bypassed));
+    var out = [1]buffer_module.CommitResult{.ok};
+    harness.others[0].commit(&slot, &.{1}, &out);
+    _ = harness.others[0].release(&slot);
+    try expect_no_references(&harness);
+}
+
+test "queue: no-fill loads miss, prefetch brings keys up, Prealloc prewarms the next index" {
+    var harness: Harness = undefined;
+    try harness.init(.{ .regular = 16, .reserved = 8, .prealloc = true });
+    defer harness.deinit();
+    var miss = try Call.init(&.{ 1, 2 }, 0);
+    defer miss.deinit();
+    try miss.run(harness.queue, .load, queue_module.task_flag_no_fill);
+    for (miss.results) |code| try expectEqual(@intFromEnum(EntryResult.missing), code);
+    try expectEqual(@as(usize, 0), harness.fills.items.len);
+    var prefetch = try Call.init(&.{ 1, 2, 3 }, 1);
+    defer prefetch.deinit();
+    try prefetch.run(harness.queue, .prefetch, 0);
+    try expect(prefetch.all_ok());
+    try expectEqual(@as(u64, 3), counter(harness.queue, .prefetched_shards));
+    var present: [3]u8 = undefined;
+    try harness.base.lookup(prefetch.ids, prefetch.shards, &present);
+    try expectEqualSlices(u8, &.{ 1, 1, 1 }, &present);
+    var load = try Call.init(&.{ 1, 2, 3 }, 1);
+    defer load.deinit();
+    try load.run(harness.queue, .load, queue_module.task_flag_no_fill);
+    try expect(load.all_ok());
+    for (0..3) |i| try expect(load.exact(i, 0));
+    // The idle window after the load prewarmed (block, 2) of its blocks (Scenario E).
+    var rounds: u32 = 0;
+    while (counter(harness.queue, .prewarmed) < 5 and rounds < 1000) : (rounds += 1) std.Thread.sleep(std.time.ns_per_ms);
+    try expectEqual(@as(u64, 5), counter(harness.queue, .prewarmed)); // (b, 1) after the first load too
+    for ([_]u32{ 1, 2, 3 }) |block| {
+        const found = (try harness.base.find_locked(&block_id_of(block), 2)).?;
+        const slot = &harness.base.slots[found];
+        try expectEqual(@as(u32, 0), slot.refcount());
+        try expect(slot.flags.load(.monotonic) & buffer_module.slot_flag_preallocated != 0);
+    }
+    try expect_no_references(&harness);
+}
+
+const expectEqualSlices = std.testing.expectEqualSlices;
+
+test "queue: dumps publish Ready, a re-dump replaces the bytes, a full buffer fails named keys" {
+    var harness: Harness = undefined;
+    try harness.init(.{ .regular = 4, .step_keys = 8 });
+    defer harness.deinit();
+    var dump = try Call.init(&.{ 10, 11, 12 }, 3);
+    defer dump.deinit();
+    dump.with_pattern(5);
+    try dump.run(harness.queue, .dump, 0);
+    try expect(dump.all_ok());
+    var load = try Call.init(&.{ 10, 11, 12 }, 3);
+    defer load.deinit();
+    try load.run(harness.queue, .load, queue_module.task_flag_no_fill);
+    for (0..3) |i| try expect(load.exact(i, 5));
+    var redump = try Call.init(&.{10}, 3);
+    defer redump.deinit();
+    redump.with_pattern(9);
+    try redump.run(harness.queue, .dump, 0);
+    var reload = try Call.init(&.{10}, 3);
+    defer reload.deinit();
+    try reload.run(harness.queue, .load, queue_module.task_flag_no_fill);
+    try expect(reload.exact(0, 9));
+    try expectEqual(@as(u64, 4), counter(harness.queue, .dumped_shards));
+    // Four slots, all held by other processes' readers: a dump finds none.
+    var held: [4]u32 = undefined;
+    for (0..4) |i| {
+        var result = [1]buffer_module.GetResult{.hit};
+        var slot = [1]u32{0};
+        const id = block_id_of(60 + @as(u32, @intCast(i)));
+        harness.others[0].get(&.{id}, &.{0}, .{ .results = &result, .slots = &slot });
+        var out = [1]buffer_module.CommitResult{.ok};
+        if (result[0] == .owner) harness.others[0].commit(&slot, &.{1}, &out);
+        held[i] = slot[0];
+    }
+    var full = try Call.init(&.{70}, 0);
+    defer full.deinit();
+    full.with_pattern(1);
+    try full.run(harness.queue, .dump, 0);
+    try expectEqual(@intFromEnum(EntryResult.no_slot), full.results[0]);
+    _ = harness.others[0].release(&held);
+    try expect_no_references(&harness);
+}
+
+test "queue: caller-copy entries are handed out with their Ready slot" {
+    var harness: Harness = undefined;
+    try harness.init(.{});
+    defer harness.deinit();
+    var call = try Call.init(&.{ 1, 2, 3 }, 0);
+    defer call.deinit();
+    call.entry_flags = try std.testing.allocator.alloc(u8, 3);
+    @memcpy(call.entry_flags.?, &[_]u8{ 0, queue_module.entry_flag_caller_copy, 0 });
+    try call.run(harness.queue, .load, 0);
+    try expect(call.all_ok());
+    for (0..3) |i| try expect(call.exact(i, 0));
+    try expect_no_references(&harness);
+}
+
+test "queue: many tasks in flight complete; drain waits for them; submit after drain is refused" {
+    var harness: Harness = undefined;
+    try harness.init(.{ .regular = 64 });
+    defer harness.deinit();
+    harness.loader_delay_ns = 2 * std.time.ns_per_ms;
+    var calls: [6]Call = undefined;
+    var tokens: [6]u64 = undefined;
+    for (&calls, &tokens, 0..) |*call, *token, t| {
+        const first: u32 = @intCast(t * 5);
+        call.* = try Call.init(&.{ first, first + 1, first + 2, first + 3, first + 4 }, 0);
+        token.* = try call.submit(harness.queue, .load, 0);
+    }
+    try expectEqual(@as(?bool, false), harness.queue.done(tokens[5]));
+    try expect(harness.queue.drain(20 * std.time.ns_per_s));
+    for (&calls, tokens) |*call, token| {
+        try expectEqual(@as(?bool, true), harness.queue.done(token));
+        try expect(call.all_ok());
+        for (0..5) |i| try expect(call.exact(i, 0));
+        call.deinit();
+    }
+    var late = try Call.init(&.{99}, 0);
+    defer late.deinit();
+    try std.testing.expectError(error.Closed, late.submit(harness.queue, .load, 0));
+    try expect_no_references(&harness);
+}
+
+// ---- Model-based fuzzer ----
+//
+// Random tasks (loads, prefetches, dumps, no-fill loads) from this process, interleaved with
+// simulated other ranks that own keys and commit them Ready, Failed or Missing, or die while
+// owning them; a loader that fails some keys. The model: the latest bytes dumped per key
+// (pattern salt), and which keys the loader fails. Checked for every task: it completes
+// within its bound; every entry has a final code; an `ok` load entry holds exactly the bytes
+// its key has (the loader's pattern or the last dump's); failure codes are those the
+// injected faults can produce. At the end: this process holds no slot (no leak).
+
+const fuzz_seeds = [_]u64{ 1, 7, 42, 1234 };
+const fuzz_rounds = 60;
+const fuzz_blocks: u32 = 12;
+
+test "queue fuzzer: tasks always complete, ok entries are byte-exact, no slot leaks" {
+    var totals: [queue_module.counter_count]u64 = @splat(0);
+    for (fuzz_seeds) |seed| try fuzz_seed(seed, &totals);
+    // Every path of the state machine ran: hits, owners, waiters, takeovers of dead owners,
+    // bypasses past a live owner, failures, dumps, prefetches, Prealloc.
+    const exercised = [_]queue_module.Counter{ .hits, .owned, .waited, .takeovers, .bypassed, .failed_shards, .dumped_shards, .prefetched_shards, .prewarmed };
+    for (exercised) |which| {
+        if (totals[@intFromEnum(which)] == 0) std.debug.print("fuzzer never exercised {s}\n", .{@tagName(which)});
+        try expect(totals[@intFromEnum(which)] > 0);
+    }
+}
+
+/// The simulated rank publishes what it owns: 1 Ready (with the key's bytes), 2 Failed,
+/// 3 Missing; 0 does nothing (it is about to die).
+fn finish_other(harness: *Harness, rank: usize, ending: u8, slots: []const u32, keys: []const u32) !void {
+    if (ending == 0) return;
+    for (slots, keys) |slot, key| {
+        const state: buffer_module.State = switch (ending) {
+            1 => .ready,
+            2 => .failed,
+            else => .missing,
+        };
+        if (state == .ready) fill_pattern(@ptrFromInt(harness.queue.slot_address_of(slot)), &block_id_of(key / 3), key % 3, 0);
+        var out = [1]buffer_module.CommitResult{.ok};
+        harness.others[rank].commit(&.{slot}, &.{@as(u8, @intCast(@intFromEnum(state)))}, &out);
+        try expectEqual(buffer_module.CommitResult.ok, out[0]);
+        _ = harness.others[rank].release(&.{slot});
+    }
+}
+
+fn fuzz_seed(seed: u64, totals: *[queue_module.counter_count]u64) !void {
+    var prng = std.Random.DefaultPrng.init(seed);
+    const random = prng.random();
+    var harness: Harness = undefined;
+    try harness.init(.{
+        .regular = random.intRangeAtMost(u32, 4, 24),
+        .reserved = random.intRangeAtMost(u32, 0, 4),
+        .slots_per_segment = random.intRangeAtMost(u32, 1, 8),
+        .local_rank_size = random.intRangeAtMost(u32, 1, 4),
+        .device_id = random.intRangeAtMost(u32, 0, 7),
+        .step_keys = random.intRangeAtMost(u32, 1, 8),
+        .copy_threads = random.intRangeAtMost(u32, 1, 4),
+        .fill_parts = random.intRangeAtMost(u32, 1, 3),
+        .wait_timeout_ns = 40 * std.time.ns_per_ms,
+        .prealloc = random.boolean(),
+        .rearrange = random.boolean(),
+        .shards_per_block = 3,
+    });
+    defer harness.deinit();
+    // A key's bytes never change (a KV block id names its content): every writer — the
+    // loader, another rank, a dump — writes the key's own pattern, so an `ok` entry must hold
+    // exactly that pattern (not another key's bytes, not stale slot bytes, not zeros).
+    var round: u32 = 0;
+    while (round < fuzz_rounds) : (round += 1) {
+        // A simulated rank: owns a few keys now; commits or dies while this rank's task runs.
+        var other_slots: [3]u32 = undefined;
+        var other_keys: [3]u32 = undefined;
+        var other_count: usize = 0;
+        const rank = random.uintLessThan(usize, 2);
+        fake_processes[rank].alive = true;
+        for (0..random.uintLessThan(usize, 4)) |_| {
+            const key = random.uintLessThan(u32, fuzz_blocks * 3);
+            var result = [1]buffer_module.GetResult{.hit};
+            var slot = [1]u32{0};
+            harness.others[rank].get(&.{block_id_of(key / 3)}, &.{key % 3}, .{ .results = &result, .slots = &slot });
+            if (result[0] == .owner) {
+                other_slots[other_count] = slot[0];
+                other_keys[other_count] = key;
+                other_count += 1;
+            } else if (result[0] != .no_slot and result[0] != .lock_timeout and result[0] != .held) {
+                _ = harness.others[rank].release(&slot);
+            }
+        }
+        // Loader faults for this round.
+        harness.lock.lock();
+        harness.fail_keys.clearRetainingCapacity();
+        if (random.boolean()) {
+            const key = random.uintLessThan(u32, fuzz_blocks * 3);
+            try harness.fail_keys.put(Harness.key_code(&block_id_of(key / 3), key % 3), {});
+        }
+        harness.lock.unlock();
+        // This rank's task: distinct keys of one shard index.
+        const shard = random.uintLessThan(u32, 3);
+        var blocks: [fuzz_blocks]u32 = undefined;
+        var count: usize = 0;
+        for (0..fuzz_blocks) |block| {
+            if (random.uintLessThan(u8, 3) == 0) {
+                blocks[count] = @intCast(block);
+                count += 1;
+            }
+        }
+        if (count == 0) {
+            blocks[0] = 0;
+            count = 1;
+        }
+        var call = try Call.init(blocks[0..count], shard);
+        defer call.deinit();
+        const kind: queue_module.TaskKind = switch (random.uintLessThan(u8, 6)) {
+            0 => .dump,
+            1 => .prefetch,
+            else => .load,
+        };
+        const no_fill = kind == .load and random.uintLessThan(u8, 4) == 0;
+        if (kind == .dump) call.with_pattern(0);
+        if (kind == .load and random.uintLessThan(u8, 3) == 0) {
+            // Some destinations copied by the caller (CUDA): handed out with their Ready slot.
+            call.entry_flags = try std.testing.allocator.alloc(u8, count);
+            for (call.entry_flags.?) |*flags| flags.* = if (random.boolean()) queue_module.entry_flag_caller_copy else 0;
+        }
+        const token = try call.submit(harness.queue, kind, if (no_fill) queue_module.task_flag_no_fill else 0);
+        // The other rank finishes its loads (or dies) while the task runs.
+        // 0: dies; 1-3: commits Ready, Failed or Missing now; 4: commits only after the task
+        // (a live owner slower than the waiter's timeout: the waiter loads it from below).
+        const ending = random.uintLessThan(u8, 5);
+        std.Thread.sleep(random.uintLessThan(u64, 3) * std.time.ns_per_ms);
+        if (ending != 4) try finish_other(&harness, rank, ending, other_slots[0..other_count], other_keys[0..other_count]);
+        if (ending == 0) fake_processes[rank].alive = false;
+        try expectEqual(@as(?bool, true), harness.queue.wait(token, 30 * std.time.ns_per_s));
+        if (ending == 4) try finish_other(&harness, rank, 1, other_slots[0..other_count], other_keys[0..other_count]);
+        if (ending == 0) {
+            _ = try harness.base.reclaim_dead();
+            // The dead rank's entry is freed: register a new identity for that slot of the table.
+            fake_processes[rank].start_time += 1;
+            fake_processes[rank].alive = true;
+            var view = harness.base;
+            view.pid = fake_processes[rank].pid;
+            view.holder = try harness.base.register_identity(view.pid, fake_processes[rank].start_time);
+            harness.others[rank] = view;
+        }
+        for (call.results, 0..) |code, i| {
+            const result: EntryResult = @enumFromInt(code);
+            try expect(result != .pending and result != .reported);
+            switch (kind) {
+                .dump => try expect(result == .ok or result == .no_slot),
+                .prefetch => try expect(result == .ok or result == .caller_failed),
+                .load => {
+                    if (result == .ok) {
+                        try expect(call.exact(i, 0));
+                    } else if (no_fill) {
+                        try expect(result == .missing or result == .owner_failed or result == .owner_missing);
+                    } else {
+                        try expect(result == .caller_failed or result == .owner_failed or result == .owner_missing);
+                    }
+                },
+            }
+        }
+        try expectEqual(@as(u32, 0), harness.queue.held_slot_count());
+    }
+    try expect(harness.queue.drain(10 * std.time.ns_per_s));
+    try expect_no_references(&harness);
+    for (totals, 0..) |*total, index| total.* += harness.queue.counter_value(@enumFromInt(index));
+}
