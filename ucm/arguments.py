@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,32 +79,45 @@ def check_shard_indexes(shard_index: Any, count: int, layout: Layout) -> list[in
 class ShardMemory:
     """Caller memory of one task: per key, where a tier reads into or writes from.
 
-    ``addresses[i]`` lists ``(address, nbytes)`` per tensor of key i (host memory: the tensor
-    itself, or its staging tensor); ``views[i]`` are memoryviews of the same bytes, built on
-    first use (the buffer's copier only needs the addresses: one native call per task).
+    ``flat`` holds the host address of every tensor of every key, key-major (``len(sizes)``
+    per key): what the native queue copies to or from, in one array. ``views[i]`` are
+    memoryviews of key i's tensors, built on first use (only the tiers below read them).
     ``cuda_pairs`` lists (device tensor, host staging tensor) pairs — the CPU staging fallback:
     loads land in the staging tensor and are copied to the device after the task's I/O; dumps
-    copy to staging first. ``cuda[i]``, when set, holds key i's (device tensor, staging tensor)
-    pairs, so a copier with registered buffer memory can copy slot bytes straight to the device
-    instead of through the staging tensor.
+    copy to staging first. ``cuda[i]`` (an empty list: no CUDA tensor anywhere), when set,
+    holds key i's (device tensor, staging tensor) pairs, so a loader with registered buffer
+    memory can copy slot bytes straight to the device instead of through the staging tensor.
     """
 
     def __init__(
         self,
+        sizes: Sequence[int] = (),
         views: list[list[memoryview]] | None = None,
-        addresses: list[list[tuple[int, int]]] | None = None,
     ) -> None:
+        self.sizes = tuple(sizes)
         self._views = views
-        self.addresses: list[list[tuple[int, int]]] = addresses if addresses is not None else []
+        self.flat: array[int] = array("Q")
         self.keepalive: list[Any] = []
         self.cuda_pairs: list[tuple[Any, Any]] = []
         self.cuda: list[list[tuple[Any, Any]] | None] = []
+
+    def __len__(self) -> int:
+        if self._views is not None:
+            return len(self._views)
+        return len(self.flat) // len(self.sizes) if self.sizes else 0
+
+    def addresses_of(self, index: int) -> list[tuple[int, int]]:
+        """``(address, nbytes)`` of key ``index``'s tensors."""
+        count = len(self.sizes)
+        start = index * count
+        return list(zip(self.flat[start : start + count], self.sizes, strict=True))
 
     @property
     def views(self) -> list[list[memoryview]]:
         if self._views is None:
             self._views = [
-                [_view_at(address, nbytes) for address, nbytes in entry] for entry in self.addresses
+                [_view_at(address, nbytes) for address, nbytes in self.addresses_of(i)]
+                for i in range(len(self))
             ]
         return self._views
 
@@ -131,8 +145,9 @@ def check_tensors(
     torch = sys.modules.get("torch")
     tensor_type = torch.Tensor if torch is not None else ()
     sizes = layout.tensor_sizes
-    memory = ShardMemory()
+    memory = ShardMemory(sizes)
     keepalive = memory.keepalive
+    flat = memory.flat
     for i, entry in enumerate(tensors):
         # A list first: isinstance(list, torch.Tensor) goes through torch's metaclass and costs
         # ~0.25 us, a third of the whole check of a one-tensor shard.
@@ -154,7 +169,6 @@ def check_tensors(
                 f"{name}[{i}] has {len(items)} tensor(s) but the shard layout has {len(sizes)} "
                 f"(tensor_size_list={list(sizes)})"
             )
-        addresses = []
         devices: list[tuple[Any, Any]] = []
         for j, tensor in enumerate(items):
             # The happy path is a handful of attribute reads per tensor: this runs per shard.
@@ -178,7 +192,7 @@ def check_tensors(
                     f"{name}[{i}][{j}] requires grad; load into a tensor with requires_grad=False"
                 )
             if tensor.is_cpu:
-                addresses.append((tensor.data_ptr(), nbytes))
+                flat.append(tensor.data_ptr())
                 keepalive.append(tensor)
             elif tensor.is_cuda:
                 assert torch is not None
@@ -186,7 +200,7 @@ def check_tensors(
                 if not for_load:
                     staging.copy_(tensor.reshape(-1).view(torch.uint8))
                 memory.cuda_pairs.append((tensor, staging))
-                addresses.append((staging.data_ptr(), nbytes))
+                flat.append(staging.data_ptr())
                 devices.append((tensor, staging))
                 keepalive.append(staging)
             else:
@@ -198,7 +212,6 @@ def check_tensors(
             raise InvalidArgumentError(
                 f"{name}[{i}] mixes CPU and CUDA tensors; keep one shard's tensors on one device"
             )
-        memory.addresses.append(addresses)
         memory.cuda.append(devices or None)
     return memory
 
@@ -206,13 +219,12 @@ def check_tensors(
 def finish_cuda_loads(memory: ShardMemory, direct: frozenset[int] | set[int] = frozenset()) -> None:
     """Copies staged bytes into the CUDA destination tensors and waits for the copies. Keys in
     ``direct`` were copied to the device straight from registered buffer memory: skipped."""
-    if not memory.cuda_pairs:
+    staged = [pairs for i, pairs in enumerate(memory.cuda) if pairs is not None and i not in direct]
+    if not staged:
         return
     import torch
 
-    for i, pairs in enumerate(memory.cuda):
-        if pairs is None or i in direct:
-            continue
+    for pairs in staged:
         for device_tensor, staging in pairs:
             device_tensor.reshape(-1).view(torch.uint8).copy_(staging, non_blocking=True)
     torch.cuda.synchronize()
@@ -231,7 +243,8 @@ def check_pointers(pointers: Any, count: int, layout: Layout, name: str) -> Shar
             "addresses per block"
         )
     sizes = layout.tensor_sizes
-    memory = ShardMemory()
+    memory = ShardMemory(sizes)
+    flat = memory.flat
     for i, entry in enumerate(pointers):
         items = [entry] if isinstance(entry, int) else entry
         if not isinstance(items, Sequence) or len(items) != len(sizes):
@@ -240,13 +253,16 @@ def check_pointers(pointers: Any, count: int, layout: Layout, name: str) -> Shar
                 f"{list(sizes)}), got {_short(entry)}"
             )
         for j, address in enumerate(items):
-            if not isinstance(address, int) or isinstance(address, bool) or address <= 0:
+            if (
+                not isinstance(address, int)
+                or isinstance(address, bool)
+                or not 0 < address < 1 << 64
+            ):
                 raise InvalidArgumentError(
                     f"{name}[{i}][{j}]={_short(address)} is not valid: expected a non-zero "
                     "integer address"
                 )
-        memory.addresses.append(list(zip(items, sizes, strict=True)))
-        memory.cuda.append(None)
+        flat.extend(items)
     return memory
 
 

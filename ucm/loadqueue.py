@@ -1,73 +1,64 @@
-"""The per-rank load path (seed 000 §1, §3.1, §3.4): a dispatcher thread and a copier thread.
+"""The per-rank load and dump paths.
 
-The **dispatcher** takes load tasks in order from a bounded pending queue. It walks each task in
-RearrangeIndex order, one stride per step: a step is one batched Get on the shared CacheBuffer.
-Per key the Get answers
+**With a buffer tier** (the usual stack) the per-shard work runs in the native queue of the
+buffer tier (``ucm.native.queue``, ``core-native/src/queue.zig``): one call hands a task over,
+and native threads do the batched Get in RearrangeIndex order, the copies (``copy_threads``
+threads), the futex waits on slots other ranks fill, the releases and the idle-window Prealloc,
+while the runtime's thread holds the GIL. :class:`BufferPath` is its Python side: it builds each
+task's arrays, runs the *loader* threads that serve the keys this rank owns from the tiers below
+(those stay Python plugins), and completes :class:`~ucm.task.Task` objects by waiting on the
+task's futex word (GIL released) — never by polling. CUDA destinations are copied by the loader
+threads from the registered buffer memory (``COPY_OUT`` work), or through pinned staging
+tensors when registration is unavailable.
 
-- HIT: the slot is Ready; it goes to the copier at once;
-- OWNER: this rank claimed the slot; a loader thread fills it from the tiers below, commits it
-  Ready (or Failed) and hands it to the copier;
-- WAITER: another rank (or thread) is filling it; the dispatcher sleeps on the slot's futex and
-  hands it on when its state arrives (a Failed owner fails the key here too);
-- NO_SLOT / LOCK_TIMEOUT: loaded from below straight into the destination (bypass).
+**Without a buffer tier** there are no shared slots to claim: :class:`LoadQueue`'s dispatcher
+hands each RearrangeIndex step to loader threads that load straight into the destinations.
 
-A step ends when its owned and waited keys have resolved, so a rank never claims more than it is
-loading: with every rank starting on its own stride the ranks own disjoint keys, load them
-concurrently and find the other strides Ready (Scenario A). In the idle window after a task (no
-task pending), the dispatcher prewarms (block, index + 1) of the task's blocks (Prealloc).
-
-The **copier** moves slot bytes into the destinations (every host tensor of a task in one
-native call, ``ucm.native.memcopy``; CUDA tensors take an async host-to-device copy from the
-registered buffer, or the staging fallback) and releases the slots. Without a buffer tier the
-dispatcher simply hands each step to the loader threads.
-
-The **DumpQueue** takes dumps on its own thread, so dumps never delay the dispatcher: each shard
-goes into the top tier, and a snapshot goes to the write-through writer for every ``write:
-through`` tier below (bounded in bytes).
+The **DumpQueue** runs dumps that Python must follow up: stacks without a buffer (into the top
+tier) and stacks with ``write: through`` tiers (the buffer part through the native queue, then
+a snapshot of the bytes for the write-through writer, bounded in bytes).
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import queue
 import sys
 import threading
-import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import arguments
 from .errors import KeyMissingError, StoreClosedError, TierError
 from .layout import Key
-from .native.buffer import Geometry, GetBatch, PreallocResult, State, WaitResult
-from .native.memcopy import CopyRanges
+from .native.queue import (
+    ENTRY_FLAG_CALLER_COPY,
+    TASK_FLAG_DIRTY,
+    EntryResult,
+    NativeQueue,
+    TaskKind,
+    WorkBatch,
+    WorkKind,
+    WorkState,
+)
 from .rearrange import rearrange_strides
-from .task import Progress
-from .tier import Outcome, ShardViews, Tier
+from .task import Progress, Task
+from .tier import ShardViews, Tier
 
 
 class BufferTier(Protocol):
-    """The slot protocol of the ``buffer`` tier (``ucm_backends.buffer.BufferTier``)."""
+    """What the load path needs of the ``buffer`` tier (``ucm_backends.buffer.BufferTier``)."""
 
-    geometry: Geometry
+    queue: NativeQueue
     bases: list[int]
+    segment_bytes: int
 
-    def claim(self, keys: Sequence[Key]) -> GetBatch: ...
-    def commit(
-        self, keys: Sequence[Key], slots: Sequence[int], states: Sequence[State]
-    ) -> None: ...
-    def release(self, slots: Sequence[int]) -> None: ...
-    def wait_slots(self, keys: Sequence[Key], slots: Sequence[int]) -> list[WaitResult]: ...
-    def prewarm(self, keys: Sequence[Key]) -> list[PreallocResult]: ...
-    def slot_addresses(self, slots: Sequence[int]) -> list[int]: ...
-    def slot_views(self, slots: Sequence[int]) -> list[memoryview]: ...
-    def dump_ranges(
-        self, keys: Sequence[Key], sources: Sequence[Sequence[tuple[int, int]]]
-    ) -> list[Outcome]: ...
-    def count(self, name: str, amount: int = 1) -> None: ...
+    def lookup(self, keys: Sequence[Key]) -> list[bool]: ...
 
 
 Fill = Callable[[list[Key], list[ShardViews]], tuple[dict[Key, BaseException], list[int]]]
@@ -75,9 +66,6 @@ Fill = Callable[[list[Key], list[ShardViews]], tuple[dict[Key, BaseException], l
 of the tier that served it (-1 if none)."""
 
 Count = Callable[[str, int], None]
-
-_HIT, _OWNER, _WAITER = 0, 1, 2
-_READY, _FAILED, _TAKEOVER, _MISSING = 1, 2, 3, 5
 
 
 @dataclass(frozen=True)
@@ -93,6 +81,7 @@ class QueueSettings:
     rearrange: bool = True
     wait_timeout_s: float = 30.0
     write_queue_bytes: int = 256 * 1024 * 1024
+    copy_threads: int = 4
 
     @classmethod
     def from_tier_config(cls, config: Any) -> QueueSettings:
@@ -100,70 +89,389 @@ class QueueSettings:
         return cls(**{name: getattr(config, name) for name in names if hasattr(config, name)})
 
 
-@dataclass(eq=False)
-class LoadJob:
-    """One load (or prefetch, when ``memory`` is None) task in the queue."""
+LOADER_IDLE_S = 3600.0
+"""How long an idle loader sleeps in ``next_work`` (GIL released) before asking again; the
+queue wakes it at once for work or for close."""
 
-    keys: list[Key]
-    memory: arguments.ShardMemory | None
-    progress: Progress
-    direct: set[int] = field(default_factory=set)
-    """Entries copied to CUDA tensors straight from registered buffer memory."""
+_ERRORS: dict[int, Callable[[], BaseException]] = {
+    EntryResult.OWNER_FAILED: lambda: TierError(
+        "the rank that was loading this shard from the tiers below failed to load it"
+    ),
+    EntryResult.OWNER_MISSING: lambda: KeyMissingError(
+        "not found in any tier (by the rank that was loading it from the tiers below)"
+    ),
+    EntryResult.NO_SLOT: lambda: TierError(
+        "no buffer slot for the shard (NO_SLOT): every slot is in use"
+    ),
+    EntryResult.LOCK_TIMEOUT: lambda: TierError(
+        "a bucket lock of the buffer stayed held by a live process past the lock timeout"
+    ),
+    EntryResult.NO_MEMORY: lambda: TierError(
+        "out of shared memory (/dev/shm) while faulting the buffer slot in; lower the buffer "
+        "capacity or free /dev/shm"
+    ),
+    EntryResult.MISSING: lambda: KeyMissingError("not in the buffer"),
+    EntryResult.CALLER_FAILED: lambda: TierError("the load from the tiers below failed"),
+}
 
 
-def _put(target: queue.Queue[Any], item: Any, timeout_s: float, what: str) -> None:
-    try:
-        target.put(item, timeout=timeout_s)
-    except queue.Full:
-        raise TimeoutError(
-            f"the {what} queue stayed full for {timeout_s} s: the rank submits faster than the "
-            f"cache drains; wait for earlier tasks or raise {what}_queue_depth / queue_timeout_s"
-        ) from None
+class NativeJob:
+    """One task in the native queue: the arrays it reads and writes (kept alive until it
+    completes) and the :class:`~ucm.task.Completion` of its Task."""
+
+    __slots__ = (
+        "_final",
+        "_path",
+        "addresses",
+        "direct",
+        "entry_flags",
+        "failures_seen",
+        "ids",
+        "keys",
+        "kind",
+        "memory",
+        "on_complete",
+        "results",
+        "shards",
+        "tag",
+        "token",
+    )
+
+    def __init__(
+        self,
+        path: BufferPath,
+        kind: TaskKind,
+        keys: list[Key],
+        memory: arguments.ShardMemory | None,
+        tag: int,
+    ) -> None:
+        self._path = path
+        self.kind = kind
+        self.keys = keys
+        self.memory = memory
+        self.tag = tag
+        self.token: int | None = None
+        self.results = bytearray(len(keys))
+        self.failures_seen: dict[int, BaseException] = {}
+        """Why a loader failed an entry (set before it reports the entry)."""
+        self.direct: set[int] = set()
+        """Entries copied to CUDA tensors straight from registered buffer memory."""
+        self.on_complete: Callable[[NativeJob], None] | None = None
+        self._final: dict[Key, BaseException] | None = None
+        self.ids = b""
+        self.shards: Any = None
+        self.addresses: Any = None
+        self.entry_flags: bytes | None = None
+
+    def done(self) -> bool:
+        if self._final is not None:
+            return True
+        token = self.token
+        if token is None or not self._path.queue.done(token):
+            return False
+        self._path.finalize(self)
+        return True
+
+    def failures(self, timeout: float | None) -> dict[Key, BaseException]:
+        if self._final is None:
+            token = self.token
+            assert token is not None
+            if not self._path.queue.wait(token, timeout):
+                raise TimeoutError(f"the task did not finish within {timeout} s")
+            self._path.finalize(self)
+        assert self._final is not None
+        return self._final
+
+    def settle(self) -> None:
+        """Builds the failures from the per-entry results (once, after completion)."""
+        failures: dict[Key, BaseException] = {}
+        results = self.results
+        if results.count(0) != len(results):
+            for i, code in enumerate(results):
+                if code:
+                    cause = self.failures_seen.get(i) or _ERRORS.get(code, _ERRORS[1])()
+                    failures[self.keys[i]] = cause
+        if self.on_complete is not None:
+            self.on_complete(self)
+        self._final = failures
+
+    @property
+    def settled(self) -> bool:
+        return self._final is not None
 
 
-class LoadQueue:
-    """The load path of one worker rank. Thread-safe ``submit``; ``close`` drains it."""
+class BufferPath:
+    """The Python side of the native queue: submits tasks, serves the loaders, completes."""
 
     def __init__(
         self,
         *,
-        buffer: BufferTier | None,
+        buffer: BufferTier,
+        fill: Fill,
+        count: Count,
+        shard_size: int,
+        settings: QueueSettings,
+        dirty_dumps: bool,
+    ) -> None:
+        self._buffer = buffer
+        self.queue = buffer.queue
+        self._fill = fill
+        self._count = count
+        self._shard_size = shard_size
+        self._settings = settings
+        self._dump_flags = TASK_FLAG_DIRTY if dirty_dumps else 0
+        self._jobs: dict[int, NativeJob] = {}
+        self._order: deque[NativeJob] = deque()
+        self._lock = threading.Lock()
+        self._tags = itertools.count(1)
+        self._cuda: _CudaDirect | None = None
+        self._cuda_checked = False
+        self._closed = False
+        self._loaders = [
+            threading.Thread(target=self._serve, name=f"ucm-loader-{i}", daemon=True)
+            for i in range(settings.load_workers)
+        ]
+        for loader in self._loaders:
+            loader.start()
+
+    # ---- submission -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        kind: TaskKind,
+        keys: list[Key],
+        blocks: list[bytes],
+        indexes: list[int],
+        memory: arguments.ShardMemory | None,
+    ) -> NativeJob:
+        """Hands a task to the native queue; the job is the Task's completion."""
+        if self._closed:
+            raise StoreClosedError("the store is closed; open a new one with ucm.open()")
+        from array import array
+
+        job = NativeJob(self, kind, keys, memory, next(self._tags))
+        job.ids = b"".join(blocks)
+        job.shards = array("I", indexes)
+        flags = 0
+        if memory is not None:
+            job.addresses = memory.flat
+            if memory.cuda_pairs:
+                self._prepare_cuda(job, memory)
+        if kind is TaskKind.DUMP:
+            flags = self._dump_flags
+        with self._lock:
+            self._reap()
+            self._jobs[job.tag] = job
+            self._order.append(job)
+        try:
+            job.token = self.queue.submit(
+                kind,
+                job.ids,
+                job.shards,
+                job.addresses,
+                job.results,
+                flags=flags,
+                entry_flags=job.entry_flags,
+                tag=job.tag,
+                timeout_s=self._settings.queue_timeout_s,
+                depth_knob="dump_queue_depth" if kind is TaskKind.DUMP else "load_queue_depth",
+            )
+        except BaseException:
+            with self._lock:
+                self._jobs.pop(job.tag, None)
+                if self._order and self._order[-1] is job:
+                    self._order.pop()
+            raise
+        return job
+
+    def task(self, kind: str, job: NativeJob) -> Task:
+        return Task(kind=kind, keys=job.keys, completion=job)
+
+    def _reap(self) -> None:
+        """Forgets completed jobs at the front (called under the lock, at each submit), so a
+        caller that never waits does not grow the registry."""
+        order = self._order
+        reaped = 0
+        while order and reaped < 64:
+            job = order[0]
+            if not job.settled:
+                token = job.token
+                if token is None or not self.queue.done(token):
+                    return
+                self._settle(job)
+            order.popleft()
+            self._jobs.pop(job.tag, None)
+            reaped += 1
+
+    def finalize(self, job: NativeJob) -> None:
+        with self._lock:
+            if not job.settled:
+                self._settle(job)
+            self._jobs.pop(job.tag, None)
+
+    def _settle(self, job: NativeJob) -> None:
+        try:
+            job.settle()
+        except BaseException as exc:  # completing must never leave the task hanging
+            job.failures_seen.clear()
+            job._final = {key: _as_error(exc) for key in job.keys}
+
+    # ---- loaders ----------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        """A loader thread: takes work from the native queue (blocking, GIL released) until
+        the queue stops."""
+        native = self.queue
+        for _ in itertools.count():
+            batch = native.next_work(LOADER_IDLE_S)
+            if batch is None:
+                return
+            if not len(batch):
+                continue
+            try:
+                states = self._run(batch)
+            except BaseException as exc:  # a report is owed for every item
+                job = self._jobs.get(batch.tag)
+                if job is not None:
+                    for entry in batch.entries:
+                        job.failures_seen[entry] = _as_error(exc)
+                states = [WorkState.FAILED] * len(batch)
+            native.work_done(batch, states)
+
+    def _run(self, batch: WorkBatch) -> list[WorkState]:
+        job = self._jobs[batch.tag]
+        entries = list(batch.entries)
+        keys = [job.keys[e] for e in entries]
+        if batch.kind is WorkKind.COPY_OUT:
+            return self._copy_out(job, entries, batch.addresses)
+        if batch.kind is WorkKind.FILL:
+            size = self._shard_size
+            views: list[ShardViews] = [[_view_at(address, size)] for address in batch.addresses]
+        else:
+            assert job.memory is not None
+            views = [job.memory.views[e] for e in entries]
+        try:
+            failures, served = self._fill(keys, views)
+        except Exception as exc:
+            failures, served = {key: exc for key in keys}, [-1] * len(keys)
+        states = []
+        for entry, key, position in zip(entries, keys, served, strict=True):
+            if position >= 0:
+                states.append(WorkState.READY)
+                continue
+            cause = failures.get(key) or KeyMissingError("not found in any tier")
+            job.failures_seen[entry] = cause
+            # A miss everywhere is committed as such, so waiters in other ranks raise the same
+            # KeyMissingError as this one instead of a generic failure.
+            missing = isinstance(cause, KeyMissingError) and batch.kind is WorkKind.FILL
+            states.append(WorkState.MISSING if missing else WorkState.FAILED)
+        return states
+
+    def _copy_out(self, job: NativeJob, entries: list[int], addresses: Any) -> list[WorkState]:
+        """CUDA destinations: async host-to-device copies from the registered slot memory."""
+        cuda = self._cuda
+        memory = job.memory
+        assert cuda is not None and memory is not None
+        for entry, address in zip(entries, addresses, strict=True):
+            pairs = memory.cuda[entry]
+            assert pairs is not None
+            cuda.copy(address, pairs)
+            job.direct.add(entry)
+        cuda.synchronize()  # the slot bytes must be copied before the release
+        return [WorkState.READY] * len(entries)
+
+    # ---- CUDA -------------------------------------------------------------------------------
+
+    def _prepare_cuda(self, job: NativeJob, memory: arguments.ShardMemory) -> None:
+        """CUDA destinations: copied from registered buffer memory by the loaders when the
+        buffer could be registered (``cudaHostRegister``), else through the staging tensors."""
+        if job.kind is TaskKind.LOAD:
+            self._maybe_enable_cuda()
+            if self._cuda is not None:
+                job.entry_flags = bytes(
+                    ENTRY_FLAG_CALLER_COPY if pairs is not None else 0 for pairs in memory.cuda
+                )
+
+            def complete(done: NativeJob) -> None:
+                arguments.finish_cuda_loads(memory, done.direct)
+
+            job.on_complete = complete
+
+    def _maybe_enable_cuda(self) -> None:
+        if self._cuda_checked:
+            return
+        self._cuda_checked = True
+        try:
+            self._cuda = _CudaDirect(self._buffer.bases, self._buffer.segment_bytes)
+        except Exception as exc:  # the staging fallback (arguments.py) still works
+            self._count("cuda_register_failures", 1)
+            sys.stderr.write(f"ucm: CUDA host registration unavailable, staging instead: {exc}\n")
+
+    # ---- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> bool:
+        """Finishes every task, then stops the native threads and the loaders. Returns False
+        when tasks were still running after queue_timeout_s (the queue is then left alive)."""
+        if self._closed:
+            return True
+        self._closed = True
+        drained = self.queue.drain(self._settings.queue_timeout_s)
+        if not drained:
+            sys.stderr.write(
+                f"ucm: load tasks still running after {self._settings.queue_timeout_s} s at "
+                "close; leaving the native queue running\n"
+            )
+            return False
+        self.queue.stop()
+        for loader in self._loaders:
+            loader.join()
+        with self._lock:
+            for job in list(self._order):
+                if not job.settled:
+                    self._settle(job)
+            self._order.clear()
+            self._jobs.clear()
+        if self._cuda is not None:
+            self._cuda.close()
+        return True
+
+
+def _view_at(address: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
+
+
+class LoadQueue:
+    """The load path of a stack without a buffer tier: a dispatcher thread walks each task in
+    RearrangeIndex order and hands every step to the loader threads, which load straight into
+    the destinations (no shared slots to claim). Thread-safe ``submit``; ``close`` drains it."""
+
+    def __init__(
+        self,
+        *,
         fill: Fill,
         count: Count,
         device_id: int,
         local_rank_size: int,
-        shards_per_block: int,
         shard_size: int,
         settings: QueueSettings,
     ) -> None:
-        self._buffer = buffer
         self._shard_size = shard_size
         self._fill = fill
         self._count = count
         self._device_id = device_id
         self._local_rank_size = local_rank_size
-        self._shards_per_block = shards_per_block
         self._settings = settings
         self._pending: queue.Queue[LoadJob | None] = queue.Queue(settings.load_queue_depth)
-        self._copies: queue.Queue[tuple[LoadJob, list[int], list[int]] | None] = queue.Queue()
         self._loaders = ThreadPoolExecutor(settings.load_workers, thread_name_prefix="ucm-loader")
-        self._cuda: _CudaDirect | None = None
-        self._cuda_checked = False
         self._closed = False
         self._dispatcher = threading.Thread(
             target=self._dispatch_loop, name="ucm-dispatcher", daemon=True
         )
-        self._copier = threading.Thread(target=self._copy_loop, name="ucm-copier", daemon=True)
         self._dispatcher.start()
-        self._copier.start()
-
-    # ---- submission -------------------------------------------------------------------------
 
     def submit(self, job: LoadJob) -> None:
         if self._closed:
             raise StoreClosedError("the store is closed; open a new one with ucm.open()")
-        if job.memory is not None and self._buffer is not None:
-            self._maybe_enable_cuda(job.memory)
         _put(self._pending, job, self._settings.queue_timeout_s, "load")
 
     def close(self) -> None:
@@ -174,12 +482,6 @@ class LoadQueue:
         self._pending.put(None)
         self._dispatcher.join()
         self._loaders.shutdown(wait=True)
-        self._copies.put(None)
-        self._copier.join()
-        if self._cuda is not None:
-            self._cuda.close()
-
-    # ---- dispatcher -------------------------------------------------------------------------
 
     def _dispatch_loop(self) -> None:
         while True:
@@ -187,166 +489,33 @@ class LoadQueue:
             if job is None:
                 return
             try:
-                if self._buffer is None:
-                    self._dispatch_direct(job)
-                else:
-                    self._dispatch_buffer(job, self._buffer)
-                    if self._settings.prealloc and job.memory is not None and self._pending.empty():
-                        self._prewarm(job, self._buffer)
+                self._dispatch(job)
             except BaseException as exc:  # never leave a task hanging
                 job.progress.finish(job.progress.unfinished(), _as_error(exc))
 
-    def _steps(self, n: int) -> list[list[int]]:
-        limit = self._settings.step_keys
-        if self._buffer is not None:
-            # A step holds a reference on every slot it claims: half the regular pool at most,
-            # so a task larger than the buffer still finds free slots.
-            regular = self._buffer.geometry.slot_count_regular
-            limit = max(1, min(limit, regular // 2))
-        steps: list[list[int]] = []
+    def _dispatch(self, job: LoadJob) -> None:
+        futures = []
+        n = len(job.keys)
         if self._settings.rearrange:
             strides = rearrange_strides(n, self._device_id, self._local_rank_size)
         else:  # natural order, in steps of the same size (for comparison)
             width = -(-n // self._local_rank_size)
             strides = [list(range(start, min(n, start + width))) for start in range(0, n, width)]
+        limit = self._settings.step_keys
         for stride in strides:
-            steps.extend(stride[start : start + limit] for start in range(0, len(stride), limit))
-        return steps
-
-    def _dispatch_direct(self, job: LoadJob) -> None:
-        """No buffer: each step is loaded through the cascade straight into the destination."""
-        futures = []
-        for step in self._steps(len(job.keys)):
-            for part in _split(step, self._settings.load_workers):
-                futures.append(self._loaders.submit(self._bypass, job, part))
+            for start in range(0, len(stride), limit):
+                step = stride[start : start + limit]
+                for part in _split(step, self._settings.load_workers):
+                    futures.append(self._loaders.submit(self._load, job, part))
         wait_futures(futures, timeout=self._settings.queue_timeout_s)
 
-    def _dispatch_buffer(self, job: LoadJob, buffer: BufferTier) -> None:
-        for step in self._steps(len(job.keys)):
-            keys = [job.keys[i] for i in step]
-            started = time.perf_counter_ns()
-            batch = buffer.claim(keys)
-            self._count("get_ns", time.perf_counter_ns() - started)
-            self._count("get_keys", len(keys))
-            results, slots = batch.results, batch.slots
-            hits = [j for j, r in enumerate(results) if r == _HIT]
-            owned = [j for j, r in enumerate(results) if r == _OWNER]
-            waiting = [j for j, r in enumerate(results) if r == _WAITER]
-            bypass = [j for j, r in enumerate(results) if r > _WAITER]
-            if hits:
-                if job.memory is not None:
-                    self._count("hits", len(hits))
-                self._copies.put((job, [step[j] for j in hits], [slots[j] for j in hits]))
-            futures: list[Future[None]] = []
-            for part in _split(owned, self._settings.load_workers):
-                futures.append(
-                    self._loaders.submit(
-                        self._fill_owned, job, [step[j] for j in part], [slots[j] for j in part]
-                    )
-                )
-            if waiting:
-                self._resolve_waiting(job, buffer, [step[j] for j in waiting], waiting, slots)
-            if bypass:
-                buffer.count("bypassed", len(bypass))
-                futures.append(self._loaders.submit(self._bypass, job, [step[j] for j in bypass]))
-            # The step ends when what it claimed has resolved: claim no more than is loading.
-            wait_futures(futures, timeout=self._settings.wait_timeout_s)
-
-    def _resolve_waiting(
-        self,
-        job: LoadJob,
-        buffer: BufferTier,
-        entries: list[int],
-        positions: list[int],
-        slots: Sequence[int],
-    ) -> None:
-        held = [slots[j] for j in positions]
-        buffer.count("waited", len(entries))
-        try:
-            states = buffer.wait_slots([job.keys[i] for i in entries], held)
-        except BaseException:
-            buffer.release(held)
-            raise
-        ready = [k for k, s in enumerate(states) if s == _READY]
-        failed = [k for k, s in enumerate(states) if s == _FAILED]
-        missing = [k for k, s in enumerate(states) if s == _MISSING]
-        taken = [k for k, s in enumerate(states) if s == _TAKEOVER]
-        handled = (_READY, _FAILED, _MISSING, _TAKEOVER)
-        other = [k for k, s in enumerate(states) if s not in handled]
-        if ready and job.memory is not None:
-            self._count("hits", len(ready))
-        if ready:
-            self._copies.put((job, [entries[k] for k in ready], [held[k] for k in ready]))
-        if taken:  # the owner died: this rank loads it now
-            self._count("takeovers", len(taken))
-            self._fill_owned(job, [entries[k] for k in taken], [held[k] for k in taken])
-        if failed or missing or other:
-            buffer.release([held[k] for k in failed + missing + other])
-        if (failed or missing) and job.memory is not None:
-            self._count("misses", len(failed) + len(missing))
-            self._count("failed_shards", len(failed) + len(missing))
-        if failed:
-            job.progress.finish(
-                [entries[k] for k in failed],
-                TierError(
-                    "the rank that was loading this shard from the tiers below failed to load it"
-                ),
-            )
-        if missing:
-            job.progress.finish(
-                [entries[k] for k in missing],
-                KeyMissingError(
-                    "not found in any tier (by the rank that was loading it from the tiers below)"
-                ),
-            )
-        if other:  # timed out behind a live owner, or lock trouble: load it here, from below
-            buffer.count("bypassed", len(other))
-            self._bypass(job, [entries[k] for k in other])
-
-    def _fill_owned(self, job: LoadJob, entries: list[int], slots: list[int]) -> None:
-        """Fills claimed slots from below, commits them and hands the loaded ones on."""
-        assert self._buffer is not None
-        buffer = self._buffer
-        keys = [job.keys[i] for i in entries]
-        buffer.count("owned", len(entries))
-        try:
-            views: list[ShardViews] = [[view] for view in buffer.slot_views(slots)]
-            failures, served = self._fill(keys, views)
-        except BaseException as exc:
-            failures, served = {key: _as_error(exc) for key in keys}, [-1] * len(keys)
-        # A miss everywhere is committed as such, so waiters in other ranks raise the same
-        # KeyMissingError as this one instead of a generic failure.
-        states = [
-            State.READY
-            if position >= 0
-            else State.MISSING
-            if isinstance(failures.get(key), KeyMissingError)
-            else State.FAILED
-            for key, position in zip(keys, served, strict=True)
-        ]
-        buffer.commit(keys, slots, states)
-        loaded = [k for k, position in enumerate(served) if position >= 0]
-        bad = [k for k, position in enumerate(served) if position < 0]
-        if job.memory is None:
-            self._count("prefetched_shards", len(loaded))
-        else:
-            self._count("misses", len(entries))
-        if bad:
-            buffer.release([slots[k] for k in bad])
-            self._count("failed_shards", len(bad))
-            job.progress.fail({entries[k]: failures[keys[k]] for k in bad})
-        if loaded:
-            self._copies.put((job, [entries[k] for k in loaded], [slots[k] for k in loaded]))
-
-    def _bypass(self, job: LoadJob, entries: list[int]) -> None:
-        """Loads entries from the cascade straight into their destinations (no slot held)."""
-        if job.memory is None:
-            if self._buffer is None:  # no buffer: the cascade promotes into the top tier
-                size = self._shard_size
-                scratch: list[ShardViews] = [[memoryview(bytearray(size))] for _ in entries]
-                _, served = self._fill([job.keys[i] for i in entries], scratch)
-                self._count("prefetched_shards", sum(1 for p in served if p > 0))
-            # (with a buffer, a prefetch without a slot has nowhere to put the bytes)
+    def _load(self, job: LoadJob, entries: list[int]) -> None:
+        """Loads entries from the cascade straight into their destinations."""
+        if job.memory is None:  # a prefetch: the cascade promotes into the top tier
+            size = self._shard_size
+            scratch: list[ShardViews] = [[memoryview(bytearray(size))] for _ in entries]
+            _, served = self._fill([job.keys[i] for i in entries], scratch)
+            self._count("prefetched_shards", sum(1 for p in served if p > 0))
             job.progress.finish(entries)
             return
         keys = [job.keys[i] for i in entries]
@@ -365,70 +534,24 @@ class LoadQueue:
             {i: failures[key] for i, key, p in zip(entries, keys, served, strict=True) if p < 0}
         )
 
-    def _prewarm(self, job: LoadJob, buffer: BufferTier) -> None:
-        """Idle window (seed 3.4): hang idle slots for (block, index + 1) of this task's blocks,
-        from the reserved pool when the regular one is full. Only this task's blocks."""
-        following = [(b, s + 1) for b, s in job.keys if s + 1 < self._shards_per_block]
-        if not following:
-            return
-        outcomes = buffer.prewarm(following)
-        self._count("prewarmed", sum(1 for outcome in outcomes if outcome == 0))
 
-    # ---- copier -----------------------------------------------------------------------------
+@dataclass(eq=False)
+class LoadJob:
+    """One load (or prefetch, when ``memory`` is None) task of a stack without a buffer."""
 
-    def _copy_loop(self) -> None:
-        while True:
-            item = self._copies.get()
-            if item is None:
-                return
-            job, entries, slots = item
-            try:
-                self._copy(job, entries, slots)
-            except BaseException as exc:
-                job.progress.finish(entries, _as_error(exc))
+    keys: list[Key]
+    memory: arguments.ShardMemory | None
+    progress: Progress
 
-    def _copy(self, job: LoadJob, entries: list[int], slots: list[int]) -> None:
-        assert self._buffer is not None
-        buffer = self._buffer
-        try:
-            memory = job.memory
-            if memory is not None:
-                addresses = buffer.slot_addresses(slots)
-                cuda = self._cuda
-                # Host tensors: every range of the task in one native call (libc's memmove
-                # underneath). One call, not one per tensor: a ctypes call costs ~0.5 us, and
-                # each one gives up the GIL and must win it back from the threads preparing
-                # the next tasks (+10% on the 256 KiB hit path, 1.6x with 8 KiB tensors).
-                ranges = CopyRanges()
-                for i, source in zip(entries, addresses, strict=True):
-                    pairs = memory.cuda[i]
-                    if pairs is not None and cuda is not None:
-                        cuda.copy(source, pairs)
-                        job.direct.add(i)
-                        continue
-                    for target, nbytes in memory.addresses[i]:
-                        ranges.add(target, source, nbytes)
-                        source += nbytes
-                ranges.copy()
-                if cuda is not None and any(memory.cuda[i] is not None for i in entries):
-                    cuda.synchronize()  # the slot bytes must be copied before the release
-                self._count("loaded_shards", len(entries))
-        finally:
-            buffer.release(slots)
-        job.progress.finish(entries)
 
-    # ---- CUDA -------------------------------------------------------------------------------
-
-    def _maybe_enable_cuda(self, memory: arguments.ShardMemory) -> None:
-        if self._cuda_checked or not memory.cuda_pairs:
-            return
-        self._cuda_checked = True
-        assert self._buffer is not None
-        try:
-            self._cuda = _CudaDirect(self._buffer.bases, self._buffer.geometry.segment_size_bytes)
-        except Exception as exc:  # the staging fallback (arguments.py) still works
-            self._count("cuda_register_failures", 1)
-            sys.stderr.write(f"ucm: CUDA host registration unavailable, staging instead: {exc}\n")
+def _put(target: queue.Queue[Any], item: Any, timeout_s: float, what: str) -> None:
+    try:
+        target.put(item, timeout=timeout_s)
+    except queue.Full:
+        raise TimeoutError(
+            f"the {what} queue stayed full for {timeout_s} s: the rank submits faster than the "
+            f"cache drains; wait for earlier tasks or raise {what}_queue_depth / queue_timeout_s"
+        ) from None
 
 
 class _CudaDirect:
@@ -480,7 +603,9 @@ class _CudaDirect:
 
 
 class DumpQueue:
-    """Dumps on their own thread: into the top tier, then snapshots to the write-through tiers."""
+    """Dumps Python follows up, on their own thread: stacks without a buffer write into the
+    top tier; stacks with a buffer write it through the native queue. Either way a snapshot
+    then goes to the write-through writer for every ``write: through`` tier below."""
 
     def __init__(
         self,
@@ -489,30 +614,28 @@ class DumpQueue:
         through: list[Tier],
         count: Count,
         settings: QueueSettings,
-        buffer: BufferTier | None = None,
+        native: BufferPath | None = None,
     ) -> None:
         self._top = top
-        self._buffer = buffer
+        self._native = native
         self._through = through
         self._count = count
         self._settings = settings
         self.writer = WriteQueue(settings.write_queue_bytes, count)
-        self._pending: queue.Queue[tuple[list[Key], arguments.ShardMemory, Progress] | None] = (
-            queue.Queue(settings.dump_queue_depth)
-        )
+        self._pending: queue.Queue[_Dump | None] = queue.Queue(settings.dump_queue_depth)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="ucm-dump", daemon=True)
         self._thread.start()
 
-    def submit(self, keys: list[Key], memory: arguments.ShardMemory, progress: Progress) -> None:
+    def submit(self, dump: _Dump) -> None:
         if self._closed:
             raise StoreClosedError("the store is closed; open a new one with ucm.open()")
-        _put(self._pending, (keys, memory, progress), self._settings.queue_timeout_s, "dump")
+        _put(self._pending, dump, self._settings.queue_timeout_s, "dump")
 
     def drain(self) -> None:
         """Waits for every queued dump, then for the write-through backlog."""
         marker = Progress([(b"\0" * 16, 0)])  # finished by the dump thread when it gets here
-        self._pending.put(([], arguments.ShardMemory(views=[]), marker))
+        self._pending.put(_Dump([], [], [], arguments.ShardMemory(views=[]), marker))
         marker.future.result(timeout=self._settings.queue_timeout_s)
         self.writer.drain()
 
@@ -529,18 +652,20 @@ class DumpQueue:
             item = self._pending.get()
             if item is None:
                 return
-            keys, memory, progress = item
-            if not keys:
-                progress.finish(range(len(progress.keys)))
+            if not item.keys:
+                item.progress.finish(range(len(item.progress.keys)))
                 continue
             try:
-                self._dump(keys, memory, progress)
+                self._dump(item)
             except BaseException as exc:
-                progress.finish(progress.unfinished(), _as_error(exc))
+                item.progress.finish(item.progress.unfinished(), _as_error(exc))
 
-    def _dump(self, keys: list[Key], memory: arguments.ShardMemory, progress: Progress) -> None:
-        if self._buffer is not None:  # the top tier: straight from the tensors' addresses
-            outcomes = self._buffer.dump_ranges(keys, memory.addresses)
+    def _dump(self, item: _Dump) -> None:
+        keys, memory, progress = item.keys, item.memory, item.progress
+        if self._native is not None:  # the buffer part, natively, straight from the addresses
+            job = self._native.submit(TaskKind.DUMP, keys, item.blocks, item.indexes, memory)
+            failures = job.failures(None)
+            outcomes = [failures.get(key) for key in keys]
         else:
             outcomes = self._top.dump(keys, memory.views)
         if self._through:
@@ -550,10 +675,20 @@ class DumpQueue:
             self.writer.put(self._through, keys, snapshot)
             outcomes = [None] * len(keys)
         failed = {i: o for i, o in enumerate(outcomes) if o is not None}
-        self._count("dumped_shards", len(keys) - len(failed))
-        self._count("failed_shards", len(failed))
+        if self._native is None:
+            self._count("dumped_shards", len(keys) - len(failed))
+            self._count("failed_shards", len(failed))
         progress.finish(i for i in range(len(keys)) if i not in failed)
         progress.fail(failed)
+
+
+@dataclass(eq=False)
+class _Dump:
+    keys: list[Key]
+    blocks: list[bytes]
+    indexes: list[int]
+    memory: arguments.ShardMemory
+    progress: Progress
 
 
 class WriteQueue:
@@ -636,4 +771,13 @@ def _as_error(exc: BaseException) -> BaseException:
     return exc if isinstance(exc, Exception) else TierError(f"interrupted: {exc!r}")
 
 
-__all__ = ["DumpQueue", "Fill", "LoadJob", "LoadQueue", "QueueSettings", "WriteQueue"]
+__all__ = [
+    "BufferPath",
+    "DumpQueue",
+    "Fill",
+    "LoadJob",
+    "LoadQueue",
+    "NativeJob",
+    "QueueSettings",
+    "WriteQueue",
+]

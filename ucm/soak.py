@@ -268,31 +268,18 @@ class _Rank:
         self.layout = self.store.layout
         self.size = self.layout.shard_size
         self.buffer: Any = self.store.tiers[0]
-        self._time_buffer_waits()
         self.block_ids = [block_id_of(b"soak", i) for i in range(spec.blocks)]
         self.memory = [ctypes.create_string_buffer(self.size) for _ in range(16)]
         self.requests = requests
         self.record.state = "running"
         self.records.write(self.record)
 
-    def _time_buffer_waits(self) -> None:
-        """Records the longest single wait on other ranks' slots (instrumentation only)."""
-        from .native.buffer import WaitResult
-
-        core = self.buffer.core
-        original = core.wait
-
-        def timed_wait(slots: Any, timeout_s: float) -> list[WaitResult]:
-            started = time.monotonic()
-            try:
-                results: list[WaitResult] = original(slots, timeout_s)
-            finally:
-                elapsed = time.monotonic() - started
-                self.record.longest_wait_s = max(self.record.longest_wait_s, elapsed)
-            self.record.wait_timeouts += sum(1 for r in results if r is WaitResult.IDLE)
-            return results
-
-        core.wait = timed_wait
+    def _note_buffer_waits(self) -> None:
+        """The longest single wait on other ranks' slots, and the waits that ran out: the
+        native queue measures them."""
+        counters = self.buffer.queue.stats()
+        self.record.longest_wait_s = counters["wait_ns_max"] / 1e9
+        self.record.wait_timeouts = counters["wait_timeouts"]
 
     def violation(self, text: str) -> None:
         line = json.dumps({"rank": self.spec.rank, "pid": os.getpid(), "violation": text})
@@ -395,6 +382,8 @@ class _Rank:
             self.record.removed += self.store.remove(self._pick(self.rng.randint(1, 2))[0], force)
         else:
             self.store.lookup(self._pick(self.rng.randint(1, 8))[0])
+        if kind == "load":
+            self._note_buffer_waits()
         elapsed = time.monotonic() - self.record.op_started
         if elapsed > self.record.longest_op_s:
             self.record.longest_op_s, self.record.longest_op = elapsed, kind

@@ -9,6 +9,7 @@ tier that answers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import Counter
@@ -25,7 +26,8 @@ from .errors import (
     StoreClosedError,
 )
 from .layout import Key, Layout
-from .loadqueue import BufferTier, DumpQueue, LoadJob, LoadQueue, QueueSettings
+from .loadqueue import BufferPath, BufferTier, DumpQueue, LoadJob, LoadQueue, QueueSettings, _Dump
+from .native.queue import TaskKind
 from .plugins import tier_types
 from .task import Progress, Task
 from .tier import Outcome, ShardViews, Tier, TierContext
@@ -36,9 +38,12 @@ DEFAULT_WRITE_QUEUE_BYTES = 256 * 1024 * 1024
 class Store:
     """One rank's handle on a tier stack. Thread-safe; use as a context manager.
 
-    Loads go through this rank's :class:`~ucm.loadqueue.LoadQueue` (dispatcher + copier over
-    the shared CacheBuffer when the stack has one), dumps through its
-    :class:`~ucm.loadqueue.DumpQueue`; many tasks may be in flight at once.
+    With a buffer tier, loads, prefetches and the buffer part of dumps run in the buffer's
+    native queue (:class:`~ucm.loadqueue.BufferPath`: native dispatcher and copy threads,
+    Python loader threads for the tiers below); without one, loads go through the Python
+    :class:`~ucm.loadqueue.LoadQueue`. Dumps that feed ``write: through`` tiers (or a stack
+    without a buffer) also pass through the :class:`~ucm.loadqueue.DumpQueue`. Many tasks may
+    be in flight at once.
     """
 
     def __init__(
@@ -87,8 +92,10 @@ class Store:
                 tier.close()
             raise
         top = self.tiers[0]
-        # The shared CacheBuffer (native core) offers the owner/waiter slot protocol.
-        self._buffer: BufferTier | None = cast(BufferTier, top) if hasattr(top, "claim") else None
+        # The shared CacheBuffer (native core) brings the native load queue.
+        self._buffer: BufferTier | None = (
+            cast(BufferTier, top) if hasattr(type(top), "queue") else None
+        )
         settings = QueueSettings.from_tier_config(top.config) if self._buffer else QueueSettings()
         if write_queue_bytes is not None:
             settings = QueueSettings(
@@ -101,27 +108,48 @@ class Store:
             for tier in self.tiers[1:]
             if isinstance(tier.config, LowerTierConfig) and tier.config.write == "through"
         ]
+        back = any(
+            isinstance(tier.config, LowerTierConfig) and tier.config.write == "back"
+            for tier in self.tiers[1:]
+        )
+        self._native: BufferPath | None = None
         self._loads: LoadQueue | None = None
         self._dumps: DumpQueue | None = None
-        if device_id >= 0:
-            self._loads = LoadQueue(
-                buffer=self._buffer,
-                fill=self._fill_from_below,
-                count=self._count,
-                device_id=device_id,
-                local_rank_size=local_rank_size,
-                shards_per_block=self.layout.shards_per_block,
-                shard_size=self.layout.shard_size,
-                settings=settings,
-            )
-            self._dumps = DumpQueue(
-                top=top,
-                through=through,
-                count=self._count,
-                settings=settings,
-                # A buffer-like plugin without the ranges entry point dumps through views.
-                buffer=self._buffer if hasattr(self._buffer, "dump_ranges") else None,
-            )
+        self._worker = device_id >= 0
+        try:
+            if self._worker and self._buffer is not None:
+                self._native = BufferPath(
+                    buffer=self._buffer,
+                    fill=self._fill_from_below,
+                    count=self._count,
+                    shard_size=self.layout.shard_size,
+                    settings=settings,
+                    dirty_dumps=back,
+                )
+            elif self._worker:
+                self._loads = LoadQueue(
+                    fill=self._fill_from_below,
+                    count=self._count,
+                    device_id=device_id,
+                    local_rank_size=local_rank_size,
+                    shard_size=self.layout.shard_size,
+                    settings=settings,
+                )
+            if self._worker and (self._native is None or through):
+                self._dumps = DumpQueue(
+                    top=top,
+                    through=through,
+                    count=self._count,
+                    settings=settings,
+                    native=self._native,
+                )
+        except BaseException:
+            if self._native is not None:
+                self._native.close()
+            for tier in self.tiers:
+                tier.close()
+            raise
+        self._native_final: dict[str, int] | None = None
         self._prefetches: list[Task] = []
         self._prefetch_lock = threading.Lock()
 
@@ -148,7 +176,7 @@ class Store:
         """Starts moving the blocks' shards up into the top tier (asynchronously)."""
         self._check_open()
         blocks = arguments.check_block_ids(block_ids)
-        if self._loads is None:
+        if not self._worker:
             raise RoleError(
                 f"prefetch is not allowed on a scheduler (device_id={self.device_id}): the "
                 "scheduler role has no data plane to fill; prefetch from a worker rank"
@@ -160,32 +188,39 @@ class Store:
         missing = [key for key, hit in zip(keys, present, strict=True) if not hit]
         if not missing:
             return
-        progress = Progress(missing)
-        task = Task(kind="prefetch", keys=missing, future=progress.future)
-        self._loads.submit(LoadJob(keys=missing, memory=None, progress=progress))
+        if self._native is not None:
+            job = self._native.submit(
+                TaskKind.PREFETCH, missing, [k[0] for k in missing], [k[1] for k in missing], None
+            )
+            task = self._native.task("prefetch", job)
+        else:
+            assert self._loads is not None
+            progress = Progress(missing)
+            task = Task(kind="prefetch", keys=missing, completion=progress)
+            self._loads.submit(LoadJob(keys=missing, memory=None, progress=progress))
         with self._prefetch_lock:
             self._prefetches = [t for t in self._prefetches if not t.done()]
             self._prefetches.append(task)
 
     def load(self, block_ids: Sequence[bytes], shard_index: Any, dst: Any) -> Task:
         """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``."""
-        keys, memory = self._prepare(block_ids, shard_index, "dst", dst, for_load=True)
-        return self._submit_load(keys, memory)
+        prepared = self._prepare(block_ids, shard_index, "dst", dst, for_load=True)
+        return self._submit_load(*prepared)
 
     def dump(self, block_ids: Sequence[bytes], shard_index: Any, src: Any) -> Task:
         """Stores the tensors ``src[i]`` as shard ``shard_index[i]`` of block i."""
-        keys, memory = self._prepare(block_ids, shard_index, "src", src, for_load=False)
-        return self._submit_dump(keys, memory)
+        prepared = self._prepare(block_ids, shard_index, "src", src, for_load=False)
+        return self._submit_dump(*prepared)
 
     def load_data(self, block_ids: Sequence[bytes], shard_index: Any, dst_ptrs: Any) -> Task:
         """Like load, with raw addresses: ``dst_ptrs[i][j]`` receives tensor j of block i."""
-        keys, memory = self._prepare(block_ids, shard_index, "dst_ptrs", dst_ptrs, for_load=True)
-        return self._submit_load(keys, memory)
+        prepared = self._prepare(block_ids, shard_index, "dst_ptrs", dst_ptrs, for_load=True)
+        return self._submit_load(*prepared)
 
     def dump_data(self, block_ids: Sequence[bytes], shard_index: Any, src_ptrs: Any) -> Task:
         """Like dump, with raw addresses: ``src_ptrs[i][j]`` holds tensor j of block i."""
-        keys, memory = self._prepare(block_ids, shard_index, "src_ptrs", src_ptrs, for_load=False)
-        return self._submit_dump(keys, memory)
+        prepared = self._prepare(block_ids, shard_index, "src_ptrs", src_ptrs, for_load=False)
+        return self._submit_dump(*prepared)
 
     def wait_prefetches(self) -> None:
         """Blocks until every prefetch started so far has finished (its errors are ignored:
@@ -193,7 +228,9 @@ class Store:
         with self._prefetch_lock:
             tasks = list(self._prefetches)
         for task in tasks:
-            task.future.exception(timeout=self.settings.queue_timeout_s)
+            # A failed prefetch only means that the later load reads from below.
+            with contextlib.suppress(Exception):
+                task.completion.failures(self.settings.queue_timeout_s)
 
     def wait(self, task: Task) -> None:
         """Blocks until the task finishes; raises TaskError naming each failed key."""
@@ -243,6 +280,13 @@ class Store:
         """Store counters plus each tier's own counters under ``tiers``."""
         with self._counters_lock:
             counters: dict[str, Any] = dict(self._counters)
+        if self._native is not None and not self._native.queue.destroyed:
+            native = self._native.queue.stats()
+            for name in _NATIVE_STORE_COUNTERS:
+                counters[name] = counters.get(name, 0) + native[name]
+        elif self._native_final is not None:
+            for name, value in self._native_final.items():
+                counters[name] = counters.get(name, 0) + value
         for name in (
             "hits",
             "misses",
@@ -266,14 +310,19 @@ class Store:
             return
         self._closed = True
         try:
+            if self._dumps is not None:  # may still hand dumps to the native queue
+                self._dumps.close()
+            if self._native is not None:
+                self._native.close()
             if self._loads is not None:
                 self._loads.close()
-            if self._dumps is not None:
-                self._dumps.close()
             for tier in self.tiers:
                 tier.flush()
         finally:
             self._final_tier_stats = self._tier_stats()
+            if self._native is not None and not self._native.queue.destroyed:
+                native = self._native.queue.stats()
+                self._native_final = {name: native[name] for name in _NATIVE_STORE_COUNTERS}
             for tier in self.tiers:
                 tier.close()
 
@@ -298,7 +347,7 @@ class Store:
 
     def _prepare(
         self, block_ids: Any, shard_index: Any, name: str, buffers: Any, for_load: bool
-    ) -> tuple[list[Key], arguments.ShardMemory]:
+    ) -> tuple[list[Key], list[bytes], list[int], arguments.ShardMemory]:
         self._check_open()
         if self.device_id < 0:
             verb = "load" if for_load else "dump"
@@ -314,29 +363,47 @@ class Store:
             memory = arguments.check_pointers(buffers, len(blocks), self.layout, name)
         else:
             memory = arguments.check_tensors(buffers, len(blocks), self.layout, name, for_load)
-        return keys, memory
+        return keys, blocks, indexes, memory
 
-    def _submit_load(self, keys: list[Key], memory: arguments.ShardMemory) -> Task:
+    def _submit_load(
+        self,
+        keys: list[Key],
+        blocks: list[bytes],
+        indexes: list[int],
+        memory: arguments.ShardMemory,
+    ) -> Task:
+        self._count("load_tasks")
+        if not keys:
+            return Task(kind="load", keys=keys, completion=Progress(keys))
+        if self._native is not None:
+            job = self._native.submit(TaskKind.LOAD, keys, blocks, indexes, memory)
+            return self._native.task("load", job)
         assert self._loads is not None
-        job: LoadJob
 
         def complete(_progress: Progress) -> None:
-            arguments.finish_cuda_loads(memory, job.direct)
+            arguments.finish_cuda_loads(memory)
 
         progress = Progress(keys, on_complete=complete if memory.cuda_pairs else None)
-        job = LoadJob(keys=keys, memory=memory, progress=progress)
-        self._count("load_tasks")
-        if keys:
-            self._loads.submit(job)
-        return Task(kind="load", keys=keys, future=progress.future)
+        self._loads.submit(LoadJob(keys=keys, memory=memory, progress=progress))
+        return Task(kind="load", keys=keys, completion=progress)
 
-    def _submit_dump(self, keys: list[Key], memory: arguments.ShardMemory) -> Task:
-        assert self._dumps is not None
-        progress = Progress(keys)
+    def _submit_dump(
+        self,
+        keys: list[Key],
+        blocks: list[bytes],
+        indexes: list[int],
+        memory: arguments.ShardMemory,
+    ) -> Task:
         self._count("dump_tasks")
-        if keys:
-            self._dumps.submit(keys, memory, progress)
-        return Task(kind="dump", keys=keys, future=progress.future)
+        if not keys:
+            return Task(kind="dump", keys=keys, completion=Progress(keys))
+        if self._dumps is None:  # straight into the buffer's native queue
+            assert self._native is not None
+            job = self._native.submit(TaskKind.DUMP, keys, blocks, indexes, memory)
+            return self._native.task("dump", job)
+        progress = Progress(keys)
+        self._dumps.submit(_Dump(keys, blocks, indexes, memory, progress))
+        return Task(kind="dump", keys=keys, completion=progress)
 
     def _lookup_keys(self, keys: list[Key], stop_early: bool = True) -> list[bool]:
         present = [False] * len(keys)
@@ -465,6 +532,21 @@ class Store:
             return results
 
         return sink
+
+
+_NATIVE_STORE_COUNTERS = (
+    "hits",
+    "misses",
+    "loaded_shards",
+    "dumped_shards",
+    "failed_shards",
+    "prefetched_shards",
+    "takeovers",
+    "prewarmed",
+    "get_ns",
+    "get_keys",
+)
+"""Counters of the native queue that are the store's own (its loads, dumps, prefetches)."""
 
 
 def _check_rank(device_id: Any, local_rank_size: Any) -> None:

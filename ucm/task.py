@@ -1,4 +1,10 @@
-"""Tasks: handles of submitted load/dump batches, and the bookkeeping that completes them."""
+"""Tasks: handles of submitted load/dump batches, and what completes them.
+
+A task completes one of two ways. Tasks the native queue runs (loads, prefetches and dumps
+through the buffer tier) complete natively: :class:`~ucm.loadqueue.NativeJob` waits on the
+task's futex word with the GIL released. Tasks run by Python threads (stacks without a buffer
+tier, and dumps that also feed ``write: through`` tiers) complete through :class:`Progress`.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,24 @@ import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from .errors import TaskError
 from .layout import Key
 
 _ids = itertools.count(1)
+
+
+class Completion(Protocol):
+    """What a Task waits on."""
+
+    def done(self) -> bool:
+        """Non-blocking: whether the task finished (successfully or not)."""
+        ...
+
+    def failures(self, timeout: float | None) -> dict[Key, BaseException]:
+        """Blocks until finished; the failed keys and why. TimeoutError if still running."""
+        ...
 
 
 @dataclass(eq=False)
@@ -20,15 +39,15 @@ class Task:
 
     kind: str
     keys: list[Key]
-    future: Future[dict[Key, BaseException]] = field(repr=False)
+    completion: Completion = field(repr=False)
     task_id: int = field(default_factory=lambda: next(_ids))
 
     def done(self) -> bool:
-        return self.future.done()
+        return self.completion.done()
 
     def result(self, timeout: float | None = None) -> None:
         """Blocks until finished; raises TaskError naming every failed key."""
-        failures = self.future.result(timeout=timeout)
+        failures = self.completion.failures(timeout)
         if failures:
             raise TaskError(failures)
 
@@ -38,8 +57,8 @@ class Task:
 
 
 class Progress:
-    """Counts a task's entries down as the queues finish them (in any order, from any thread);
-    the last one completes the task's future with every failure, after ``on_complete``."""
+    """Counts a task's entries down as Python threads finish them (in any order, from any
+    thread); the last one completes the task with every failure, after ``on_complete``."""
 
     def __init__(
         self,
@@ -48,13 +67,19 @@ class Progress:
     ) -> None:
         self.keys = keys
         self.future: Future[dict[Key, BaseException]] = Future()
-        self.failures: dict[Key, BaseException] = {}
+        self.failures_seen: dict[Key, BaseException] = {}
         self._remaining = len(keys)
         self._finished = [False] * len(keys)
         self._lock = threading.Lock()
         self._on_complete = on_complete
         if not keys:
             self._complete()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def failures(self, timeout: float | None) -> dict[Key, BaseException]:
+        return self.future.result(timeout=timeout)
 
     def finish(self, indices: Iterable[int], failure: BaseException | None = None) -> None:
         """Marks entries done (failed with ``failure`` when given). Idempotent per entry."""
@@ -66,7 +91,7 @@ class Progress:
                 self._finished[i] = True
                 newly += 1
                 if failure is not None:
-                    self.failures[self.keys[i]] = failure
+                    self.failures_seen[self.keys[i]] = failure
             self._remaining -= newly
             complete = newly > 0 and self._remaining == 0
         if complete:
@@ -87,4 +112,4 @@ class Progress:
         except BaseException as exc:  # completing must never leave the task hanging
             self.future.set_exception(exc)
             return
-        self.future.set_result(dict(self.failures))
+        self.future.set_result(dict(self.failures_seen))

@@ -2,47 +2,40 @@
 
 Every rank of a node that opens the same ``unique_id`` maps the same control segment and data
 segments (``ucm.native.segments``); the slot logic (owner/waiter, CLOCK, Touch, Prealloc,
-batched remove) is ``ucm.native.buffer``. Beyond the plain Tier interface this tier offers the
-slot protocol the rank's LoadQueue drives (``ucm.loadqueue``): :meth:`BufferTier.claim` (batched
-Get), :meth:`~BufferTier.commit`, :meth:`~BufferTier.wait_slots`, :meth:`~BufferTier.release`,
-:meth:`~BufferTier.prewarm` and the slot addresses, so that each missing shard is loaded from
-below exactly once node-wide, by whichever rank claims its slot first, while every other rank
-asking for it sleeps on the slot's futex. The queue and tuning keys of this tier's config
-(``load_workers``, ``step_keys``, queue depths, ``prealloc``...) configure that LoadQueue.
+batched remove) is ``ucm.native.buffer``. Each worker process runs the buffer's native load
+queue (``ucm.native.queue``, :attr:`BufferTier.queue`): it claims slots, copies hits, waits on
+slots other ranks fill and hands the keys this rank owns to the Store's loader threads, so each
+missing shard is loaded from below exactly once node-wide, by whichever rank claims its slot
+first, while every other rank asking for it sleeps on the slot's futex. The tier's own
+``load``/``dump`` (the plain Tier interface) are tasks on the same queue. The queue and tuning
+keys of this tier's config (``copy_threads``, ``load_workers``, ``step_keys``, queue depths,
+``prealloc``...) configure it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import threading
-import time
+from array import array
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, PositiveFloat
 
 import ucm
 from ucm.config import Size, TierConfig
-from ucm.errors import KeyMissingError, TierError
+from ucm.errors import InvalidArgumentError, KeyMissingError, RoleError, TierError
 from ucm.layout import Key
 from ucm.native import buffer as native_buffer
-from ucm.native.buffer import (
-    BufferCore,
-    Geometry,
-    GetBatch,
-    GetResult,
-    KeyBatch,
-    PreallocResult,
-    State,
-    WaitResult,
+from ucm.native.buffer import BufferCore, Geometry
+from ucm.native.queue import (
+    TASK_FLAG_NO_FILL,
+    EntryResult,
+    NativeQueue,
+    QueueSettings,
+    TaskKind,
 )
-from ucm.native.memcopy import CopyRanges
 from ucm.native.segments import SharedRegion
-from ucm.tier import EvictSink, Outcome, ShardViews, Tier, TierContext
-
-ShardRanges = Sequence[tuple[int, int]]
-"""A shard's source as (address, nbytes) per tensor: what the Store's dump queue holds."""
-ShardSource = ShardViews | ShardRanges
+from ucm.tier import Outcome, ShardViews, Tier, TierContext
 
 SEGMENT_TARGET_BYTES = 1 << 30
 SEGMENTS_MAX = 256
@@ -68,10 +61,16 @@ class BufferTierConfig(TierConfig):
         "window (seed 3.4).",
     )
     load_queue_depth: int = Field(
-        default=64, ge=1, description="Load tasks queued for the dispatcher before load() blocks."
+        default=64,
+        ge=1,
+        le=512,
+        description="Load tasks queued for the dispatcher before load() blocks.",
     )
     dump_queue_depth: int = Field(
-        default=64, ge=1, description="Dump tasks queued for the dump thread before dump() blocks."
+        default=64,
+        ge=1,
+        le=512,
+        description="Dump tasks queued for the dump dispatcher before dump() blocks.",
     )
     queue_timeout_s: PositiveFloat = Field(
         default=60.0,
@@ -83,7 +82,14 @@ class BufferTierConfig(TierConfig):
     step_keys: int = Field(
         default=1024,
         ge=1,
+        le=32768,
         description="Most keys one dispatcher step claims (one batched Get).",
+    )
+    copy_threads: int = Field(
+        default=4,
+        ge=1,
+        le=16,
+        description="Native threads copying shard bytes between buffer slots and caller memory.",
     )
     rearrange: bool = Field(
         default=True,
@@ -128,7 +134,7 @@ class BufferTier(Tier):
             slots_per_segment=slots_per_segment,
         )
         geometry = self.geometry
-        segment_bytes = geometry.segment_size_bytes
+        self.segment_bytes = geometry.segment_size_bytes
         role: Literal["worker", "scheduler"] = "scheduler" if context.is_scheduler else "worker"
 
         def init(region: SharedRegion) -> None:
@@ -137,216 +143,56 @@ class BufferTier(Tier):
         self.region = SharedRegion.open(
             context.unique_id,
             ctrl_bytes=geometry.ctrl_size_bytes,
-            data_bytes=segment_bytes * geometry.segment_count,
-            segment_bytes=segment_bytes,
+            data_bytes=self.segment_bytes * geometry.segment_count,
+            segment_bytes=self.segment_bytes,
             role=role,
             init=init,
             ctrl_layout_version=BUFFER_CTRL_LAYOUT_VERSION,
         )
+        self._queue: NativeQueue | None = None
         try:
             self.core = BufferCore.attach(
                 self.region.ctrl_address, self.region.ctrl_bytes, geometry
             )
+            self.bases = [self.region.segment_address(i) for i in range(geometry.segment_count)]
+            if not context.is_scheduler:
+                # A rank (re)joining frees what ranks killed earlier still held, so a restart
+                # never inherits leaked references even if the buffer never fills up.
+                self.core.reclaim_dead()
+                # Open returns at once; the data plane faults in behind it.
+                self.region.populate(config.populate_threads)
+                self._queue = NativeQueue(
+                    self.core,
+                    self.bases,
+                    QueueSettings(
+                        device_id=context.device_id,
+                        local_rank_size=min(context.local_rank_size, _LOCAL_RANK_SIZE_MAX),
+                        shards_per_block=self.layout.shards_per_block,
+                        tensor_sizes=self.layout.tensor_sizes,
+                        step_keys=config.step_keys,
+                        copy_threads=config.copy_threads,
+                        fill_parts=config.load_workers,
+                        load_queue_depth=config.load_queue_depth,
+                        dump_queue_depth=config.dump_queue_depth,
+                        wait_timeout_s=config.wait_timeout_s,
+                        prealloc=config.prealloc,
+                        rearrange=config.rearrange,
+                    ),
+                    region_handle=self.region.handle,
+                )
         except BaseException:
             self.region.close()  # a refused attach must not keep the segments mapped
             raise
-        if not context.is_scheduler:
-            # A rank (re)joining frees what ranks killed earlier still held, so a restart
-            # never inherits leaked references even if the buffer never fills up.
-            self.core.reclaim_dead()
-            # Open returns at once; the data plane faults in behind it.
-            self.region.populate(config.populate_threads)
-        self.bases = [self.region.segment_address(i) for i in range(geometry.segment_count)]
-        # References and ownership are recorded per process in the native core, so the threads
-        # of one rank share them here, under `_lock` together with the native call that changes
-        # them: `_refs` counts this process's uses of each slot it holds (the native reference
-        # is dropped with the last use: an early release by one thread would read as the owner
-        # giving up), `_local_owned` maps each key this process owns and has not committed.
-        self._lock = threading.Lock()
-        self._local_owned: dict[Key, int] = {}
-        self._refs: dict[int, int] = {}
-        self._ready: set[int] = set()
-        """Slots held here that are known Ready (a Ready shard never changes while held)."""
-        self._counts = {
-            "bypassed": 0,
-            "waited": 0,
-            "owned": 0,
-            "write_back_failures": 0,
-            "get_native_ns": 0,
-            "get_native_keys": 0,
-            "hits": 0,
-            "misses": 0,
-        }
-        self._counts_lock = threading.Lock()
 
-    def count(self, name: str, amount: int = 1) -> None:
-        with self._counts_lock:
-            self._counts[name] = self._counts.get(name, 0) + amount
-
-    # ---- slot memory ------------------------------------------------------------------------
-
-    def slot_addresses(self, slots: Sequence[int]) -> list[int]:
-        if not slots:
-            return []
-        addresses = list(self.core.slot_addresses(list(slots), self.bases))
-        if any(address == 0 for address in addresses):
-            raise TierError("the scheduler role has no data plane: it cannot move shard bytes")
-        return addresses
-
-    def slot_views(self, slots: Sequence[int]) -> list[memoryview]:
-        size = self.layout.shard_size
-        return [
-            memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
-            for address in self.slot_addresses(slots)
-        ]
-
-    def copy_out(self, addresses: Sequence[int], destinations: Sequence[ShardViews]) -> None:
-        """Each slot's bytes (``addresses[i]``) into ``destinations[i]``, every view of the
-        batch in one native call (one ``ctypes.memmove`` per view would give up and win back
-        the GIL once per tensor)."""
-        ranges = CopyRanges()
-        for address, views in zip(addresses, destinations, strict=True):
-            for view in views:
-                target = _address_of(view)
-                if target is None:
-                    raise TierError("cannot load into a read-only destination")
-                ranges.add(target, address, view.nbytes)
-                address += view.nbytes
-        ranges.copy()
-
-    def copy_in(self, addresses: Sequence[int], sources: Sequence[ShardSource]) -> None:
-        """Each source's bytes into the slot at ``addresses[i]``, in one native call; read-only
-        views (``bytes``) go through a view of the slot instead."""
-        ranges = CopyRanges()
-        for address, parts in zip(addresses, sources, strict=True):
-            for part in parts:
-                if type(part) is tuple:
-                    source, n = part
-                else:
-                    assert isinstance(part, memoryview)
-                    n = part.nbytes
-                    view_address = _address_of(part)
-                    if view_address is None:
-                        slot = memoryview((ctypes.c_ubyte * n).from_address(address)).cast("B")
-                        slot[:] = part.cast("B")
-                        address += n
-                        continue
-                    source = view_address
-                ranges.add(address, source, n)
-                address += n
-        ranges.copy()
-
-    def write_back(self, slots: Sequence[int], victims: list[tuple[int, Key]]) -> None:
-        """Writes evicted Ready shards (still in their old slot) to `write: back` tiers."""
-        sink: EvictSink | None = self.context.evict_sink
-        if sink is None or not victims:
-            return
-        slot_views = self.slot_views([slots[i] for i, _ in victims])
-        outcomes = sink([key for _, key in victims], [[view] for view in slot_views])
-        self.count("write_back_failures", sum(1 for o in outcomes if o is not None))
-
-    # ---- slot protocol for the load and dump queues ----------------------------------------
-
-    def claim(self, keys: Sequence[Key], for_load: bool = True) -> GetBatch:
-        """Batched Get. The native core records one reference per process and slot, so the
-        threads of this process share it through a local count (``_refs``): a key this process
-        already holds (``HELD``) is reported as HIT when Ready and as WAITER otherwise (another
-        rank or thread is filling it), with the local count raised. OWNER results are recorded
-        as owned here. Evicted Ready shards are written back before their slots are reused."""
-        batch_keys = KeyBatch.of(keys)
-        with self._lock:
-            started = time.perf_counter_ns()
-            batch = self.core.get(batch_keys, evicted=self.context.evict_sink is not None)
-            self._counts["get_native_ns"] += time.perf_counter_ns() - started
-            self._counts["get_native_keys"] += len(batch_keys)
-            results = batch.results
-            refs = self._refs
-            for i, result in enumerate(results):
-                if result > _WAITER and result != _HELD:
-                    continue  # nothing taken
-                slot = batch.slots[i]
-                refs[slot] = refs.get(slot, 0) + 1
-                if result == _HIT:
-                    self._ready.add(slot)
-                elif result == _OWNER:
-                    self._local_owned[keys[i]] = slot
-                elif result == _HELD:
-                    ready = slot in self._ready or (
-                        keys[i] not in self._local_owned
-                        and self.core.slot_info(slot).state is State.READY
-                    )
-                    results[i] = _HIT if ready else _WAITER
-        if for_load:  # this tier's hits/misses: keys a load found Ready here, or not
-            hits = sum(1 for r in batch.results if r == _HIT)
-            waiting = sum(1 for r in batch.results if r == _WAITER)
-            self.count("hits", hits)
-            self.count("misses", len(batch.results) - hits - waiting)
-        if batch.evicted:
-            self.write_back(batch.slots, batch.evicted)
-        return batch
-
-    def commit(self, keys: Sequence[Key], slots: Sequence[int], states: Sequence[State]) -> None:
-        with self._lock:
-            self.core.commit(list(slots), list(states))
-            for key in keys:
-                self._local_owned.pop(key, None)
-            self._ready.update(
-                slot for slot, s in zip(slots, states, strict=True) if s is State.READY
+    @property
+    def queue(self) -> NativeQueue:
+        """This worker's native load queue (the scheduler role has none)."""
+        if self._queue is None:
+            raise RoleError(
+                "the scheduler role has no data plane: it cannot move shard bytes (open the "
+                "store with device_id >= 0)"
             )
-
-    def adopt(self, keys: Sequence[Key], slots: Sequence[int]) -> None:
-        """Records slots taken over from a dead owner (Wait returned TAKEOVER)."""
-        with self._lock:
-            for key, slot in zip(keys, slots, strict=True):
-                self._local_owned[key] = slot
-
-    def owned_here(self, key: Key) -> bool:
-        with self._lock:
-            return key in self._local_owned
-
-    def release(self, slots: Sequence[int]) -> None:
-        """Drops this process's uses of the slots; the native reference goes with the last."""
-        with self._lock:
-            last = []
-            refs = self._refs
-            for slot in slots:
-                count = refs.get(slot, 0)
-                if count <= 1:
-                    refs.pop(slot, None)
-                    self._ready.discard(slot)
-                    last.append(slot)
-                else:
-                    refs[slot] = count - 1
-            if last:
-                self.core.release(last)
-
-    def wait_slots(self, keys: Sequence[Key], slots: Sequence[int]) -> list[WaitResult]:
-        """Waits (futex) for slots another rank or thread fills. A timeout while the owner is a
-        thread of this process is waited out again (a bounded number of times): releasing it
-        Idle would hand the slot to another owner mid-fill."""
-        states = self.core.wait(list(slots), self.cfg.wait_timeout_s)
-        for _round in range(WAIT_ROUNDS_MAX):
-            again = [
-                i
-                for i, state in enumerate(states)
-                if state is WaitResult.IDLE and self.owned_here(keys[i])
-            ]
-            if not again:
-                break
-            retried = self.core.wait([slots[i] for i in again], self.cfg.wait_timeout_s)
-            for i, state in zip(again, retried, strict=True):
-                states[i] = state
-        ready = sum(1 for state in states if state is WaitResult.READY)
-        self.count("hits", ready)
-        self.count("misses", len(states) - ready)
-        takeover = [i for i, state in enumerate(states) if state is WaitResult.TAKEOVER]
-        if takeover:
-            self.adopt([keys[i] for i in takeover], [slots[i] for i in takeover])
-        return states
-
-    def prewarm(self, keys: Sequence[Key]) -> list[PreallocResult]:
-        """Prealloc (seed 3.4): idle slots hung for keys a later Get will probably ask for."""
-        return self.core.prealloc(list(keys))
+        return self._queue
 
     # ---- the Tier interface ----------------------------------------------------------------
 
@@ -356,123 +202,46 @@ class BufferTier(Tier):
     def lookup_blocks(self, block_ids: Sequence[bytes]) -> list[bool]:
         return self.core.lookup_blocks(list(block_ids), self.layout.shards_per_block)
 
-    def _chunk_keys(self) -> int:
-        # A batch holds a reference on every slot it gets until it releases them: keep batches
-        # to half the regular pool so a task larger than the buffer still finds free slots.
-        return max(1, min(self.cfg.step_keys, self.geometry.slot_count_regular // 2))
-
-    def _chunked(
-        self,
-        run: Callable[[Sequence[Key], Sequence[Any]], list[Outcome]],
-        keys: Sequence[Key],
-        views: Sequence[Any],
-    ) -> list[Outcome]:
-        """``run`` over chunks of at most ``_chunk_keys()`` keys, outcomes in key order."""
-        outcomes: list[Outcome] = []
-        size = self._chunk_keys()
-        for start in range(0, len(keys), size):
-            outcomes.extend(run(keys[start : start + size], views[start : start + size]))
-        return outcomes
-
     def load(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
         """Copies out the keys that are Ready (waiting for ones being filled); everything else
-        is a miss. A key claimed here with nothing to fill it is failed at once (not kept)."""
-        return self._chunked(self._load_chunk, keys, destinations)
-
-    def _load_chunk(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
-        miss = KeyMissingError("not in the buffer")
-        outcomes: list[Outcome] = [miss] * len(keys)
-        batch = self.claim(keys)
-        slots = list(batch.slots)
-        results = [GetResult(code) for code in batch.results]
-        ready = [i for i, r in enumerate(results) if r is GetResult.HIT]
-        owned = [i for i, r in enumerate(results) if r is GetResult.OWNER]
-        waiting = [i for i, r in enumerate(results) if r is GetResult.WAITER]
-        try:
-            if owned:  # nothing below this tier here: give the claimed slots back as failed
-                self.commit(
-                    [keys[i] for i in owned], [slots[i] for i in owned], [State.FAILED] * len(owned)
-                )
-            if waiting:
-                states = self.wait_slots([keys[i] for i in waiting], [slots[i] for i in waiting])
-                taken = []
-                for i, state in zip(waiting, states, strict=True):
-                    if state is WaitResult.READY:
-                        ready.append(i)
-                    elif state is WaitResult.TAKEOVER:
-                        taken.append(i)
-                if taken:
-                    self.commit(
-                        [keys[i] for i in taken],
-                        [slots[i] for i in taken],
-                        [State.FAILED] * len(taken),
-                    )
-            self.copy_out(
-                self.slot_addresses([slots[i] for i in ready]), [destinations[i] for i in ready]
-            )
-            for i in ready:
-                outcomes[i] = None
-        finally:
-            self.release(batch.held_slots())
+        is a miss (nothing below this tier fills it here). One task on the native queue."""
+        memory = _TaskMemory(self.layout.tensor_sizes, destinations, for_load=True)
+        outcomes = self._run(TaskKind.LOAD, keys, memory, TASK_FLAG_NO_FILL)
+        memory.scatter([i for i, outcome in enumerate(outcomes) if outcome is None])
         return outcomes
 
     def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
         """Writes each shard into a claimed slot and publishes it Ready. A key already Ready
         is rewritten unless a rank is reading it (then it keeps its bytes, which for a KV block
         id are the same); a key another rank is filling right now is left to that rank."""
-        return self._chunked(self._dump_chunk, keys, sources)
+        memory = _TaskMemory(self.layout.tensor_sizes, sources, for_load=False)
+        return self._run(TaskKind.DUMP, keys, memory, 0)
 
-    def dump_ranges(self, keys: Sequence[Key], sources: Sequence[ShardRanges]) -> list[Outcome]:
-        """``dump`` from (address, nbytes) ranges: the Store's dump queue already holds its
-        tensors' addresses, and a view per tensor, made and read back, costs ~3 us each."""
-        return self._chunked(self._dump_chunk, keys, sources)
-
-    def _dump_chunk(self, keys: Sequence[Key], sources: Sequence[ShardSource]) -> list[Outcome]:
-        outcomes: list[Outcome] = [None] * len(keys)
-        # Keys a thread of this process is filling right now get the same bytes from it.
-        with self._lock:
-            chosen = [keys[i] for i, key in enumerate(keys) if key not in self._local_owned]
-        source_of = {key: sources[i] for i, key in enumerate(keys)}
-        index_of = {key: i for i, key in enumerate(keys)}
-        batch = self.claim(chosen, for_load=False)
-        present = [key for key, r in zip(chosen, batch.results, strict=True) if r == _HIT]
-        self._fill_claimed(chosen, batch, source_of, index_of, outcomes)
-        if present:
-            # Already Ready: a dump replaces a key's bytes (the Tier contract). Its slot may be
-            # in use (another rank copying out of it): remove only what is not in use, then
-            # claim the removed keys afresh; a key still in use keeps its (equal) bytes.
-            self.core.remove(present, force=False)
-            again = self.claim(present, for_load=False)
-            self._fill_claimed(present, again, source_of, index_of, outcomes)
-        return outcomes
-
-    def _fill_claimed(
-        self,
-        keys: list[Key],
-        batch: GetBatch,
-        source_of: dict[Key, ShardSource],
-        index_of: dict[Key, int],
-        outcomes: list[Outcome],
-    ) -> None:
-        """Copies the sources into the slots claimed as OWNER, publishes them Ready and
-        releases every reference the batch took."""
-        slots = list(batch.slots)
-        try:
-            owned = [j for j, r in enumerate(batch.results) if r == _OWNER]
-            self.copy_in(
-                self.slot_addresses([slots[j] for j in owned]), [source_of[keys[j]] for j in owned]
-            )
-            self.commit(
-                [keys[j] for j in owned], [slots[j] for j in owned], [State.READY] * len(owned)
-            )
-            for j, result in enumerate(batch.results):
-                if result > _WAITER:
-                    outcomes[index_of[keys[j]]] = TierError(
-                        f"no buffer slot for the shard ({GetResult(result).name}): every slot is "
-                        "in use"
-                    )
-        finally:
-            self.release(batch.held_slots())
+    def _run(
+        self, kind: TaskKind, keys: Sequence[Key], memory: _TaskMemory, flags: int
+    ) -> list[Outcome]:
+        if not keys:
+            return []
+        blocks = [key[0] for key in keys]
+        if any(type(b) is not bytes or len(b) != 16 for b in blocks):
+            raise InvalidArgumentError("keys must be (16-byte block id, shard index) pairs")
+        queue = self.queue
+        # Native threads read these until the task completes: kept alive until `wait` returns.
+        ids = b"".join(blocks)
+        shards = array("I", [key[1] for key in keys])
+        results = bytearray(len(keys))
+        token = queue.submit(
+            kind,
+            ids,
+            shards,
+            memory.flat,
+            results,
+            flags=flags,
+            timeout_s=self.cfg.queue_timeout_s,
+        )
+        queue.wait(token, None)
+        del ids, shards, memory
+        return [_outcome(code) for code in results]
 
     def touch(self, block_ids: Sequence[bytes]) -> None:
         self.core.touch(list(block_ids))
@@ -489,13 +258,16 @@ class BufferTier(Tier):
 
     def stats(self) -> dict[str, int | float]:
         """Node-wide native counters (Get hits and misses as ``get_hits``/``get_misses``, every
-        rank's loads and dumps together) and this process's counters: ``hits``/``misses`` are
-        the keys its loads found Ready here or not (the Tier stats contract)."""
+        rank's loads and dumps together) and this process's queue counters: ``hits``/``misses``
+        are the keys its loads found Ready here or not (the Tier stats contract)."""
         counters: dict[str, int | float] = dict(self.core.stats())
         counters["get_hits"] = counters.pop("hits")
         counters["get_misses"] = counters.pop("misses")
-        with self._counts_lock:
-            counters.update(self._counts)
+        queue_counters = (
+            self._queue.stats() if self._queue is not None and not self._queue.destroyed else {}
+        )
+        for name in _QUEUE_TIER_COUNTERS:
+            counters[name] = queue_counters.get(name, 0)
         residency = self.region.residency()
         counters["resident_bytes"] = residency.resident_bytes
         counters["data_bytes"] = residency.data_bytes
@@ -506,22 +278,97 @@ class BufferTier(Tier):
         return counters
 
     def close(self) -> None:
+        """Stops the native queue (every task finished), then unmaps the segments. A queue
+        with tasks still running after queue_timeout_s keeps the mappings (never freed under
+        a running copy)."""
+        queue = self._queue
+        if queue is not None and not queue.destroyed:
+            if not queue.drain(self.cfg.queue_timeout_s):
+                return
+            queue.destroy()
         self.region.close()
 
 
-_HIT, _OWNER, _WAITER = int(GetResult.HIT), int(GetResult.OWNER), int(GetResult.WAITER)
-_HELD = 5
-"""``GetResult.HELD`` of the native core: this process already holds the slot."""
+_QUEUE_TIER_COUNTERS = ("hits", "misses", "owned", "waited", "bypassed", "held_slots")
+"""Queue counters reported as the tier's own (its loads' hits and misses, how they resolved)."""
 
-WAIT_ROUNDS_MAX = 8
-"""Times a wait on a slot owned by a thread of this process is renewed before giving up."""
+_LOCAL_RANK_SIZE_MAX = 64
+"""The native queue's bound on ``local_rank_size`` (one holder per process)."""
 
 
-def _address_of(view: memoryview) -> int | None:
-    """Address of a writable contiguous memoryview's first byte (None if read-only or empty)."""
-    if view.readonly or not view.nbytes:
+def _outcome(code: int) -> Outcome:
+    if code == EntryResult.OK:
         return None
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    if code in (EntryResult.MISSING, EntryResult.OWNER_MISSING, EntryResult.OWNER_FAILED):
+        return KeyMissingError("not in the buffer")
+    if code == EntryResult.NO_SLOT:
+        return TierError("no buffer slot for the shard (NO_SLOT): every slot is in use")
+    if code == EntryResult.NO_MEMORY:
+        return TierError("out of shared memory (/dev/shm) while faulting the buffer slot in")
+    return TierError(f"the buffer could not serve the shard ({EntryResult(code).name})")
+
+
+class _TaskMemory:
+    """A plain Tier call's views as the native queue's flat address array: each view that is
+    one of the layout's tensors in place is used directly, other shapes go through a staging
+    shard (gathered before a dump, scattered after a load)."""
+
+    def __init__(
+        self, sizes: tuple[int, ...], shards: Sequence[ShardViews], *, for_load: bool
+    ) -> None:
+        self.flat = array("Q")
+        self._keep: list[object] = []
+        self._staged: list[tuple[int, ShardViews, bytearray]] = []
+        for index, views in enumerate(shards):
+            addresses = _direct_addresses(views, sizes)
+            if addresses is None:
+                staging = bytearray(sum(sizes))
+                if not for_load:
+                    _gather(views, staging)
+                self._staged.append((index, views, staging))
+                self._keep.append(staging)
+                base = ctypes.addressof(ctypes.c_char.from_buffer(staging))
+                offset = 0
+                addresses = []
+                for size in sizes:
+                    addresses.append(base + offset)
+                    offset += size
+            else:
+                self._keep.append(views)
+            self.flat.extend(addresses)
+
+    def scatter(self, loaded: Sequence[int]) -> None:
+        """After a load: staged shards into their views (for the keys in ``loaded``)."""
+        chosen = set(loaded)
+        for index, views, staging in self._staged:
+            if index not in chosen:
+                continue
+            offset = 0
+            for view in views:
+                flat = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+                flat[:] = staging[offset : offset + flat.nbytes]
+                offset += flat.nbytes
+
+
+def _direct_addresses(views: ShardViews, sizes: tuple[int, ...]) -> list[int] | None:
+    """Each view's address when the views are exactly the layout's tensors, contiguous and
+    writable (a read-only source is staged: no address is taken of it)."""
+    if len(views) != len(sizes):
+        return None
+    addresses = []
+    for view, size in zip(views, sizes, strict=True):
+        if view.nbytes != size or not view.c_contiguous or view.readonly:
+            return None
+        addresses.append(ctypes.addressof(ctypes.c_char.from_buffer(view)))
+    return addresses
+
+
+def _gather(views: ShardViews, staging: bytearray) -> None:
+    offset = 0
+    for view in views:
+        data = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        staging[offset : offset + data.nbytes] = data
+        offset += data.nbytes
 
 
 @ucm.hookimpl

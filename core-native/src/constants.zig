@@ -30,16 +30,6 @@ comptime {
     std.debug.assert(checksum_parts_max <= std.math.maxInt(u32));
 }
 
-// ---- Batched copies (memcopy.zig) ----
-
-/// Most ranges one copy call moves: every tensor of a task's shards.
-pub const copy_ranges_max: usize = 1 << 20;
-
-comptime {
-    std.debug.assert(copy_ranges_max > 0);
-    std.debug.assert(copy_ranges_max <= std.math.maxInt(u32));
-}
-
 // ---- The native load queue (queue.zig) ----
 
 /// Task records per queue (load and dump lanes together): the most tasks in flight at once.

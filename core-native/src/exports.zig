@@ -62,25 +62,6 @@ export fn ucm_checksum(n: u32, addresses: [*]const usize, lengths_bytes: [*]cons
     return @intFromEnum(Error.ok);
 }
 
-// ---- Batched copies ----
-
-const memcopy = @import("memcopy.zig");
-
-/// Copies `lengths_bytes[i]` bytes from `sources[i]` to `targets[i]` for each of `n` ranges
-/// (the caller keeps them non-overlapping), through `copy_fn` (the C library's memmove) when
-/// it is not null. Returns 0, or invalid_argument for too many ranges or a null address with
-/// a non-zero length (then nothing was copied).
-export fn ucm_copy_ranges(n: u32, targets: [*]const usize, sources: [*]const usize, lengths_bytes: [*]const usize, copy_fn: ?memcopy.CopyFn) i32 {
-    if (n > constants.copy_ranges_max) return @intFromEnum(Error.invalid_argument);
-    for (targets[0..n], sources[0..n], lengths_bytes[0..n]) |target, source, length_bytes| {
-        if (length_bytes != 0 and (target == 0 or source == 0)) {
-            return @intFromEnum(Error.invalid_argument);
-        }
-    }
-    memcopy.copy_ranges(targets[0..n], sources[0..n], lengths_bytes[0..n], copy_fn);
-    return @intFromEnum(Error.ok);
-}
-
 // ---- CacheBuffer ----
 // Batched entry points over a control region at `ctrl` (see buffer.zig). Arrays are caller
 // memory of `n` elements; per-key outcomes are written to `out_*`. A negative return is a

@@ -126,10 +126,11 @@ comptime {
 }
 
 pub const counter_names = [_][]const u8{
-    "hits",              "misses",     "loaded_shards", "dumped_shards", "failed_shards",
-    "prefetched_shards", "owned",      "waited",        "bypassed",      "takeovers",
-    "prewarmed",         "get_ns",     "get_keys",      "copy_bytes",    "copy_ns",
-    "load_tasks",        "dump_tasks", "work_items",    "no_memory",     "release_failures",
+    "hits",              "misses",      "loaded_shards", "dumped_shards", "failed_shards",
+    "prefetched_shards", "owned",       "waited",        "bypassed",      "takeovers",
+    "prewarmed",         "get_ns",      "get_keys",      "copy_bytes",    "copy_ns",
+    "load_tasks",        "dump_tasks",  "work_items",    "no_memory",     "release_failures",
+    "wait_timeouts",     "wait_ns_max",
 };
 pub const Counter = enum(u32) {
     hits,
@@ -152,6 +153,10 @@ pub const Counter = enum(u32) {
     work_items,
     no_memory,
     release_failures,
+    /// Waits that ran out behind a live owner (the key was then loaded from below).
+    wait_timeouts,
+    /// The longest single wait on a slot another rank (or thread) was filling.
+    wait_ns_max,
 };
 pub const counter_count = counter_names.len;
 
@@ -216,21 +221,19 @@ fn Ring(comptime Item: type) type {
         not_empty: std.Thread.Condition = .{},
         not_full: std.Thread.Condition = .{},
 
-        fn push_locked_wait(ring: *Self) void {
-            // Bounded: each round waits for a consumer, and consumers always make progress
-            // (copies finish; loaders return to the ring after each batch).
-            var rounds: u64 = 0;
-            while (ring.count == ring.items.len) : (rounds += 1) {
-                assert(rounds < std.math.maxInt(u32));
-                ring.not_full.timedWait(&ring.mutex, constants.queue_ring_wait_slice_ns) catch {};
-            }
-        }
-
+        /// Appends an item, waiting while the ring is full: consumers always make progress
+        /// (copies finish; loaders come back after each batch). A stopped ring drops it (the
+        /// queue is being torn down; its tasks never complete).
         fn push(ring: *Self, item: Item) void {
             ring.mutex.lock();
             defer ring.mutex.unlock();
-            assert(!ring.stopped);
-            ring.push_locked_wait();
+            var rounds: u64 = 0;
+            while (ring.count == ring.items.len) : (rounds += 1) {
+                assert(rounds < std.math.maxInt(u64));
+                if (ring.stopped) return;
+                ring.not_full.timedWait(&ring.mutex, constants.queue_ring_wait_slice_ns) catch {};
+            }
+            if (ring.stopped) return;
             ring.items[(ring.head + ring.count) % ring.items.len] = item;
             ring.count += 1;
             ring.not_empty.signal();
@@ -307,6 +310,11 @@ pub const Queue = struct {
     refs_mutex: std.Thread.Mutex = .{},
     uses: []u32,
     local_flags: []u8,
+    /// Slots this process holds through the queue (uses > 0), under `refs_mutex`.
+    claimed: u32 = 0,
+    /// Futex word bumped when slots are released while a dispatcher waits for room.
+    released_word: Atomic(u32) = Atomic(u32).init(0),
+    room_waiters: Atomic(u32) = Atomic(u32).init(0),
 
     /// Guards the task pool, the lanes and `closing`.
     mutex: std.Thread.Mutex = .{},
@@ -317,6 +325,8 @@ pub const Queue = struct {
     tasks_live: u32 = 0,
     closing: bool = false,
     stopping: bool = false,
+    /// `stopping` for threads outside the mutex.
+    stop_flag: Atomic(bool) = Atomic(bool).init(false),
     lanes: [2]Lane = .{ .{}, .{} },
 
     work: Ring(WorkItem),
@@ -456,6 +466,7 @@ pub const Queue = struct {
         queue.mutex.lock();
         queue.closing = true;
         queue.stopping = true;
+        queue.stop_flag.store(true, .monotonic);
         for (&queue.lanes) |*lane| lane.not_empty.broadcast();
         queue.space.broadcast();
         queue.mutex.unlock();
@@ -473,6 +484,11 @@ pub const Queue = struct {
         if (amount == 0) return;
         // Monotonic: statistics order nothing else.
         _ = queue.counters[@intFromEnum(counter)].fetchAdd(amount, .monotonic);
+    }
+
+    fn count_max(queue: *Queue, counter: Counter, value: u64) void {
+        // Monotonic: statistics order nothing else.
+        _ = queue.counters[@intFromEnum(counter)].fetchMax(value, .monotonic);
     }
 
     pub fn counter_value(queue: *const Queue, counter: Counter) u64 {
@@ -675,6 +691,7 @@ pub const Queue = struct {
                 .hit, .owner, .waiter => {
                     assert(queue.uses[slot] == 0);
                     queue.uses[slot] = 1;
+                    queue.claimed += 1;
                     queue.local_flags[slot] = switch (result.*) {
                         .hit => local_flag_ready,
                         .owner => local_flag_owned,
@@ -721,6 +738,41 @@ pub const Queue = struct {
         }
         const released = queue.buffer.release(slots[0..last]);
         queue.count(.release_failures, last - released);
+        assert(queue.claimed >= last);
+        queue.claimed -= @intCast(last);
+        // Acquire: a dispatcher that announced itself before our decrement is woken.
+        if (last > 0 and queue.room_waiters.load(.acquire) > 0) {
+            _ = queue.released_word.fetchAdd(1, .release);
+            _ = futex.wake_all(&queue.released_word);
+        }
+    }
+
+    /// Most slots the queue holds at once: half the regular pool, so that the copies of one
+    /// step can still run while the next claims, and a task larger than the buffer (or the
+    /// two lanes together) never claims every slot and starves itself into NO_SLOT.
+    fn claim_budget(queue: *const Queue) u32 {
+        return @max(1, queue.buffer.geometry.slot_count_regular / 2);
+    }
+
+    /// Waits until `keys` more slots fit the budget (the copies of earlier steps release
+    /// theirs), up to `wait_timeout_ns`; a step that still does not fit claims anyway.
+    fn wait_room(queue: *Queue, keys: usize) void {
+        const budget = queue.claim_budget();
+        const deadline_ns = futex.monotonic_ns() +| queue.settings.wait_timeout_ns;
+        _ = queue.room_waiters.fetchAdd(1, .acq_rel);
+        defer _ = queue.room_waiters.fetchSub(1, .acq_rel);
+        var rounds: u64 = 0;
+        while (rounds < std.math.maxInt(u32)) : (rounds += 1) {
+            // Read the word before the count: a release in between changes the word.
+            const word = queue.released_word.load(.acquire);
+            queue.refs_mutex.lock();
+            const fits = queue.claimed == 0 or queue.claimed + keys <= budget;
+            queue.refs_mutex.unlock();
+            if (fits) return;
+            const now_ns = futex.monotonic_ns();
+            if (now_ns >= deadline_ns or queue.stop_requested()) return;
+            _ = futex.wait(&queue.released_word, word, @min(deadline_ns - now_ns, constants.queue_ring_wait_slice_ns));
+        }
     }
 
     fn release_one(queue: *Queue, slot: u32) void {
@@ -763,6 +815,7 @@ pub const Queue = struct {
         defer queue.refs_mutex.unlock();
         var held: u32 = 0;
         for (queue.uses) |uses| held += @intFromBool(uses > 0);
+        assert(held == queue.claimed);
         return held;
     }
 
@@ -947,16 +1000,22 @@ pub const Queue = struct {
         unreachable; // The only other writers are loaders decrementing: the CAS succeeds soon.
     }
 
-    fn wait_step(lane: *Lane, deadline_ns: u64) void {
+    fn wait_step(queue: *Queue, lane: *Lane, deadline_ns: u64) void {
         var rounds: u64 = 0;
         while (rounds < std.math.maxInt(u32)) : (rounds += 1) {
             // Read the wake word before the count: a fill between the two changes the word.
             const wake = lane.step_wake.load(.acquire);
             if (@as(u32, @truncate(lane.step_word.load(.acquire))) == 0) return;
             const now_ns = futex.monotonic_ns();
-            if (now_ns >= deadline_ns) return;
-            _ = futex.wait(&lane.step_wake, wake, deadline_ns - now_ns);
+            if (now_ns >= deadline_ns or queue.stop_requested()) return;
+            _ = futex.wait(&lane.step_wake, wake, @min(deadline_ns - now_ns, constants.queue_ring_wait_slice_ns));
         }
+    }
+
+    /// Whether teardown began (threads give up their bounded waits early).
+    fn stop_requested(queue: *const Queue) bool {
+        // Monotonic: a standalone flag; the mutex orders the rest of teardown.
+        return queue.stop_flag.load(.monotonic);
     }
 
     fn load_step(queue: *Queue, lane: *Lane, task_index: u32, entries: []const u32) void {
@@ -969,6 +1028,7 @@ pub const Queue = struct {
         }
         const results = lane.results[0..k];
         const slots = lane.slots[0..k];
+        queue.wait_room(k);
         queue.claim(lane.ids[0..k], lane.shards[0..k], results, slots);
         const step = begin_step(lane);
         const started_ns = futex.monotonic_ns();
@@ -1035,7 +1095,7 @@ pub const Queue = struct {
             queue.count(.hits, hits);
             queue.count(.misses, k - hits);
         }
-        wait_step(lane, deadline_ns);
+        queue.wait_step(lane, deadline_ns);
     }
 
     /// Whether item `position` (1-based) of `total` ends one of `parts` near-equal pieces.
@@ -1084,13 +1144,21 @@ pub const Queue = struct {
 
     /// Waits for one slot another rank (or this one) fills. Returns whether it became a hit.
     fn resolve_waiter(queue: *Queue, lane: *Lane, step: u32, task_index: u32, entry: u32, slot: u32, deadline_ns: u64) bool {
+        const started_ns = futex.monotonic_ns();
+        defer queue.count_max(.wait_ns_max, futex.monotonic_ns() - started_ns);
         const task = &queue.tasks[task_index];
         var rounds: u32 = 0;
         var step_deadline_ns = deadline_ns;
-        while (rounds <= constants.queue_wait_rounds_max) : (rounds += 1) {
+        var slices: u64 = 0;
+        while (rounds <= constants.queue_wait_rounds_max) : (slices += 1) {
+            assert(slices < std.math.maxInt(u32));
             var out = [1]WaitResult{.idle};
             const now_ns = futex.monotonic_ns();
-            queue.buffer.wait(&.{slot}, step_deadline_ns -| now_ns, &out);
+            // In slices, so that teardown never waits out a whole wait_timeout.
+            const remaining_ns = step_deadline_ns -| now_ns;
+            const slice_ns = @min(remaining_ns, constants.futex_wait_slice_ns);
+            queue.buffer.wait(&.{slot}, slice_ns, &out);
+            if (out[0] == .idle and slice_ns < remaining_ns and !queue.stop_requested()) continue;
             switch (out[0]) {
                 .ready => {
                     queue.set_ready(slot);
@@ -1123,11 +1191,13 @@ pub const Queue = struct {
                 .idle, .lock_timeout => {
                     // A thread of this process is filling it: waiting longer is the only
                     // option (giving it up would hand the slot to another owner mid-fill).
-                    if (out[0] == .idle and rounds < constants.queue_wait_rounds_max and queue.locally_owned(slot)) {
+                    if (out[0] == .idle and rounds < constants.queue_wait_rounds_max and queue.locally_owned(slot) and !queue.stop_requested()) {
                         step_deadline_ns = futex.monotonic_ns() +| queue.settings.wait_timeout_ns;
+                        rounds += 1;
                         continue;
                     }
                     // Timed out behind a live owner, or lock trouble: load it here, from below.
+                    if (out[0] == .idle) queue.count(.wait_timeouts, 1);
                     queue.release_one(slot);
                     queue.bypass(task_index, entry, step, true);
                     return false;
@@ -1182,6 +1252,7 @@ pub const Queue = struct {
             lane.ids[i] = task.ids[entry];
             lane.shards[i] = task.shards[entry];
         }
+        queue.wait_room(k);
         queue.claim(lane.ids[0..k], lane.shards[0..k], lane.results[0..k], lane.slots[0..k]);
         var again: usize = 0;
         for (entries, lane.results[0..k], lane.slots[0..k]) |entry, result, slot| {
@@ -1212,6 +1283,7 @@ pub const Queue = struct {
             lane.shards[i] = task.shards[entry];
         }
         _ = queue.buffer.remove(lane.ids[0..again], lane.shards[0..again], false) catch 0;
+        queue.wait_room(again);
         queue.claim(lane.ids[0..again], lane.shards[0..again], lane.results[0..again], lane.slots[0..again]);
         for (lane.again[0..again], lane.results[0..again], lane.slots[0..again]) |entry, result, slot| {
             switch (result) {

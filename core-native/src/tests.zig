@@ -3,7 +3,6 @@ comptime {
     _ = @import("constants.zig");
     _ = @import("futex.zig");
     _ = @import("checksum.zig");
-    _ = @import("memcopy.zig");
     _ = @import("exports.zig");
     _ = @import("buffer.zig"); // CacheBuffer
     _ = @import("buffer_fuzz.zig"); // CacheBuffer model-based fuzzer

@@ -125,3 +125,13 @@ def failing_owner(config: dict[str, Any], key_hex: str, out: Any) -> None:
                 )
     except Exception:
         out.put((traceback.format_exc(), -1))
+
+
+def stuck_owner(config: dict[str, Any], key_hex: str, ready: Any) -> None:
+    """Claims one key through the native queue and is SIGKILLed while its loader is still
+    reading it from below (the tier takes far longer than the test waits)."""
+    _tiers.register()
+    with ucm.open(config, device_id=0, local_rank_size=2) as store:
+        task = store.load([bytes.fromhex(key_hex)], 0, _dst(1))
+        ready.put("loading")
+        store.wait(task)  # never returns: the test kills this process first

@@ -124,9 +124,7 @@ class HitPath:
                 buffer: Any = store.tiers[0]
                 addresses = []
                 for ids in sets:
-                    batch = buffer.claim([(b, 0) for b in ids])
-                    addresses.append(buffer.slot_addresses(list(batch.slots)))
-                    buffer.release(list(batch.slots))
+                    addresses.append(slot_addresses(buffer, [(b, 0) for b in ids]))
                 targets = [[[t.data_ptr() for t in shard] for shard in dst] for dst in dsts]
                 ours, plain = [], []
                 for round_index in range(rounds + 1):
@@ -201,6 +199,16 @@ class HitPath:
                 plain.append(time.perf_counter() - started)
                 ours.append(elapsed)
         return ours, plain
+
+
+def slot_addresses(buffer: Any, keys: list[tuple[bytes, int]]) -> list[int]:
+    """Where Ready keys' bytes live in this process (for baselines that copy them directly)."""
+    slots = [buffer.core.slot_of(key) for key in keys]
+    assert all(slot is not None for slot in slots), "a key is not in the buffer"
+    return [
+        buffer.bases[segment] + offset
+        for segment, offset in buffer.core.slot_locations([s for s in slots if s is not None])
+    ]
 
 
 BENCHMARK = HitPath()

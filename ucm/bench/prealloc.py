@@ -59,13 +59,13 @@ def _measure(prealloc: bool, blocks: int, shards: int, hot: int) -> tuple[float,
             for s in range(shards):
                 store.touch(prefix)  # the runtime re-reads its hot prefix
                 store.drain()
-                before = buffer.stats()
+                before = buffer.queue.stats()
                 store.wait(store.load_data(ids, s, pointers))
                 _wait_idle(store, prealloc and s + 1 < shards, blocks * (s + 1))
-                after = buffer.stats()
+                after = buffer.queue.stats()
                 if s >= 1:
-                    keys = after["get_native_keys"] - before["get_native_keys"]
-                    per_key.append((after["get_native_ns"] - before["get_native_ns"]) / keys)
+                    keys = after["get_keys"] - before["get_keys"]
+                    per_key.append((after["get_ns"] - before["get_ns"]) / keys)
             stats = buffer.stats()
     finally:
         segments.unlink(unique_id)

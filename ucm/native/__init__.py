@@ -64,10 +64,6 @@ def _declare(handle: ctypes.CDLL) -> None:
         "ucm_version_bump": (i64, [usize]),
         "ucm_version_load": (i64, [usize]),
         "ucm_monotonic_ns": (u64, []),
-        "ucm_copy_ranges": (
-            i32,
-            [u32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],
-        ),
         "ucm_checksum": (
             i32,
             [u32, ctypes.c_void_p, ctypes.c_void_p, u64, ctypes.POINTER(ctypes.c_uint64)],

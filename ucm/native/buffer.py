@@ -577,6 +577,11 @@ class BufferCore:
         self._holder = -1
         self._holder_pid = 0
 
+    @property
+    def ctrl_address(self) -> int:
+        """Address of the control region this object acts on."""
+        return self._ctrl
+
     # -- holders -----------------------------------------------------------------------------
 
     @property

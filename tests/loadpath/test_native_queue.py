@@ -1,0 +1,263 @@
+"""The native load queue through the Store: one task mixing hits, owners, a waiter on another
+process's load and failures; an owner SIGKILLed mid-fill whose key this process takes over;
+caller copies (the CUDA path's hand-off); check without blocking; no slot left held; a forked
+child refused; the Python queue kept only for stacks without a buffer."""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ucm
+from ucm import arguments
+from ucm.errors import KeyMissingError, TaskError, TierError, UcmError
+from ucm.loadqueue import BufferPath, LoadQueue
+from ucm.native.queue import TaskKind
+
+from . import _ranks
+from ._tiers import CONTENTS, block, payload
+
+SHARD = _ranks.SHARD
+
+
+def stack(unique_id: str, *lower: dict[str, Any], **buffer: Any) -> dict[str, Any]:
+    return {
+        "unique_id": unique_id,
+        "shard_size": SHARD,
+        "shards_per_block": 2,
+        "tiers": [{"type": "buffer", "capacity": 64 * SHARD, **buffer}, *lower],
+    }
+
+
+def dst_for(n: int) -> list[list[torch.Tensor]]:
+    return [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in range(n)]
+
+
+def exact(blocks: list[bytes], dst: list[list[torch.Tensor]], shard: int = 0) -> list[bool]:
+    return [
+        d[0].numpy().tobytes() == payload(b, shard, SHARD) for b, d in zip(blocks, dst, strict=True)
+    ]
+
+
+def held(store: ucm.Store) -> int:
+    return int(store.stats()["tiers"][0]["held_slots"])
+
+
+def test_one_task_of_hits_owners_a_waiter_and_failures(
+    test_tiers: None, unique_id: str, tmp_path: Path
+) -> None:
+    hits = [block(i) for i in range(4)]
+    owned = [block(10 + i) for i in range(4)]
+    waited, missing, broken = block(20), block(30), block(40)
+    everything = [*hits, *owned, waited, broken]
+    CONTENTS["low"] = {(b, 0): payload(b, 0, SHARD) for b in everything}
+    slow = {"type": "slowposix", "path": str(tmp_path / "nvme"), "delay_s": 0.5}
+    with ucm.open({"unique_id": "seed", **stack(unique_id)} | {"tiers": [slow]}) as seed:
+        src = [
+            [torch.frombuffer(bytearray(payload(b, 0, SHARD)), dtype=torch.uint8)]
+            for b in everything
+        ]
+        seed.wait(seed.dump(everything, 0, src))
+    slow["fail_keys"] = [f"{broken.hex()}:0"]
+    config = stack(unique_id, slow)
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    # Another rank (process) owns `waited` for ~3 s: this rank waits on its slot.
+    other_config = stack(unique_id, {**slow, "delay_s": 3.0})
+    other = context.Process(target=_ranks.failing_owner, args=(other_config, waited.hex(), out))
+    with ucm.open(config, device_id=1, local_rank_size=2) as store:
+        store.wait(
+            store.dump(
+                hits,
+                0,
+                [
+                    [torch.frombuffer(bytearray(payload(b, 0, SHARD)), dtype=torch.uint8)]
+                    for b in hits
+                ],
+            )
+        )
+        other.start()
+        try:
+            core = store.tiers[0].core
+            deadline = time.monotonic() + 60
+            while core.slot_of((waited, 0)) is None:
+                assert time.monotonic() < deadline, "the other rank never claimed its key"
+                time.sleep(0.005)
+            # Entry 1 is in this rank's own stride (device 1 of 2): claimed in the first step.
+            blocks = [hits[0], waited, *hits[1:], *owned, missing, broken]
+            dst = dst_for(len(blocks))
+            task = store.load(blocks, 0, dst)
+            assert store.check(task) is False  # the owned keys take 0.5 s each below
+            with pytest.raises(TaskError) as info:
+                store.wait(task)
+            assert store.check(task) is True
+            failures = info.value.failures
+            assert set(failures) == {(missing, 0), (broken, 0)}
+            assert type(failures[(missing, 0)]) is KeyMissingError
+            assert type(failures[(broken, 0)]) is TierError
+            assert "injected failure in slowposix" in str(failures[(broken, 0)])
+            good = blocks[: len(hits) + len(owned) + 1]
+            assert all(exact(good, dst[: len(good)]))
+            stats = store.stats()
+            tier = stats["tiers"][0]
+            assert (tier["waited"], tier["owned"]) == (1, 6)
+            assert (stats["hits"], stats["misses"]) == (5, 6)
+            assert stats["failed_shards"] == 2
+            assert held(store) == 0  # every reference the task took is released
+            assert out.get(timeout=60) == ("loaded", 0)
+        finally:
+            other.join(timeout=30)
+            if other.is_alive():
+                other.kill()
+
+
+@pytest.mark.timeout(120)
+def test_an_owner_sigkilled_mid_fill_is_taken_over_and_nothing_leaks(
+    test_tiers: None, unique_id: str, tmp_path: Path
+) -> None:
+    key = block(7)
+    nvme = str(tmp_path / "nvme")
+    with ucm.open(
+        {
+            "unique_id": "seed2",
+            "shard_size": SHARD,
+            "shards_per_block": 2,
+            "tiers": [{"type": "posix", "path": nvme}],
+        }
+    ) as seed:
+        seed.wait(
+            seed.dump(
+                [key], 0, [[torch.frombuffer(bytearray(payload(key, 0, SHARD)), dtype=torch.uint8)]]
+            )
+        )
+    # The owner's loader sleeps 60 s per shard below; ours is fast (the same files).
+    slow = stack(
+        unique_id, {"type": "slowposix", "path": nvme, "delay_s": 60.0}, wait_timeout_s=20.0
+    )
+    context = mp.get_context("spawn")
+    ready = context.Queue()
+    owner = context.Process(target=_ranks.stuck_owner, args=(slow, key.hex(), ready))
+    owner.start()
+    try:
+        assert ready.get(timeout=60) == "loading"
+        fast = stack(unique_id, {"type": "slowposix", "path": nvme}, wait_timeout_s=20.0)
+        with ucm.open(fast, device_id=1, local_rank_size=2) as store:
+            core = store.tiers[0].core
+            deadline = time.monotonic() + 60
+            while core.slot_of((key, 0)) is None:
+                assert time.monotonic() < deadline, "the owner never claimed the key"
+                time.sleep(0.005)
+            task = store.load([key], 0, dst := dst_for(1))
+            time.sleep(0.2)  # this rank is now waiting on the owner's slot
+            assert store.check(task) is False
+            os.kill(owner.pid, signal.SIGKILL)
+            started = time.monotonic()
+            store.wait(task)
+            assert time.monotonic() - started < 15  # well within wait_timeout_s
+            assert exact([key], dst) == [True]
+            stats = store.stats()
+            assert stats["takeovers"] == 1
+            assert stats["tiers"][0]["waited"] == 1
+            assert held(store) == 0
+            store.tiers[0].core.reclaim_dead()
+            slot = core.slot_of((key, 0))
+            assert slot is not None and core.slot_info(slot).refcount == 0
+    finally:
+        owner.join(timeout=30)
+        if owner.is_alive():
+            owner.kill()
+
+
+class _HostCopies:
+    """Stands in for the CUDA copier (no GPU here): the same hand-off (COPY_OUT work holding
+    the Ready slot), with the "device" tensors in host memory, copied by memmove."""
+
+    def __init__(self) -> None:
+        self.copied = 0
+
+    def copy(self, address: int, pairs: list[tuple[Any, Any]]) -> None:
+        for device_tensor, _staging in pairs:
+            ctypes.memmove(device_tensor.data_ptr(), address, device_tensor.nbytes)
+            address += device_tensor.nbytes
+            self.copied += 1
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_caller_copies_get_the_ready_slot_and_release_it(test_tiers: None, unique_id: str) -> None:
+    """The CUDA path's hand-off without a GPU: entries flagged for a caller copy come back to a
+    loader thread with their Ready slot; the staging tensors are never used for them."""
+    blocks = [block(i) for i in range(6)]
+    CONTENTS["low"] = {(b, 0): payload(b, 0, SHARD) for b in blocks}
+    with ucm.open(stack(unique_id, {"type": "recording", "space": "low"})) as store:
+        path = store._native
+        assert isinstance(path, BufferPath)
+        copier = _HostCopies()
+        path._cuda, path._cuda_checked = copier, True  # type: ignore[assignment]
+        for _ in range(2):  # cold (owned, then handed out), then hits
+            devices = [torch.zeros(SHARD, dtype=torch.uint8) for _ in blocks]
+            staging = [torch.full((SHARD,), 0xEE, dtype=torch.uint8) for _ in blocks]
+            memory = arguments.ShardMemory((SHARD,))
+            for device, stage in zip(devices, staging, strict=True):
+                memory.flat.append(stage.data_ptr())
+                memory.cuda_pairs.append((device, stage))
+                memory.cuda.append([(device, stage)])
+            keys = [(b, 0) for b in blocks]
+            job = path.submit(TaskKind.LOAD, keys, blocks, [0] * len(blocks), memory)
+            assert job.failures(30) == {}
+            assert [d.numpy().tobytes() for d in devices] == [payload(b, 0, SHARD) for b in blocks]
+            assert all(bool((s == 0xEE).all()) for s in staging)  # not copied through staging
+            assert job.direct == set(range(len(blocks)))
+        assert copier.copied == 2 * len(blocks)
+        assert held(store) == 0
+
+
+def test_a_forked_child_cannot_use_the_parents_queue(test_tiers: None, unique_id: str) -> None:
+    CONTENTS["low"] = {(block(1), 0): payload(block(1), 0, SHARD)}
+    with ucm.open(stack(unique_id, {"type": "recording", "space": "low"})) as store:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's native threads do not exist here
+            try:
+                store.load([block(1)], 0, dst_for(1))
+                message = b"loaded"
+            except UcmError as exc:
+                message = str(exc).encode()
+            os.write(write, message[:500])
+            os._exit(0)
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        message = os.read(read, 600).decode()
+        os.close(read)
+        assert status == 0
+        assert "belongs to the process that opened it" in message
+        dst = dst_for(1)
+        store.wait(store.load([block(1)], 0, dst))  # the parent's queue is unaffected
+        assert exact([block(1)], dst) == [True]
+
+
+def test_only_a_stack_without_a_buffer_uses_the_python_queue(
+    test_tiers: None, unique_id: str
+) -> None:
+    CONTENTS["low"] = {(block(1), 0): payload(block(1), 0, SHARD)}
+    lower = {"type": "recording", "space": "low"}
+    with ucm.open(stack(unique_id, lower)) as store:
+        assert isinstance(store._native, BufferPath) and store._loads is None
+    plain = {"unique_id": unique_id, "shard_size": SHARD, "shards_per_block": 2, "tiers": [lower]}
+    with ucm.open(plain) as store:
+        assert store._native is None and isinstance(store._loads, LoadQueue)
+        dst = dst_for(1)
+        store.wait(store.load([block(1)], 0, dst))
+        assert exact([block(1)], dst) == [True]

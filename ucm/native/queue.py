@@ -1,0 +1,505 @@
+"""Typed binding to the native per-rank load queue (``core-native/src/queue.zig``).
+
+One :class:`NativeQueue` per worker process and buffer. A task goes in with one call
+(:meth:`NativeQueue.submit`); native threads then do the per-shard work: batched Get in
+RearrangeIndex order, copies of hits on ``copy_threads`` threads (the C library's memcpy, GIL
+released), futex waits on slots other ranks fill, releases, Prealloc in the idle window, and the
+buffer part of dumps. Keys this rank owns go to the caller's *loaders* — Python threads calling
+:meth:`NativeQueue.next_work` (it blocks with the GIL released) — which fill the slot from the
+tiers below and report with :meth:`NativeQueue.work_done`. A task's completion is a futex word:
+:meth:`NativeQueue.wait` blocks on it, :meth:`NativeQueue.done` reads it; nothing polls.
+
+The arrays handed to :meth:`submit` (keys, caller addresses, the results bytearray) are read and
+written by native threads until the task completes: the caller keeps them alive until then
+(:class:`NativeTask` does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import InvalidArgumentError, StoreClosedError, UcmError
+from . import lib
+from .buffer import BufferCore
+
+COUNTER_NAMES = (
+    "hits",
+    "misses",
+    "loaded_shards",
+    "dumped_shards",
+    "failed_shards",
+    "prefetched_shards",
+    "owned",
+    "waited",
+    "bypassed",
+    "takeovers",
+    "prewarmed",
+    "get_ns",
+    "get_keys",
+    "copy_bytes",
+    "copy_ns",
+    "load_tasks",
+    "dump_tasks",
+    "work_items",
+    "no_memory",
+    "release_failures",
+    "wait_timeouts",
+    "wait_ns_max",
+)
+"""Counter order of ``ucm_queue_stats`` (``queue.counter_names`` in queue.zig)."""
+
+COPY_THREADS_MAX = 16
+STEP_KEYS_MAX = 1 << 15
+FILL_PARTS_MAX = 256
+TASKS_MAX = 1024
+TENSORS_MAX = 1 << 12
+LOCAL_RANK_SIZE_MAX = 64
+WORK_BATCH_MAX = 256
+"""Most items one ``next_work`` call returns (the native side's per-call buffer)."""
+
+
+class TaskKind(enum.IntEnum):
+    LOAD = 0
+    PREFETCH = 1
+    DUMP = 2
+
+
+TASK_FLAG_DIRTY = 1 << 0
+"""Dump: commit the slots dirty (write-back debt)."""
+TASK_FLAG_NO_FILL = 1 << 1
+"""Load: nothing below the buffer; a key not Ready here is a miss."""
+ENTRY_FLAG_CALLER_COPY = 1 << 0
+"""The entry's destination is copied by the caller (a CUDA tensor): ``COPY_OUT`` work."""
+_SETTINGS_FLAG_PREALLOC = 1 << 0
+_SETTINGS_FLAG_REARRANGE = 1 << 1
+
+
+class EntryResult(enum.IntEnum):
+    OK = 0
+    CALLER_FAILED = 1
+    """A loader reported a failure (the caller recorded why)."""
+    OWNER_FAILED = 2
+    OWNER_MISSING = 3
+    NO_SLOT = 4
+    LOCK_TIMEOUT = 5
+    NO_MEMORY = 6
+    MISSING = 7
+    PENDING = 255
+
+
+class WorkKind(enum.IntEnum):
+    FILL = 0
+    """Fill the slot (owned by this process) from the tiers below."""
+    BYPASS = 1
+    """Load the entry from the tiers below straight into its destination (no slot)."""
+    COPY_OUT = 2
+    """Copy the Ready slot into the entry's destination (a caller copy)."""
+
+
+class WorkState(enum.IntEnum):
+    READY = 1
+    FAILED = 2
+    MISSING = 3
+
+
+_OK, _INVALID, _FULL, _CLOSED, _WRONG_PROCESS, _NO_MEMORY = 0, -1, -2, -3, -4, -5
+
+
+class _Settings(ctypes.Structure):
+    _fields_ = (
+        ("shard_size_bytes", ctypes.c_uint64),
+        ("wait_timeout_ns", ctypes.c_uint64),
+        ("device_id", ctypes.c_uint32),
+        ("local_rank_size", ctypes.c_uint32),
+        ("shards_per_block", ctypes.c_uint32),
+        ("tensor_count", ctypes.c_uint32),
+        ("step_keys", ctypes.c_uint32),
+        ("copy_threads", ctypes.c_uint32),
+        ("fill_parts", ctypes.c_uint32),
+        ("load_queue_depth", ctypes.c_uint32),
+        ("dump_queue_depth", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+    )
+
+
+assert ctypes.sizeof(_Settings) == 56
+
+
+def _declare(handle: ctypes.CDLL) -> None:
+    u8, u32, u64, i32, usize = (
+        ctypes.c_uint8,
+        ctypes.c_uint32,
+        ctypes.c_uint64,
+        ctypes.c_int32,
+        ctypes.c_size_t,
+    )
+    ptr = ctypes.c_void_p
+    signatures: dict[str, tuple[object, list[object]]] = {
+        "ucm_queue_create": (
+            i32,
+            [usize, u32, usize, ptr, u32, ctypes.POINTER(_Settings), ptr, ctypes.POINTER(usize)],
+        ),
+        "ucm_queue_submit": (
+            i32,
+            [usize, u32, u32, u32, ptr, ptr, ptr, ptr, ptr, u64, u64, ctypes.POINTER(u64)],
+        ),
+        "ucm_queue_done": (i32, [usize, u64]),
+        "ucm_queue_wait": (i32, [usize, u64, u64]),
+        "ucm_queue_next_work": (i32, [usize, u64, u32, ptr, ptr, ptr, ptr, ptr, ptr, ptr]),
+        "ucm_queue_work_done": (i32, [usize, u32, ptr, ptr, ptr, ptr, ptr, ptr]),
+        "ucm_queue_drain": (i32, [usize, u64]),
+        "ucm_queue_stop": (i32, [usize]),
+        "ucm_queue_destroy": (i32, [usize]),
+        "ucm_queue_stats": (i32, [usize, ptr, u32, ctypes.POINTER(u32)]),
+    }
+    del u8
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(handle, name)
+        function.restype = restype
+        function.argtypes = argtypes
+
+
+_declare(lib())
+
+
+def _address(values: array[int] | bytearray | bytes | None) -> int | None:
+    if values is None:
+        return None
+    if isinstance(values, array):
+        return values.buffer_info()[0] if len(values) else None
+    if not values:
+        return None
+    if isinstance(values, bytes):
+        return ctypes.cast(ctypes.c_char_p(values), ctypes.c_void_p).value
+    return ctypes.addressof(ctypes.c_char.from_buffer(values))
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """What a native queue is created with (the buffer tier's keys of the same names)."""
+
+    device_id: int
+    local_rank_size: int
+    shards_per_block: int
+    tensor_sizes: tuple[int, ...]
+    step_keys: int = 1024
+    copy_threads: int = 4
+    fill_parts: int = 4
+    load_queue_depth: int = 64
+    dump_queue_depth: int = 64
+    wait_timeout_s: float = 30.0
+    prealloc: bool = True
+    rearrange: bool = True
+
+
+@dataclass
+class WorkBatch:
+    """Items of one task and kind a loader took (echoed back to :meth:`work_done`)."""
+
+    tag: int
+    kind: WorkKind
+    tokens: array[int]
+    entries: array[int]
+    slots: array[int]
+    steps: array[int]
+    addresses: array[int]
+    """Slot address per item (0 for BYPASS)."""
+    kinds: array[int]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+class NativeQueue:
+    """The native load queue of this process over one buffer (see the module docstring)."""
+
+    def __init__(
+        self,
+        core: BufferCore,
+        segment_bases: Sequence[int],
+        settings: QueueSettings,
+        region_handle: int = 0,
+    ) -> None:
+        _check_settings(settings)
+        if len(segment_bases) != core.geometry.segment_count or not all(segment_bases):
+            raise InvalidArgumentError(
+                f"segment_bases has {len(segment_bases)} entries: expected the "
+                f"{core.geometry.segment_count} non-zero segment addresses of a worker's mapping"
+            )
+        if sum(settings.tensor_sizes) != core.geometry.shard_size_bytes:
+            raise InvalidArgumentError(
+                f"tensor_sizes={list(settings.tensor_sizes)} sum to "
+                f"{sum(settings.tensor_sizes)} bytes, not shard_size_bytes="
+                f"{core.geometry.shard_size_bytes}"
+            )
+        self.settings = settings
+        self.tensor_count = len(settings.tensor_sizes)
+        self._native = lib()
+        flags = (_SETTINGS_FLAG_PREALLOC if settings.prealloc else 0) | (
+            _SETTINGS_FLAG_REARRANGE if settings.rearrange else 0
+        )
+        raw = _Settings(
+            core.geometry.shard_size_bytes,
+            int(settings.wait_timeout_s * 1e9),
+            settings.device_id,
+            settings.local_rank_size,
+            settings.shards_per_block,
+            self.tensor_count,
+            settings.step_keys,
+            settings.copy_threads,
+            settings.fill_parts,
+            settings.load_queue_depth,
+            settings.dump_queue_depth,
+            flags,
+        )
+        bases = array("Q", segment_bases)
+        sizes = array("Q", settings.tensor_sizes)
+        handle = ctypes.c_size_t(0)
+        status = self._native.ucm_queue_create(
+            core.ctrl_address,
+            core.holder,
+            region_handle,
+            bases.buffer_info()[0],
+            len(bases),
+            ctypes.byref(raw),
+            sizes.buffer_info()[0],
+            ctypes.byref(handle),
+        )
+        if status == _NO_MEMORY:
+            raise UcmError("cannot create the native load queue: out of memory or threads")
+        if status != _OK:
+            raise InvalidArgumentError(f"the native load queue refused its settings ({status})")
+        self._handle = int(handle.value)
+        self._stopped = False
+        self._destroyed = False
+        # Bound once: these sit on every task's path.
+        self._submit = self._native.ucm_queue_submit
+        self._done = self._native.ucm_queue_done
+        self._wait = self._native.ucm_queue_wait
+        self._token = ctypes.c_uint64(0)
+        self._token_ref = ctypes.byref(self._token)
+
+    @property
+    def handle(self) -> int:
+        return self._handle
+
+    # -- tasks -----------------------------------------------------------------------------
+
+    def submit(
+        self,
+        kind: TaskKind,
+        ids: bytes,
+        shards: array[int],
+        addresses: array[int] | None,
+        results: bytearray,
+        *,
+        flags: int = 0,
+        entry_flags: bytes | None = None,
+        tag: int = 0,
+        timeout_s: float = 60.0,
+        depth_knob: str = "load_queue_depth",
+    ) -> int:
+        """Hands a task over; returns its token. ``addresses`` holds ``tensor_count`` caller
+        addresses per key (destinations of a load, sources of a dump; None for a prefetch),
+        ``results`` one byte per key that the queue fills with :class:`EntryResult` codes."""
+        n = len(shards)
+        status = self._submit(
+            self._handle,
+            int(kind),
+            flags,
+            n,
+            ids,
+            _address(shards),
+            _address(addresses),
+            _address(entry_flags),
+            _address(results),
+            tag,
+            int(timeout_s * 1e9),
+            self._token_ref,
+        )
+        if status == _OK:
+            return self._token.value
+        if status == _FULL:
+            raise TimeoutError(
+                f"the {'dump' if kind is TaskKind.DUMP else 'load'} queue stayed full for "
+                f"{timeout_s} s: the rank submits faster than the cache drains; wait for earlier "
+                f"tasks or raise {depth_knob} / queue_timeout_s"
+            )
+        if status == _CLOSED:
+            raise StoreClosedError("the store is closed; open a new one with ucm.open()")
+        self._raise(status, "submit")
+        raise AssertionError  # unreachable
+
+    def done(self, token: int) -> bool:
+        status = self._done(self._handle, token)
+        if status < 0:
+            self._raise(status, "done")
+        return bool(status)
+
+    def wait(self, token: int, timeout_s: float | None) -> bool:
+        """Blocks (futex, GIL released) until the task completes; False on timeout."""
+        timeout_ns = 2**63 if timeout_s is None else max(0, int(timeout_s * 1e9))
+        status = self._wait(self._handle, token, timeout_ns)
+        if status < 0:
+            self._raise(status, "wait")
+        return bool(status)
+
+    # -- loaders -----------------------------------------------------------------------------
+
+    def next_work(self, timeout_s: float, capacity: int = WORK_BATCH_MAX) -> WorkBatch | None:
+        """One batch of work (blocks with the GIL released); an empty batch on timeout, None
+        once the queue stopped."""
+        capacity = max(1, min(capacity, WORK_BATCH_MAX))
+        tags = array("Q", bytes(8 * capacity))
+        tokens = array("Q", bytes(8 * capacity))
+        entries = array("I", bytes(4 * capacity))
+        slots = array("I", bytes(4 * capacity))
+        steps = array("I", bytes(4 * capacity))
+        addresses = array("Q", bytes(8 * capacity))
+        kinds = array("B", bytes(capacity))
+        count = self._native.ucm_queue_next_work(
+            self._handle,
+            int(timeout_s * 1e9),
+            capacity,
+            tags.buffer_info()[0],
+            tokens.buffer_info()[0],
+            entries.buffer_info()[0],
+            slots.buffer_info()[0],
+            steps.buffer_info()[0],
+            addresses.buffer_info()[0],
+            kinds.buffer_info()[0],
+        )
+        if count == _CLOSED:
+            return None
+        if count < 0:
+            self._raise(count, "next_work")
+        for values in (tokens, entries, slots, steps, addresses, kinds):
+            del values[count:]
+        tag = tags[0] if count else 0
+        kind = WorkKind(kinds[0]) if count else WorkKind.FILL
+        return WorkBatch(tag, kind, tokens, entries, slots, steps, addresses, kinds)
+
+    def work_done(self, batch: WorkBatch, states: Sequence[WorkState]) -> int:
+        """Reports a batch: one state per item. Returns how many reports were applied (items
+        not handed out, or reported twice, are refused)."""
+        if len(states) != len(batch):
+            raise InvalidArgumentError(
+                f"states has {len(states)} entries, the batch {len(batch)}: one per item"
+            )
+        if not len(batch):
+            return 0
+        codes = array("B", [int(state) for state in states])
+        applied = int(
+            self._native.ucm_queue_work_done(
+                self._handle,
+                len(batch),
+                batch.tokens.buffer_info()[0],
+                batch.entries.buffer_info()[0],
+                batch.slots.buffer_info()[0],
+                batch.steps.buffer_info()[0],
+                batch.kinds.buffer_info()[0],
+                codes.buffer_info()[0],
+            )
+        )
+        if applied < 0:
+            self._raise(applied, "work_done")
+        return applied
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def drain(self, timeout_s: float) -> bool:
+        """Refuses new tasks and waits until every submitted task completed."""
+        if self._stopped:
+            return True
+        status = self._native.ucm_queue_drain(self._handle, int(timeout_s * 1e9))
+        if status < 0:
+            self._raise(status, "drain")
+        return bool(status)
+
+    def stop(self) -> None:
+        """Stops the native threads; :meth:`next_work` then returns None. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._native.ucm_queue_stop(self._handle)
+
+    def destroy(self) -> None:
+        """Frees the queue. Only once no loader can call in any more (they saw None)."""
+        if self._destroyed:
+            return
+        self.stop()
+        self._destroyed = True
+        self._native.ucm_queue_destroy(self._handle)
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed
+
+    def stats(self) -> dict[str, int]:
+        """The queue's counters, plus ``held_slots``: slots this process holds through it."""
+        if self._destroyed:
+            raise UcmError("the native load queue is closed")
+        out = array("Q", bytes(8 * len(COUNTER_NAMES)))
+        held = ctypes.c_uint32(0)
+        count = self._native.ucm_queue_stats(
+            self._handle, out.buffer_info()[0], len(COUNTER_NAMES), ctypes.byref(held)
+        )
+        assert count == len(COUNTER_NAMES), count
+        return {**dict(zip(COUNTER_NAMES, out, strict=True)), "held_slots": held.value}
+
+    def _raise(self, status: int, operation: str) -> None:
+        if status == _WRONG_PROCESS:
+            raise UcmError(
+                f"{operation}: this store's load queue belongs to the process that opened it; "
+                "a forked child must open its own store with ucm.open()"
+            )
+        raise InvalidArgumentError(f"{operation}: the native load queue refused the call")
+
+
+def _check_settings(settings: QueueSettings) -> None:
+    bounds: tuple[tuple[str, int, int, int], ...] = (
+        ("device_id", settings.device_id, 0, 2**31 - 1),
+        ("local_rank_size", settings.local_rank_size, 1, LOCAL_RANK_SIZE_MAX),
+        ("shards_per_block", settings.shards_per_block, 1, 2**32 - 1),
+        ("step_keys", settings.step_keys, 1, STEP_KEYS_MAX),
+        ("copy_threads", settings.copy_threads, 1, COPY_THREADS_MAX),
+        ("fill_parts", settings.fill_parts, 1, FILL_PARTS_MAX),
+        ("load_queue_depth", settings.load_queue_depth, 1, TASKS_MAX),
+        ("dump_queue_depth", settings.dump_queue_depth, 1, TASKS_MAX),
+    )
+    for name, value, low, high in bounds:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise InvalidArgumentError(
+                f"{name}={value!r} is not valid: expected an integer in [{low}, {high}]"
+            )
+    if settings.load_queue_depth + settings.dump_queue_depth > TASKS_MAX:
+        raise InvalidArgumentError(
+            f"load_queue_depth + dump_queue_depth={settings.load_queue_depth} + "
+            f"{settings.dump_queue_depth} is not valid: at most {TASKS_MAX} tasks in flight"
+        )
+    if not 1 <= len(settings.tensor_sizes) <= TENSORS_MAX:
+        raise InvalidArgumentError(
+            f"tensor_sizes has {len(settings.tensor_sizes)} entries: expected 1 to {TENSORS_MAX}"
+        )
+    if not settings.wait_timeout_s > 0:
+        raise InvalidArgumentError(
+            f"wait_timeout_s={settings.wait_timeout_s!r} is not valid: expected seconds > 0"
+        )
+
+
+__all__ = [
+    "ENTRY_FLAG_CALLER_COPY",
+    "TASK_FLAG_DIRTY",
+    "TASK_FLAG_NO_FILL",
+    "EntryResult",
+    "NativeQueue",
+    "QueueSettings",
+    "TaskKind",
+    "WorkBatch",
+    "WorkKind",
+    "WorkState",
+]
