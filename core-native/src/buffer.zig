@@ -133,7 +133,7 @@ pub const counter_names = [_][]const u8{
     "lock_recoveries", "no_slot",        "preallocs",      "removed",
     "touched",         "commits_ready",  "commits_failed", "wait_timeouts",
     "dead_holders",    "refs_reclaimed", "holders_freed",  "remove_lock_acquisitions",
-    "dirty_slots",     "flushed",
+    "dirty_slots",     "flushed",        "wait_slices",
 };
 pub const counter_count = counter_names.len;
 pub const Counter = enum(u32) {
@@ -162,6 +162,9 @@ pub const Counter = enum(u32) {
     dirty_slots,
     /// Dirty slots written down and cleaned by flushers.
     flushed,
+    /// Futex slices a waiter slept out without a change (then checked the owner's liveness):
+    /// a wake-up that the commit delivered, or a change seen before blocking, counts none.
+    wait_slices,
 };
 
 pub const Counters = extern struct {
@@ -1369,7 +1372,10 @@ pub const Buffer = struct {
             const slice_ns = @min(deadline_ns - now_ns, constants.futex_wait_slice_ns);
             switch (futex.wait(&slot.version, version, slice_ns)) {
                 .changed => {}, // Counted by the committer (`wakeups`), off this wake-up path.
-                .timed_out => check_owner = true,
+                .timed_out => {
+                    check_owner = true;
+                    buffer.count(.wait_slices, 1);
+                },
             }
         }
         return .idle;

@@ -60,6 +60,7 @@ COUNTER_NAMES = (
     "remove_lock_acquisitions",
     "dirty_slots",
     "flushed",
+    "wait_slices",
 )
 """Counter order of ``ucm_buffer_stats`` (``buffer.counter_names`` in buffer.zig)."""
 GAUGE_NAMES = ("dirty_slots",)
