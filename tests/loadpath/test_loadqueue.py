@@ -298,6 +298,7 @@ def test_raw_pointer_load_through_the_buffer(test_tiers: None, unique_id: str) -
         assert (store.stats()["hits"], store.stats()["misses"]) == (1, 1)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
 def test_cuda_destinations_copy_from_registered_buffer_memory(
     test_tiers: None, unique_id: str
@@ -316,6 +317,7 @@ def test_cuda_destinations_copy_from_registered_buffer_memory(
         assert store.stats().get("cuda_register_failures", 0) == 0
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
 def test_cuda_dump_then_load_round_trip(test_tiers: None, unique_id: str, tmp_path: Path) -> None:
     lower = {"type": "posix", "path": str(tmp_path / "nvme")}

@@ -3,7 +3,7 @@ concurrency, eviction by last touch."""
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -79,8 +79,8 @@ def test_corrupt_object_fails_and_is_removed(tmp_path: Path, damage: str) -> Non
     tier.close()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs installed")
-def test_missing_protocol_package_names_it() -> None:
+def test_missing_protocol_package_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # absent, even where it is installed
     with pytest.raises(ConfigError) as info:
         fsspec_tier("gs://bucket/prefix", LAYOUT)
     assert str(info.value) == (
