@@ -52,6 +52,8 @@ RECORD_BYTES = 4096
 LOCK_TIMEOUT_S = 10.0
 """The native bucket-lock timeout (core-native/src/constants.zig buffer_lock_timeout_ns)."""
 STOP_TIMEOUT_S = 30.0
+READY_POLL_S = 0.05
+"""How often the controller rereads a starting rank's record before stopping it."""
 HOLD_REPLY_TIMEOUT_S = 5.0
 KILL_MODES = ("random", "owner", "lock", "reader")
 """random: any moment; owner: owning a half-filled slot; lock: holding a bucket lock;
@@ -776,8 +778,29 @@ class _Controller:
             longest_op_s=longest,
         )
 
+    def _wait_running(self, proc: _Proc, deadline: float) -> bool:
+        """Whether the rank reported it opened the store (or exited) before ``deadline``. Its
+        signal handlers are installed before its first record: until then, SIGTERM would end
+        it with the default action in the middle of Python's start-up (seen on a busy CI)."""
+        for _ in range(int(STOP_TIMEOUT_S / READY_POLL_S) + 1):
+            record = _RecordFile.read(proc.record_path)
+            if record is not None and record.state != "starting":
+                return True
+            if proc.process.poll() is not None:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(READY_POLL_S)
+        return False
+
     def stop_all(self) -> None:
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in self.procs.values():
+            if not self._wait_running(proc, deadline):
+                self.report.violations.append(
+                    f"rank {proc.rank} (pid {proc.process.pid}) did not open the store within "
+                    f"{STOP_TIMEOUT_S}s of its start"
+                )
             proc.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in list(self.procs.values()):
@@ -962,9 +985,7 @@ def run_soak(
             del controller.restart_at[rank]
             controller.spawn(rank)  # every rank stops from a running state
             report.restarts += 1
-        # Let the last restarted ranks open before asking them to stop.
-        time.sleep(1.0)
-        controller.stop_all()
+        controller.stop_all()  # each rank once it has opened the store
         controller.collect()
         reclaimed = reclaim_dead_references(core)
         if reclaimed is not None:
