@@ -117,6 +117,21 @@ def test_the_factory_builds_it_from_the_default_config(
         backend.close()
 
 
+def test_the_torchvision_standin_leaves_nothing_behind(sgl: SGLang) -> None:
+    """After SGLang's import, torchvision is what the environment has: here, nothing."""
+    import importlib.util
+
+    from transformers.utils import import_utils
+
+    if importlib.util.find_spec("torchvision") is not None:  # a real one: SGLang imported it
+        assert getattr(sys.modules["torchvision"], "__file__", None) is not None
+        return
+    assert not [name for name in sys.modules if name.split(".")[0] == "torchvision"]
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("torchvision")
+    assert import_utils.is_torchvision_available() is False
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
 def test_v1_set_then_get_restores_host_pool_pages_byte_exact(
     sgl: SGLang, layout: str, unique_id: Callable[[], str]
