@@ -287,6 +287,62 @@ def test_mla_pages_are_one_shard_that_every_tp_rank_reads(
         reader.close()
 
 
+def test_pipeline_stages_get_a_buffer_and_a_key_space_each(
+    sgl: SGLang, unique_id: Callable[[], str]
+) -> None:
+    """Each PP stage holds other layers: its own CacheBuffer (unique_id + -pp<rank>) and ids."""
+    base = unique_id()
+    pool = host_pool(sgl)
+    stages = []
+    try:
+        for stage in range(2):
+            config = storage_config(
+                sgl, {"ucm_stack": buffer_stack(base)}, pp_rank=stage, pp_size=2
+            )
+            stages.append(create_backend(sgl, config, pool))
+        assert [b.store.config.unique_id for b in stages] == [f"{base}-pp0", f"{base}-pp1"]
+        key = keys_of(sgl, 1)[0]
+        assert stages[0].block_id(key) != stages[1].block_id(key)
+        fill(pool, seed=10)
+        assert stages[0].batch_set_v1([key], pages_at(pool, [0])) == [True]
+        assert (stages[0].exists(key), stages[1].exists(key)) == (True, False)
+    finally:
+        for backend in stages:
+            backend.close()
+        for stage in range(2):
+            segments.unlink(f"{base}-pp{stage}")
+
+
+def test_tp_ranks_are_shards_of_one_block(sgl: SGLang, unique_id: Callable[[], str]) -> None:
+    from ucm.integration.sglang import ShardPlan
+
+    plans = [ShardPlan.of(storage_config(sgl, {}, tp_rank=r, tp_size=4)) for r in range(4)]
+    assert [(p.shard_index, p.shards_per_block, p.device_id, p.local_rank_size) for p in plans] == [
+        (r, 4, r, 4) for r in range(4)
+    ]
+    mla = [
+        ShardPlan.of(storage_config(sgl, {}, tp_rank=r, tp_size=4, is_mla_model=True))
+        for r in (0, 3)
+    ]
+    assert [(p.shard_index, p.shards_per_block, p.device_id) for p in mla] == [(0, 1, 0), (0, 1, 3)]
+    # Every rank names a page by the same block id: the key space has no rank in it.
+    stack = buffer_stack(unique_id())
+    pools = [host_pool(sgl), host_pool(sgl)]
+    ranks = [
+        create_backend(
+            sgl, storage_config(sgl, {"ucm_stack": stack}, tp_rank=r, tp_size=2), pools[r]
+        )
+        for r in range(2)
+    ]
+    try:
+        key = keys_of(sgl, 1)[0]
+        assert ranks[0].block_id(key) == ranks[1].block_id(key)
+        assert ranks[0].store.layout.shards_per_block == 2
+    finally:
+        for backend in ranks:
+            backend.close()
+
+
 RANK = r"""
 import json, sys
 sys.path.insert(0, sys.argv[1])
