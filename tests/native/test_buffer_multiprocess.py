@@ -229,13 +229,17 @@ def _doomed_owner(shared: SharedBuffer, conn: Connection) -> None:
     time.sleep(60)  # "loading" until SIGKILLed
 
 
+WAIT_AFTER_DEATH_S = 60.0
+"""The waiters' timeout: a dead owner must be noticed from its liveness, not this deadline."""
+
+
 def _waiter_after_death(shared: SharedBuffer, conn: Connection) -> None:
     rank = shared.attach_in_child()
     x = (block("X"), 0)
     got = rank.core.get([x])
     conn.send(("registered", int(got.results[0])))
     start = time.monotonic()
-    (state,) = rank.core.wait(got.slots, timeout_s=3.0)
+    (state,) = rank.core.wait(got.slots, timeout_s=WAIT_AFTER_DEATH_S)
     if state == WaitResult.TAKEOVER:
         rank.write_slot(got.slots[0], payload(x, SHARD))  # reload from below, then publish
         rank.core.commit(got.slots, [State.READY])
@@ -273,7 +277,8 @@ def test_owner_sigkilled_mid_load_waiters_recover_within_timeout() -> None:
             assert waiter.exitcode == 0
         assert sum(1 for _, took_over, _, _ in outcomes if took_over) == 1
         assert all(state == WaitResult.READY for state, _, _, _ in outcomes)
-        assert all(elapsed < 3.0 for _, _, elapsed, _ in outcomes)
+        # The death was seen within slices of the wait, long before its deadline.
+        assert all(elapsed < WAIT_AFTER_DEATH_S / 2 for _, _, elapsed, _ in outcomes)
         assert all(exact for _, _, _, exact in outcomes)  # nobody read the half-written slot
         stats = shared.core.stats()
         assert stats["takeovers"] == 1
@@ -308,7 +313,8 @@ def test_lock_holder_sigkilled_lock_recovered() -> None:
         start = time.monotonic()
         got = shared.core.get([x])
         assert list(got.results) == [GetResult.OWNER]
-        assert time.monotonic() - start < 1.0
+        # Recovered from the holder's death, not timed out (a live holder: 10 s, LOCK_TIMEOUT).
+        assert time.monotonic() - start < 9.0
         assert shared.core.stats()["lock_recoveries"] == 1
         shared.core.commit(got.slots, [State.READY])
         shared.core.release(got.slots)

@@ -87,8 +87,9 @@ def test_completion_before_blocking_is_not_lost(shared_page) -> None:
     expected = futex.load(address)
     futex.bump(address)  # the "owner" finishes between our read of the version and our block
     start = time.monotonic()
-    assert futex.wait(address, expected, timeout_s=5.0) is True
-    assert time.monotonic() - start < 0.1
+    assert futex.wait(address, expected, timeout_s=60.0) is True
+    # At once, not at the timeout (a lost completion would sleep the whole 60 s).
+    assert time.monotonic() - start < 30.0
 
 
 def test_wait_times_out_when_nothing_changes(shared_page) -> None:
