@@ -14,8 +14,9 @@
 //! holding references, flushers die holding claims, some die holding a bucket lock. Nobody
 //! sweeps right away; the model predicts who meets the dead references next (a Get on the
 //! slot, an eviction scan of a full buffer, a wait's liveness check and takeover, take_dirty,
-//! remove, mark_closing, a restarted process reusing the pid, a full holder table, an eager
-//! `reclaim_dead`) and what each of them drops.
+//! remove, a restarted process reusing the pid, a full holder table, an eager `reclaim_dead`)
+//! and what each of them drops, and which liveness checks mark the dead (those, the lock
+//! recovery, `mark_closing`).
 //!
 //! Determinism: the full-buffer holder scan is rate-limited by monotonic time, so
 //! `holder_table.last_scan_ns` is reset to 0 before every operation and every full-buffer miss
@@ -866,6 +867,9 @@ const World = struct {
     next_pid: u32 = fake_pid_first,
     next_start_time: u64 = 1000,
     log: OpLog = .{},
+    /// The epoch's configuration, printed with a failure.
+    description: [log_entry_size_bytes]u8 = undefined,
+    description_len: usize = 0,
     stats: *Summary,
 
     fn init(world: *World, random: std.Random, stats: *Summary) !void {
@@ -942,12 +946,14 @@ const World = struct {
             try world.register_process(@intCast(index));
         }
         for (world.process_count..process_count_max) |index| identities[index] = .{};
-        world.log.add("epoch: regular {d} reserved {d} buckets {d} per-segment {d} blocks {d} x {d} shards, {d} processes, hold limit {d}", .{
+        const description = std.fmt.bufPrint(&world.description, "regular {d} reserved {d} buckets {d} per-segment {d} blocks {d} x {d} shards, {d} processes, hold limit {d}", .{
             geometry.slot_count_regular, geometry.slot_count_reserved,
             geometry.bucket_count,       geometry.slots_per_segment,
             world.model.block_count,     world.model.shards_per_block,
             world.process_count,         world.hold_limit,
-        });
+        }) catch unreachable;
+        world.description_len = description.len;
+        world.log.add("epoch: {s}", .{description});
     }
 
     fn fresh_pid(world: *World) u32 {
@@ -1655,12 +1661,12 @@ pub fn run(seed: u64, steps: u64) !Summary {
     while (done < steps) : (summary.epochs += 1) {
         const epoch_end = @min(steps, done + epoch_steps);
         try world.init(prng.random(), &summary);
-        world.check_state() catch |err| return report_failure(seed, steps, done, &world, err);
+        world.check_state() catch |err| return report_failure(seed, steps, done, summary.epochs, &world, err);
         while (done < epoch_end) : (done += 1) {
-            world.step() catch |err| return report_failure(seed, steps, done, &world, err);
-            world.check_state() catch |err| return report_failure(seed, steps, done, &world, err);
+            world.step() catch |err| return report_failure(seed, steps, done, summary.epochs, &world, err);
+            world.check_state() catch |err| return report_failure(seed, steps, done, summary.epochs, &world, err);
         }
-        world.finish() catch |err| return report_failure(seed, steps, done, &world, err);
+        world.finish() catch |err| return report_failure(seed, steps, done, summary.epochs, &world, err);
         for (&summary.counters, world.model.counters) |*total, value| total.* += value;
         summary.full_table_registrations += world.model.full_table_registrations;
     }
@@ -1668,8 +1674,13 @@ pub fn run(seed: u64, steps: u64) !Summary {
     return summary;
 }
 
-fn report_failure(seed: u64, steps: u64, step_index: u64, world: *const World, err: anyerror) anyerror {
-    std.debug.print("buffer fuzz failed at step {d}: {s}; last operations:\n", .{ step_index, @errorName(err) });
+fn report_failure(seed: u64, steps: u64, step_index: u64, epoch: u64, world: *const World, err: anyerror) anyerror {
+    std.debug.print("buffer fuzz failed at step {d} (epoch {d}: {s}): {s}; last operations:\n", .{
+        step_index,
+        epoch,
+        world.description[0..world.description_len],
+        @errorName(err),
+    });
     world.log.dump();
     world.dump_slots();
     std.debug.print("buffer fuzz failed: seed {d}, steps {d}; reproduce: zig build fuzz -- --seed {d} --steps {d}\n", .{ seed, steps, seed, steps });
