@@ -470,6 +470,8 @@ const Model = struct {
         const state: State = @enumFromInt(code & ~buffer_module.commit_dirty_bit);
         if (state == .ready) {
             if (code & buffer_module.commit_dirty_bit != 0) {
+                // Also on a detached (force-removed) slot, as the buffer does: no flusher can
+                // take that debt; it stays in the gauge until the slot's last release.
                 assert(!slot.dirty);
                 slot.dirty = true;
                 model.count(.dirty_slots, 1);
