@@ -775,6 +775,19 @@ pub const Buffer = struct {
                 const previous = slot.holders.fetchAnd(~mask, .acq_rel);
                 const stale = previous & mask;
                 if (stale != 0) buffer.count(.refs_reclaimed, @popCount(stale));
+                // A dead owner (or flusher) leaves its role here too, as in drop_refs_locked:
+                // the entries are freed next, and a new process may register into the dead
+                // owner's index; waiters on this (force-removed, still Idle) slot would then
+                // judge that new process as the owner and never take over. Found by the
+                // fuzzer. CAS: a waiter may take the slot over (owner dead -> itself) meanwhile.
+                const owner = slot.owner.load(.monotonic);
+                if (owner != 0 and stale & holder_bit(owner - 1) != 0) {
+                    _ = slot.owner.cmpxchgStrong(owner, 0, .monotonic, .monotonic);
+                }
+                const flusher = slot.flusher.load(.monotonic);
+                if (flusher != 0 and stale & holder_bit(flusher - 1) != 0) {
+                    _ = slot.flusher.cmpxchgStrong(flusher, 0, .monotonic, .monotonic);
+                }
                 if (stale != 0 and previous & ~mask == 0) buffer.free_slot(slot_index);
                 return @popCount(stale);
             }
@@ -1432,6 +1445,13 @@ pub const Buffer = struct {
             const bucket_index = slot.bucket.load(.acquire);
             const mine = holder_bit(buffer.holder);
             if (bucket_index == bucket_detached) {
+                // The owner gives up without committing, as on a chain below: waiters on this
+                // force-removed slot take over instead of waiting on an owner that left. Found
+                // by the fuzzer. Before our bit goes, so the slot cannot be freed and reused
+                // under us; CAS, since a waiter may take the slot over at the same time.
+                if (slot.state.load(.monotonic) == @intFromEnum(State.idle)) {
+                    _ = slot.owner.cmpxchgStrong(buffer.holder + 1, 0, .monotonic, .monotonic);
+                }
                 // AcqRel: the last releaser must see every other holder's accesses.
                 const previous = slot.holders.fetchAnd(~mine, .acq_rel);
                 if (previous & mine == 0) return false; // listed twice in one batch
