@@ -112,6 +112,19 @@ class ShardMemory:
         start = index * count
         return list(zip(self.flat[start : start + count], self.sizes, strict=True))
 
+    def slice(self, start: int, end: int) -> ShardMemory:
+        """Keys [start, end) of this memory (the same caller memory, kept alive the same)."""
+        if start == 0 and end == len(self):
+            return self
+        count = len(self.sizes)
+        part = ShardMemory(self.sizes)
+        part.flat = self.flat[start * count : end * count]
+        part.keepalive = self.keepalive
+        if self.cuda:
+            part.cuda = self.cuda[start:end]
+            part.cuda_pairs = [pair for pairs in part.cuda if pairs for pair in pairs]
+        return part
+
     @property
     def views(self) -> list[list[memoryview]]:
         if self._views is None:

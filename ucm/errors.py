@@ -46,6 +46,10 @@ class KeyMissingError(TierError):
     """The key is not present in the tier (a miss, not a failure)."""
 
 
+class NoBufferSlotError(TierError):
+    """Every slot of the buffer is in use: a dump could not place the shard there."""
+
+
 class TaskError(UcmError):
     """A load or dump task finished with failed keys. ``failures`` maps each failed key
     ``(block_id, shard_index)`` to the cause."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import arguments
-from .errors import KeyMissingError, StoreClosedError, TierError
+from .errors import KeyMissingError, NoBufferSlotError, StoreClosedError, TierError
 from .layout import Key
 from .native.queue import (
     ENTRY_FLAG_CALLER_COPY,
@@ -48,7 +48,7 @@ from .native.queue import (
 )
 from .rearrange import rearrange_strides
 from .task import Progress, Task
-from .tier import ShardViews, Tier
+from .tier import Outcome, ShardViews, Tier
 
 
 class BufferTier(Protocol):
@@ -57,8 +57,15 @@ class BufferTier(Protocol):
     queue: NativeQueue
     bases: list[int]
     segment_bytes: int
+    writes_back: bool
 
     def lookup(self, keys: Sequence[Key]) -> list[bool]: ...
+    def dump_with(
+        self,
+        keys: Sequence[Key],
+        run: Callable[[int, int], list[Outcome]],
+        views_of: Callable[[int], ShardViews],
+    ) -> list[Outcome]: ...
 
 
 Fill = Callable[[list[Key], list[ShardViews]], tuple[dict[Key, BaseException], list[int]]]
@@ -100,7 +107,7 @@ _ERRORS: dict[int, Callable[[], BaseException]] = {
     EntryResult.OWNER_MISSING: lambda: KeyMissingError(
         "not found in any tier (by the rank that was loading it from the tiers below)"
     ),
-    EntryResult.NO_SLOT: lambda: TierError(
+    EntryResult.NO_SLOT: lambda: NoBufferSlotError(
         "no buffer slot for the shard (NO_SLOT): every slot is in use"
     ),
     EntryResult.LOCK_TIMEOUT: lambda: TierError(
@@ -604,8 +611,9 @@ class _CudaDirect:
 
 class DumpQueue:
     """Dumps Python follows up, on their own thread: stacks without a buffer write into the
-    top tier; stacks with a buffer write it through the native queue. Either way a snapshot
-    then goes to the write-through writer for every ``write: through`` tier below."""
+    top tier; stacks with a buffer write it through the native queue (within the write-back
+    bound when ``write: back`` tiers below need the shards). Then a snapshot goes to the
+    write-through writer for every ``write: through`` tier below."""
 
     def __init__(
         self,
@@ -615,9 +623,11 @@ class DumpQueue:
         count: Count,
         settings: QueueSettings,
         native: BufferPath | None = None,
+        buffer: BufferTier | None = None,
     ) -> None:
         self._top = top
         self._native = native
+        self._buffer = buffer
         self._through = through
         self._count = count
         self._settings = settings
@@ -663,9 +673,21 @@ class DumpQueue:
     def _dump(self, item: _Dump) -> None:
         keys, memory, progress = item.keys, item.memory, item.progress
         if self._native is not None:  # the buffer part, natively, straight from the addresses
-            job = self._native.submit(TaskKind.DUMP, keys, item.blocks, item.indexes, memory)
-            failures = job.failures(None)
-            outcomes = [failures.get(key) for key in keys]
+            native, buffer = self._native, self._buffer
+            assert buffer is not None
+
+            def run(start: int, end: int) -> list[Outcome]:
+                job = native.submit(
+                    TaskKind.DUMP,
+                    keys[start:end],
+                    item.blocks[start:end],
+                    item.indexes[start:end],
+                    memory.slice(start, end),
+                )
+                failures = job.failures(None)
+                return [failures.get(key) for key in keys[start:end]]
+
+            outcomes = buffer.dump_with(keys, run, lambda i: memory.views[i])
         else:
             outcomes = self._top.dump(keys, memory.views)
         if self._through:

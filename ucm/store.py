@@ -108,10 +108,6 @@ class Store:
             for tier in self.tiers[1:]
             if isinstance(tier.config, LowerTierConfig) and tier.config.write == "through"
         ]
-        back = any(
-            isinstance(tier.config, LowerTierConfig) and tier.config.write == "back"
-            for tier in self.tiers[1:]
-        )
         self._native: BufferPath | None = None
         self._loads: LoadQueue | None = None
         self._dumps: DumpQueue | None = None
@@ -124,7 +120,7 @@ class Store:
                     count=self._count,
                     shard_size=self.layout.shard_size,
                     settings=settings,
-                    dirty_dumps=back,
+                    dirty_dumps=self._buffer.writes_back,
                 )
             elif self._worker:
                 self._loads = LoadQueue(
@@ -135,13 +131,17 @@ class Store:
                     shard_size=self.layout.shard_size,
                     settings=settings,
                 )
-            if self._worker and (self._native is None or through):
+            # Dumps that Python follows up go through the dump thread: without a buffer, with
+            # write-through tiers, or within the write-back bound.
+            writes_back = self._buffer is not None and self._buffer.writes_back
+            if self._worker and (self._native is None or through or writes_back):
                 self._dumps = DumpQueue(
                     top=top,
                     through=through,
                     count=self._count,
                     settings=settings,
                     native=self._native,
+                    buffer=self._buffer,
                 )
         except BaseException:
             if self._native is not None:
@@ -309,6 +309,7 @@ class Store:
         if self._closed:
             return
         self._closed = True
+        errors: list[BaseException] = []
         try:
             if self._dumps is not None:  # may still hand dumps to the native queue
                 self._dumps.close()
@@ -316,8 +317,13 @@ class Store:
                 self._native.close()
             if self._loads is not None:
                 self._loads.close()
+            # Top first: the buffer's write-back debt lands in the tiers below before they
+            # flush. One tier's failure does not keep the others from flushing.
             for tier in self.tiers:
-                tier.flush()
+                try:
+                    tier.flush()
+                except Exception as exc:
+                    errors.append(exc)
         finally:
             self._final_tier_stats = self._tier_stats()
             if self._native is not None and not self._native.queue.destroyed:
@@ -325,6 +331,8 @@ class Store:
                 self._native_final = {name: native[name] for name in _NATIVE_STORE_COUNTERS}
             for tier in self.tiers:
                 tier.close()
+        if errors:
+            raise errors[0]
 
     def _tier_stats(self) -> list[dict[str, Any]]:
         return [{"type": tier.type_name, "name": tier.label, **tier.stats()} for tier in self.tiers]
@@ -511,13 +519,18 @@ class Store:
     def _evict_sink_for(
         self, position: int
     ) -> Callable[[Sequence[Key], Sequence[ShardViews]], Sequence[Outcome]] | None:
-        back = [
-            i
-            for i, tier_config in enumerate(self.config.tiers)
-            if i > position
-            and isinstance(tier_config, LowerTierConfig)
-            and tier_config.write == "back"
-        ]
+        # The `write: back` tiers below `position` that a shard leaving it would otherwise
+        # lack: those above the first `write: through` tier below it, which holds every dump
+        # already (its own evictions feed the back tiers under it).
+        back = []
+        for i in range(position + 1, len(self.config.tiers)):
+            tier_config = self.config.tiers[i]
+            if not isinstance(tier_config, LowerTierConfig):
+                continue
+            if tier_config.write == "through":
+                break
+            if tier_config.write == "back":
+                back.append(i)
         if not back:
             return None
 

@@ -10,11 +10,28 @@ first, while every other rank asking for it sleeps on the slot's futex. The tier
 ``load``/``dump`` (the plain Tier interface) are tasks on the same queue. The queue and tuning
 keys of this tier's config (``copy_threads``, ``load_workers``, ``step_keys``, queue depths,
 ``prealloc``...) configure it.
+
+**Write-back debt.** In a stack with ``write: back`` tiers below the buffer, a dump lands in the
+buffer only and its slots are committed *dirty* (shared control plane: node-wide). A dirty slot
+is never an eviction victim; flushers write it down and clean it:
+
+- every worker rank runs a background flusher that writes dirty slots down while the rank's
+  dumps are idle;
+- a dump is acknowledged only once the node's dirty bytes are at most ``dirty_max`` (flushing
+  more itself if need be), so a kill -9 of every rank loses at most that much;
+- the last rank to close the buffer (no other live rank attached that is not closing) writes
+  every dirty slot down before ``close()`` returns; a rank closing before others leaves the
+  debt in the shared buffer, to them.
+
+A flusher's references to the slots it writes down go through the native queue
+(:meth:`NativeQueue.take_dirty`), like every other reference this process takes.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -23,11 +40,18 @@ from pydantic import Field, PositiveFloat
 
 import ucm
 from ucm.config import Size, TierConfig
-from ucm.errors import InvalidArgumentError, KeyMissingError, RoleError, TierError
+from ucm.errors import (
+    InvalidArgumentError,
+    KeyMissingError,
+    NoBufferSlotError,
+    RoleError,
+    TierError,
+)
 from ucm.layout import Key
 from ucm.native import buffer as native_buffer
 from ucm.native.buffer import BufferCore, Geometry
 from ucm.native.queue import (
+    TASK_FLAG_DIRTY,
     TASK_FLAG_NO_FILL,
     EntryResult,
     NativeQueue,
@@ -35,14 +59,23 @@ from ucm.native.queue import (
     TaskKind,
 )
 from ucm.native.segments import SharedRegion
-from ucm.tier import Outcome, ShardViews, Tier, TierContext
+from ucm.tier import EvictSink, Outcome, ShardViews, Tier, TierContext
 
 SEGMENT_TARGET_BYTES = 1 << 30
+"""Data segments of at most ~1 GiB: small enough to create quickly, large enough to be few."""
 SEGMENTS_MAX = 256
 """Data segments per buffer the native segment layer accepts (constants.seg_segments_max)."""
-"""Data segments of at most ~1 GiB: small enough to create quickly, large enough to be few."""
 
 BUFFER_CTRL_LAYOUT_VERSION: int = getattr(native_buffer, "CTRL_LAYOUT_VERSION", 1)
+
+FLUSH_BATCH_SLOTS = 64
+"""Dirty slots one flush writes down at a time (one batched dump per write-back tier)."""
+IDLE_FLUSH_BATCHES_MAX = 64
+"""Batches the background flusher writes per wake-up before checking for new dumps again."""
+SETTLE_ROUNDS_MAX = 1 << 20
+"""Backstop of the flush loops; their real bound is a deadline renewed on progress."""
+SETTLE_PAUSE_S = 0.002
+"""Pause while other ranks' flushers hold every dirty slot."""
 
 
 class BufferTierConfig(TierConfig):
@@ -106,6 +139,18 @@ class BufferTierConfig(TierConfig):
     write_queue_bytes: Size = Field(
         default=256 * 1024 * 1024,
         description="Bytes of dumped shards waiting for write-through before dump tasks block.",
+    )
+
+    dirty_max: Size = Field(
+        default=256 * 1024 * 1024,
+        description="Most bytes of acknowledged dumps that the `write: back` tiers below may "
+        "still lack (write-back debt, node-wide); a dump waits for write-back beyond it, so a "
+        "kill -9 of every rank loses at most this much. Capped at half the regular slots.",
+    )
+    flush_interval_s: PositiveFloat = Field(
+        default=0.5,
+        description="How often an idle rank's background flusher writes dirty slots down "
+        "(after this long without a dump).",
     )
 
 
@@ -183,6 +228,33 @@ class BufferTier(Tier):
         except BaseException:
             self.region.close()  # a refused attach must not keep the segments mapped
             raise
+        self._counts = {"written_back_shards": 0, "write_back_failures": 0}
+        self._counts_lock = threading.Lock()
+        # Write-back debt: dumps commit dirty when `write: back` tiers below must get them.
+        self._sink: EvictSink | None = None if context.is_scheduler else context.evict_sink
+        self.dirty_limit_slots = min(
+            config.dirty_max // shard_size, geometry.slot_count_regular // 2
+        )
+        self._last_dump_ns = 0
+        self._flusher_stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+        self._last_write_back_error: BaseException | None = None
+        if self._sink is not None:
+            # Registered now: a rank that reopens a buffer it closed earlier is open again.
+            self.core.mark_closing(False)
+            self._flusher = threading.Thread(
+                target=self._flush_loop, name="ucm-write-back", daemon=True
+            )
+            self._flusher.start()
+
+    def count(self, name: str, amount: int = 1) -> None:
+        with self._counts_lock:
+            self._counts[name] = self._counts.get(name, 0) + amount
+
+    @property
+    def writes_back(self) -> bool:
+        """Whether dumps commit write-back debt (``write: back`` tiers below need them)."""
+        return self._sink is not None
 
     @property
     def queue(self) -> NativeQueue:
@@ -213,9 +285,63 @@ class BufferTier(Tier):
     def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
         """Writes each shard into a claimed slot and publishes it Ready. A key already Ready
         is rewritten unless a rank is reading it (then it keeps its bytes, which for a KV block
-        id are the same); a key another rank is filling right now is left to that rank."""
-        memory = _TaskMemory(self.layout.tensor_sizes, sources, for_load=False)
-        return self._run(TaskKind.DUMP, keys, memory, 0)
+        id are the same); a key another rank is filling right now is left to that rank.
+
+        With ``write: back`` tiers below, the slots are committed dirty, and the call returns
+        only once the node's write-back debt is within ``dirty_max`` (see the module doc)."""
+
+        def run(start: int, end: int) -> list[Outcome]:
+            memory = _TaskMemory(self.layout.tensor_sizes, sources[start:end], for_load=False)
+            flags = TASK_FLAG_DIRTY if self._sink is not None else 0
+            return self._run(TaskKind.DUMP, keys[start:end], memory, flags)
+
+        return self.dump_with(keys, run, lambda i: sources[i])
+
+    def dump_with(
+        self,
+        keys: Sequence[Key],
+        run: Callable[[int, int], list[Outcome]],
+        views_of: Callable[[int], ShardViews],
+    ) -> list[Outcome]:
+        """A dump's buffer part, ``run(start, end)`` for keys[start:end] on the native queue,
+        within the write-back bound: without ``write: back`` tiers below, one run; with them,
+        in chunks that each first make room under ``dirty_max``; a key that got no slot goes
+        straight to the write-back tiers; the dump returns once the debt is within the bound
+        again. ``views_of(i)`` is key i's source (for those straight writes)."""
+        if self._sink is None:
+            return run(0, len(keys))
+        outcomes: list[Outcome] = []
+        size = max(1, min(self.cfg.step_keys, self.dirty_limit_slots))
+        for start in range(0, len(keys), size):
+            end = min(len(keys), start + size)
+            # Room first: after this chunk's commits the debt must still be within the bound.
+            # While the write-back tiers fail, new dumps fail rather than pile up debt that
+            # nothing can pay (and that eviction may never take).
+            try:
+                self.settle(max(0, self.dirty_limit_slots - (end - start)))
+            except TierError as exc:
+                outcomes.extend([exc] * (end - start))
+                continue
+            chunk = run(start, end)
+            refused = [
+                i for i, outcome in enumerate(chunk) if isinstance(outcome, NoBufferSlotError)
+            ]
+            if refused:
+                written = self._sink(
+                    [keys[start + i] for i in refused], [views_of(start + i) for i in refused]
+                )
+                for i, outcome in zip(refused, written, strict=True):
+                    if outcome is None:
+                        chunk[i] = None
+                self.count("written_down_unbuffered", sum(1 for o in written if o is None))
+            outcomes.extend(chunk)
+        self._last_dump_ns = time.monotonic_ns()
+        try:
+            self.settle(self.dirty_limit_slots)
+        except TierError as exc:
+            # The shards are in the buffer (dirty, flushed later) but not acknowledged.
+            return [exc if outcome is None else outcome for outcome in outcomes]
+        return outcomes
 
     def _run(
         self, kind: TaskKind, keys: Sequence[Key], memory: _TaskMemory, flags: int
@@ -243,6 +369,123 @@ class BufferTier(Tier):
         del ids, shards, memory
         return [_outcome(code) for code in results]
 
+    # ---- write-back debt ---------------------------------------------------------------------
+
+    def dirty_slots(self) -> int:
+        """Slots holding write-back debt, node-wide (every rank's dumps)."""
+        return self.core.stats()["dirty_slots"]
+
+    def flush_some(self, limit: int = FLUSH_BATCH_SLOTS) -> tuple[int, int]:
+        """Claims up to ``limit`` dirty slots, writes them to the ``write: back`` tiers and
+        cleans the ones written. Returns (claimed, written): a slot removed while it was being
+        written counts as written (its debt went with it), only a tier's failure does not."""
+        assert self._sink is not None
+        queue = self.queue
+        batch = queue.take_dirty(max(1, limit))
+        if not batch.keys:
+            return 0, 0
+        written: list[bool] = [False] * len(batch.keys)
+        outcomes: list[Outcome] = []
+        try:
+            size = self.layout.shard_size
+            views = [
+                memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
+                for address in self.core.slot_addresses(batch.slots, self.bases)
+            ]
+            try:
+                outcomes = list(self._sink(batch.keys, [[view] for view in views]))
+            except Exception as exc:  # a raising tier fails the batch, it stays dirty
+                outcomes = [exc] * len(batch.keys)
+            written = [outcome is None for outcome in outcomes]
+            cleaned = self.core.clean(batch.slots, written)
+        finally:
+            queue.release(batch.slots)
+        failed = len(batch.keys) - sum(written)
+        self.count("written_back_shards", sum(written))
+        self.count("write_back_failures", failed)
+        if failed:
+            self._last_write_back_error = next(o for o in outcomes if o is not None)
+        assert cleaned <= sum(written)
+        return len(batch.keys), sum(written)
+
+    def settle(self, target_slots: int) -> None:
+        """Writes dirty slots down until the node's debt is at most ``target_slots``. Raises
+        TierError when the write-back tiers fail, or when other ranks' flushes hold the debt
+        past ``wait_timeout_s``."""
+        deadline = time.monotonic() + self.cfg.wait_timeout_s
+        for _round in range(SETTLE_ROUNDS_MAX):
+            dirty = self.dirty_slots()
+            if dirty <= target_slots:
+                return
+            claimed, written = self.flush_some(min(dirty - target_slots, FLUSH_BATCH_SLOTS))
+            if claimed and not written:
+                raise TierError(
+                    f"write-back failed: {dirty} dirty shard(s) cannot be written to the "
+                    f"`write: back` tier(s) below ({self._last_write_back_error!r}); they stay "
+                    "in the buffer and are retried"
+                )
+            if not claimed:
+                if time.monotonic() > deadline:
+                    raise TierError(
+                        f"write-back stalled: {dirty} dirty shard(s) stayed claimed by other "
+                        f"ranks' flushers for {self.cfg.wait_timeout_s} s"
+                    )
+                time.sleep(SETTLE_PAUSE_S)  # other ranks' flushers hold the debt
+        raise TierError(f"write-back did not settle in {SETTLE_ROUNDS_MAX} rounds")
+
+    def _flush_loop(self) -> None:
+        """Background flusher: while this rank's dumps are idle, write dirty slots down."""
+        interval_s = self.cfg.flush_interval_s
+        while not self._flusher_stop.wait(interval_s):
+            try:
+                for _batch in range(IDLE_FLUSH_BATCHES_MAX):
+                    idle_ns = time.monotonic_ns() - self._last_dump_ns
+                    if self._flusher_stop.is_set() or idle_ns < interval_s * 1e9:
+                        break
+                    claimed, written = self.flush_some()
+                    if not claimed or not written:
+                        break
+            except Exception as exc:  # never let the thread die silently; retried next round
+                self.count("write_back_failures", 1)
+                self._last_write_back_error = exc
+
+    def _stop_flusher(self) -> None:
+        if self._flusher is not None:
+            self._flusher_stop.set()
+            self._flusher.join()
+            self._flusher = None
+
+    def flush(self) -> None:
+        """At close: stops the background flusher; the last rank attached to the buffer then
+        writes every dirty slot down (the others leave the debt to the ranks that remain)."""
+        if self._sink is None or self._flusher is None:
+            return
+        self._stop_flusher()
+        if not self.core.mark_closing(True):
+            return
+        deadline = time.monotonic() + self.cfg.wait_timeout_s
+        for _round in range(SETTLE_ROUNDS_MAX):
+            dirty = self.dirty_slots()
+            if not dirty:
+                return
+            claimed, written = self.flush_some()
+            if claimed and not written:
+                raise TierError(
+                    f"close: {dirty} dirty shard(s) could not be written to the `write: back` "
+                    f"tier(s) below ({self._last_write_back_error!r}): they are lost when the "
+                    "last process leaves the buffer"
+                )
+            if claimed:
+                deadline = time.monotonic() + self.cfg.wait_timeout_s  # progress
+            elif time.monotonic() > deadline:
+                raise TierError(
+                    f"close: {dirty} dirty shard(s) stayed claimed by other flushers for "
+                    f"{self.cfg.wait_timeout_s} s"
+                )
+            else:
+                time.sleep(SETTLE_PAUSE_S)
+        raise TierError(f"close: write-back did not finish in {SETTLE_ROUNDS_MAX} rounds")
+
     def touch(self, block_ids: Sequence[bytes]) -> None:
         self.core.touch(list(block_ids))
 
@@ -268,6 +511,8 @@ class BufferTier(Tier):
         )
         for name in _QUEUE_TIER_COUNTERS:
             counters[name] = queue_counters.get(name, 0)
+        with self._counts_lock:
+            counters.update(self._counts)
         residency = self.region.residency()
         counters["resident_bytes"] = residency.resident_bytes
         counters["data_bytes"] = residency.data_bytes
@@ -275,12 +520,15 @@ class BufferTier(Tier):
         counters["populate_failed"] = int(residency.populate_error is not None)
         counters["capacity_slots"] = self.geometry.slot_count_regular
         counters["reserved_slots"] = self.geometry.slot_count_reserved
+        counters["dirty_bytes"] = counters["dirty_slots"] * self.layout.shard_size
+        counters["dirty_limit_bytes"] = self.dirty_limit_slots * self.layout.shard_size
         return counters
 
     def close(self) -> None:
         """Stops the native queue (every task finished), then unmaps the segments. A queue
         with tasks still running after queue_timeout_s keeps the mappings (never freed under
         a running copy)."""
+        self._stop_flusher()  # flush() was not called (a failed open, a test)
         queue = self._queue
         if queue is not None and not queue.destroyed:
             if not queue.drain(self.cfg.queue_timeout_s):
@@ -302,7 +550,7 @@ def _outcome(code: int) -> Outcome:
     if code in (EntryResult.MISSING, EntryResult.OWNER_MISSING, EntryResult.OWNER_FAILED):
         return KeyMissingError("not in the buffer")
     if code == EntryResult.NO_SLOT:
-        return TierError("no buffer slot for the shard (NO_SLOT): every slot is in use")
+        return NoBufferSlotError("no buffer slot for the shard (NO_SLOT): every slot is in use")
     if code == EntryResult.NO_MEMORY:
         return TierError("out of shared memory (/dev/shm) while faulting the buffer slot in")
     return TierError(f"the buffer could not serve the shard ({EntryResult(code).name})")

@@ -783,11 +783,11 @@ pub const Queue = struct {
     /// Publishes a slot owned here: the native commit (wakes other ranks), then the local flags.
     fn commit(queue: *Queue, slot: u32, state: State, dirty: bool) bool {
         assert(state != .idle);
-        // Write-back debt (issue 11) is recorded by the commit once the control plane has a
-        // dirty bit; until then a dirty dump commits like any other.
-        _ = dirty;
+        // A dump into a buffer with `write: back` tiers below commits Ready *and* dirty: the
+        // slot is then never an eviction victim until a flusher wrote it down.
         var out = [1]buffer_module.CommitResult{.ok};
-        const code: u8 = @intCast(@intFromEnum(state));
+        var code: u8 = @intCast(@intFromEnum(state));
+        if (dirty and state == .ready) code |= buffer_module.commit_dirty_bit;
         queue.buffer.commit(&.{slot}, &.{code}, &out);
         queue.refs_mutex.lock();
         defer queue.refs_mutex.unlock();
@@ -807,6 +807,39 @@ pub const Queue = struct {
         defer queue.refs_mutex.unlock();
         assert(queue.uses[slot] > 0);
         queue.local_flags[slot] = local_flag_owned;
+    }
+
+    /// A flusher's claim of dirty slots (`Buffer.take_dirty`), counted as this process's uses
+    /// like any other reference, so the queue's Gets of the same keys see them held.
+    pub fn take_dirty(queue: *Queue, cursor: *u32, out: Buffer.DirtyOutput) u32 {
+        queue.refs_mutex.lock();
+        defer queue.refs_mutex.unlock();
+        const taken = queue.buffer.take_dirty(cursor, out);
+        for (out.slots[0..taken]) |slot| {
+            // take_dirty skips slots this holder references: no local use yet.
+            assert(queue.uses[slot] == 0);
+            queue.uses[slot] = 1;
+            queue.claimed += 1;
+            queue.local_flags[slot] = local_flag_ready;
+        }
+        return taken;
+    }
+
+    /// Drops references the caller took through `take_dirty` (validated: never more uses than
+    /// the caller holds). False, and nothing released, when the list is not valid.
+    pub fn release_taken(queue: *Queue, slots: []u32) bool {
+        {
+            queue.refs_mutex.lock();
+            defer queue.refs_mutex.unlock();
+            for (slots, 0..) |slot, i| {
+                if (slot >= queue.uses.len) return false;
+                var listed: u32 = 0;
+                for (slots[0 .. i + 1]) |other| listed += @intFromBool(other == slot);
+                if (listed > queue.uses[slot]) return false;
+            }
+        }
+        queue.release_slots(slots);
+        return true;
     }
 
     /// Slots this process holds through the queue (tests and the leak check at close).

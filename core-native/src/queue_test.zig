@@ -532,6 +532,49 @@ test "queue: dumps publish Ready, a re-dump replaces the bytes, a full buffer fa
     try expect_no_references(&harness);
 }
 
+test "queue: a dirty dump commits write-back debt; a flusher's claims share the local uses" {
+    var harness: Harness = undefined;
+    try harness.init(.{ .regular = 8 });
+    defer harness.deinit();
+    var dump = try Call.init(&.{ 1, 2, 3 }, 0);
+    defer dump.deinit();
+    dump.with_pattern(0);
+    try dump.run(harness.queue, .dump, queue_module.task_flag_dirty);
+    try expect(dump.all_ok());
+    try expectEqual(@as(u64, 3), harness.base.counter_value(.dirty_slots));
+    // The flusher takes the debt through the queue: its references are this process's uses,
+    // so a load of the same keys meanwhile sees them held (Ready) and copies them.
+    var cursor: u32 = 0;
+    var slots: [4]u32 = undefined;
+    var ids: [4]BlockId = undefined;
+    var shards: [4]u32 = undefined;
+    const taken = harness.queue.take_dirty(&cursor, .{ .slots = &slots, .block_ids = &ids, .shard_indices = &shards });
+    try expectEqual(@as(u32, 3), taken);
+    try expectEqual(@as(u32, 3), harness.queue.held_slot_count());
+    var load = try Call.init(&.{ 1, 2, 3 }, 0);
+    defer load.deinit();
+    try load.run(harness.queue, .load, queue_module.task_flag_no_fill);
+    try expect(load.all_ok());
+    for (0..3) |i| try expect(load.exact(i, 0));
+    try expectEqual(@as(u32, 3), harness.queue.held_slot_count()); // the flusher's remain
+    // Dirty slots are never victims: eight more keys take the five clean slots (evicting
+    // each other), never the three dirty ones.
+    var more = try Call.init(&.{ 10, 11, 12, 13, 14, 15, 16, 17 }, 0);
+    defer more.deinit();
+    more.with_pattern(0);
+    try more.run(harness.queue, .dump, 0);
+    try expect(more.all_ok());
+    for (ids[0..taken], shards[0..taken]) |*id, shard| {
+        try expect((try harness.base.find_locked(id, shard)) != null); // still resident
+    }
+    try expectEqual(@as(u32, 3), harness.own.clean(slots[0..taken], &.{ 1, 1, 1 }));
+    var twice = [2]u32{ slots[0], slots[0] };
+    try expect(!harness.queue.release_taken(&twice)); // more uses than this process holds
+    try expect(harness.queue.release_taken(slots[0..taken]));
+    try expectEqual(@as(u64, 0), harness.base.counter_value(.dirty_slots));
+    try expect_no_references(&harness);
+}
+
 test "queue: caller-copy entries are handed out with their Ready slot" {
     var harness: Harness = undefined;
     try harness.init(.{});

@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError, StoreClosedError, UcmError
+from ..layout import BLOCK_ID_BYTES
 from . import lib
-from .buffer import BufferCore
+from .buffer import BufferCore, DirtyBatch
 
 COUNTER_NAMES = (
     "hits",
@@ -155,6 +156,11 @@ def _declare(handle: ctypes.CDLL) -> None:
         "ucm_queue_stop": (i32, [usize]),
         "ucm_queue_destroy": (i32, [usize]),
         "ucm_queue_stats": (i32, [usize, ptr, u32, ctypes.POINTER(u32)]),
+        "ucm_queue_take_dirty": (
+            ctypes.c_int64,
+            [usize, ctypes.POINTER(u32), u32, ptr, ptr, ptr],
+        ),
+        "ucm_queue_release": (i32, [usize, u32, ptr]),
     }
     del u8
     for name, (restype, argtypes) in signatures.items():
@@ -280,6 +286,7 @@ class NativeQueue:
         self._submit = self._native.ucm_queue_submit
         self._done = self._native.ucm_queue_done
         self._wait = self._native.ucm_queue_wait
+        self._dirty_cursor = ctypes.c_uint32(0)
         self._token = ctypes.c_uint64(0)
         self._token_ref = ctypes.byref(self._token)
 
@@ -408,6 +415,45 @@ class NativeQueue:
         if applied < 0:
             self._raise(applied, "work_done")
         return applied
+
+    # -- write-back flushers ------------------------------------------------------------------
+
+    def take_dirty(self, capacity: int) -> DirtyBatch:
+        """Claims up to ``capacity`` dirty slots for writing down (``BufferCore.take_dirty``,
+        with this process's references counted by the queue, so its loads of the same keys see
+        them held). Release them with :meth:`release` after ``BufferCore.clean``."""
+        capacity = max(1, min(capacity, STEP_KEYS_MAX))
+        slots = array("I", bytes(4 * capacity))
+        shards = array("I", bytes(4 * capacity))
+        ids = ctypes.create_string_buffer(BLOCK_ID_BYTES * capacity)
+        taken = int(
+            self._native.ucm_queue_take_dirty(
+                self._handle,
+                ctypes.byref(self._dirty_cursor),
+                capacity,
+                slots.buffer_info()[0],
+                ctypes.addressof(ids),
+                shards.buffer_info()[0],
+            )
+        )
+        if taken < 0:
+            self._raise(taken, "take_dirty")
+        raw = ids.raw
+        keys = [
+            (raw[i * BLOCK_ID_BYTES : (i + 1) * BLOCK_ID_BYTES], shards[i]) for i in range(taken)
+        ]
+        return DirtyBatch(slots[:taken], keys)
+
+    def release(self, slots: array[int]) -> None:
+        """Drops references taken by :meth:`take_dirty`."""
+        if not slots:
+            return
+        scratch = array("I", slots)  # reordered by the native side
+        status = self._native.ucm_queue_release(
+            self._handle, len(scratch), scratch.buffer_info()[0]
+        )
+        if status < 0:
+            self._raise(status, "release")
 
     # -- lifetime ----------------------------------------------------------------------------
 
