@@ -7,6 +7,7 @@ turned into lists of memoryviews (one per tensor) that tiers read into or write 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import sys
 from array import array
 from collections.abc import Sequence
@@ -45,6 +46,91 @@ def check_block_ids(block_ids: Any, name: str = "block_ids") -> list[bytes]:
             )
         checked.append(raw)
     return checked
+
+
+class TaskKeys:
+    """A task's keys, packed for the native queue: ``ids`` (the 16-byte block ids back to back)
+    and ``shards`` (``array('I')``); the ``(block id, shard index)`` list is built on first use
+    (a task that succeeds needs none)."""
+
+    __slots__ = ("_keys", "blocks", "ids", "shards")
+
+    def __init__(self, blocks: Sequence[bytes], ids: bytes, shards: array[int]) -> None:
+        self.blocks = blocks
+        self.ids = ids
+        self.shards = shards
+        self._keys: list[Key] | None = None
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    @property
+    def keys(self) -> list[Key]:
+        if self._keys is None:
+            self._keys = [
+                (block if type(block) is bytes else bytes(block), shard)
+                for block, shard in zip(self.blocks, self.shards, strict=True)
+            ]
+        return self._keys
+
+    def slice(self, start: int, end: int) -> TaskKeys:
+        part = TaskKeys(
+            self.blocks[start:end],
+            self.ids[start * BLOCK_ID_BYTES : end * BLOCK_ID_BYTES],
+            self.shards[start:end],
+        )
+        if self._keys is not None:
+            part._keys = self._keys[start:end]
+        return part
+
+    @classmethod
+    def of(cls, keys: Sequence[Key]) -> TaskKeys:
+        blocks = [key[0] for key in keys]
+        packed = cls(blocks, b"".join(blocks), array("I", [key[1] for key in keys]))
+        packed._keys = list(keys)
+        return packed
+
+
+def check_task_keys(block_ids: Any, shard_index: Any, layout: Layout) -> TaskKeys:
+    """The keys of a load or dump, checked (ids, indexes, no key twice) and packed. The common
+    shapes (a list of 16-byte ids, an int or a list of ints) take a few C-level passes; anything
+    else, or anything wrong, goes through the per-entry checks that name the bad value."""
+    fast = _fast_task_keys(block_ids, shard_index, layout)
+    if fast is not None:
+        return fast
+    blocks = check_block_ids(block_ids)
+    indexes = check_shard_indexes(shard_index, len(blocks), layout)
+    keys = keys_for(blocks, indexes)
+    check_unique_keys(keys)
+    return TaskKeys.of(keys)
+
+
+def _fast_task_keys(block_ids: Any, shard_index: Any, layout: Layout) -> TaskKeys | None:
+    if type(block_ids) is not list and type(block_ids) is not tuple:
+        return None
+    count = len(block_ids)
+    try:
+        ids = b"".join(block_ids)
+        # Every id is 16 bytes: the lengths sum to 16 * count and none is longer.
+        if len(ids) != BLOCK_ID_BYTES * count or (count and max(map(len, block_ids)) != 16):
+            return None
+        if type(shard_index) is int:
+            if not 0 <= shard_index < layout.shards_per_block:
+                return None
+            shards = array("I", [shard_index]) * count
+            unique = len(set(block_ids)) == count
+        else:
+            if type(shard_index) is not list and type(shard_index) is not tuple:
+                return None
+            if len(shard_index) != count or bool in set(map(type, shard_index)):
+                return None
+            shards = array("I", shard_index)
+            if count and max(shards) >= layout.shards_per_block:
+                return None
+            unique = len(set(zip(block_ids, shard_index, strict=True))) == count
+    except (TypeError, OverflowError, ValueError):
+        return None
+    return TaskKeys(block_ids, ids, shards) if unique else None
 
 
 def check_shard_indexes(shard_index: Any, count: int, layout: Layout) -> list[int]:
@@ -243,8 +329,15 @@ def finish_cuda_loads(memory: ShardMemory, direct: frozenset[int] | set[int] = f
     torch.cuda.synchronize()
 
 
+ADDRESS_MIN = 4096
+"""Caller addresses below this are never valid: the null page."""
+
+
 def check_pointers(pointers: Any, count: int, layout: Layout, name: str) -> ShardMemory:
     """``pointers[i][j]``: the address of tensor j of block i's shard (sizes from the layout)."""
+    fast = _fast_pointers(pointers, count, layout)
+    if fast is not None:
+        return fast
     if not isinstance(pointers, Sequence) or isinstance(pointers, str | bytes):
         raise InvalidArgumentError(
             f"{name} must be a list with one list of addresses per block, got "
@@ -269,13 +362,52 @@ def check_pointers(pointers: Any, count: int, layout: Layout, name: str) -> Shar
             if (
                 not isinstance(address, int)
                 or isinstance(address, bool)
-                or not 0 < address < 1 << 64
+                or not ADDRESS_MIN <= address < 1 << 64
             ):
                 raise InvalidArgumentError(
-                    f"{name}[{i}][{j}]={_short(address)} is not valid: expected a non-zero "
-                    "integer address"
+                    f"{name}[{i}][{j}]={_short(address)} is not valid: expected an integer "
+                    f"address (at least {ADDRESS_MIN}: below is the null page)"
                 )
         flat.extend(items)
+    return memory
+
+
+def _fast_pointers(pointers: Any, count: int, layout: Layout) -> ShardMemory | None:
+    """The common shapes of ``check_pointers`` in a few C-level passes: a list of ints (one
+    tensor per shard) or a list of lists; None sends anything else to the checks that name it.
+    ``array('Q')`` refuses non-integers and negative or too large ones; bools become 0 or 1,
+    which the null-page bound refuses."""
+    sizes = layout.tensor_sizes
+    if type(pointers) is array:
+        # Packed: every address of the task, key-major, in one array('Q') (the fastest form).
+        if pointers.typecode != "Q" or len(pointers) != count * len(sizes):
+            return None
+        flat = pointers
+        if count and min(flat) < ADDRESS_MIN:
+            return None
+        memory = ShardMemory(sizes)
+        memory.flat = flat
+        return memory
+    if (type(pointers) is not list and type(pointers) is not tuple) or len(pointers) != count:
+        return None
+    try:
+        if count and type(pointers[0]) is int:
+            if len(sizes) != 1:
+                return None
+            flat = array("Q", pointers)
+        elif len(sizes) == 1:
+            # One tensor per shard: unpacking checks that each entry holds exactly one.
+            flat = array("Q", [address for (address,) in pointers])
+        else:
+            if count and set(map(len, pointers)) != {len(sizes)}:
+                return None
+            flat = array("Q", list(itertools.chain.from_iterable(pointers)))
+    except (TypeError, OverflowError, ValueError):
+        return None
+    if count and min(flat) < ADDRESS_MIN:
+        return None
+    memory = ShardMemory(sizes)
+    memory.flat = flat
     return memory
 
 

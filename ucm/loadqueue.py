@@ -133,14 +133,12 @@ class NativeJob:
         "direct",
         "entry_flags",
         "failures_seen",
-        "ids",
-        "keys",
         "kind",
         "memory",
         "on_complete",
         "results",
-        "shards",
         "tag",
+        "task_keys",
         "token",
     )
 
@@ -148,27 +146,29 @@ class NativeJob:
         self,
         path: BufferPath,
         kind: TaskKind,
-        keys: list[Key],
+        task_keys: arguments.TaskKeys,
         memory: arguments.ShardMemory | None,
         tag: int,
     ) -> None:
         self._path = path
         self.kind = kind
-        self.keys = keys
+        self.task_keys = task_keys
         self.memory = memory
         self.tag = tag
         self.token: int | None = None
-        self.results = bytearray(len(keys))
+        self.results = bytearray(len(task_keys))
         self.failures_seen: dict[int, BaseException] = {}
         """Why a loader failed an entry (set before it reports the entry)."""
         self.direct: set[int] = set()
         """Entries copied to CUDA tensors straight from registered buffer memory."""
         self.on_complete: Callable[[NativeJob], None] | None = None
         self._final: dict[Key, BaseException] | None = None
-        self.ids = b""
-        self.shards: Any = None
         self.addresses: Any = None
         self.entry_flags: bytes | None = None
+
+    @property
+    def keys(self) -> list[Key]:
+        return self.task_keys.keys
 
     def done(self) -> bool:
         if self._final is not None:
@@ -246,19 +246,13 @@ class BufferPath:
     def submit(
         self,
         kind: TaskKind,
-        keys: list[Key],
-        blocks: list[bytes],
-        indexes: list[int],
+        task_keys: arguments.TaskKeys,
         memory: arguments.ShardMemory | None,
     ) -> NativeJob:
         """Hands a task to the native queue; the job is the Task's completion."""
         if self._closed:
             raise StoreClosedError("the store is closed; open a new one with ucm.open()")
-        from array import array
-
-        job = NativeJob(self, kind, keys, memory, next(self._tags))
-        job.ids = b"".join(blocks)
-        job.shards = array("I", indexes)
+        job = NativeJob(self, kind, task_keys, memory, next(self._tags))
         flags = 0
         if memory is not None:
             job.addresses = memory.flat
@@ -273,8 +267,8 @@ class BufferPath:
         try:
             job.token = self.queue.submit(
                 kind,
-                job.ids,
-                job.shards,
+                task_keys.ids,
+                task_keys.shards,
                 job.addresses,
                 job.results,
                 flags=flags,
@@ -292,7 +286,7 @@ class BufferPath:
         return job
 
     def task(self, kind: str, job: NativeJob) -> Task:
-        return Task(kind=kind, keys=job.keys, completion=job)
+        return Task(kind, job.task_keys, job)
 
     def _reap(self) -> None:
         """Forgets completed jobs at the front (called under the lock, at each submit), so a
@@ -645,7 +639,7 @@ class DumpQueue:
     def drain(self) -> None:
         """Waits for every queued dump, then for the write-through backlog."""
         marker = Progress([(b"\0" * 16, 0)])  # finished by the dump thread when it gets here
-        self._pending.put(_Dump([], [], [], arguments.ShardMemory(views=[]), marker))
+        self._pending.put(_Dump(arguments.TaskKeys.of([]), arguments.ShardMemory(views=[]), marker))
         marker.future.result(timeout=self._settings.queue_timeout_s)
         self.writer.drain()
 
@@ -662,7 +656,7 @@ class DumpQueue:
             item = self._pending.get()
             if item is None:
                 return
-            if not item.keys:
+            if not len(item.task_keys):
                 item.progress.finish(range(len(item.progress.keys)))
                 continue
             try:
@@ -671,18 +665,14 @@ class DumpQueue:
                 item.progress.finish(item.progress.unfinished(), _as_error(exc))
 
     def _dump(self, item: _Dump) -> None:
-        keys, memory, progress = item.keys, item.memory, item.progress
+        keys, memory, progress = item.task_keys.keys, item.memory, item.progress
         if self._native is not None:  # the buffer part, natively, straight from the addresses
             native, buffer = self._native, self._buffer
             assert buffer is not None
 
             def run(start: int, end: int) -> list[Outcome]:
                 job = native.submit(
-                    TaskKind.DUMP,
-                    keys[start:end],
-                    item.blocks[start:end],
-                    item.indexes[start:end],
-                    memory.slice(start, end),
+                    TaskKind.DUMP, item.task_keys.slice(start, end), memory.slice(start, end)
                 )
                 failures = job.failures(None)
                 return [failures.get(key) for key in keys[start:end]]
@@ -706,9 +696,7 @@ class DumpQueue:
 
 @dataclass(eq=False)
 class _Dump:
-    keys: list[Key]
-    blocks: list[bytes]
-    indexes: list[int]
+    task_keys: arguments.TaskKeys
     memory: arguments.ShardMemory
     progress: Progress
 

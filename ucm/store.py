@@ -189,14 +189,12 @@ class Store:
         if not missing:
             return
         if self._native is not None:
-            job = self._native.submit(
-                TaskKind.PREFETCH, missing, [k[0] for k in missing], [k[1] for k in missing], None
-            )
+            job = self._native.submit(TaskKind.PREFETCH, arguments.TaskKeys.of(missing), None)
             task = self._native.task("prefetch", job)
         else:
             assert self._loads is not None
             progress = Progress(missing)
-            task = Task(kind="prefetch", keys=missing, completion=progress)
+            task = Task("prefetch", missing, progress)
             self._loads.submit(LoadJob(keys=missing, memory=None, progress=progress))
         with self._prefetch_lock:
             self._prefetches = [t for t in self._prefetches if not t.done()]
@@ -355,7 +353,7 @@ class Store:
 
     def _prepare(
         self, block_ids: Any, shard_index: Any, name: str, buffers: Any, for_load: bool
-    ) -> tuple[list[Key], list[bytes], list[int], arguments.ShardMemory]:
+    ) -> tuple[arguments.TaskKeys, arguments.ShardMemory]:
         self._check_open()
         if self.device_id < 0:
             verb = "load" if for_load else "dump"
@@ -363,55 +361,39 @@ class Store:
                 f"{verb} is not allowed on a scheduler (device_id={self.device_id}): the "
                 "scheduler role only answers lookups; open the store with device_id >= 0"
             )
-        blocks = arguments.check_block_ids(block_ids)
-        indexes = arguments.check_shard_indexes(shard_index, len(blocks), self.layout)
-        keys = arguments.keys_for(blocks, indexes)
-        arguments.check_unique_keys(keys)
+        task_keys = arguments.check_task_keys(block_ids, shard_index, self.layout)
         if name.endswith("_ptrs"):
-            memory = arguments.check_pointers(buffers, len(blocks), self.layout, name)
+            memory = arguments.check_pointers(buffers, len(task_keys), self.layout, name)
         else:
-            memory = arguments.check_tensors(buffers, len(blocks), self.layout, name, for_load)
-        return keys, blocks, indexes, memory
+            memory = arguments.check_tensors(buffers, len(task_keys), self.layout, name, for_load)
+        return task_keys, memory
 
-    def _submit_load(
-        self,
-        keys: list[Key],
-        blocks: list[bytes],
-        indexes: list[int],
-        memory: arguments.ShardMemory,
-    ) -> Task:
+    def _submit_load(self, task_keys: arguments.TaskKeys, memory: arguments.ShardMemory) -> Task:
+        if self._native is not None and len(task_keys):  # the queue counts its load tasks
+            return self._native.task("load", self._native.submit(TaskKind.LOAD, task_keys, memory))
         self._count("load_tasks")
-        if not keys:
-            return Task(kind="load", keys=keys, completion=Progress(keys))
-        if self._native is not None:
-            job = self._native.submit(TaskKind.LOAD, keys, blocks, indexes, memory)
-            return self._native.task("load", job)
+        if not len(task_keys):
+            return Task("load", [], Progress([]))
         assert self._loads is not None
 
         def complete(_progress: Progress) -> None:
             arguments.finish_cuda_loads(memory)
 
+        keys = task_keys.keys
         progress = Progress(keys, on_complete=complete if memory.cuda_pairs else None)
         self._loads.submit(LoadJob(keys=keys, memory=memory, progress=progress))
-        return Task(kind="load", keys=keys, completion=progress)
+        return Task("load", keys, progress)
 
-    def _submit_dump(
-        self,
-        keys: list[Key],
-        blocks: list[bytes],
-        indexes: list[int],
-        memory: arguments.ShardMemory,
-    ) -> Task:
+    def _submit_dump(self, task_keys: arguments.TaskKeys, memory: arguments.ShardMemory) -> Task:
         self._count("dump_tasks")
-        if not keys:
-            return Task(kind="dump", keys=keys, completion=Progress(keys))
+        if not len(task_keys):
+            return Task("dump", [], Progress([]))
         if self._dumps is None:  # straight into the buffer's native queue
             assert self._native is not None
-            job = self._native.submit(TaskKind.DUMP, keys, blocks, indexes, memory)
-            return self._native.task("dump", job)
-        progress = Progress(keys)
-        self._dumps.submit(_Dump(keys, blocks, indexes, memory, progress))
-        return Task(kind="dump", keys=keys, completion=progress)
+            return self._native.task("dump", self._native.submit(TaskKind.DUMP, task_keys, memory))
+        progress = Progress(task_keys.keys)
+        self._dumps.submit(_Dump(task_keys, memory, progress))
+        return Task("dump", task_keys, progress)
 
     def _lookup_keys(self, keys: list[Key], stop_early: bool = True) -> list[bool]:
         present = [False] * len(keys)
@@ -548,6 +530,7 @@ class Store:
 
 
 _NATIVE_STORE_COUNTERS = (
+    "load_tasks",
     "hits",
     "misses",
     "loaded_shards",

@@ -12,7 +12,6 @@ import itertools
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from .errors import TaskError
@@ -33,14 +32,31 @@ class Completion(Protocol):
         ...
 
 
-@dataclass(eq=False)
+class KeyList(Protocol):
+    """Keys built on demand (``ucm.arguments.TaskKeys``): a task that succeeds needs none."""
+
+    @property
+    def keys(self) -> list[Key]: ...
+
+    def __len__(self) -> int: ...
+
+
 class Task:
     """A submitted batch. Pass it to ``store.wait`` or ``store.check``."""
 
-    kind: str
-    keys: list[Key]
-    completion: Completion = field(repr=False)
-    task_id: int = field(default_factory=lambda: next(_ids))
+    __slots__ = ("_keys", "completion", "kind", "task_id")
+
+    def __init__(self, kind: str, keys: list[Key] | KeyList, completion: Completion) -> None:
+        self.kind = kind
+        self._keys = keys
+        self.completion = completion
+        self.task_id = next(_ids)
+
+    @property
+    def keys(self) -> list[Key]:
+        """The task's (block id, shard index) keys, in submission order."""
+        keys = self._keys
+        return keys if isinstance(keys, list) else keys.keys
 
     def done(self) -> bool:
         return self.completion.done()
@@ -53,7 +69,7 @@ class Task:
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
-        return f"<Task {self.task_id} {self.kind} {len(self.keys)} keys {state}>"
+        return f"<Task {self.task_id} {self.kind} {len(self._keys)} keys {state}>"
 
 
 class Progress:

@@ -51,6 +51,8 @@ pub const queue_ring_items: usize = 1 << 16;
 /// one task's copies over every copy thread.
 pub const queue_copy_batch_bytes: u64 = 1 << 20;
 pub const queue_copy_batch_items: usize = 64;
+/// Ranges at least this long are copied with non-temporal stores (queue.copy_bytes).
+pub const queue_nontemporal_min_bytes: usize = 4096;
 /// Longest a blocked queue thread sleeps before re-checking its condition (stop, deadline).
 pub const queue_ring_wait_slice_ns: u64 = 100 * std.time.ns_per_ms;
 /// Times a wait on a slot this process is filling is renewed before loading it from below.

@@ -27,6 +27,7 @@
 //! no thread touches the caller's arrays again (the dispatcher holds one count of `remaining`
 //! until it is finished with the task, prewarm included).
 const std = @import("std");
+const builtin = @import("builtin");
 const linux = std.os.linux;
 const constants = @import("constants.zig");
 const buffer_module = @import("buffer.zig");
@@ -43,6 +44,55 @@ const WaitResult = buffer_module.WaitResult;
 const State = buffer_module.State;
 
 extern "c" fn memcpy(noalias target: *anyopaque, noalias source: *const anyopaque, length_bytes: usize) *anyopaque;
+
+/// Copies `length_bytes` from `source` to `target` (non-overlapping). On x86_64, ranges of at
+/// least `queue_nontemporal_min_bytes` go through non-temporal stores (`movntdq`, SSE2, so any
+/// x86_64): a load streams far more than the caches hold, and skipping the read-for-ownership
+/// of every destination line measured 9.4 vs 6.8 GB/s on one thread here, 20-22 vs 13 GB/s on
+/// four (memcpy's regular stores). The head up to a 64-byte boundary and the tail go through
+/// memcpy. The caller fences (`store_fence`) before it publishes the bytes.
+pub fn copy_bytes(target: usize, source: usize, length_bytes: usize) void {
+    if (length_bytes == 0) return;
+    assert(target != 0 and source != 0);
+    if (builtin.cpu.arch != .x86_64 or length_bytes < constants.queue_nontemporal_min_bytes) {
+        _ = memcpy(@ptrFromInt(target), @ptrFromInt(source), length_bytes);
+        return;
+    }
+    const head = (constants.buffer_cache_line_bytes - target % constants.buffer_cache_line_bytes) % constants.buffer_cache_line_bytes;
+    if (head > 0) _ = memcpy(@ptrFromInt(target), @ptrFromInt(source), head);
+    const body = (length_bytes - head) & ~@as(usize, constants.buffer_cache_line_bytes - 1);
+    assert((target + head) % constants.buffer_cache_line_bytes == 0);
+    var offset: usize = head;
+    while (offset < head + body) : (offset += constants.buffer_cache_line_bytes) {
+        stream_line(target + offset, source + offset);
+    }
+    const tail = length_bytes - head - body;
+    if (tail > 0) _ = memcpy(@ptrFromInt(target + head + body), @ptrFromInt(source + head + body), tail);
+}
+
+/// One 64-byte line: unaligned loads, aligned non-temporal stores.
+inline fn stream_line(target: usize, source: usize) void {
+    const to: [*]u8 = @ptrFromInt(target);
+    const from: [*]const u8 = @ptrFromInt(source);
+    asm volatile (
+        \\ movdqu (%[s]), %%xmm0
+        \\ movdqu 16(%[s]), %%xmm1
+        \\ movdqu 32(%[s]), %%xmm2
+        \\ movdqu 48(%[s]), %%xmm3
+        \\ movntdq %%xmm0, (%[d])
+        \\ movntdq %%xmm1, 16(%[d])
+        \\ movntdq %%xmm2, 32(%[d])
+        \\ movntdq %%xmm3, 48(%[d])
+        :
+        : [s] "r" (from),
+          [d] "r" (to),
+        : .{ .xmm0 = true, .xmm1 = true, .xmm2 = true, .xmm3 = true, .memory = true });
+}
+
+/// Orders the non-temporal stores before whatever publishes the bytes (a release store).
+pub fn store_fence() void {
+    if (builtin.cpu.arch == .x86_64) asm volatile ("sfence" ::: .{ .memory = true });
+}
 
 pub const TaskKind = enum(u8) { load = 0, prefetch = 1, dump = 2 };
 
@@ -580,7 +630,11 @@ pub const Queue = struct {
         lane.pending[(lane.head + lane.count) % lane.pending.len] = index;
         lane.count += 1;
         lane.not_empty.signal();
-        queue.count(if (submission.kind == .dump) .dump_tasks else .load_tasks, 1);
+        switch (submission.kind) {
+            .load => queue.count(.load_tasks, 1),
+            .dump => queue.count(.dump_tasks, 1),
+            .prefetch => {},
+        }
         return (@as(u64, task.generation) << 32) | index;
     }
 
@@ -1409,10 +1463,10 @@ pub const Queue = struct {
         var source = queue.slot_address(item.slot);
         const first = @as(usize, item.entry) * tensors;
         for (queue.tensor_sizes, 0..) |size, j| {
-            const target: usize = @intCast(addresses[first + j]);
-            _ = memcpy(@ptrFromInt(target), @ptrFromInt(source), @intCast(size));
+            copy_bytes(@intCast(addresses[first + j]), source, @intCast(size));
             source += @intCast(size);
         }
+        store_fence();
     }
 
     fn copy_dump(queue: *Queue, item: CopyItem) void {
@@ -1422,10 +1476,10 @@ pub const Queue = struct {
         var target = queue.slot_address(item.slot);
         const first = @as(usize, item.entry) * tensors;
         for (queue.tensor_sizes, 0..) |size, j| {
-            const source: usize = @intCast(addresses[first + j]);
-            _ = memcpy(@ptrFromInt(target), @ptrFromInt(source), @intCast(size));
+            copy_bytes(target, @intCast(addresses[first + j]), @intCast(size));
             target += @intCast(size);
         }
+        store_fence(); // the commit's release store publishes the bytes
         const committed = queue.commit(item.slot, .ready, task.flags & task_flag_dirty != 0);
         queue.release_one(item.slot);
         if (committed) queue.count(.dumped_shards, 1);

@@ -615,6 +615,25 @@ test "queue: many tasks in flight complete; drain waits for them; submit after d
     try expect_no_references(&harness);
 }
 
+test "copy_bytes: every length and misalignment lands exactly, non-temporal or not" {
+    var source: [3 * 4096 + 200]u8 = undefined;
+    for (&source, 0..) |*byte, index| byte.* = @truncate(index *% 131 +% 7);
+    var target: [3 * 4096 + 300]u8 = undefined;
+    const lengths = [_]usize{ 0, 1, 63, 64, 65, 4095, 4096, 4097, 3 * 4096 + 100 };
+    for (lengths) |length| {
+        for ([_]usize{ 0, 1, 16, 33, 63 }) |target_offset| {
+            for ([_]usize{ 0, 5, 64 }) |source_offset| {
+                @memset(&target, 0xEE);
+                queue_module.copy_bytes(@intFromPtr(&target) + target_offset, @intFromPtr(&source) + source_offset, length);
+                queue_module.store_fence();
+                try std.testing.expectEqualSlices(u8, source[source_offset..][0..length], target[target_offset..][0..length]);
+                for (target[0..target_offset]) |byte| try expectEqual(@as(u8, 0xEE), byte);
+                for (target[target_offset + length ..]) |byte| try expectEqual(@as(u8, 0xEE), byte);
+            }
+        }
+    }
+}
+
 // ---- Model-based fuzzer ----
 //
 // Random tasks (loads, prefetches, dumps, no-fill loads) from this process, interleaved with

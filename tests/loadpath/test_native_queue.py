@@ -18,7 +18,7 @@ import torch
 
 import ucm
 from ucm import arguments
-from ucm.errors import KeyMissingError, TaskError, TierError, UcmError
+from ucm.errors import InvalidArgumentError, KeyMissingError, TaskError, TierError, UcmError
 from ucm.loadqueue import BufferPath, LoadQueue
 from ucm.native.queue import TaskKind
 
@@ -215,7 +215,7 @@ def test_caller_copies_get_the_ready_slot_and_release_it(test_tiers: None, uniqu
                 memory.cuda_pairs.append((device, stage))
                 memory.cuda.append([(device, stage)])
             keys = [(b, 0) for b in blocks]
-            job = path.submit(TaskKind.LOAD, keys, blocks, [0] * len(blocks), memory)
+            job = path.submit(TaskKind.LOAD, arguments.TaskKeys.of(keys), memory)
             assert job.failures(30) == {}
             assert [d.numpy().tobytes() for d in devices] == [payload(b, 0, SHARD) for b in blocks]
             assert all(bool((s == 0xEE).all()) for s in staging)  # not copied through staging
@@ -261,3 +261,37 @@ def test_only_a_stack_without_a_buffer_uses_the_python_queue(
         dst = dst_for(1)
         store.wait(store.load([block(1)], 0, dst))
         assert exact([block(1)], dst) == [True]
+
+
+def test_raw_addresses_as_lists_or_one_packed_array_and_bad_ones_named(
+    test_tiers: None, unique_id: str
+) -> None:
+    from array import array
+
+    blocks = [block(i) for i in range(3)]
+    CONTENTS["low"] = {(b, 1): payload(b, 1, SHARD) for b in blocks}
+    with ucm.open(stack(unique_id, {"type": "recording", "space": "low"})) as store:
+        buffers = [(ctypes.c_ubyte * SHARD)() for _ in blocks]
+        addresses = [ctypes.addressof(b) for b in buffers]
+        for form in ([[a] for a in addresses], addresses, array("Q", addresses)):
+            for b in buffers:
+                ctypes.memset(b, 0, SHARD)
+            store.wait(store.load_data(blocks, 1, form))
+            assert [bytes(b) for b in buffers] == [payload(b, 1, SHARD) for b in blocks]
+        bad = [
+            ([[addresses[0]], [True], [addresses[2]]], r"dst_ptrs\[1\]\[0\]=True is not valid"),
+            ([addresses[0], 64, addresses[2]], r"dst_ptrs\[1\]\[0\]=64 is not valid: .*null page"),
+            (array("Q", addresses[:2]), r"dst_ptrs has 2 entries but block_ids has 3"),
+            (
+                [[addresses[0], addresses[1]], [addresses[1]], [addresses[2]]],
+                r"must list 1 address",
+            ),
+        ]
+        for form, message in bad:
+            with pytest.raises(InvalidArgumentError, match=message):
+                store.load_data(blocks, 1, form)
+        with pytest.raises(InvalidArgumentError, match=r"repeats block_ids\[0\]"):
+            store.load_data([blocks[0], blocks[0]], 1, addresses[:2])
+        with pytest.raises(InvalidArgumentError, match=r"block_ids\[1\] must be exactly 16 bytes"):
+            store.load_data([blocks[0], b"short", blocks[2]], 1, addresses)
+        assert held(store) == 0
