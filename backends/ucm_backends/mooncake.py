@@ -39,6 +39,13 @@ default): lookups, touches and loads. ``batched_remove`` without ``force`` keeps
 (counted in ``leased_kept``); ``force`` removes it. Touch is a lookup: a fresh lease is what the
 master's eviction ranks by, so a touched block is evicted last.
 
+Master failure. A call that finds the master gone (``RPC_FAIL``) fails its keys with a
+TierError (lookups answer "absent"), and so does every later call, at once, without asking
+Mooncake (whose client would spend seconds reconnecting on each), until a TCP probe every
+``master_retry_interval`` finds a master listening again; the client then re-mounts its segment
+by itself and the tier serves again. A master without HA restarts empty: the pool's blocks are
+misses, served from below.
+
 Eviction is the master's: when the pool fills it drops unleased objects, and a shard it dropped
 is a plain miss. A ``write: back`` tier below this one would never hear of those evictions, so
 that stack is refused.
@@ -96,6 +103,8 @@ LEASE_RETRIES = 2
 REGISTRATION_WAIT_S = 30.0
 """Longest a call waits for another call's registration of overlapping memory to end."""
 LOOKUP_CHUNK_KEYS = 4096
+SEGMENT_MIN_BYTES = 16 * 1024 * 1024
+"""The smallest segment Mooncake mounts (its client buffer allocator's minimum)."""
 
 # Mooncake ErrorCode values (mooncake-store/include/types.h) the tier acts on.
 OBJECT_NOT_FOUND = -704
@@ -104,6 +113,7 @@ OBJECT_HAS_LEASE = -706
 LEASE_EXPIRED = -707
 INVALID_PARAMS = -600
 TRANSFER_FAIL = -800
+MASTER_UNREACHABLE = (-900, -901)  # RPC_FAIL, RPC_TIMEOUT
 ERROR_NAMES = {
     -1: "INTERNAL_ERROR",
     -10: "BUFFER_OVERFLOW",
@@ -202,11 +212,26 @@ class MooncakeConfig(LowerTierConfig):
         default=None,
         description="Seconds per master RPC (Mooncake's MC_RPC_TIMEOUT_MS; its default is 30).",
     )
+    master_retry_interval: PositiveFloat = Field(
+        default=2.0,
+        description="After a call finds the master unreachable, calls fail at once (lookups "
+        "answer absent) and the master is probed again at most this often.",
+    )
 
     @field_validator("master_server_address")
     @classmethod
     def _check_master(cls, value: str) -> str:
         _split_address(value)
+        return value
+
+    @field_validator("global_segment_size")
+    @classmethod
+    def _check_segment(cls, value: int) -> int:
+        if 0 < value < SEGMENT_MIN_BYTES:
+            raise ValueError(
+                f"{value} bytes is not a valid segment: Mooncake mounts 0 (contribute nothing) "
+                f"or at least {SEGMENT_MIN_BYTES} bytes (16MiB)"
+            )
         return value
 
     @field_validator("device_name")
@@ -242,6 +267,54 @@ def _probe(host: str, port: int, timeout_s: float) -> None:
     """Raises OSError unless something accepts TCP connections at host:port."""
     with socket.create_connection((host, port), timeout=timeout_s):
         pass
+
+
+class _Master:
+    """Whether the master answers. Once a call gets RPC_FAIL/RPC_TIMEOUT, every Mooncake call
+    against the dead master would take seconds (its client reconnects on each), so calls fail
+    at once instead, and a TCP probe every ``retry_s`` finds out when the master is back."""
+
+    def __init__(self, address: str, retry_s: float) -> None:
+        self.address = address
+        self._host, self._port = _split_address(address)
+        self._retry_s = retry_s
+        self._lock = threading.Lock()
+        self._down_since: float | None = None
+        self._next_probe = 0.0
+
+    def reachable(self) -> bool:
+        with self._lock:
+            if self._down_since is None:
+                return True
+            now = time.monotonic()
+            if now < self._next_probe:
+                return False
+            self._next_probe = now + self._retry_s
+        try:
+            _probe(self._host, self._port, min(self._retry_s, 1.0))
+        except OSError:
+            return False
+        with self._lock:
+            self._down_since = None
+        return True
+
+    def saw(self, codes: Sequence[int]) -> None:
+        """Marks the master down when a call's answers say it did not respond."""
+        if any(code in MASTER_UNREACHABLE for code in codes):
+            with self._lock:
+                now = time.monotonic()
+                if self._down_since is None:
+                    self._down_since = now
+                self._next_probe = now + self._retry_s
+
+    def down_for(self) -> str:
+        with self._lock:
+            since = self._down_since
+        ago = time.monotonic() - since if since is not None else 0.0
+        return (
+            f"the master at {self.address} did not answer {ago:.1f}s ago; calls fail at once "
+            f"until a probe (every {self._retry_s:g}s) reaches it"
+        )
 
 
 class _Registrations:
@@ -472,6 +545,7 @@ class MooncakeTier(Tier):
                 f"failed ({status}); see Mooncake's log above"
             )
         self._replicate = self._replicate_config(config.replica_num)
+        self.master = _Master(config.master_server_address, config.master_retry_interval)
         self.registrations = _Registrations(self.client, self.label)
         self._arenas: list[_Arena] = []
         self._local = threading.local()
@@ -494,6 +568,7 @@ class MooncakeTier(Tier):
                 "lock_acquisitions",
                 "remove_lock_acquisitions",
                 "leased_kept",
+                "master_down_skips",
             ),
             0,
         )
@@ -549,9 +624,16 @@ class MooncakeTier(Tier):
     def lookup(self, keys: Sequence[Key]) -> list[bool]:
         present: list[bool] = []
         for part in chunks(list(keys), LOOKUP_CHUNK_KEYS):
-            answers = self.client.batch_is_exist([self.object_name(key) for key in part])
+            if not self.master.reachable():
+                self._bump(lookups=len(part), errors=len(part), master_down_skips=len(part))
+                present += [False] * len(part)
+                continue
+            answers = [
+                int(a) for a in self.client.batch_is_exist([self.object_name(k) for k in part])
+            ]
             if len(answers) != len(part):  # a client that is not set up answers nothing
                 answers = [-1] * len(part)
+            self.master.saw(answers)
             errors = sum(1 for answer in answers if answer < 0)
             self._bump(lookups=len(part), errors=errors)
             # lookup has no per-key outcome: an unreachable master answers "absent" (counted).
@@ -585,6 +667,9 @@ class MooncakeTier(Tier):
             assert sum(view.nbytes for view in views) == self.shard_size, key
         buffers = [[arena.read_address(i)] + [a for a, _ in r] for i, r in enumerate(ranges)]
         sizes = [[HEADER_BYTES] + [n for _, n in r] for r in ranges]
+        if not self.master.reachable():
+            self._bump(errors=len(keys), master_down_skips=len(keys))
+            return [TierError(f"{self._describe(k)}: {self.master.down_for()}") for k in keys]
         codes = [0] * len(keys)
         with self.registrations.covering([item for r in ranges for item in r]):
             pending = list(range(len(keys)))
@@ -598,6 +683,7 @@ class MooncakeTier(Tier):
                     results = [INVALID_PARAMS] * len(pending)
                 for i, result in zip(pending, results, strict=True):
                     codes[i] = int(result)
+                self.master.saw([codes[i] for i in pending])
                 pending = [i for i in pending if codes[i] == LEASE_EXPIRED]
                 if not pending or attempt == LEASE_RETRIES:
                     break
@@ -670,6 +756,9 @@ class MooncakeTier(Tier):
             headers.append(self.header(names[i], views))
             arena.write_header(i, headers[i])
         ranges = [self._ranges(views) for views in sources]
+        if not self.master.reachable():
+            self._bump(errors=n, master_down_skips=n)
+            return [TierError(f"{self._describe(k)}: {self.master.down_for()}") for k in keys]
         outcomes: list[Outcome] = [None] * n
         with self.registrations.covering([item for r in ranges for item in r]):
             # Mooncake's put keeps an existing object: read the stored headers first.
@@ -681,6 +770,7 @@ class MooncakeTier(Tier):
                 [[[HEADER_BYTES] for _ in range(n)]],
             )
             codes = [int(parts[0]) for parts in found[0]] if found else [INVALID_PARAMS] * n
+            self.master.saw(codes)
             put: list[int] = []
             replace: list[int] = []
             for i, code in enumerate(codes):
@@ -691,8 +781,8 @@ class MooncakeTier(Tier):
                         self._bump(unchanged=1)  # the pool holds these very bytes already
                     else:
                         replace.append(i)
-                elif code == INVALID_PARAMS:  # shorter than a header: not one of ours
-                    replace.append(i)
+                elif code == INVALID_PARAMS and 0 <= self.client.get_size(names[i]) < HEADER_BYTES:
+                    replace.append(i)  # shorter than a header: not one of ours
                 else:
                     self._bump(errors=1)
                     outcomes[i] = TierError(
@@ -720,6 +810,7 @@ class MooncakeTier(Tier):
                 )
                 if len(results) != len(put):
                     results = [INVALID_PARAMS] * len(put)
+                self.master.saw([int(code) for code in results])
                 for i, code in zip(put, results, strict=True):
                     if code == 0:
                         self._bump(bytes_written=self.shard_size)
@@ -736,15 +827,24 @@ class MooncakeTier(Tier):
         distinct = list(dict.fromkeys(keys))
         removed = 0
         failed: list[str] = []
+        if distinct and not self.master.reachable():
+            self._bump(errors=len(distinct), master_down_skips=len(distinct))
+            raise TierError(
+                f"mooncake tier {self.label!r}: batched_remove: {self.master.down_for()}"
+            )
         for chunk in chunks(distinct, self.remove_chunk_keys):
             with self._lock:
                 self._bump(lock_acquisitions=1, remove_lock_acquisitions=1)
                 wanted = [key for key in chunk if force or not self.pins.is_pinned(key)]
                 if not wanted:
                     continue
-                codes = self.client.batch_remove([self.object_name(k) for k in wanted], force)
+                if self.master.reachable():
+                    codes = self.client.batch_remove([self.object_name(k) for k in wanted], force)
+                else:  # it went away during this removal
+                    codes = [MASTER_UNREACHABLE[0]] * len(wanted)
             if len(codes) != len(wanted):
                 codes = [INVALID_PARAMS] * len(wanted)
+            self.master.saw(codes)
             for key, code in zip(wanted, codes, strict=True):
                 if code == 0:
                     removed += 1
