@@ -241,6 +241,11 @@ def test_bad_config_values_name_the_yaml_path() -> None:
     stack = {"unique_id": "cfg", "shard_size": 4096, "shards_per_block": 1}
     cases = [
         ({"global_segment_size": "lots"}, "tiers[1].global_segment_size: "),
+        (
+            {"global_segment_size": "4MiB"},
+            "tiers[1].global_segment_size: Value error, 4194304 bytes is not a valid segment: "
+            "Mooncake mounts 0 (contribute nothing) or at least 16777216 bytes (16MiB)",
+        ),
         ({"local_buffer_size": -1}, "tiers[1].local_buffer_size: "),
         ({"protocol": "udp"}, "tiers[1].protocol: Input should be 'tcp' or 'rdma'"),
         (
@@ -300,7 +305,7 @@ def mooncake_tier_at(address: str, **options: Any) -> MooncakeTier:
     return MooncakeTier(config, make_context(LAYOUT))
 
 
-def test_write_back_below_a_mooncake_tier_is_refused(
+def test_write_back_below_a_top_mooncake_tier_is_refused(
     mooncake_master: MooncakeMaster, tmp_path: Any
 ) -> None:
     stack = {
@@ -318,7 +323,9 @@ def test_write_back_below_a_mooncake_tier_is_refused(
     }
     with pytest.raises(ConfigError) as raised:
         ucm.open(stack)
-    assert "tiers[0] (mooncake): a tier below it has write: back" in str(raised.value)
+    assert "tiers[0] (mooncake): a tier below it has write: back, but as the top tier" in str(
+        raised.value
+    )
 
 
 def test_scheduler_contributes_no_memory_and_answers_lookups(

@@ -69,9 +69,14 @@ def start_node() -> Iterator[Callable[[dict[str, Any]], Node]]:
         return node
 
     yield start
+    # A clean leave: a killed node's segment would stay mounted in the master (and receive
+    # other tests' writes, which then fail) until the master's client TTL runs out.
     for node in started:
         if node.process.is_alive():
-            node.kill()
+            try:
+                node.exit()
+            except BaseException:
+                node.kill()
 
 
 def run_id() -> str:
@@ -257,3 +262,19 @@ def test_a_shard_the_pool_evicted_is_reloaded_from_the_tier_below(
         assert after[2]["hits"] - before[2]["hits"] >= shards * len(evicted)
         served = (after[1]["hits"] - before[1]["hits"]) + (after[2]["hits"] - before[2]["hits"])
         assert served == shards * len(everything)
+
+
+def test_with_two_replicas_blocks_outlive_the_node_that_held_them(
+    mooncake_master: MooncakeMaster, start_node: Callable[[dict[str, Any]], Node]
+) -> None:
+    run = run_id()
+    pool = mooncake(mooncake_master, run, replica_num=2)  # each shard in two segments
+    node_a = start_node(nodes.stack(f"mc-{run}-a", [buffer(), pool]))
+    node_c = start_node(nodes.stack(f"mc-{run}-c", [buffer(), pool]))
+    blocks = block_ids(4, seed=26)
+    node_a.call("dump", blocks)
+    node_a.exit()  # one copy of each shard leaves with A's segment; the other is in C's
+    assert node_c.call("tier_lookup", 1, blocks) == [True] * len(blocks)
+    result = node_c.call("load", blocks)
+    assert result["wrong"] == []
+    assert result["stats"]["tiers"][1]["hits"] == shards_of(blocks)
