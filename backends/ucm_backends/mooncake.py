@@ -47,9 +47,10 @@ by itself and the tier serves again. A master without HA restarts empty: the poo
 misses, served from below.
 
 Eviction is the master's: when the pool fills it drops unleased objects, and a shard it dropped
-is a plain miss, and nothing is written down on the way: below a buffer tier, ``write: back``
-tiers receive every shard when the *buffer* evicts it; as the top tier with a ``write: back``
-tier below, the pool's evictions would be that tier's only source, so that stack is refused.
+is a plain miss, and nothing is written down on the way. The store feeds a ``write: back``
+tier from the evictions of the tiers above it down to the first ``write: through`` one, so a
+``write: back`` tier right below this one (no ``write: through`` tier between) would lose what
+the pool evicts: that stack is refused.
 """
 
 from __future__ import annotations
@@ -505,14 +506,14 @@ class MooncakeTier(Tier):
         super().__init__(config, context)
         assert isinstance(config, MooncakeConfig)
         self.cfg: MooncakeConfig = config
-        if context.evict_sink is not None and context.position == 0:
-            # Below a buffer, write: back tiers get every shard when the buffer evicts it.
-            # As the top tier, the pool's own (silent) evictions would be their only source.
+        if context.evict_sink is not None:
+            # The store feeds a write: back tier from the evictions of the tiers above it, down
+            # to the first write: through one; the master evicts without handing anything down.
             raise ConfigError(
-                "tiers[0] (mooncake): a tier below it has write: back, but as the top tier the "
-                "pool would be the only source of written-back shards, and the Mooncake master "
-                "evicts on its own without handing them down; put a buffer tier above it, or "
-                "give the tiers below write: through"
+                f"tiers[{context.position}] (mooncake): a write: back tier below it would get "
+                "shards only from this tier's evictions, and the Mooncake master evicts on its "
+                "own without handing them down; make a tier between them write: through, or "
+                "the tiers below write: through"
             )
         store_class = import_store_class()
         self.shard_size = self.layout.shard_size

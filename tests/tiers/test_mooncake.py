@@ -305,26 +305,43 @@ def mooncake_tier_at(address: str, **options: Any) -> MooncakeTier:
     return MooncakeTier(config, make_context(LAYOUT))
 
 
-def test_write_back_below_a_top_mooncake_tier_is_refused(
-    mooncake_master: MooncakeMaster, tmp_path: Any
+@pytest.mark.parametrize(
+    ("writes", "refused"),
+    [
+        (["back"], True),  # the pool at the top: its evictions would be posix's only source
+        (["through", "back"], False),  # the through tier holds every dump, feeds the back one
+        (["back", "back"], True),
+    ],
+)
+def test_write_back_right_below_a_mooncake_tier_is_refused(
+    mooncake_master: MooncakeMaster, tmp_path: Any, writes: list[str], refused: bool
 ) -> None:
+    buffer = [{"type": "buffer", "capacity": 8192 * 16}] if len(writes) > 1 else []
     stack = {
-        "unique_id": "wb-refused",
+        "unique_id": f"wb-{prefix()}",
         "shard_size": 8192,
         "shards_per_block": 2,
         "tiers": [
+            *buffer,
             {
                 "type": "mooncake",
                 "master_server_address": mooncake_master.address,
                 "local_hostname": "127.0.0.1",
             },
-            {"type": "posix", "path": str(tmp_path / "nvme"), "write": "back"},
+            *[
+                {"type": "posix", "path": str(tmp_path / f"nvme{i}"), "write": write}
+                for i, write in enumerate(writes)
+            ],
         ],
     }
+    if not refused:
+        ucm.open(stack).close()
+        return
     with pytest.raises(ConfigError) as raised:
         ucm.open(stack)
-    assert "tiers[0] (mooncake): a tier below it has write: back, but as the top tier" in str(
-        raised.value
+    position = len(buffer)
+    assert f"tiers[{position}] (mooncake): a write: back tier below it would get shards only " in (
+        str(raised.value)
     )
 
 
