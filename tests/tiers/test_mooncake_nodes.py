@@ -121,6 +121,10 @@ def test_a_block_dumped_on_one_node_is_loaded_byte_exact_on_another_and_promoted
     assert first["wrong"] == []
     pool = first["stats"]["tiers"][1]
     assert (pool["hits"], pool["misses"], pool["corrupt"]) == (shards_of(blocks), 0, 0)
+    # Zero copy into B's slots: the store handed the buffer's data plane to the pool tier,
+    # registered once at open, so these loads registered nothing per call.
+    assert pool["registered_bytes"] >= 64 * nodes.SHARD
+    assert pool["call_registrations"] == 0
     assert node_b.call("tier_lookup", 0, blocks) == [True] * len(blocks)  # promoted
     # Node A leaves: its segment, and every block in it, leaves the pool with it.
     node_a.exit()
