@@ -144,7 +144,7 @@ def lmcache_logs() -> Iterator[Catch]:
 def worker(worker_id: int, stack: dict[str, Any], barrier: Any, out: Any) -> None:
     """Stores this worker's shard of 6 chunks, waits for the other worker, then reads both
     workers' shards of them (its own through LMCache's StorageManager, the peer's through the
-    plugin with the peer's key), and reports what it saw."""
+    plugin with the peer's key), removes one chunk (worker 0) and reports what it saw."""
     try:
         report = _worker(worker_id, stack, barrier)
     except BaseException:
@@ -190,7 +190,14 @@ def _worker(worker_id: int, stack: dict[str, Any], barrier: Any) -> dict[str, An
             if g is not None:
                 g.ref_count_down()
         ucm_stats = backend.stats()["ucm"]
-        barrier.wait(timeout=120)  # both have read before either closes
+        barrier.wait(timeout=120)  # both have read
+        # Removing a chunk removes every worker's shard of it: worker 0 removes chunk 100, and
+        # worker 1 then finds it gone (its own shard included) and has nothing left to remove.
+        removed = backend.batched_remove([mine[0]], force=False) if worker_id == 0 else None
+        barrier.wait(timeout=120)
+        after_remove = (backend.contains(mine[0]), backend.batched_contains(mine[1:]))
+        removed_again = backend.batched_remove([mine[0]], force=False) if worker_id == 1 else None
+        barrier.wait(timeout=120)  # both are done before either closes
         return {
             "worker": worker_id,
             "before_peer": before_peer,
@@ -199,6 +206,9 @@ def _worker(worker_id: int, stack: dict[str, Any], barrier: Any) -> dict[str, An
             "peer_exact": peer_exact,
             "unique_id": backend.store.config.unique_id,
             "tiers": [tier["type"] for tier in ucm_stats["tiers"]],
+            "removed": removed,
+            "after_remove": after_remove,
+            "removed_again": removed_again,
             "leaked": active_allocations(manager),
         }
     finally:

@@ -364,9 +364,24 @@ def test_async_lookup_and_prefetch_load_from_ucm_in_batches(unique_id: str, tmp_
         assert _kv_equal(dst, src, slots)
         assert lm.active_allocations(sm) == 0  # the prefetched objects were released
     finally:
-        client.close()
-        server.close()
+        _close_lookup(client, server)
         lm.destroy(engine)
+
+
+def _close_lookup(client: Any, server: Any) -> None:
+    """Closes LMCache's lookup client and server without its close race: their close() joins
+    the receiving thread for 1 s only, then closes the socket that thread may still block in,
+    and libzmq aborts the process. So stop both loops, wake each with one message of LMCache's
+    own protocol, wait for the threads, then close."""
+    client.running = False
+    server.running = False
+    client._send_cleanup_message("ucm-test-wake")  # the server handles it, then sees running
+    server.send_response_to_scheduler("ucm-test-wake", 0)  # likewise for the client
+    for thread in (server.thread, client.thread):
+        thread.join(timeout=60)
+        assert not thread.is_alive(), thread.name
+    client.close()
+    server.close()
 
 
 # ---- two LMCache worker processes of one node share one CacheBuffer ------------------------------
@@ -398,6 +413,8 @@ def test_two_worker_processes_share_one_buffer(unique_id: str) -> None:
         assert report["peer_exact"] == [True] * 6
         assert report["unique_id"] == unique_id and report["tiers"] == ["buffer"]
         assert report["leaked"] == 0
+        assert report["after_remove"] == (False, 5)
+    assert reports[0]["removed"] == 1 and reports[1]["removed_again"] == 0
     assert [p.exitcode for p in processes] == [0, 0]
 
 

@@ -398,7 +398,8 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         return [put.future for put in puts]
 
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
-        """Blocks until every put submitted so far has finished; False if ``timeout_s`` ran out."""
+        """Blocks until every put submitted so far is written, to the stack's top tier and to
+        every ``write: through`` tier below it; False if ``timeout_s`` ran out first."""
         deadline = time.monotonic() + timeout_s
         with self._put_lock:
             while self._in_flight:
@@ -406,6 +407,8 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 if left <= 0:
                     return False
                 self._put_lock.wait(timeout=min(left, 1.0))
+        if not self.is_scheduler:
+            self.store.drain()
         return True
 
     def _writable(self, obj: MemoryObj) -> bool:
@@ -582,9 +585,10 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         return self.batched_remove([key], force=force) == 1
 
     def batched_remove(self, keys: list[CacheEngineKey], force: bool = True) -> int:
-        """Removes the keys' chunks from every UCM tier, REMOVE_CHUNK_KEYS keys per lock
-        acquisition (seed 003); pinned keys are kept unless ``force`` (which drops their pins).
-        Returns how many of the keys' chunks were present and are gone."""
+        """Removes the keys' chunks (every worker's shard of each) from every UCM tier,
+        REMOVE_CHUNK_KEYS keys per lock acquisition (seed 003); pinned keys are kept unless
+        ``force`` (which drops their pins). Returns how many of the chunks UCM held (every
+        worker's shard present) are gone."""
         unique = list(dict.fromkeys(keys))
         removed = 0
         for start in range(0, len(unique), REMOVE_CHUNK_KEYS):
@@ -601,6 +605,11 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 if not chosen:
                     continue
                 blocks = list(dict.fromkeys(self.ucm_key(key)[0] for key in chosen))
+                if self.layout.geometry.shards_per_block == 1:
+                    # One shard per chunk: the store's count of shards removed is the count.
+                    removed += self.store.remove(blocks, force=force)
+                    continue
+                # A chunk of several workers' shards counts when it was complete and is gone.
                 before = self.store.lookup(blocks)
                 self.store.remove(blocks, force=force)
                 after = self.store.lookup(blocks)
