@@ -131,14 +131,30 @@ def test_storage_manager_builds_the_plugin_and_retrieves_byte_exact(manager: Any
     for obj in (mixed[0], mixed[2]):
         obj.ref_count_down()
     assert lm.active_allocations(manager) == baseline  # misses freed their allocation
+    # The same chunk twice in one batch: one load, one object, two references.
+    twice = backend.batched_get_blocking([keys[4], keys[4]])
+    assert twice[0] is twice[1] and twice[0].get_ref_count() == 2
+    assert lm.content(twice[0]) == lm.chunk_bytes(14)
+    twice[0].ref_count_down()
+    twice[0].ref_count_down()
+    assert lm.active_allocations(manager) == baseline
     counters = backend.stats()["lmcache"]
-    assert counters["put_chunks_stored"] == 8 and counters["get_hits"] == 11
+    assert counters["put_chunks_stored"] == 8 and counters["get_hits"] == 13
     assert counters["get_misses"] == 2 and counters["puts_in_flight"] == 0
 
 
-def test_a_second_put_of_a_stored_chunk_writes_nothing(manager: Any) -> None:
+def test_put_futures_and_callbacks_then_a_second_put_writes_nothing(manager: Any) -> None:
     backend = manager.storage_backends["ucm"]
-    keys = _store(manager, [1, 2])
+    # Straight through the interface: one future per chunk, a callback per stored key.
+    keys = [lm.key(1), lm.key(2)]
+    objs = [lm.filled(manager, 1), lm.filled(manager, 2)]
+    called: list[Any] = []
+    futures = backend.batched_submit_put_task(keys, objs, on_complete_callback=called.append)
+    assert [future.result(timeout=60) for future in futures] == [True, True]
+    assert called == keys
+    assert [obj.get_ref_count() for obj in objs] == [1, 1]  # the plugin's reference is gone
+    for obj in objs:
+        obj.ref_count_down()
     again = [lm.filled(manager, 1), lm.filled(manager, 2)]
     assert backend.batched_submit_put_task(keys, again) is None
     assert [obj.get_ref_count() for obj in again] == [1, 1]  # no reference kept
@@ -355,7 +371,10 @@ def test_async_lookup_and_prefetch_load_from_ucm_in_batches(unique_id: str, tmp_
             hit = client.lookup_cache("req-a")
         assert hit == TOKENS
         after = backend.stats()["lmcache"]
-        assert after["lookup_keys"] - before.get("lookup_keys", 0) == 4  # one batch of 4
+        # One batched lookup of the 4 chunks and one batched load of them.
+        assert after["lookups"] - before.get("lookups", 0) == 1
+        assert after["lookup_keys"] - before.get("lookup_keys", 0) == 4
+        assert after["loads"] - before.get("loads", 0) == 1
         assert after["get_hits"] - before.get("get_hits", 0) == 4
         assert after["pinned_keys"] == 0  # the lookup's pins went with the prefetch
         dst = [torch.zeros_like(cache) for cache in src]

@@ -312,6 +312,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             return 0
         blocks = [self.ucm_key(key)[0] for key in keys]
         hits = self.store.lookup_on_prefix(blocks) + 1
+        self._count("lookups")
         self._count("lookup_keys", len(keys))
         self._count("lookup_hits", hits)
         if pin and hits:
@@ -457,16 +458,16 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                     cause,
                 )
             stored = [put for put in batch.puts if put.ucm_key not in failed]
-            self._release([put for put in batch.puts if put.ucm_key in failed], stored=False)
-            self._release(stored, stored=True)
             self._count("put_chunks_stored", len(stored))
             self._count("put_chunks_failed", len(failed))
-            if batch.on_complete is not None:
+            if batch.on_complete is not None:  # before the release: flush() implies them
                 for put in stored:
                     try:
                         batch.on_complete(put.key)
                     except Exception:
                         logger.exception("on_complete_callback failed for %s", put.key)
+            self._release([put for put in batch.puts if put.ucm_key in failed], stored=False)
+            self._release(stored, stored=True)
 
     def _release(self, puts: Sequence[_Put], stored: bool | None) -> None:
         """Drops this plugin's reference on each object and forgets the put."""
@@ -540,6 +541,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             chosen_objs.append(obj)
         failed: dict[UcmKey, Any] = {}
         if chosen:
+            self._count("loads")
             pointers = [self._pointers(obj) for obj in chosen_objs]
             try:
                 self.store.wait(
