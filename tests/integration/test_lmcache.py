@@ -576,8 +576,15 @@ def _construct(cfg: Any, meta: Any | None = None) -> Any:
             rf"^{K}: the stack states shard_size: 4096, but LMCache's KV cache has "
             rf"shard_size {lm.CHUNK_BYTES}",
         ),
+        (
+            {
+                "unique_id": f"lmc-too-big-{uuid.uuid4().hex[:8]}",
+                "tiers": [{"type": "buffer", "capacity": "100GiB"}],  # more than /dev/shm
+            },
+            rf"^{K}: tiers\[0\] \(buffer\): the buffer needs \d+ bytes of shared memory",
+        ),
     ],
-    ids=["missing", "unreadable", "invalid", "contradicts-geometry"],
+    ids=["missing", "unreadable", "invalid", "contradicts-geometry", "cannot-open"],
 )
 def test_a_bad_stack_raises_an_error_naming_the_key(stack: Any, message: str) -> None:
     with pytest.raises(ucm.ConfigError, match=message):
@@ -608,3 +615,69 @@ def test_unsupported_lmcache_settings_are_named(tmp_path: Path) -> None:
         UcmStorageBackend(config=lm.config(stack), metadata=lm.metadata(), local_cpu_backend=None)
     with pytest.raises(ucm.ConfigError, match="needs LMCache's config and metadata"):
         UcmStorageBackend(config=None, metadata=None)
+
+
+# ---- the key mapping ----------------------------------------------------------------------------
+
+
+def test_keys_map_chunks_to_blocks_and_workers_to_shards(tmp_path: Path) -> None:
+    from lmcache.utils import CacheEngineKey
+
+    stack = {
+        "unique_id": f"lmc-{uuid.uuid4().hex[:12]}",
+        "tiers": [{"type": "posix", "path": str(tmp_path)}],
+    }
+    backend = _construct(lm.config(stack), lm.metadata(world_size=2, worker_id=0))
+    try:
+        assert backend.store.config.shards_per_block == 2
+        assert backend.store.config.tensor_size_list == [lm.CHUNK_BYTES]
+        block, shard = backend.ucm_key(lm.key(7, 2, 0))
+        assert len(block) == 16 and shard == 0
+        assert backend.ucm_key(lm.key(7, 2, 1)) == (block, 1)  # same chunk, the other worker
+        assert backend.ucm_key(lm.key(8, 2, 0))[0] != block
+        tagged = CacheEngineKey(lm.MODEL, 2, 0, 7, lm.DTYPE, {"lmcache.tag.tenant": "a"})
+        other = CacheEngineKey(lm.MODEL, 2, 0, 7, lm.DTYPE, {"lmcache.tag.tenant": "b"})
+        assert len({block, backend.ucm_key(tagged)[0], backend.ucm_key(other)[0]}) == 3
+        assert backend.ucm_key(tagged) == backend.ucm_key(
+            CacheEngineKey(lm.MODEL, 2, 0, 7, lm.DTYPE, {"lmcache.tag.tenant": "a"})
+        )
+        assert backend.ucm_key(CacheEngineKey("other-model", 2, 0, 7, lm.DTYPE))[0] != block
+        assert backend.ucm_key(CacheEngineKey(lm.MODEL, 2, 0, 7, torch.float16))[0] != block
+        with pytest.raises(ucm.InvalidArgumentError, match="world size 4, but this LMCache worker"):
+            backend.ucm_key(lm.key(7, 4, 0))
+    finally:
+        backend.close()
+
+
+def test_mla_with_save_only_first_rank_is_one_shard_per_chunk(tmp_path: Path) -> None:
+    """LMCache's MLA keys have world size 1 (the latent KV is the same on every rank)."""
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    meta = LMCacheMetadata(
+        model_name=lm.MODEL,
+        world_size=2,
+        local_world_size=2,
+        worker_id=1,
+        local_worker_id=1,
+        kv_dtype=lm.DTYPE,
+        kv_shape=(lm.LAYERS, 1, lm.CHUNK, 1, 96),
+        use_mla=True,
+        chunk_size=lm.CHUNK,
+    )
+    stack = {
+        "unique_id": f"lmc-{uuid.uuid4().hex[:12]}",
+        "tiers": [{"type": "posix", "path": str(tmp_path)}],
+    }
+    backend = _construct(lm.config(stack), meta)
+    try:
+        assert backend.layout.fmt == MemoryFormat.KV_MLA_FMT
+        assert backend.store.config.shards_per_block == 1
+        assert backend.store.config.tensor_size_list == [lm.LAYERS * lm.CHUNK * 96 * 2]
+        # Worker 1's key of world size 1 is shard 0, the same block as worker 0's.
+        mine = backend.ucm_key(CacheEngineKey(lm.MODEL, 1, 1, 5, lm.DTYPE))
+        assert mine == backend.ucm_key(CacheEngineKey(lm.MODEL, 1, 0, 5, lm.DTYPE))
+        assert mine[1] == 0
+    finally:
+        backend.close()

@@ -3,17 +3,22 @@
 
 Figures, each beside its same-run baseline:
 
-- **retrieve GB/s**: ``LMCacheEngine.retrieve`` of N chunks into a paged host KV cache (the
-  engine's GPU connector is ``ucm.testing.lmcache.CpuKVConnector``), with the chunks held by:
-  LocalCPU (LMCache's L1 hot cache: its retrieve is one copy per chunk into the KV cache),
-  LocalDisk (one file per chunk, page cache warm, L1 off), UCM over a buffer and posix (the
-  plugin; L1 off, so every chunk comes from UCM's CacheBuffer) and UCM on posix alone (files,
-  like LocalDisk). The median of several rounds, the backends interleaved round by round;
+- **retrieve GB/s**: LMCache's retrieve path for N chunks (2 MiB each) into a paged host KV
+  cache, as ``LMCacheEngine.retrieve`` runs it: ``StorageManager.get_block_mapping``, one
+  ``batched_get`` per location, then the GPU connector's ``batched_to_gpu``
+  (``ucm.testing.lmcache.CpuKVConnector``) and the release of the objects. LMCacheEngine itself
+  is not built: its token database imports vLLM when vLLM is installed (10-20 s here), the same
+  for every backend. The chunks are held by LocalCPU (LMCache's L1 hot cache: its retrieve is one
+  copy per chunk into the KV cache), LocalDisk (one file per chunk, page cache warm, L1 off), UCM
+  over a buffer and posix (the plugin; L1 off, so every chunk comes from UCM's CacheBuffer) and
+  UCM on posix alone (files, like LocalDisk). The median of several rounds, the backends
+  interleaved round by round, the first round unmeasured and checked byte-exact;
 - **batched_remove of 10,000 keys**: ``StorageManager.batched_remove(keys, locations=[name])``
   on each backend holding the keys: UCM over a buffer and posix beside LocalDisk and LocalCPU,
   UCM on a buffer alone (memory only) beside LocalCPU. Lock acquisitions go in ``extra`` (UCM:
   its pin lock and the posix tier's lock, one per 1,024-key chunk; LocalCPU and LocalDisk:
-  LMCache 0.5.6's per-key loop, counted on their locks in a separate, untimed pass).
+  LMCache 0.5.6's per-key loop, counted on their locks in a separate, untimed pass), and so
+  does UCM's own ``Store.remove`` of the same keys without LMCache (``store_remove_ms``).
 
 Quick mode uses fewer chunks and rounds and 1,000 keys (the result's notes say so). Without
 lmcache (outside CI) the benchmark measures UCM's own load path for the same chunks and says so
@@ -37,6 +42,7 @@ from typing import Any
 from ..tier import REMOVE_CHUNK_KEYS
 from . import BenchOptions, BenchResult, Figure, Plot
 
+MODEL = "ucm-bench/lmcache"
 # Retrieve geometry: 8 layers, 4 KV heads of 64, bf16, 256-token chunks = 2 MiB per chunk.
 LAYERS = 8
 HEADS = 4
@@ -88,7 +94,8 @@ BENCHMARK = LmcachePluginBenchmark()
 @dataclass
 class _Backend:
     label: str
-    engine: Any
+    manager: Any
+    """LMCache's StorageManager holding the backend."""
     name: str
     """The StorageManager's name of the backend that holds the chunks."""
 
@@ -186,6 +193,9 @@ class _Run:
 
     def _retrieve(self) -> dict[str, float]:
         import torch
+        from lmcache.utils import CacheEngineKey
+
+        from ..testing.lmcache import CpuKVConnector
 
         chunks = self._chunks()
         tokens = chunks * CHUNK_TOKENS
@@ -198,14 +208,25 @@ class _Run:
         src += [src[0].roll(layer + 1, dims=1) for layer in range(LAYERS - 1)]
         slots = torch.randperm(tokens, generator=generator)
         dst = [torch.empty_like(cache) for cache in src]
-        token_ids = torch.arange(7, 7 + tokens)
+        connector = CpuKVConnector(LAYERS, hidden)
+        kv = {"slot_mapping": slots}
+        keys = [CacheEngineKey(MODEL, 1, 0, 7_000 + i, torch.bfloat16) for i in range(chunks)]
+        starts = [i * CHUNK_TOKENS for i in range(chunks)]
+        ends = [start + CHUNK_TOKENS for start in starts]
+        infos = list(zip(keys, starts, ends, strict=True))
         capacity = 2 * chunks * chunk_bytes
         rounds = QUICK_ROUNDS if self.quick else ROUNDS
-        with self._backends(chunks, pool_gb, capacity) as backends:
+        with self._backends(pool_gb, capacity) as backends:
             for backend in backends:
                 self.options.progress(f"lmcache_plugin: storing {chunks} chunks in {backend.label}")
-                backend.engine.store(token_ids, kvcaches=src, slot_mapping=slots)
-                self._wait_written(backend, token_ids)
+                manager = backend.manager
+                meta = manager.metadata
+                objs = [manager.allocate(meta.get_shapes(), meta.get_dtypes()) for _ in keys]
+                if any(obj is None for obj in objs):
+                    raise RuntimeError("benchmark set-up: LMCache's CPU pool is full")
+                connector.batched_from_gpu(objs, starts, ends, kvcaches=src, **kv)
+                manager.batched_put(keys, objs)
+                _wait_written(manager, backend.name, keys)
             samples: dict[str, list[float]] = {backend.label: [] for backend in backends}
             for round_ in range(rounds + 1):  # round 0 warms up (first-touch faults) unmeasured
                 self.options.progress(f"lmcache_plugin: retrieve round {round_}/{rounds}")
@@ -214,11 +235,10 @@ class _Run:
                     for cache in dst:
                         cache.zero_()
                     started = time.perf_counter()
-                    mask = backend.engine.retrieve(token_ids, kvcaches=dst, slot_mapping=slots)
+                    got = _retrieve_into(backend.manager, connector, infos, dst, kv)
                     elapsed = time.perf_counter() - started
-                    retrieved = int(mask.sum())
-                    if retrieved != tokens:
-                        raise RuntimeError(f"{backend.label}: retrieved {retrieved} of {tokens}")
+                    if got != {backend.name: chunks}:
+                        raise RuntimeError(f"{backend.label}: retrieved {got}, not {chunks}")
                     if round_ == 0 and not all(
                         torch.equal(d.view(torch.int16), s.view(torch.int16))
                         for d, s in zip(dst, src, strict=True)
@@ -229,7 +249,7 @@ class _Run:
         return {label: data_gb / sorted(s)[len(s) // 2] for label, s in samples.items()}
 
     @contextmanager
-    def _backends(self, chunks: int, pool_gb: float, capacity: int) -> Iterator[list[_Backend]]:
+    def _backends(self, pool_gb: float, capacity: int) -> Iterator[list[_Backend]]:
         workdir = tempfile.mkdtemp(prefix="lmcache-retrieve-", dir=self.workdir)
         specs: list[tuple[str, str, dict[str, Any]]] = [
             ("LocalCPU", "LocalCPUBackend", {"local_cpu": True}),
@@ -248,31 +268,17 @@ class _Run:
         made: list[_Backend] = []
         try:
             for label, name, settings in specs:
-                config = _config(CHUNK_TOKENS, pool_gb, settings)
-                engine = _engine(config, _metadata(CHUNK_TOKENS, LAYERS, HEADS, HEAD_SIZE))
-                engine.post_init()
-                if name not in engine.storage_manager.storage_backends:
+                manager = _manager(
+                    _config(CHUNK_TOKENS, pool_gb, settings),
+                    _metadata(CHUNK_TOKENS, LAYERS, HEADS, HEAD_SIZE),
+                )
+                made.append(_Backend(label, manager, name))
+                if name not in manager.storage_backends:
                     raise RuntimeError(f"LMCache did not create {label} ({name})")
-                made.append(_Backend(label, engine, name))
             yield made
         finally:
             for backend in made:
-                _destroy(backend.engine)
-
-    def _wait_written(self, backend: _Backend, token_ids: Any) -> None:
-        """Stores are asynchronous for LocalDisk and UCM: wait until every chunk is written."""
-        manager = backend.engine.storage_manager
-        store = manager.storage_backends[backend.name]
-        keys = [key for _, _, key in backend.engine.token_database.process_tokens(token_ids)]
-        if hasattr(store, "flush"):
-            if not store.flush(timeout_s=WRITE_TIMEOUT_S):
-                raise RuntimeError(f"{backend.label}: writes did not finish")
-            return
-        deadline = time.monotonic() + WRITE_TIMEOUT_S
-        while store.batched_contains(keys) < len(keys):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{backend.label}: writes did not finish")
-            time.sleep(0.01)
+                backend.manager.close()
 
     # ---- batched_remove ---------------------------------------------------------------------
 
@@ -304,7 +310,10 @@ class _Run:
         ]
         results: dict[str, tuple[float, dict[str, float]]] = {}
         for label, name, settings in specs:
-            manager = _manager(_config(REMOVE_CHUNK_TOKENS, pool_gb, settings))
+            manager = _manager(
+                _config(REMOVE_CHUNK_TOKENS, pool_gb, settings),
+                _metadata(REMOVE_CHUNK_TOKENS, 1, 1, 64),
+            )
             try:
                 backend = manager.storage_backends[name]
                 runs = []
@@ -328,7 +337,17 @@ class _Run:
                         extra["expected_lock_acquisitions"] = float(
                             math.ceil(n / REMOVE_CHUNK_KEYS)
                         )
-                if name != "ucm":
+                if name == "ucm":
+                    # The same removal straight through UCM's Store (no LMCache, no plugin):
+                    # what of the time is the store's and its tiers'.
+                    keys = _put_keys(manager, name, n, seed=rounds)
+                    blocks = [backend.ucm_key(key)[0] for key in keys]
+                    started = time.perf_counter()
+                    removed = backend.store.remove(blocks)
+                    extra["store_remove_ms"] = (time.perf_counter() - started) * 1e3
+                    if removed != n:
+                        raise RuntimeError(f"{label}: Store.remove removed {removed} of {n}")
+                else:
                     count = COUNT_KEYS // 5 if self.quick else COUNT_KEYS
                     locks = _count_lmcache_locks(manager, name, backend, count)
                     extra["lock_acquisitions_per_key"] = locks / count
@@ -336,6 +355,38 @@ class _Run:
             finally:
                 manager.close()
         return results
+
+
+def _retrieve_into(
+    manager: Any, connector: Any, infos: list[Any], dst: list[Any], kv: dict[str, Any]
+) -> dict[str, int]:
+    """LMCacheEngine.retrieve's data path (``_process_tokens_internal``, then
+    ``batched_to_gpu``): the block mapping, one ``batched_get`` per location, the copy into the
+    KV cache, and the release of the objects. Returns the chunks retrieved per location."""
+    got: dict[str, int] = {}
+    for location, blocks in manager.get_block_mapping(infos).items():
+        objs = manager.batched_get([key for key, _, _ in blocks], location=location)
+        if any(obj is None for obj in objs):
+            raise RuntimeError(f"{location}: a chunk LMCache mapped there did not come back")
+        starts = [start for _, start, _ in blocks]
+        ends = [end for _, _, end in blocks]
+        connector.batched_to_gpu(objs, starts, ends, kvcaches=dst, **kv)
+        for obj in objs:
+            obj.ref_count_down()
+        got[location] = len(objs)
+    return got
+
+
+def _wait_written(manager: Any, name: str, keys: list[Any]) -> None:
+    """Stores are asynchronous for LocalDisk and UCM: wait until every chunk is written."""
+    backend = manager.storage_backends[name]
+    if hasattr(backend, "flush") and not backend.flush(timeout_s=WRITE_TIMEOUT_S):
+        raise RuntimeError(f"benchmark set-up: {name} writes did not finish")
+    deadline = time.monotonic() + WRITE_TIMEOUT_S
+    while backend.batched_contains(keys) < len(keys):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"benchmark set-up: {name} holds fewer than {len(keys)} chunks")
+        time.sleep(0.01)
 
 
 def _put_keys(manager: Any, name: str, n: int, seed: int) -> list[Any]:
@@ -348,20 +399,13 @@ def _put_keys(manager: Any, name: str, n: int, seed: int) -> list[Any]:
         CacheEngineKey(meta.model_name, 1, 0, seed * 1_000_003 + i, torch.bfloat16)
         for i in range(n)
     ]
-    backend = manager.storage_backends[name]
     for start in range(0, n, PUT_BATCH):
         part = keys[start : start + PUT_BATCH]
         objs = [manager.allocate(meta.get_shapes(), meta.get_dtypes()) for _ in part]
         if any(obj is None for obj in objs):
             raise RuntimeError("benchmark set-up: LMCache's CPU pool is full")
         manager.batched_put(part, objs, location=None)
-    deadline = time.monotonic() + WRITE_TIMEOUT_S
-    if hasattr(backend, "flush") and not backend.flush(timeout_s=WRITE_TIMEOUT_S):
-        raise RuntimeError("benchmark set-up: UCM writes did not finish")
-    while backend.batched_contains(keys) < n:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"benchmark set-up: {name} holds fewer than {n} keys")
-        time.sleep(0.01)
+    _wait_written(manager, name, keys)
     return keys
 
 
@@ -459,7 +503,7 @@ def _metadata(chunk_tokens: int, layers: int, heads: int, head_size: int) -> Any
     from lmcache.v1.metadata import LMCacheMetadata
 
     return LMCacheMetadata(
-        model_name="ucm-bench/lmcache",
+        model_name=MODEL,
         world_size=1,
         local_world_size=1,
         worker_id=0,
@@ -470,35 +514,11 @@ def _metadata(chunk_tokens: int, layers: int, heads: int, head_size: int) -> Any
     )
 
 
-def _manager(config: Any) -> Any:
+def _manager(config: Any, metadata: Any) -> Any:
     from lmcache.v1.event_manager import EventManager
     from lmcache.v1.storage_backend.storage_manager import StorageManager
 
-    return StorageManager(config, _metadata(REMOVE_CHUNK_TOKENS, 1, 1, 64), EventManager())
-
-
-def _engine(config: Any, metadata: Any) -> Any:
-    from lmcache.v1.cache_engine import LMCacheEngineBuilder
-
-    from ..testing.lmcache import CpuKVConnector
-
-    def no_broadcast(*args: Any) -> Any:
-        raise RuntimeError("broadcast is only used with MLA's save_only_first_rank")
-
-    return LMCacheEngineBuilder.get_or_create(
-        config.lmcache_instance_id,
-        config,
-        metadata,
-        CpuKVConnector(LAYERS, HEADS * HEAD_SIZE),
-        no_broadcast,
-        no_broadcast,
-    )
-
-
-def _destroy(engine: Any) -> None:
-    from lmcache.v1.cache_engine import LMCacheEngineBuilder
-
-    LMCacheEngineBuilder.destroy(engine.config.lmcache_instance_id)
+    return StorageManager(config, metadata, EventManager())
 
 
 # ---- without lmcache ----------------------------------------------------------------------------

@@ -56,7 +56,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from .. import REMOVE_CHUNK_KEYS, Store, TaskError
 from .. import open as open_store
-from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, RoleError
+from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, RoleError, UcmError
 from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id
 
 if TYPE_CHECKING:
@@ -220,9 +220,12 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 "worker has none: set max_local_cpu_size > 0 (local_cpu may stay false: LMCache "
                 "then uses it as the allocator only)"
             )
-        self.store: Store = open_store(
-            stack, device_id=device_id, local_rank_size=int(metadata.local_world_size)
-        )
+        try:
+            self.store: Store = open_store(
+                stack, device_id=device_id, local_rank_size=int(metadata.local_world_size)
+            )
+        except UcmError as exc:  # e.g. a buffer larger than /dev/shm: say which key to change
+            raise ConfigError(f"extra_config[{self.stack_key!r}]: {exc}") from exc
         self._space = (
             f"{self.layout.describe()}; use_mla={metadata.use_mla}; "
             f"save_only_first_rank={save_only_first_rank(config, metadata)}"
