@@ -552,7 +552,8 @@ class BufferTier(Tier):
 
     def flush_some(self, limit: int = FLUSH_BATCH_SLOTS) -> tuple[int, int]:
         """Claims up to ``limit`` dirty slots, writes them to the ``write: back`` tiers and
-        cleans the ones written. Returns (claimed, written)."""
+        cleans the ones written. Returns (claimed, written): a slot removed while it was being
+        written counts as written (its debt went with it), only a tier's failure does not."""
         assert self._sink is not None
         with self._lock:
             batch = self.core.take_dirty(max(1, limit))
@@ -572,12 +573,13 @@ class BufferTier(Tier):
         finally:
             self.release(list(batch.slots))
         failed = len(batch.keys) - sum(written)
-        self.count("written_back_shards", cleaned)
+        self.count("written_back_shards", sum(written))
         self.count("write_back_failures", failed)
         if failed:
             first = next(o for o in outcomes if o is not None)
             self._last_write_back_error = first
-        return len(batch.keys), cleaned
+        assert cleaned <= sum(written)
+        return len(batch.keys), sum(written)
 
     def settle(self, target_slots: int) -> None:
         """Writes dirty slots down until the node's debt is at most ``target_slots``. Raises

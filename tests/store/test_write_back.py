@@ -259,3 +259,35 @@ def test_dirty_slots_are_flushed_not_evicted_in_a_buffer_that_fills(tmp_path: Pa
         assert buffer_stats["written_back_shards"] == buffer_stats["flushed"] >= 36
         assert buffer_stats["write_back_failures"] == 0
     assert on_posix(tmp_path, 1, list(range(40)), 0) == [True] * 40
+
+
+def test_a_slot_removed_while_it_is_written_down_is_not_a_write_back_failure(
+    tmp_path: Path,
+) -> None:
+    """Seen in the 600 s soak: a rank force-removed keys while another's flusher wrote them;
+    the removal paid the debt, and the dump that was flushing failed with "write-back failed"
+    although every write had succeeded."""
+    config = write_back_stack(tmp_path, slots=16, shards=1, dirty_max=8 * SHARD)
+    with ucm.open(config) as store:
+        buffer: Any = store.tiers[0]
+        blocks = [block(n) for n in range(6)]
+        src = [
+            [torch.frombuffer(bytearray(payload(b, 0, SHARD)), dtype=torch.uint8)] for b in blocks
+        ]
+        store.wait(store.dump(blocks, 0, src))
+        assert buffer.dirty_slots() == 6
+        sink = buffer._sink
+
+        def removing_sink(keys: Any, views: Any) -> Any:
+            outcomes = sink(keys, views)
+            assert buffer.core.remove(list(keys), force=True) == len(keys)
+            return outcomes
+
+        buffer._sink = removing_sink
+        assert buffer.flush_some() == (6, 6)  # all written; none left to clean
+        buffer._sink = sink
+        assert buffer.dirty_slots() == 0
+        stats = buffer.stats()
+        assert (stats["flushed"], stats["write_back_failures"]) == (0, 0)
+        buffer.settle(0)  # nothing to pay, nothing raised
+    assert on_posix(tmp_path, 1, list(range(6)), 0) == [True] * 6
