@@ -681,3 +681,24 @@ def test_mla_with_save_only_first_rank_is_one_shard_per_chunk(tmp_path: Path) ->
         assert mine[1] == 0
     finally:
         backend.close()
+
+
+# ---- the benchmark's path without lmcache ------------------------------------------------------
+
+
+def test_the_benchmark_without_lmcache_says_so_and_fails_under_ci(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ucm.bench import BenchOptions, lmcache_plugin
+
+    monkeypatch.setattr(lmcache_plugin, "_lmcache_available", lambda: False)
+    monkeypatch.delenv("CI", raising=False)
+    result = lmcache_plugin.BENCHMARK.run(BenchOptions(quick=True))
+    assert [figure.name for figure in result.figures] == [
+        "UCM load of LMCache-sized chunks (no LMCache)"
+    ]
+    assert all(figure.value > 0 and figure.baseline_value > 0 for figure in result.figures)
+    assert result.notes[0].startswith("lmcache is not installed, so LMCache's backends")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(RuntimeError, match="lmcache is not installed: CI installs it"):
+        lmcache_plugin.BENCHMARK.run(BenchOptions(quick=True))
