@@ -30,7 +30,7 @@ from .loadqueue import BufferPath, BufferTier, DumpQueue, LoadJob, LoadQueue, Qu
 from .native.queue import TaskKind
 from .plugins import tier_types
 from .task import Progress, Task
-from .tier import Outcome, ShardViews, Tier, TierContext
+from .tier import HOST_MEMORY_OPTION, Outcome, ShardViews, Tier, TierContext
 
 DEFAULT_WRITE_QUEUE_BYTES = 256 * 1024 * 1024
 
@@ -68,6 +68,7 @@ class Store:
         self._final_tier_stats: list[dict[str, Any]] | None = None
         self.tiers: list[Tier] = []
         installed = tier_types()
+        host_memory: tuple[tuple[int, int], ...] = ()
         try:
             for position, tier_config in enumerate(config.tiers):
                 context = TierContext(
@@ -77,6 +78,7 @@ class Store:
                     local_rank_size=local_rank_size,
                     position=position,
                     evict_sink=self._evict_sink_for(position),
+                    options={HOST_MEMORY_OPTION: host_memory} if host_memory else {},
                 )
                 if tier_config.type == "buffer" and position > 0:
                     raise ConfigError(
@@ -87,6 +89,8 @@ class Store:
                     self.tiers.append(installed[tier_config.type](tier_config, context))
                 except InvalidArgumentError as exc:
                     raise ConfigError(f"tiers[{position}] ({tier_config.type}): {exc}") from exc
+                # Memory this tier keeps mapped (the buffer's slots), for the tiers below.
+                host_memory += tuple(getattr(self.tiers[-1], "host_memory", ()))
         except BaseException:
             for tier in self.tiers:
                 tier.close()

@@ -200,6 +200,13 @@ class BufferTier(Tier):
                 self.region.ctrl_address, self.region.ctrl_bytes, geometry
             )
             self.bases = [self.region.segment_address(i) for i in range(geometry.segment_count)]
+            # The data plane stays mapped until close: tiers below may register it once (RDMA,
+            # Mooncake) instead of per call (ucm.tier.HOST_MEMORY_OPTION). A scheduler has none.
+            self.host_memory: tuple[tuple[int, int], ...] = (
+                ((self.region.data_address, self.region.data_bytes),)
+                if self.region.data_address
+                else ()
+            )
             if not context.is_scheduler:
                 # A rank (re)joining frees what ranks killed earlier still held, so a restart
                 # never inherits leaked references even if the buffer never fills up.
