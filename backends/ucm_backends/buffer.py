@@ -231,6 +231,7 @@ class BufferTier(Tier):
                         rearrange=config.rearrange,
                     ),
                     region_handle=self.region.handle,
+                    keepalive=self.region,
                 )
         except BaseException:
             self.region.close()  # a refused attach must not keep the segments mapped

@@ -229,6 +229,7 @@ class NativeQueue:
         segment_bases: Sequence[int],
         settings: QueueSettings,
         region_handle: int = 0,
+        keepalive: object = None,
     ) -> None:
         _check_settings(settings)
         if len(segment_bases) != core.geometry.segment_count or not all(segment_bases):
@@ -243,6 +244,9 @@ class NativeQueue:
                 f"{core.geometry.shard_size_bytes}"
             )
         self.settings = settings
+        # The mappings the native threads touch (the SharedRegion): never finalized (unmapped)
+        # before this queue, whatever order the garbage collector picks.
+        self._keepalive = keepalive
         self.tensor_count = len(settings.tensor_sizes)
         self._native = lib()
         flags = (_SETTINGS_FLAG_PREALLOC if settings.prealloc else 0) | (
