@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import operator
 import sys
 from array import array
 from collections.abc import Sequence
@@ -242,6 +243,9 @@ def check_tensors(
             "tensors per block"
         )
     torch = sys.modules.get("torch")
+    fast = _fast_tensors(tensors, layout, for_load, torch)
+    if fast is not None:
+        return fast
     tensor_type = torch.Tensor if torch is not None else ()
     sizes = layout.tensor_sizes
     memory = ShardMemory(sizes)
@@ -313,6 +317,46 @@ def check_tensors(
             )
         memory.cuda.append(devices or None)
     return memory
+
+
+def _fast_tensors(tensors: Any, layout: Layout, for_load: bool, torch: Any) -> ShardMemory | None:
+    """The common case of ``check_tensors`` (lists of contiguous CPU ``torch.Tensor`` objects of
+    the layout's sizes) in C-level passes over all tensors at once: ~0.3 us per tensor instead
+    of ~0.6. None sends anything else (a CUDA tensor, a subclass, a bad size, a tensor that
+    needs grad) to the per-tensor checks, which name the problem or handle it."""
+    if torch is None or type(tensors) is not list or not tensors:
+        return None
+    sizes = layout.tensor_sizes
+    tensor_type = torch.Tensor
+    if type(tensors[0]) is list:
+        if set(map(len, tensors)) != {len(sizes)} or set(map(type, tensors)) != {list}:
+            return None
+        every = list(itertools.chain.from_iterable(tensors))
+    elif len(sizes) == 1:
+        every = tensors  # one bare tensor per shard
+    else:
+        return None
+    if set(map(type, every)) != {tensor_type}:
+        return None
+    nbytes = list(map(_NBYTES, every))
+    if len(sizes) == 1:
+        if set(nbytes) != {sizes[0]}:
+            return None
+    elif nbytes != list(sizes) * len(tensors):
+        return None
+    if not all(map(_IS_CPU, every)) or not all(map(tensor_type.is_contiguous, every)):
+        return None
+    if for_load and any(map(_REQUIRES_GRAD, every)):
+        return None
+    memory = ShardMemory(sizes)
+    memory.flat = array("Q", map(tensor_type.data_ptr, every))
+    memory.keepalive.append(every)
+    return memory
+
+
+_NBYTES = operator.attrgetter("nbytes")
+_IS_CPU = operator.attrgetter("is_cpu")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def finish_cuda_loads(memory: ShardMemory, direct: frozenset[int] | set[int] = frozenset()) -> None:

@@ -49,8 +49,10 @@ pub const queue_ring_items: usize = 1 << 16;
 /// A copy thread takes this many bytes of copies at once (at least one shard), at most
 /// queue_copy_batch_items shards: big enough to amortise the ring, small enough to spread
 /// one task's copies over every copy thread.
-pub const queue_copy_batch_bytes: u64 = 1 << 20;
+pub const queue_copy_batch_bytes: u64 = 512 << 10;
 pub const queue_copy_batch_items: usize = 64;
+/// Keys a load step claims per batched Get before handing that piece's hits to the copy threads.
+pub const queue_claim_piece_keys: usize = 64;
 /// Ranges at least this long are copied with non-temporal stores (queue.copy_bytes).
 pub const queue_nontemporal_min_bytes: usize = 4096;
 /// Longest a blocked queue thread sleeps before re-checking its condition (stop, deadline).

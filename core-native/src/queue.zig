@@ -1116,16 +1116,22 @@ pub const Queue = struct {
         const results = lane.results[0..k];
         const slots = lane.slots[0..k];
         queue.wait_room(k);
-        queue.claim(lane.ids[0..k], lane.shards[0..k], results, slots);
         const step = begin_step(lane);
         const started_ns = futex.monotonic_ns();
         const no_fill = task.flags & task_flag_no_fill != 0;
-        // Hits first: the copy threads start while the rest of the step is sorted out.
+        // Claimed in pieces, hits handed on after each: the copy threads start on the first
+        // piece's hits while the rest of the step is claimed.
         var hits: u64 = 0;
-        for (entries, results, slots) |entry, result, slot| {
-            if (result != .hit) continue;
-            hits += 1;
-            queue.entry_ready(task_index, entry, slot);
+        var piece_start: usize = 0;
+        while (piece_start < k) {
+            const piece_end = @min(k, piece_start + constants.queue_claim_piece_keys);
+            queue.claim(lane.ids[piece_start..piece_end], lane.shards[piece_start..piece_end], results[piece_start..piece_end], slots[piece_start..piece_end]);
+            for (entries[piece_start..piece_end], results[piece_start..piece_end], slots[piece_start..piece_end]) |entry, result, slot| {
+                if (result != .hit) continue;
+                hits += 1;
+                queue.entry_ready(task_index, entry, slot);
+            }
+            piece_start = piece_end;
         }
         // Owned keys: to the loaders in `fill_parts` batches (concurrent loads below). Those
         // that cannot be filled here are finished first, so the batches are cut exactly.
