@@ -219,8 +219,8 @@ class HitPath:
             f"median of {rounds} rounds; one task of {total >> 20} MiB per round; the torch copy "
             "reads the same slot pages and writes the same destination pages",
             "the Python queue is UCM's hit path of before issue 13 (a dispatcher and a copier "
-            "thread, one ctypes.memmove per tensor), rebuilt in ucm/bench/_python_queue.py "
-            "from the same native Get and release",
+            "thread; the copier moves each run of adjacent ranges with one ctypes.memmove), "
+            "rebuilt in ucm/bench/_python_queue.py from the same native Get and release",
         ]
         return BenchResult(name=self.name, figures=figures, plots=[plot], notes=notes)
 
