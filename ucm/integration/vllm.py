@@ -94,6 +94,10 @@ EXTRA_KEYS = {
 """The ``ucm_*`` keys of ``kv_connector_extra_config``; any other ``ucm_*`` key is refused."""
 
 
+SALTS_KEPT = 4096
+"""Distinct (cache_salt, LoRA) salts the scheduler memoises."""
+
+
 def _extra_key(name: str) -> str:
     return f"kv_connector_extra_config[{name!r}]"
 
@@ -485,6 +489,8 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if lora_name is not None:
                 space = replace(space, extra=(*space.extra, ("lora", lora_name)))
             salt = space.salt(cache_salt)
+            if len(self._salts) >= SALTS_KEPT:  # per-user salts: keep the memo bounded
+                self._salts.clear()
             self._salts[(cache_salt, lora_name)] = salt
         state = _RequestState(request=request, salt=salt)
         self._requests[request.request_id] = state
@@ -872,6 +878,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except Exception as exc:
             logger.warning("UCM dump of %d blocks not submitted: %s", len(ids), exc)
             self._stats.data["save_failed_blocks"] += len(ids)
+            self._dump_failed.update(ids)
             return
         self._saves.append(_PendingSave(task=task, requests=requests, ids=ids))
         self._dumping.update(requests)
@@ -938,7 +945,13 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if server is not None:
             server.close()
         # Pending dumps and write-through work finish before the store closes.
+        started = time.perf_counter()
         self._store.close()
+        logger.info(
+            "UCM %s closed its store in %.3f s",
+            "scheduler" if self._role == KVConnectorRole.SCHEDULER else f"rank {self._rank}",
+            time.perf_counter() - started,
+        )
 
 
 @dataclass(eq=False)

