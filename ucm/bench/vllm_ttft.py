@@ -47,11 +47,12 @@ FULL = {
         "heads": 16,
         "kv_heads": 16,
         "head_dim": 128,
-        "intermediate": 2048,
+        "intermediate": 1024,
         "vocab": 1024,
     },
     "prompt_tokens": 2065,
-    "repeats": 3,
+    "prompts": 5,
+    "again": 3,
     "throughput": {"shared_prefix": 768, "suffix": 32, "unique": 800, "requests": 32},
 }
 QUICK = {
@@ -65,7 +66,8 @@ QUICK = {
         "vocab": 512,
     },
     "prompt_tokens": 600,
-    "repeats": 2,
+    "prompts": 2,
+    "again": 1,
 }
 TIMEOUT_S = 3600.0
 
@@ -79,16 +81,20 @@ def _prompt(seed: int, length: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
-def _ttft_steps(prefix: str, prompts: list[list[int]], first: bool, again: bool) -> list[Any]:
+def _ttft_steps(prefix: str, prompts: list[list[int]], first: bool, again: int) -> list[Any]:
+    """Per prompt: its first request (when ``first``), then ``again`` repeats of it."""
     steps: list[Any] = []
     for index, prompt in enumerate(prompts):
         if first:
             steps.append(_gen(f"{prefix}_first_{index}", [prompt], 1))
             # The dump of a miss runs behind the request; a repeat arrives later than that.
             steps.append({"op": "sleep", "label": f"{prefix}_pause_{index}", "seconds": 1.0})
-        if again:
-            steps.append(_gen(f"{prefix}_again_{index}", [prompt], 1))
+        steps.extend(_gen(f"{prefix}_again_{index}_{j}", [prompt], 1) for j in range(again))
     return steps
+
+
+def _labels(prefix: str, prompts: int, again: int) -> list[str]:
+    return [f"{prefix}_again_{i}_{j}" for i in range(prompts) for j in range(again)]
 
 
 def _gen(label: str, prompts: list[list[int]], max_tokens: int, batch: bool = False) -> Any:
@@ -114,14 +120,6 @@ def _workload(config: dict[str, int], vocab: int, seed: int) -> list[list[int]]:
     requests = sharing + unique
     rng.shuffle(requests)
     return requests
-
-
-def _median(run: Any, labels: list[str]) -> float:
-    return float(statistics.median(float(run.result(label)["seconds"]) for label in labels))
-
-
-def _served(run: Any, labels: list[str]) -> list[int]:
-    return [int(run.result(label)["cached"][0]) for label in labels]
 
 
 class VllmTtftBenchmark:
@@ -158,8 +156,9 @@ class VllmTtftBenchmark:
         options.progress("vllm_ttft: writing the random-weight model")
         model = write_tiny_llama(workdir / "model", seed=0, max_positions=4096, **config["model"])
         vocab = int(config["model"]["vocab"])
-        repeats = int(config["repeats"])
-        prompts = [_prompt(seed, int(config["prompt_tokens"]), vocab) for seed in range(repeats)]
+        count, again = int(config["prompts"]), int(config["again"])
+        prompts = [_prompt(seed, int(config["prompt_tokens"]), vocab) for seed in range(count)]
+        few = prompts[:3]  # variants whose every sample needs a recompute first
         stack = {
             "unique_id": f"bench-vllm-{uuid.uuid4().hex[:10]}",
             "tiers": [
@@ -176,21 +175,19 @@ class VllmTtftBenchmark:
             ucm["distributed_executor_backend"] = "uni"
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         notes = [
-            f"model: random Llama, {config['model']['layers']} layers, "
-            f"{config['model']['kv_heads']} KV heads x {config['model']['head_dim']} head_dim, "
-            f"float32: {_kv_bytes_per_token(config['model']) // 1024} KiB of KV per token; "
-            f"prompt {config['prompt_tokens']} tokens ({config['prompt_tokens'] // BLOCK_TOKENS} "
-            f"full blocks served, the rest computed); TTFT = wall time of LLM.generate, "
-            f"max_tokens=1, median of {repeats}",
+            f"model: random Llama, {config['model']['layers']} layers, hidden "
+            f"{config['model']['hidden']}, {config['model']['kv_heads']} KV heads x "
+            f"{config['model']['head_dim']} head_dim, float32: "
+            f"{_kv_bytes_per_token(config['model']) // 1024} KiB of KV per token; prompt "
+            f"{config['prompt_tokens']} tokens ({config['prompt_tokens'] // BLOCK_TOKENS} full "
+            "blocks served, the rest computed); TTFT = wall time of LLM.generate, max_tokens=1; "
+            "medians (p25-p75 in the JSON extras)",
             "each engine is its own processes (quick: one process) and the machine is shared: "
             "compare ratios",
         ]
+        ucm_steps = [*_ttft_steps("ucm", prompts, True, again), {"op": "metrics", "label": "m"}]
         if options.quick:
-            plan = {
-                "engines": [
-                    {"llm": ucm, "steps": _ttft_steps("ucm", prompts, True, True)},
-                ]
-            }
+            plan: dict[str, Any] = {"engines": [{"llm": ucm, "steps": ucm_steps}]}
         else:
             throughput = _workload(config["throughput"], vocab, seed=7)
             example_dir = workdir / "example-connector"
@@ -200,26 +197,22 @@ class VllmTtftBenchmark:
                     {
                         "llm": engine_args(model, max_model_len=max_len),
                         "steps": [
-                            *_ttft_steps("recompute", prompts, True, False),
+                            *_ttft_steps("recompute", few, True, 0),
                             _gen("tput_plain", throughput, 16, batch=True),
                         ],
                     },
                     {
                         "llm": engine_args(model, prefix_caching=True, max_model_len=max_len),
-                        "steps": _ttft_steps("floor", prompts, True, True),
+                        "steps": _ttft_steps("floor", few, True, again),
+                    },
+                    {
+                        "llm": ucm,
+                        "steps": [*ucm_steps, _gen("tput_ucm", throughput, 16, batch=True)],
                     },
                     {
                         "llm": ucm,
                         "steps": [
-                            *_ttft_steps("ucm", prompts, True, True),
-                            {"op": "metrics", "label": "ucm_metrics"},
-                            _gen("tput_ucm", throughput, 16, batch=True),
-                        ],
-                    },
-                    {
-                        "llm": ucm,
-                        "steps": [
-                            *_ttft_steps("posix", prompts, False, True),
+                            *_ttft_steps("posix", prompts, False, 1),
                             {"op": "metrics", "label": "posix_metrics"},
                         ],
                     },
@@ -230,7 +223,7 @@ class VllmTtftBenchmark:
                             extra_config={"shared_storage_path": str(example_dir)},
                             max_model_len=max_len,
                         ),
-                        "steps": _ttft_steps("example", prompts, True, True),
+                        "steps": _ttft_steps("example", few, True, again),
                     },
                 ]
             }
@@ -244,13 +237,21 @@ class VllmTtftBenchmark:
                 f"the vLLM driver failed (rc={run.returncode}, {problems}): "
                 f"{(run.stdout + run.stderr)[-3000:]}"
             )
-        labels = range(repeats)
-        ucm_hit = _median(run, [f"ucm_again_{i}" for i in labels])
-        ucm_miss = _median(run, [f"ucm_first_{i}" for i in labels])
-        served = _served(run, [f"ucm_again_{i}" for i in labels])
         expected = (int(config["prompt_tokens"]) // BLOCK_TOKENS) * BLOCK_TOKENS
-        if served != [expected] * repeats:
-            raise RuntimeError(f"UCM served {served} tokens, expected {expected} per request")
+        variants = {"ucm": (count, again)}
+        if not options.quick:
+            variants.update(floor=(3, again), posix=(count, 1), example=(3, again))
+        samples: dict[str, list[float]] = {}
+        for variant, (prompts_used, repeats) in variants.items():
+            labels = _labels(variant, prompts_used, repeats)
+            served = [int(run.result(label)["cached"][0]) for label in labels]
+            if min(served) < expected:
+                raise RuntimeError(f"{variant} served {served} tokens, expected {expected} each")
+            samples[variant] = [float(run.result(label)["seconds"]) for label in labels]
+        metrics = run.result("m")["metrics"]
+        load_ms = 1000 * metrics.get("vllm:ucm_load_seconds", 0.0) / (count * again)
+        first = [float(run.result(f"ucm_first_{i}")["seconds"]) for i in range(count)]
+        ucm_hit = statistics.median(samples["ucm"])
         if options.quick:
             figures = [
                 Figure(
@@ -258,9 +259,9 @@ class VllmTtftBenchmark:
                     value=ucm_hit,
                     unit="s",
                     baseline="the same prompt's first request (recompute + save)",
-                    baseline_value=ucm_miss,
+                    baseline_value=statistics.median(first),
                     higher_is_better=False,
-                    extra={"served_tokens": float(expected)},
+                    extra={"served_tokens": float(expected), "load_ms_per_request": load_ms},
                 )
             ]
             notes.append(
@@ -268,34 +269,34 @@ class VllmTtftBenchmark:
                 "cache, ExampleConnector and the throughput workload"
             )
             return BenchResult(name=self.name, figures=figures, notes=notes)
-        return self._full(run, repeats, expected, ucm_hit, ucm_miss, config, notes)
+        samples["recompute"] = [
+            float(run.result(f"recompute_first_{i}")["seconds"]) for i in range(len(few))
+        ]
+        samples["miss"] = first
+        posix_metrics = run.result("posix_metrics")["metrics"]
+        if posix_metrics.get("vllm:ucm_loaded_blocks", 0) < count * (expected // BLOCK_TOKENS):
+            raise RuntimeError(f"the posix engine did not load from UCM: {posix_metrics}")
+        posix_load_ms = 1000 * posix_metrics.get("vllm:ucm_load_seconds", 0.0) / count
+        return self._full(
+            run, samples, expected, config, notes, {"buffer": load_ms, "posix": posix_load_ms}
+        )
 
     def _full(
         self,
         run: Any,
-        repeats: int,
+        samples: dict[str, list[float]],
         expected: int,
-        ucm_hit: float,
-        ucm_miss: float,
         config: dict[str, Any],
         notes: list[str],
+        load_ms: dict[str, float],
     ) -> BenchResult:
-        labels = range(repeats)
-        recompute = _median(run, [f"recompute_first_{i}" for i in labels])
-        floor = _median(run, [f"floor_again_{i}" for i in labels])
-        posix = _median(run, [f"posix_again_{i}" for i in labels])
-        example = _median(run, [f"example_again_{i}" for i in labels])
-        checks = {
-            "floor": _served(run, [f"floor_again_{i}" for i in labels]),
-            "posix": _served(run, [f"posix_again_{i}" for i in labels]),
-            "example": _served(run, [f"example_again_{i}" for i in labels]),
-        }
-        for variant, served in checks.items():
-            if min(served) < expected:
-                raise RuntimeError(f"{variant} served {served} tokens, expected >= {expected}")
-        posix_metrics = run.result("posix_metrics")["metrics"]
-        if posix_metrics.get("vllm:ucm_loaded_blocks", 0) < repeats * (expected // BLOCK_TOKENS):
-            raise RuntimeError(f"the posix engine did not load from UCM: {posix_metrics}")
+        median = {variant: statistics.median(values) for variant, values in samples.items()}
+
+        def spread(variant: str) -> dict[str, float]:
+            values = sorted(samples[variant])
+            quartiles = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+            return {"p25_s": quartiles[0], "p75_s": quartiles[2], "samples": float(len(values))}
+
         plain = run.result("tput_plain")
         with_ucm = run.result("tput_ucm")
 
@@ -303,88 +304,72 @@ class VllmTtftBenchmark:
             tokens = result["prompt_tokens"] + result["generated_tokens"]
             return float(tokens) / float(result["seconds"])
 
-        served_tput = sum(with_ucm["cached"])
         kv_mib = expected * _kv_bytes_per_token(config["model"]) / 2**20
-        figures = [
-            Figure(
-                name="TTFT, UCM from the CacheBuffer",
-                value=ucm_hit,
-                unit="s",
-                baseline="recompute",
-                baseline_value=recompute,
-                higher_is_better=False,
-                target=">= 20x lower than recompute",
-                target_ratio=20.0,
-                extra={"served_tokens": float(expected), "kv_MiB": kv_mib},
-            ),
-            Figure(
-                name="TTFT, UCM from the CacheBuffer",
-                value=ucm_hit,
-                unit="s",
-                baseline="vLLM prefix-cache hit (floor)",
-                baseline_value=floor,
-                higher_is_better=False,
-                target="within 1.3x of the floor",
-                target_ratio=1 / 1.3,
-            ),
-            Figure(
-                name="TTFT, UCM from the CacheBuffer",
-                value=ucm_hit,
-                unit="s",
-                baseline="ExampleConnector hit",
-                baseline_value=example,
-                higher_is_better=False,
-                target=">= 2x lower than ExampleConnector",
-                target_ratio=2.0,
-            ),
-            Figure(
-                name="TTFT, UCM from posix (O_DIRECT)",
-                value=posix,
-                unit="s",
-                baseline="recompute",
-                baseline_value=recompute,
-                higher_is_better=False,
-            ),
-            Figure(
-                name="TTFT, UCM from posix (O_DIRECT)",
-                value=posix,
-                unit="s",
-                baseline="vLLM prefix-cache hit (floor)",
-                baseline_value=floor,
-                higher_is_better=False,
-            ),
-            Figure(
-                name="TTFT, UCM from posix (O_DIRECT)",
-                value=posix,
-                unit="s",
-                baseline="ExampleConnector hit",
-                baseline_value=example,
-                higher_is_better=False,
-            ),
-            Figure(
-                name="TTFT, vLLM prefix-cache hit (floor)",
-                value=floor,
-                unit="s",
-                baseline="recompute",
-                baseline_value=recompute,
-                higher_is_better=False,
-            ),
-            Figure(
-                name="TTFT, ExampleConnector hit",
-                value=example,
-                unit="s",
-                baseline="recompute",
-                baseline_value=recompute,
-                higher_is_better=False,
-            ),
+        names = {
+            "ucm": "TTFT, UCM from the CacheBuffer",
+            "posix": "TTFT, UCM from posix (O_DIRECT)",
+        }
+        baselines = {
+            "recompute": "recompute",
+            "floor": "vLLM prefix-cache hit (floor)",
+            "example": "ExampleConnector hit",
+        }
+        targets = {
+            ("ucm", "recompute"): (">= 20x lower than recompute", 20.0),
+            ("ucm", "floor"): ("within 1.3x of the floor", 1 / 1.3),
+            ("ucm", "example"): (">= 2x lower than ExampleConnector", 2.0),
+        }
+        figures: list[Figure] = []
+        for variant, name in names.items():
+            for baseline, baseline_name in baselines.items():
+                target, target_ratio = targets.get((variant, baseline), (None, None))
+                extra = spread(variant) if baseline == "recompute" else {}
+                if baseline == "recompute":
+                    extra["load_ms_per_request"] = load_ms[
+                        "buffer" if variant == "ucm" else "posix"
+                    ]
+                    extra["kv_MiB"] = kv_mib
+                figures.append(
+                    Figure(
+                        name=name,
+                        value=median[variant],
+                        unit="s",
+                        baseline=baseline_name,
+                        baseline_value=median[baseline],
+                        higher_is_better=False,
+                        target=target,
+                        target_ratio=target_ratio,
+                        extra=extra,
+                    )
+                )
+        for variant, name in (
+            ("floor", "TTFT, vLLM prefix-cache hit (floor)"),
+            ("example", "TTFT, ExampleConnector hit"),
+        ):
+            figures.append(
+                Figure(
+                    name=name,
+                    value=median[variant],
+                    unit="s",
+                    baseline="recompute",
+                    baseline_value=median["recompute"],
+                    higher_is_better=False,
+                    extra=spread(variant),
+                )
+            )
+        figures.append(
             Figure(
                 name="TTFT of a miss with UCM (recompute + save)",
-                value=ucm_miss,
+                value=median["miss"],
                 unit="s",
                 baseline="recompute without a connector",
-                baseline_value=recompute,
+                baseline_value=median["recompute"],
                 higher_is_better=False,
-            ),
+                extra=spread("miss"),
+            )
+        )
+        served_tput = sum(with_ucm["cached"])
+        figures.append(
             Figure(
                 name="throughput, 32 requests, half sharing 2 long prefixes, with UCM",
                 value=rate(with_ucm),
@@ -397,21 +382,22 @@ class VllmTtftBenchmark:
                     "prompt_tokens_served_by_ucm": float(served_tput),
                     "prompt_tokens": float(with_ucm["prompt_tokens"]),
                 },
-            ),
-        ]
+            )
+        )
         notes += [
-            "posix: a new engine on the same stack (a fresh, empty CacheBuffer), O_DIRECT reads "
-            f"(vllm:ucm_loaded_blocks there: {posix_metrics.get('vllm:ucm_loaded_blocks')})",
+            "posix: a new engine on the same stack (a fresh, empty CacheBuffer), O_DIRECT reads",
+            f"UCM's own load time per hit (vllm:ucm_load_seconds): CacheBuffer "
+            f"{load_ms['buffer']:.1f} ms, posix {load_ms['posix']:.1f} ms for {kv_mib:.0f} MiB",
             "ExampleConnector reads the safetensors files it has just written (page cache)",
             f"throughput: {served_tput} of {with_ucm['prompt_tokens']} prompt tokens served "
             "by UCM (the first requests of each shared prefix compute it)",
         ]
-        variants = {
-            "recompute": recompute,
-            "vLLM prefix-cache hit": floor,
-            "UCM CacheBuffer": ucm_hit,
-            "UCM posix": posix,
-            "ExampleConnector": example,
+        shown = {
+            "recompute": "recompute",
+            "floor": "vLLM prefix-cache hit",
+            "ucm": "UCM CacheBuffer",
+            "posix": "UCM posix",
+            "example": "ExampleConnector",
         }
         plots = [
             Plot(
@@ -419,7 +405,7 @@ class VllmTtftBenchmark:
                 title=f"TTFT of a {config['prompt_tokens']}-token prompt ({kv_mib:.0f} MiB of KV)",
                 xlabel="",
                 ylabel="seconds (log)",
-                series={name: ([0.0], [value]) for name, value in variants.items()},
+                series={label: ([0.0], [median[key]]) for key, label in shown.items()},
                 kind="bar",
                 logy=True,
             ),

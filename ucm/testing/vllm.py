@@ -377,15 +377,21 @@ class _Driver:
 
 
 def _metrics(llm: Any) -> dict[str, float]:
-    """Counters of vLLM's registry worth asserting on: ``vllm:ucm_*`` and the prefix cache's."""
+    """Counters of vLLM's Prometheus registry worth asserting on: ``vllm:ucm_*`` and the prefix
+    cache's, summed over their labels (read from the registry itself: ``LLM.get_metrics``
+    truncates counters to integers)."""
+    from prometheus_client import REGISTRY
+
+    llm.get_metrics()  # vLLM's loggers have recorded every finished step
     values: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        name = str(metric.name)
-        if not (name.startswith("vllm:ucm_") or "prefix_cache" in name):
+    for family in REGISTRY.collect():
+        if not (family.name.startswith("vllm:ucm_") or "prefix_cache" in family.name):
             continue
-        value = getattr(metric, "value", None)
-        if isinstance(value, int | float):
-            values[name] = values.get(name, 0.0) + float(value)
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            name = sample.name.removesuffix("_total")
+            values[name] = values.get(name, 0.0) + float(sample.value)
     return values
 
 
