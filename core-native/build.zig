@@ -1,5 +1,6 @@
-//! Builds libucm_core.so (the C ABI used by the Python package) and runs the unit tests
-//! and the seeded model-based fuzzers with `zig build test`.
+//! Builds libucm_core.so (the C ABI used by the Python package), runs the unit tests and the
+//! seeded model-based fuzzers with `zig build test`, and the long-run CacheBuffer fuzzer with
+//! `zig build fuzz -- --seed N --steps M`.
 const std = @import("std");
 
 pub fn build(b: *std.Build) void {
@@ -32,4 +33,22 @@ pub fn build(b: *std.Build) void {
         const run_tests = b.addRunArtifact(unit_tests);
         test_step.dependOn(&run_tests.step);
     }
+
+    // The long form of the CacheBuffer fuzzer. ReleaseSafe unless asked otherwise: every
+    // assertion stays armed, and a long run goes several times faster than in Debug.
+    const fuzz_optimize = b.option(
+        std.builtin.OptimizeMode,
+        "fuzz-optimize",
+        "Optimize mode of `zig build fuzz` (default ReleaseSafe)",
+    ) orelse .ReleaseSafe;
+    const fuzz_module = b.createModule(.{
+        .root_source_file = b.path("src/fuzz_main.zig"),
+        .target = target,
+        .optimize = fuzz_optimize,
+    });
+    const fuzz_exe = b.addExecutable(.{ .name = "buffer-fuzz", .root_module = fuzz_module });
+    const run_fuzz = b.addRunArtifact(fuzz_exe);
+    if (b.args) |args| run_fuzz.addArgs(args);
+    const fuzz_step = b.step("fuzz", "Run the CacheBuffer fuzzer: zig build fuzz -- --seed N --steps M");
+    fuzz_step.dependOn(&run_fuzz.step);
 }

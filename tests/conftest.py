@@ -1,9 +1,11 @@
 """Plugin fixtures, the way simonw/llm tests plugins: register a plugin object on
 ``ucm.plugins.pm`` for one test and unregister it afterwards. Other suites keep their helpers in
-their own conftest files."""
+their own conftest files. Also the CI rule: under ``CI=true`` a skipped test fails, unless it
+is marked ``cuda``."""
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
@@ -113,3 +115,44 @@ def scratch_tier(register_plugin: RegisterPlugin) -> type[ScratchTier]:
     """Registers the ``scratch`` tier type for this test; returns its class."""
     register_plugin(ScratchPlugin(), "scratch-plugin")
     return ScratchTier
+
+
+# ---- CI: no silent skips ---------------------------------------------------------------------
+
+
+def on_ci() -> bool:
+    """CI sets CI=true: there every test runs, CUDA-only tests (marker ``cuda``) excepted."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def _skip_reason(longrepr: object) -> str:
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if not (report.skipped and on_ci()) or hasattr(report, "wasxfail"):
+        return
+    if item.get_closest_marker("cuda") is not None:
+        return
+    report.outcome = "failed"
+    report.longrepr = (
+        f"skipped under CI=true, where only CUDA tests (marker `cuda`) may skip: "
+        f"{_skip_reason(report.longrepr)}"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if report.skipped and on_ci():
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{collector.nodeid} skipped under CI=true, where whole modules never skip: "
+            f"{_skip_reason(report.longrepr)}"
+        )

@@ -140,7 +140,9 @@ def test_render_exposes_node_wide_and_process_metrics(store: ucm.Store) -> None:
     found = samples(metrics.render(store).decode())
     native = store.tiers[0].core.stats()  # type: ignore[attr-defined]
     for name, value in native.items():
-        assert found[(f"ucm_buffer_{name}_total", ())] == value, name
+        suffix = "" if name in metrics.NODE_WIDE_GAUGES else "_total"
+        assert found[(f"ucm_buffer_{name}{suffix}", ())] == value, name
+    assert metrics.NODE_WIDE_GAUGES == ("dirty_slots",)
     assert found[("ucm_buffer_hits_total", ())] == 4
     assert found[("ucm_buffer_misses_total", ())] == 4
     assert found[("ucm_buffer_hit_ratio", ())] == 0.5

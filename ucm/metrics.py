@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import InvalidArgumentError
 from .native.buffer import (
     COUNTER_NAMES,
+    GAUGE_NAMES,
     SLOT_NONE,
     BufferCore,
     State,
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
 
 NODE_WIDE_COUNTERS: tuple[str, ...] = COUNTER_NAMES
 """Counters of the shared CacheBuffer: the same for every process of the node."""
+NODE_WIDE_GAUGES: tuple[str, ...] = GAUGE_NAMES
+"""Of those, the gauges (exported as Prometheus gauges, without ``_total``)."""
 
 _SLOT_BYTES = ctypes.sizeof(_SlotStruct)
 _DETACHED_BUCKET = SLOT_NONE - 1
@@ -265,7 +268,8 @@ class StoreCollector:
         uid_value = [shot.unique_id]
         if shot.buffer is not None:
             for name in NODE_WIDE_COUNTERS:
-                family = CounterMetricFamily(
+                kind = GaugeMetricFamily if name in NODE_WIDE_GAUGES else CounterMetricFamily
+                family = kind(
                     f"ucm_buffer_{name}",
                     f"CacheBuffer {name.replace('_', ' ')} (node-wide, shared by every rank).",
                     labels=uid,

@@ -52,6 +52,8 @@ RECORD_BYTES = 4096
 LOCK_TIMEOUT_S = 10.0
 """The native bucket-lock timeout (core-native/src/constants.zig buffer_lock_timeout_ns)."""
 STOP_TIMEOUT_S = 30.0
+READY_POLL_S = 0.05
+"""How often the controller rereads a starting rank's record before stopping it."""
 HOLD_REPLY_TIMEOUT_S = 5.0
 KILL_MODES = ("random", "owner", "lock", "reader")
 """random: any moment; owner: owning a half-filled slot; lock: holding a bucket lock;
@@ -120,6 +122,18 @@ class SoakSettings:
     restart_after_s: tuple[float, float] = (0.0, 0.3)
     workdir: str | None = None
     """Where the posix tier and the rank records go; a temporary directory when None."""
+    write: str = "back"
+    """The posix tier's write policy: ``back`` soaks the buffer's write-back debt (dirty slots,
+    flushers killed mid-write, the last close), ``through`` the write-through queue."""
+    min_kills_per_mode: int = 0
+    """Keep running past ``seconds`` until every kill mode happened this often (goals: a busy
+    machine gets more time, never a weaker run), up to ``seconds_max``."""
+    min_loads_verified: int = 0
+    min_dumps: int = 0
+    min_removes: int = 0
+    seconds_max: float | None = None
+    """Hard end of the run when goals are set (None: ``seconds``); goals not met by then are a
+    violation."""
 
     @property
     def op_timeout_s(self) -> float:
@@ -137,6 +151,10 @@ class SoakSettings:
             problems.append(f"shard_size={self.shard_size} (expected >= {HEADER_BYTES})")
         if self.blocks < 2 or self.buffer_slots < 2 or self.shards_per_block < 1:
             problems.append("blocks, buffer_slots >= 2 and shards_per_block >= 1")
+        if self.write not in ("back", "through"):
+            problems.append(f"write={self.write!r} (expected 'back' or 'through')")
+        if self.seconds_max is not None and self.seconds_max < self.seconds:
+            problems.append(f"seconds_max={self.seconds_max} (expected >= seconds)")
         if problems:
             from .errors import InvalidArgumentError
 
@@ -155,7 +173,12 @@ def stack_config(settings: SoakSettings, unique_id: str, workdir: Path) -> dict[
                 "reserved_slots": settings.reserved_slots,
                 "wait_timeout_s": settings.wait_timeout_s,
             },
-            {"type": "posix", "path": str(workdir / "nvme"), "lock_timeout": 5.0},
+            {
+                "type": "posix",
+                "path": str(workdir / "nvme"),
+                "lock_timeout": 5.0,
+                "write": settings.write,
+            },
         ],
     }
 
@@ -369,6 +392,10 @@ class _Rank:
         )
         self.record.dumps_ok += len(blocks) - len(failures)
         self.record.dump_failures += len(failures)
+        for cause in failures.values():
+            sample = f"dump: {type(cause).__name__}: {cause}"[:200]
+            if len(self.record.error_samples) < 5 and sample not in self.record.error_samples:
+                self.record.error_samples.append(sample)
 
     def step(self) -> None:
         roll = self.rng.random()
@@ -602,6 +629,11 @@ class SoakReport:
     fresh_verified: int = 0
     fresh_failures: int = 0
     fresh_bypassed: int = 0
+    debt_at_end: int = 0
+    """Dirty slots (write-back debt) when every rank had stopped, before the last close."""
+    debt_written: int = 0
+    """Of those, shards found on posix byte-exact after the last close wrote the debt down."""
+    goals_met: bool = True
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -631,6 +663,8 @@ class SoakProgress:
     restarts: int
     loads_verified: int
     longest_op_s: float
+    dumps: int = 0
+    removes: int = 0
 
 
 class _Controller:
@@ -761,12 +795,14 @@ class _Controller:
                 self.report.restarts += 1
 
     def snapshot(self) -> SoakProgress:
-        verified, longest = 0, 0.0
+        verified, longest, dumps, removes = 0, 0.0, 0, 0
         for proc in [*self.finished, *self.procs.values()]:
             record = _RecordFile.read(proc.record_path)
             if record is not None:
                 verified += record.loads_verified
                 longest = max(longest, record.longest_op_s)
+                dumps += record.ops.get("dump", 0)
+                removes += record.ops.get("remove", 0)
         return SoakProgress(
             elapsed_s=time.monotonic() - self.start_ns / 1e9,
             seconds=self.settings.seconds,
@@ -774,10 +810,47 @@ class _Controller:
             restarts=self.report.restarts,
             loads_verified=verified,
             longest_op_s=longest,
+            dumps=dumps,
+            removes=removes,
         )
 
+    def goals_met(self) -> bool:
+        """Whether the run did at least the work its settings ask for."""
+        settings = self.settings
+        if any(self.report.kills[mode] < settings.min_kills_per_mode for mode in KILL_MODES):
+            return False
+        if not (settings.min_loads_verified or settings.min_dumps or settings.min_removes):
+            return True
+        progress = self.snapshot()
+        return (
+            progress.loads_verified >= settings.min_loads_verified
+            and progress.dumps >= settings.min_dumps
+            and progress.removes >= settings.min_removes
+        )
+
+    def _wait_running(self, proc: _Proc, deadline: float) -> bool:
+        """Whether the rank reported it opened the store (or exited) before ``deadline``. Its
+        signal handlers are installed before its first record: until then, SIGTERM would end
+        it with the default action in the middle of Python's start-up (seen on a busy CI)."""
+        for _ in range(int(STOP_TIMEOUT_S / READY_POLL_S) + 1):
+            record = _RecordFile.read(proc.record_path)
+            if record is not None and record.state != "starting":
+                return True
+            if proc.process.poll() is not None:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(READY_POLL_S)
+        return False
+
     def stop_all(self) -> None:
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in self.procs.values():
+            if not self._wait_running(proc, deadline):
+                self.report.violations.append(
+                    f"rank {proc.rank} (pid {proc.process.pid}) did not open the store within "
+                    f"{STOP_TIMEOUT_S}s of its start"
+                )
             proc.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for proc in list(self.procs.values()):
@@ -899,6 +972,38 @@ def audit_slots(core: Any, alive: Callable[[int], bool] = lambda pid: False) -> 
     return audit
 
 
+def _dirty_keys(core: Any) -> list[Key]:
+    """Every key whose slot holds write-back debt now."""
+    debt: list[Key] = []
+    for slot in range(core.geometry.slot_count_total):
+        info = core.slot_info(slot)
+        if info.dirty:
+            debt.append((info.block_id, info.shard_index))
+    return debt
+
+
+def _on_posix(controller: _Controller, debt: list[Key]) -> int:
+    """How many of the debt's keys the posix directory holds with a valid payload of theirs,
+    opened alone after the buffer is gone."""
+    import ucm
+
+    stack = dict(controller.stack)
+    stack["unique_id"] = f"{controller.unique_id}-audit"
+    stack["tiers"] = [{k: v for k, v in controller.stack["tiers"][1].items() if k != "write"}]
+    keys = debt
+    size = controller.settings.shard_size
+    with ucm.open(stack) as store:
+        tier = store.tiers[0]
+        memory = [memoryview(bytearray(size)) for _ in keys]
+        outcomes = tier.load(keys, [[view] for view in memory])
+    now_ns = time.monotonic_ns()
+    return sum(
+        1
+        for key, view, outcome in zip(keys, memory, outcomes, strict=True)
+        if outcome is None and not check_payload(key, bytes(view), controller.start_ns, now_ns)
+    )
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -939,16 +1044,29 @@ def run_soak(
     started = time.monotonic()
     # The controller keeps the buffer open (and serves its segments) for the whole run, and
     # inspects every slot at the end.
-    observer = ucm.open(controller.stack, device_id=0, local_rank_size=settings.ranks)
+    # It is no rank: its own background flusher stays off, so the slot audit at the end never
+    # meets a reference it holds mid-flush (the ranks' flushers run, and its close pays).
+    observer_stack = json.loads(json.dumps(controller.stack))
+    observer_stack["tiers"][0]["flush_interval_s"] = 1e9
+    observer = ucm.open(observer_stack, device_id=0, local_rank_size=settings.ranks)
     try:
         top: Any = observer.tiers[0]
         core = top.core
         for rank in range(settings.ranks):
             controller.spawn(rank)
         deadline = started + settings.seconds
+        hard_deadline = started + (settings.seconds_max or settings.seconds)
         next_kill = started + controller.rng.uniform(*settings.kill_every_s)
         next_progress = started
-        while time.monotonic() < deadline:
+        next_goal_check = deadline
+        while True:
+            now = time.monotonic()
+            if now >= hard_deadline:
+                break
+            if now >= next_goal_check:  # past `seconds`: stop once the goals are met
+                if controller.goals_met():
+                    break
+                next_goal_check = now + 0.5
             controller.supervise()
             now = time.monotonic()
             if now >= next_kill and controller.procs:
@@ -962,9 +1080,15 @@ def run_soak(
             del controller.restart_at[rank]
             controller.spawn(rank)  # every rank stops from a running state
             report.restarts += 1
-        # Let the last restarted ranks open before asking them to stop.
-        time.sleep(1.0)
-        controller.stop_all()
+        controller.stop_all()  # each rank once it has opened the store
+        report.goals_met = controller.goals_met()
+        if not report.goals_met:
+            progress_now = controller.snapshot()
+            report.violations.append(
+                f"the run did not reach its goals in {hard_deadline - started:.0f}s: kills "
+                f"{report.kills}, loads verified {progress_now.loads_verified}, dumps "
+                f"{progress_now.dumps}, removes {progress_now.removes}"
+            )
         controller.collect()
         reclaimed = reclaim_dead_references(core)
         if reclaimed is not None:
@@ -975,6 +1099,8 @@ def run_soak(
         report.audit = audit_slots(core, _pid_alive)
         report.violations += [f"leaked after the run: {p}" for p in report.audit.problems]
         report.buffer_counters = dict(core.stats())
+        debt = _dirty_keys(core)
+        report.debt_at_end = len(debt)
         if report.mismatches:
             report.violations.append(f"{report.mismatches} load(s) returned bytes of another key")
         if report.loads_verified == 0:
@@ -984,10 +1110,20 @@ def run_soak(
             proc.process.kill()
             proc.process.wait(STOP_TIMEOUT_S)
             controller._retire(proc)
-        observer.close()
+        try:
+            observer.close()  # the last process of the buffer: it writes the debt down
+        except Exception as exc:
+            report.violations.append(f"the last close failed: {exc}")
         segments.unlink(controller.unique_id)
-        if settings.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
+    if report.debt_at_end:
+        report.debt_written = _on_posix(controller, debt)
+        if report.debt_written != report.debt_at_end:
+            report.violations.append(
+                f"write-back debt lost at the last close: {report.debt_at_end} dirty shard(s), "
+                f"{report.debt_written} on posix afterwards"
+            )
+    if settings.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
     report.seconds = time.monotonic() - started
     if progress is not None:
         progress(controller.snapshot())
@@ -1014,7 +1150,7 @@ def render(report: SoakReport) -> Iterator[str]:
         f"{report.load_misses}, errors {report.load_errors}); mismatches {report.mismatches}"
     )
     for sample in report.error_samples:
-        yield f"  load error seen: {sample}"
+        yield f"  error seen: {sample}"
     yield f"dumps: {report.dumps_ok} shards ok, {report.dump_failures} failed"
     yield (
         f"longest operation {report.longest_op_s:.3f}s ({report.longest_op}); longest buffer "
@@ -1034,6 +1170,10 @@ def render(report: SoakReport) -> Iterator[str]:
     yield (
         f"fresh rank: {report.fresh_verified} shards byte-exact, {report.fresh_failures} "
         f"failed, {report.fresh_bypassed} bypassed"
+    )
+    yield (
+        f"write-back debt at the end: {report.debt_at_end} dirty shard(s), "
+        f"{report.debt_written} on posix after the last close"
     )
     audit = report.audit
     yield (

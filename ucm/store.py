@@ -265,17 +265,25 @@ class Store:
         if self._closed:
             return
         self._closed = True
+        errors: list[BaseException] = []
         try:
             if self._loads is not None:
                 self._loads.close()
             if self._dumps is not None:
                 self._dumps.close()
+            # Top first: the buffer's write-back debt lands in the tiers below before they
+            # flush. One tier's failure does not keep the others from flushing.
             for tier in self.tiers:
-                tier.flush()
+                try:
+                    tier.flush()
+                except Exception as exc:
+                    errors.append(exc)
         finally:
             self._final_tier_stats = self._tier_stats()
             for tier in self.tiers:
                 tier.close()
+        if errors:
+            raise errors[0]
 
     def _tier_stats(self) -> list[dict[str, Any]]:
         return [{"type": tier.type_name, "name": tier.label, **tier.stats()} for tier in self.tiers]
@@ -444,13 +452,18 @@ class Store:
     def _evict_sink_for(
         self, position: int
     ) -> Callable[[Sequence[Key], Sequence[ShardViews]], Sequence[Outcome]] | None:
-        back = [
-            i
-            for i, tier_config in enumerate(self.config.tiers)
-            if i > position
-            and isinstance(tier_config, LowerTierConfig)
-            and tier_config.write == "back"
-        ]
+        # The `write: back` tiers below `position` that a shard leaving it would otherwise
+        # lack: those above the first `write: through` tier below it, which holds every dump
+        # already (its own evictions feed the back tiers under it).
+        back = []
+        for i in range(position + 1, len(self.config.tiers)):
+            tier_config = self.config.tiers[i]
+            if not isinstance(tier_config, LowerTierConfig):
+                continue
+            if tier_config.write == "through":
+                break
+            if tier_config.write == "back":
+                back.append(i)
         if not back:
             return None
 

@@ -9,6 +9,18 @@ Get), :meth:`~BufferTier.commit`, :meth:`~BufferTier.wait_slots`, :meth:`~Buffer
 below exactly once node-wide, by whichever rank claims its slot first, while every other rank
 asking for it sleeps on the slot's futex. The queue and tuning keys of this tier's config
 (``load_workers``, ``step_keys``, queue depths, ``prealloc``...) configure that LoadQueue.
+
+**Write-back debt.** In a stack with ``write: back`` tiers below the buffer, a dump lands in the
+buffer only and its slots are committed *dirty* (shared control plane: node-wide). A dirty slot
+is never an eviction victim; flushers write it down and clean it:
+
+- every worker rank runs a background flusher that writes dirty slots down while the rank's
+  dumps are idle;
+- a dump is acknowledged only once the node's dirty bytes are at most ``dirty_max`` (flushing
+  more itself if need be), so a kill -9 of every rank loses at most that much;
+- the last rank to close the buffer (no other live rank attached that is not closing) writes
+  every dirty slot down before ``close()`` returns; a rank closing before others leaves the
+  debt in the shared buffer, to them.
 """
 
 from __future__ import annotations
@@ -45,11 +57,20 @@ ShardRanges = Sequence[tuple[int, int]]
 ShardSource = ShardViews | ShardRanges
 
 SEGMENT_TARGET_BYTES = 1 << 30
+"""Data segments of at most ~1 GiB: small enough to create quickly, large enough to be few."""
 SEGMENTS_MAX = 256
 """Data segments per buffer the native segment layer accepts (constants.seg_segments_max)."""
-"""Data segments of at most ~1 GiB: small enough to create quickly, large enough to be few."""
 
 BUFFER_CTRL_LAYOUT_VERSION: int = getattr(native_buffer, "CTRL_LAYOUT_VERSION", 1)
+
+FLUSH_BATCH_SLOTS = 64
+"""Dirty slots one flush writes down at a time (one batched dump per write-back tier)."""
+IDLE_FLUSH_BATCHES_MAX = 64
+"""Batches the background flusher writes per wake-up before checking for new dumps again."""
+SETTLE_ROUNDS_MAX = 1 << 20
+"""Backstop of the flush loops; their real bound is a deadline renewed on progress."""
+SETTLE_PAUSE_S = 0.002
+"""Pause while other ranks' flushers hold every dirty slot."""
 
 
 class BufferTierConfig(TierConfig):
@@ -93,6 +114,17 @@ class BufferTierConfig(TierConfig):
     write_queue_bytes: Size = Field(
         default=256 * 1024 * 1024,
         description="Bytes of dumped shards waiting for write-through before dump tasks block.",
+    )
+    dirty_max: Size = Field(
+        default=256 * 1024 * 1024,
+        description="Most bytes of acknowledged dumps that the `write: back` tiers below may "
+        "still lack (write-back debt, node-wide); a dump waits for write-back beyond it, so a "
+        "kill -9 of every rank loses at most this much. Capped at half the regular slots.",
+    )
+    flush_interval_s: PositiveFloat = Field(
+        default=0.5,
+        description="How often an idle rank's background flusher writes dirty slots down "
+        "(after this long without a dump).",
     )
 
 
@@ -167,8 +199,25 @@ class BufferTier(Tier):
             "get_native_keys": 0,
             "hits": 0,
             "misses": 0,
+            "written_back_shards": 0,
         }
         self._counts_lock = threading.Lock()
+        # Write-back debt: dumps commit dirty when `write: back` tiers below must get them.
+        self._sink: EvictSink | None = None if context.is_scheduler else context.evict_sink
+        self.dirty_limit_slots = min(
+            config.dirty_max // shard_size, geometry.slot_count_regular // 2
+        )
+        self._last_dump_ns = 0
+        self._flusher_stop = threading.Event()
+        self._flusher: threading.Thread | None = None
+        self._last_write_back_error: BaseException | None = None
+        if self._sink is not None:
+            # Registered now: a rank that reopens a buffer it closed earlier is open again.
+            self.core.mark_closing(False)
+            self._flusher = threading.Thread(
+                target=self._flush_loop, name="ucm-write-back", daemon=True
+            )
+            self._flusher.start()
 
     def count(self, name: str, amount: int = 1) -> None:
         with self._counts_lock:
@@ -227,15 +276,6 @@ class BufferTier(Tier):
                 address += n
         ranges.copy()
 
-    def write_back(self, slots: Sequence[int], victims: list[tuple[int, Key]]) -> None:
-        """Writes evicted Ready shards (still in their old slot) to `write: back` tiers."""
-        sink: EvictSink | None = self.context.evict_sink
-        if sink is None or not victims:
-            return
-        slot_views = self.slot_views([slots[i] for i, _ in victims])
-        outcomes = sink([key for _, key in victims], [[view] for view in slot_views])
-        self.count("write_back_failures", sum(1 for o in outcomes if o is not None))
-
     # ---- slot protocol for the load and dump queues ----------------------------------------
 
     def claim(self, keys: Sequence[Key], for_load: bool = True) -> GetBatch:
@@ -243,11 +283,11 @@ class BufferTier(Tier):
         threads of this process share it through a local count (``_refs``): a key this process
         already holds (``HELD``) is reported as HIT when Ready and as WAITER otherwise (another
         rank or thread is filling it), with the local count raised. OWNER results are recorded
-        as owned here. Evicted Ready shards are written back before their slots are reused."""
+        as owned here."""
         batch_keys = KeyBatch.of(keys)
         with self._lock:
             started = time.perf_counter_ns()
-            batch = self.core.get(batch_keys, evicted=self.context.evict_sink is not None)
+            batch = self.core.get(batch_keys)
             self._counts["get_native_ns"] += time.perf_counter_ns() - started
             self._counts["get_native_keys"] += len(batch_keys)
             results = batch.results
@@ -272,13 +312,18 @@ class BufferTier(Tier):
             waiting = sum(1 for r in batch.results if r == _WAITER)
             self.count("hits", hits)
             self.count("misses", len(batch.results) - hits - waiting)
-        if batch.evicted:
-            self.write_back(batch.slots, batch.evicted)
         return batch
 
-    def commit(self, keys: Sequence[Key], slots: Sequence[int], states: Sequence[State]) -> None:
+    def commit(
+        self,
+        keys: Sequence[Key],
+        slots: Sequence[int],
+        states: Sequence[State],
+        dirty: bool = False,
+    ) -> None:
+        """Publishes owned slots; ``dirty`` marks the Ready ones as write-back debt."""
         with self._lock:
-            self.core.commit(list(slots), list(states))
+            self.core.commit(list(slots), list(states), dirty=dirty)
             for key in keys:
                 self._local_owned.pop(key, None)
             self._ready.update(
@@ -410,16 +455,38 @@ class BufferTier(Tier):
     def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
         """Writes each shard into a claimed slot and publishes it Ready. A key already Ready
         is rewritten unless a rank is reading it (then it keeps its bytes, which for a KV block
-        id are the same); a key another rank is filling right now is left to that rank."""
-        return self._chunked(self._dump_chunk, keys, sources)
+        id are the same); a key another rank is filling right now is left to that rank.
+
+        With ``write: back`` tiers below, the slots are committed dirty, and the call returns
+        only once the node's write-back debt is within ``dirty_max`` (see the module doc)."""
+        return self._dump(keys, sources)
 
     def dump_ranges(self, keys: Sequence[Key], sources: Sequence[ShardRanges]) -> list[Outcome]:
         """``dump`` from (address, nbytes) ranges: the Store's dump queue already holds its
         tensors' addresses, and a view per tensor, made and read back, costs ~3 us each."""
-        return self._chunked(self._dump_chunk, keys, sources)
+        return self._dump(keys, sources)
+
+    def _dump(self, keys: Sequence[Key], sources: Sequence[ShardSource]) -> list[Outcome]:
+        outcomes = self._chunked(self._dump_chunk, keys, sources)
+        if self._sink is not None:
+            self._last_dump_ns = time.monotonic_ns()
+            try:
+                self.settle(self.dirty_limit_slots)
+            except TierError as exc:
+                # The shards are in the buffer (dirty, flushed later) but not acknowledged.
+                return [exc if outcome is None else outcome for outcome in outcomes]
+        return outcomes
 
     def _dump_chunk(self, keys: Sequence[Key], sources: Sequence[ShardSource]) -> list[Outcome]:
         outcomes: list[Outcome] = [None] * len(keys)
+        if self._sink is not None:
+            # Room first: after this chunk's commits the debt must still be within the bound.
+            # While the write-back tiers fail, new dumps fail rather than pile up debt that
+            # nothing can pay (and that eviction may never take).
+            try:
+                self.settle(max(0, self.dirty_limit_slots - len(keys)))
+            except TierError as exc:
+                return [exc] * len(keys)
         # Keys a thread of this process is filling right now get the same bytes from it.
         with self._lock:
             chosen = [keys[i] for i, key in enumerate(keys) if key not in self._local_owned]
@@ -445,8 +512,9 @@ class BufferTier(Tier):
         index_of: dict[Key, int],
         outcomes: list[Outcome],
     ) -> None:
-        """Copies the sources into the slots claimed as OWNER, publishes them Ready and
-        releases every reference the batch took."""
+        """Copies the sources into the slots claimed as OWNER, publishes them Ready (dirty,
+        with write-back tiers below) and releases every reference the batch took. A key that
+        got no slot goes straight to the write-back tiers when there are any."""
         slots = list(batch.slots)
         try:
             owned = [j for j, r in enumerate(batch.results) if r == _OWNER]
@@ -454,16 +522,138 @@ class BufferTier(Tier):
                 self.slot_addresses([slots[j] for j in owned]), [source_of[keys[j]] for j in owned]
             )
             self.commit(
-                [keys[j] for j in owned], [slots[j] for j in owned], [State.READY] * len(owned)
+                [keys[j] for j in owned],
+                [slots[j] for j in owned],
+                [State.READY] * len(owned),
+                dirty=self._sink is not None,
             )
-            for j, result in enumerate(batch.results):
-                if result > _WAITER:
-                    outcomes[index_of[keys[j]]] = TierError(
-                        f"no buffer slot for the shard ({GetResult(result).name}): every slot is "
-                        "in use"
-                    )
+            refused = [j for j, result in enumerate(batch.results) if result > _WAITER]
+            for j in refused:
+                outcomes[index_of[keys[j]]] = TierError(
+                    f"no buffer slot for the shard ({GetResult(batch.results[j]).name}): every "
+                    "slot is in use"
+                )
+            if refused and self._sink is not None:
+                written = self._sink(
+                    [keys[j] for j in refused], [_views_of(source_of[keys[j]]) for j in refused]
+                )
+                for j, outcome in zip(refused, written, strict=True):
+                    if outcome is None:
+                        outcomes[index_of[keys[j]]] = None
+                self.count("written_down_unbuffered", sum(1 for o in written if o is None))
         finally:
             self.release(batch.held_slots())
+
+    # ---- write-back debt ---------------------------------------------------------------------
+
+    def dirty_slots(self) -> int:
+        """Slots holding write-back debt, node-wide (every rank's dumps)."""
+        return self.core.stats()["dirty_slots"]
+
+    def flush_some(self, limit: int = FLUSH_BATCH_SLOTS) -> tuple[int, int]:
+        """Claims up to ``limit`` dirty slots, writes them to the ``write: back`` tiers and
+        cleans the ones written. Returns (claimed, written): a slot removed while it was being
+        written counts as written (its debt went with it), only a tier's failure does not."""
+        assert self._sink is not None
+        with self._lock:
+            batch = self.core.take_dirty(max(1, limit))
+            for slot in batch.slots:  # this process's uses of the slot (see claim)
+                self._refs[slot] = self._refs.get(slot, 0) + 1
+                self._ready.add(slot)
+        if not batch.keys:
+            return 0, 0
+        try:
+            views = self.slot_views(list(batch.slots))
+            try:
+                outcomes = list(self._sink(batch.keys, [[view] for view in views]))
+            except Exception as exc:  # a raising tier fails the batch, it stays dirty
+                outcomes = [exc] * len(batch.keys)
+            written = [outcome is None for outcome in outcomes]
+            cleaned = self.core.clean(batch.slots, written)
+        finally:
+            self.release(list(batch.slots))
+        failed = len(batch.keys) - sum(written)
+        self.count("written_back_shards", sum(written))
+        self.count("write_back_failures", failed)
+        if failed:
+            first = next(o for o in outcomes if o is not None)
+            self._last_write_back_error = first
+        assert cleaned <= sum(written)
+        return len(batch.keys), sum(written)
+
+    def settle(self, target_slots: int) -> None:
+        """Writes dirty slots down until the node's debt is at most ``target_slots``. Raises
+        TierError when the write-back tiers fail, or when other ranks' flushes hold the debt
+        past ``wait_timeout_s``."""
+        deadline = time.monotonic() + self.cfg.wait_timeout_s
+        for _round in range(SETTLE_ROUNDS_MAX):
+            dirty = self.dirty_slots()
+            if dirty <= target_slots:
+                return
+            claimed, written = self.flush_some(min(dirty - target_slots, FLUSH_BATCH_SLOTS))
+            if claimed and not written:
+                raise TierError(
+                    f"write-back failed: {dirty} dirty shard(s) cannot be written to the "
+                    f"`write: back` tier(s) below ({self._last_write_back_error!r}); they stay "
+                    "in the buffer and are retried"
+                )
+            if not claimed:
+                if time.monotonic() > deadline:
+                    raise TierError(
+                        f"write-back stalled: {dirty} dirty shard(s) stayed claimed by other "
+                        f"ranks' flushers for {self.cfg.wait_timeout_s} s"
+                    )
+                time.sleep(SETTLE_PAUSE_S)  # other ranks' flushers hold the debt
+        raise TierError(f"write-back did not settle in {SETTLE_ROUNDS_MAX} rounds")
+
+    def _flush_loop(self) -> None:
+        """Background flusher: while this rank's dumps are idle, write dirty slots down."""
+        interval_s = self.cfg.flush_interval_s
+        while not self._flusher_stop.wait(interval_s):
+            try:
+                for _batch in range(IDLE_FLUSH_BATCHES_MAX):
+                    idle_ns = time.monotonic_ns() - self._last_dump_ns
+                    if self._flusher_stop.is_set() or idle_ns < interval_s * 1e9:
+                        break
+                    claimed, written = self.flush_some()
+                    if not claimed or not written:
+                        break
+            except Exception as exc:  # never let the thread die silently; retried next round
+                self.count("write_back_failures", 1)
+                self._last_write_back_error = exc
+
+    def flush(self) -> None:
+        """At close: stops the background flusher; the last rank attached to the buffer then
+        writes every dirty slot down (the others leave the debt to the ranks that remain)."""
+        if self._sink is None or self._flusher is None:
+            return
+        self._flusher_stop.set()
+        self._flusher.join()
+        self._flusher = None
+        if not self.core.mark_closing(True):
+            return
+        deadline = time.monotonic() + self.cfg.wait_timeout_s
+        for _round in range(SETTLE_ROUNDS_MAX):
+            dirty = self.dirty_slots()
+            if not dirty:
+                return
+            claimed, written = self.flush_some()
+            if claimed and not written:
+                raise TierError(
+                    f"close: {dirty} dirty shard(s) could not be written to the `write: back` "
+                    f"tier(s) below ({self._last_write_back_error!r}): they are lost when the "
+                    "last process leaves the buffer"
+                )
+            if claimed:
+                deadline = time.monotonic() + self.cfg.wait_timeout_s  # progress
+            elif time.monotonic() > deadline:
+                raise TierError(
+                    f"close: {dirty} dirty shard(s) stayed claimed by other flushers for "
+                    f"{self.cfg.wait_timeout_s} s"
+                )
+            else:
+                time.sleep(SETTLE_PAUSE_S)
+        raise TierError(f"close: write-back did not finish in {SETTLE_ROUNDS_MAX} rounds")
 
     def touch(self, block_ids: Sequence[bytes]) -> None:
         self.core.touch(list(block_ids))
@@ -489,9 +679,15 @@ class BufferTier(Tier):
             counters.update(self._counts)
         counters["capacity_slots"] = self.geometry.slot_count_regular
         counters["reserved_slots"] = self.geometry.slot_count_reserved
+        counters["dirty_bytes"] = counters["dirty_slots"] * self.layout.shard_size
+        counters["dirty_limit_bytes"] = self.dirty_limit_slots * self.layout.shard_size
         return counters
 
     def close(self) -> None:
+        if self._flusher is not None:  # flush() was not called (a failed open, a test)
+            self._flusher_stop.set()
+            self._flusher.join()
+            self._flusher = None
         self.region.close()
 
 
@@ -501,6 +697,19 @@ _HELD = 5
 
 WAIT_ROUNDS_MAX = 8
 """Times a wait on a slot owned by a thread of this process is renewed before giving up."""
+
+
+def _views_of(source: ShardSource) -> list[memoryview]:
+    """A shard's source (views, or (address, nbytes) ranges) as memoryviews."""
+    views = []
+    for part in source:
+        if type(part) is tuple:
+            address, nbytes = part
+            views.append(memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B"))
+        else:
+            assert isinstance(part, memoryview)
+            views.append(part)
+    return views
 
 
 def _address_of(view: memoryview) -> int | None:

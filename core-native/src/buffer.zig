@@ -53,6 +53,14 @@ pub const State = enum(u32) { idle = 0, ready = 1, failed = 2, missing = 3 };
 
 pub const slot_flag_reserved: u32 = 1 << 0;
 pub const slot_flag_preallocated: u32 = 1 << 1;
+/// Write-back debt: the slot's Ready shard is not yet in the `write: back` tiers below. Set by a
+/// dump's commit, cleared once a flusher wrote it down (or the key is removed). A dirty slot is
+/// never an eviction victim, so the debt is paid by flushing, never by dropping the only copy.
+pub const slot_flag_dirty: u32 = 1 << 2;
+
+/// OR'ed into a commit's state code: publish the slot Ready *and* dirty (a dump into a buffer
+/// that has `write: back` tiers below it).
+pub const commit_dirty_bit: u8 = 0x80;
 
 const lock_contended_bit: u32 = 1 << 31;
 const lock_pid_mask: u32 = lock_contended_bit - 1;
@@ -125,6 +133,7 @@ pub const counter_names = [_][]const u8{
     "lock_recoveries", "no_slot",        "preallocs",      "removed",
     "touched",         "commits_ready",  "commits_failed", "wait_timeouts",
     "dead_holders",    "refs_reclaimed", "holders_freed",  "remove_lock_acquisitions",
+    "dirty_slots",     "flushed",        "wait_slices",
 };
 pub const counter_count = counter_names.len;
 pub const Counter = enum(u32) {
@@ -149,6 +158,13 @@ pub const Counter = enum(u32) {
     holders_freed,
     /// Bucket locks taken by batched removes (part of lock_acquisitions): seed 003's figure.
     remove_lock_acquisitions,
+    /// A gauge, not a count: slots holding write-back debt right now (`slot_flag_dirty`).
+    dirty_slots,
+    /// Dirty slots written down and cleaned by flushers.
+    flushed,
+    /// Futex slices a waiter slept out without a change (then checked the owner's liveness):
+    /// a wake-up that the commit delivered, or a change seen before blocking, counts none.
+    wait_slices,
 };
 
 pub const Counters = extern struct {
@@ -176,7 +192,9 @@ pub const Slot = extern struct {
     flags: Atomic(u32),
     /// Bit h set: holder h holds a reference (at most one). The refcount is its popcount.
     holders: Atomic(u64),
-    _pad: [constants.buffer_slot_size_bytes - 56]u8,
+    /// Holder index + 1 of the process writing this dirty slot down (`take_dirty`), else 0.
+    flusher: Atomic(u32),
+    _pad: [constants.buffer_slot_size_bytes - 60]u8,
 
     pub fn refcount(slot: *const Slot) u32 {
         return @popCount(slot.holders.load(.monotonic));
@@ -191,7 +209,9 @@ pub const HolderEntry = extern struct {
     start_time: Atomic(u64),
     /// Pid of the process sweeping this dead holder's references; 0 when nobody is.
     reclaimer: Atomic(u32),
-    _pad0: u32,
+    /// 1 once the process started closing the buffer (`mark_closing`): the last process to
+    /// close, the one that sees no other live holder that is not closing, pays the debt.
+    closing: Atomic(u32),
     _pad1: u64,
 
     pub fn state(entry: *const HolderEntry) HolderState {
@@ -568,7 +588,9 @@ pub const Buffer = struct {
                 // Acquire: the previous reclaimer's clearing of dead_mask happened before.
                 if (entry.tag.cmpxchgStrong(holder_tag(.free, 0), holder_tag(.registering, pid), .acquire, .monotonic) != null) continue;
                 entry.start_time.store(start_time, .monotonic);
-                // Release: the start time is visible to whoever sees the entry live.
+                entry.closing.store(0, .monotonic);
+                // Release: the start time and closing word are visible to whoever sees the
+                // entry live.
                 entry.tag.store(holder_tag(.live, pid), .release);
                 return @intCast(index);
             }
@@ -685,6 +707,11 @@ pub const Buffer = struct {
             // The owner died mid-load: waiters see owner 0 and take over.
             slot.owner.store(0, .monotonic);
         }
+        const flusher = slot.flusher.load(.monotonic);
+        if (flusher != 0 and stale & holder_bit(flusher - 1) != 0) {
+            // The flusher died mid-write: the slot stays dirty for the next flusher.
+            slot.flusher.store(0, .monotonic);
+        }
         buffer.count(.refs_reclaimed, @popCount(stale));
     }
 
@@ -748,6 +775,19 @@ pub const Buffer = struct {
                 const previous = slot.holders.fetchAnd(~mask, .acq_rel);
                 const stale = previous & mask;
                 if (stale != 0) buffer.count(.refs_reclaimed, @popCount(stale));
+                // A dead owner (or flusher) leaves its role here too, as in drop_refs_locked:
+                // the entries are freed next, and a new process may register into the dead
+                // owner's index; waiters on this (force-removed, still Idle) slot would then
+                // judge that new process as the owner and never take over. Found by the
+                // fuzzer. CAS: a waiter may take the slot over (owner dead -> itself) meanwhile.
+                const owner = slot.owner.load(.monotonic);
+                if (owner != 0 and stale & holder_bit(owner - 1) != 0) {
+                    _ = slot.owner.cmpxchgStrong(owner, 0, .monotonic, .monotonic);
+                }
+                const flusher = slot.flusher.load(.monotonic);
+                if (flusher != 0 and stale & holder_bit(flusher - 1) != 0) {
+                    _ = slot.flusher.cmpxchgStrong(flusher, 0, .monotonic, .monotonic);
+                }
                 if (stale != 0 and previous & ~mask == 0) buffer.free_slot(slot_index);
                 return @popCount(stale);
             }
@@ -955,10 +995,22 @@ pub const Buffer = struct {
         slot.state.store(@intFromEnum(State.idle), .monotonic);
         slot.accessed.store(0, .monotonic);
         slot.owner.store(0, .monotonic);
+        slot.flusher.store(0, .monotonic);
+        buffer.clear_dirty(slot);
         _ = slot.flags.fetchAnd(slot_flag_reserved, .monotonic);
         // Release: an allocator that CASes the bucket from free sees the cleared fields.
         slot.bucket.store(bucket_free, .release);
         assert(slot.next == slot_none);
+    }
+
+    /// Clears the slot's write-back debt, keeping the `dirty_slots` gauge equal to the number of
+    /// dirty slots. The caller holds the slot's bucket lock (or the slot exclusively).
+    fn clear_dirty(buffer: Buffer, slot: *Slot) void {
+        // Monotonic: the flag is read under the bucket lock that orders it.
+        const previous = slot.flags.fetchAnd(~slot_flag_dirty, .monotonic);
+        if (previous & slot_flag_dirty == 0) return;
+        const gauge = buffer.counters.values[@intFromEnum(Counter.dirty_slots)].fetchSub(1, .monotonic);
+        assert(gauge > 0);
     }
 
     // ---------------------------------------------------------------------------------------
@@ -966,12 +1018,7 @@ pub const Buffer = struct {
 
     const Pool = enum { regular, reserved };
 
-    const Victim = struct {
-        slot: u32,
-        /// Set when a Ready shard was evicted to make room: the caller may write it below.
-        evicted_block_id: BlockId = @splat(0),
-        evicted_shard_index: u32 = slot_none,
-    };
+    const Victim = struct { slot: u32 };
 
     fn pool_range(buffer: Buffer, pool: Pool) struct { first: u32, count: u32 } {
         const regular = buffer.geometry.slot_count_regular;
@@ -1065,6 +1112,8 @@ pub const Buffer = struct {
         // holders is, once their references are dropped under its bucket lock below.
         const holders = slot.holders.load(.monotonic);
         if (holders != 0 and holders & ~buffer.holder_table.dead_mask.load(.acquire) != 0) return null;
+        // Write-back debt is paid by a flusher, never by eviction (re-checked under the lock).
+        if (slot.flags.load(.monotonic) & slot_flag_dirty != 0) return null;
         const owner_bucket = slot.bucket.load(.monotonic);
         if (owner_bucket == bucket_free) {
             if (buffer.claim_free(slot_index, bucket_index)) return .{ .slot = slot_index };
@@ -1078,14 +1127,11 @@ pub const Buffer = struct {
         // Re-check under the owning bucket's lock: references only grow under it.
         if (slot.bucket.load(.monotonic) != owner_bucket) return null;
         if (!buffer.drop_dead_refs_locked(slot_index)) return null;
+        if (slot.flags.load(.monotonic) & slot_flag_dirty != 0) return null;
         const ready = slot.state.load(.monotonic) == @intFromEnum(State.ready);
         if (idle_only and ready) return null;
-        var victim = Victim{ .slot = slot_index };
-        if (ready) {
-            victim.evicted_block_id = slot.block_id;
-            victim.evicted_shard_index = slot.shard_index;
-            buffer.count(.evictions, 1);
-        }
+        const victim = Victim{ .slot = slot_index };
+        if (ready) buffer.count(.evictions, 1);
         buffer.unlink(owner_bucket, slot_index);
         // Monotonic: both bucket locks are held; their release stores publish this.
         slot.bucket.store(bucket_index, .monotonic);
@@ -1105,6 +1151,7 @@ pub const Buffer = struct {
         const slot = &buffer.slots[slot_index];
         assert(slot.bucket.load(.monotonic) == bucket_index);
         assert(slot.holders.load(.monotonic) == 0);
+        assert(slot.flags.load(.monotonic) & slot_flag_dirty == 0); // Dirty slots are never victims.
         assert(!owner or buffer.holder < constants.buffer_holders_max);
         slot.block_id = block_id.*;
         slot.shard_index = shard_index;
@@ -1128,8 +1175,6 @@ pub const Buffer = struct {
     pub const GetOutput = struct {
         results: []GetResult,
         slots: []u32,
-        evicted_block_ids: ?[]BlockId = null,
-        evicted_shard_indices: ?[]u32 = null,
     };
 
     pub fn get(
@@ -1143,7 +1188,6 @@ pub const Buffer = struct {
         assert(buffer.holder < constants.buffer_holders_max);
         for (block_ids, shard_indices, 0..) |*block_id, shard_index, index| {
             out.slots[index] = slot_none;
-            if (out.evicted_shard_indices) |evicted| evicted[index] = slot_none;
             const bucket_index = buffer.bucket_of(block_id);
             buffer.lock_acquire(bucket_index) catch {
                 out.results[index] = .lock_timeout;
@@ -1164,8 +1208,6 @@ pub const Buffer = struct {
             buffer.install(bucket_index, victim.slot, block_id, shard_index, true);
             out.slots[index] = victim.slot;
             out.results[index] = .owner;
-            if (out.evicted_block_ids) |evicted| evicted[index] = victim.evicted_block_id;
-            if (out.evicted_shard_indices) |evicted| evicted[index] = victim.evicted_shard_index;
         }
     }
 
@@ -1214,13 +1256,22 @@ pub const Buffer = struct {
         return buffer.clock_victim(.reserved, bucket_index, false);
     }
 
+    /// Whether `code` is a valid commit state code: ready, failed or missing, with
+    /// `commit_dirty_bit` allowed on ready only.
+    pub fn commit_code_valid(code: u8) bool {
+        if (code == @intFromEnum(State.ready) | commit_dirty_bit) return true;
+        return code >= @intFromEnum(State.ready) and code <= @intFromEnum(State.missing);
+    }
+
     /// Owner publishes the final state: state first, then the version (release), then wake.
+    /// A code with `commit_dirty_bit` publishes Ready with write-back debt.
     pub fn commit(buffer: Buffer, slot_indices: []const u32, states: []const u8, out: []CommitResult) void {
         assert(slot_indices.len == states.len and out.len == states.len);
-        for (slot_indices, states, out) |slot_index, state_code, *result| {
+        for (slot_indices, states, out) |slot_index, code, *result| {
             assert(slot_index < buffer.slots.len);
-            assert(state_code >= @intFromEnum(State.ready) and state_code <= @intFromEnum(State.missing));
-            const state: State = @enumFromInt(state_code);
+            assert(commit_code_valid(code));
+            const dirty = code & commit_dirty_bit != 0;
+            const state: State = @enumFromInt(code & ~commit_dirty_bit);
             const slot = &buffer.slots[slot_index];
             if (slot.owner.load(.monotonic) != buffer.holder + 1) {
                 result.* = .not_owner;
@@ -1236,6 +1287,13 @@ pub const Buffer = struct {
                     continue;
                 };
             } else {
+                if (dirty) {
+                    // Before the state: whoever sees the slot Ready sees it dirty, so no
+                    // evictor ever takes it clean. Monotonic: ordered by the release below.
+                    const previous = slot.flags.fetchOr(slot_flag_dirty, .monotonic);
+                    assert(previous & slot_flag_dirty == 0);
+                    buffer.count(.dirty_slots, 1);
+                }
                 // Release: the shard bytes written before are visible to whoever acquires it.
                 slot.state.store(@intFromEnum(State.ready), .release);
             }
@@ -1327,7 +1385,10 @@ pub const Buffer = struct {
             const slice_ns = @min(deadline_ns - now_ns, constants.futex_wait_slice_ns);
             switch (futex.wait(&slot.version, version, slice_ns)) {
                 .changed => {}, // Counted by the committer (`wakeups`), off this wake-up path.
-                .timed_out => check_owner = true,
+                .timed_out => {
+                    check_owner = true;
+                    buffer.count(.wait_slices, 1);
+                },
             }
         }
         return .idle;
@@ -1384,6 +1445,13 @@ pub const Buffer = struct {
             const bucket_index = slot.bucket.load(.acquire);
             const mine = holder_bit(buffer.holder);
             if (bucket_index == bucket_detached) {
+                // The owner gives up without committing, as on a chain below: waiters on this
+                // force-removed slot take over instead of waiting on an owner that left. Found
+                // by the fuzzer. Before our bit goes, so the slot cannot be freed and reused
+                // under us; CAS, since a waiter may take the slot over at the same time.
+                if (slot.state.load(.monotonic) == @intFromEnum(State.idle)) {
+                    _ = slot.owner.cmpxchgStrong(buffer.holder + 1, 0, .monotonic, .monotonic);
+                }
                 // AcqRel: the last releaser must see every other holder's accesses.
                 const previous = slot.holders.fetchAnd(~mine, .acq_rel);
                 if (previous & mine == 0) return false; // listed twice in one batch
@@ -1405,6 +1473,106 @@ pub const Buffer = struct {
             return true;
         }
         unreachable; // A slot is detached at most once while referenced.
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Write-back debt: flushers take dirty slots, write them to the `write: back` tiers below
+    // (in Python: the tiers are plugins) and clean them.
+
+    pub const DirtyOutput = struct {
+        slots: []u32,
+        block_ids: []BlockId,
+        shard_indices: []u32,
+    };
+
+    /// Claims up to `out.slots.len` dirty Ready slots for writing down, scanning at most every
+    /// slot once from `cursor.*` (a position the caller keeps between calls; it moves past the
+    /// last slot scanned). Each claimed slot gets this holder's reference (its bytes stay put
+    /// while it is written down) and this holder as its flusher, so concurrent flushers in
+    /// other processes or threads partition the debt. A slot this holder already references,
+    /// or that a live flusher writes, is skipped. Returns how many were claimed.
+    pub fn take_dirty(buffer: Buffer, cursor: *u32, out: DirtyOutput) u32 {
+        assert(out.slots.len == out.block_ids.len and out.slots.len == out.shard_indices.len);
+        assert(buffer.holder < constants.buffer_holders_max);
+        const total: u32 = @intCast(buffer.slots.len);
+        const mine = holder_bit(buffer.holder);
+        var taken: u32 = 0;
+        var scanned: u32 = 0;
+        var position = cursor.* % total;
+        while (scanned < total and taken < out.slots.len) : (scanned += 1) {
+            const slot_index = position;
+            position = (position + 1) % total;
+            const slot = &buffer.slots[slot_index];
+            // Unlocked pre-checks (monotonic: hints, re-checked under the lock).
+            if (slot.flags.load(.monotonic) & slot_flag_dirty == 0) continue;
+            const flusher_seen = slot.flusher.load(.monotonic);
+            // A live flusher's liveness is read outside the lock (it may read /proc).
+            if (flusher_seen != 0 and (flusher_seen == buffer.holder + 1 or buffer.holder_alive(flusher_seen - 1))) continue;
+            const bucket_index = slot.bucket.load(.acquire);
+            if (bucket_index >= buffer.buckets.len) continue; // Free or detached: no debt to take.
+            buffer.lock_acquire(bucket_index) catch continue;
+            defer buffer.lock_release(bucket_index);
+            if (slot.bucket.load(.monotonic) != bucket_index) continue;
+            if (slot.flags.load(.monotonic) & slot_flag_dirty == 0) continue;
+            if (slot.state.load(.monotonic) != @intFromEnum(State.ready)) continue;
+            if (slot.holders.load(.monotonic) & mine != 0) continue;
+            if (slot.flusher.load(.monotonic) != flusher_seen) continue;
+            slot.flusher.store(buffer.holder + 1, .monotonic);
+            _ = slot.holders.fetchOr(mine, .monotonic);
+            out.slots[taken] = slot_index;
+            out.block_ids[taken] = slot.block_id;
+            out.shard_indices[taken] = slot.shard_index;
+            taken += 1;
+        }
+        cursor.* = position;
+        assert(taken <= out.slots.len);
+        return taken;
+    }
+
+    /// Ends the flush of slots claimed by `take_dirty`: where `written[i]` is set the debt is
+    /// paid (the dirty flag cleared), else the slot stays dirty for a later flush. The caller
+    /// still holds the reference `take_dirty` took and releases it after (its process may
+    /// share that reference between threads). Returns how many were cleaned.
+    pub fn clean(buffer: Buffer, slot_indices: []const u32, written: []const u8) u32 {
+        assert(slot_indices.len == written.len);
+        var cleaned: u32 = 0;
+        for (slot_indices, written) |slot_index, ok| {
+            assert(slot_index < buffer.slots.len);
+            const slot = &buffer.slots[slot_index];
+            const bucket_index = slot.bucket.load(.acquire);
+            if (bucket_index < buffer.buckets.len) locked: {
+                buffer.lock_acquire(bucket_index) catch break :locked;
+                defer buffer.lock_release(bucket_index);
+                // Only a detach moves a referenced slot; a detached one owes nothing.
+                if (slot.bucket.load(.monotonic) != bucket_index) break :locked;
+                if (slot.flusher.load(.monotonic) != buffer.holder + 1) break :locked;
+                slot.flusher.store(0, .monotonic);
+                if (ok != 0 and slot.flags.load(.monotonic) & slot_flag_dirty != 0) {
+                    buffer.clear_dirty(slot);
+                    buffer.count(.flushed, 1);
+                    cleaned += 1;
+                }
+            }
+        }
+        return cleaned;
+    }
+
+    /// Marks this holder closing (or open again) and tells whether it is the last: no other
+    /// registered holder is live and not closing. The last one to close pays every debt.
+    /// Sequentially consistent store then loads (Dekker): of two holders closing at once, at
+    /// least one sees the other closing, so the debt is never left for nobody.
+    pub fn mark_closing(buffer: Buffer, closing: bool) bool {
+        assert(buffer.holder < constants.buffer_holders_max);
+        const entries = &buffer.holder_table.entries;
+        entries[buffer.holder].closing.store(@intFromBool(closing), .seq_cst);
+        if (!closing) return false;
+        for (entries, 0..) |*entry, index| {
+            if (index == buffer.holder) continue;
+            if (entry.state() != .live) continue;
+            if (entry.closing.load(.seq_cst) != 0) continue;
+            if (buffer.holder_alive(@intCast(index))) return false;
+        }
+        return true;
     }
 
     /// Hangs idle, unreferenced slots for keys not yet resident (seed §3.4): from never-used
@@ -1597,6 +1765,8 @@ pub const Buffer = struct {
             buffer.free_slot(slot_index);
         } else if (force) {
             buffer.unlink(bucket_index, slot_index);
+            // Removed on purpose: not debt any more (its flusher, if any, cleans nothing).
+            buffer.clear_dirty(slot);
             // Release: pairs with the acquire load in `release_one`.
             slot.bucket.store(bucket_detached, .release);
         } else {

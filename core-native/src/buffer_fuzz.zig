@@ -1,419 +1,1967 @@
-//! Seeded model-based fuzzer for the CacheBuffer: random Get/Commit/Wait/Release/Touch/Prealloc/
-//! Remove/Lookup sequences against a simple reference model (a map key -> state plus the list
-//! of references held), checking every outcome and the structural invariants after each step.
-//! Fixed seeds and a bounded number of steps keep `zig build test` deterministic.
+//! Seeded model-based fuzzer for the CacheBuffer control plane (`buffer.zig`).
+//!
+//! Random batches of Get/Commit/Wait/Release/Touch/Prealloc/Remove/Lookup/TakeDirty/Clean/
+//! MarkClosing/ReclaimDead run against the real buffer and against `Model`, a plain reference
+//! of what the buffer promises: per-slot state arrays, the chains as a key -> slot map, the
+//! CLOCK (fresh high-water marks, cursors and accessed bits per pool: regular, then reserved),
+//! the holder table and every counter. After every step the whole state is compared field by
+//! field, and every result code and slot index, so the model predicts exactly which slot every
+//! Get and Prealloc takes and what every lazy recovery does.
+//!
+//! Simulated processes share one buffer, each with a fake identity (pid + start time) judged
+//! alive or dead by `identity_alive` (the `debug_identity_alive` hook). A kill flips the
+//! identity dead and nothing else: owners die before commit, waiters and hit readers die
+//! holding references, flushers die holding claims, some die holding a bucket lock. Nobody
+//! sweeps right away; the model predicts who meets the dead references next (a Get on the
+//! slot, an eviction scan of a full buffer, a wait's liveness check and takeover, take_dirty,
+//! remove, a restarted process reusing the pid, a full holder table, an eager `reclaim_dead`)
+//! and what each of them drops, and which liveness checks mark the dead (those, the lock
+//! recovery, `mark_closing`).
+//!
+//! Determinism: the full-buffer holder scan is rate-limited by monotonic time, so
+//! `holder_table.last_scan_ns` is reset to 0 before every operation and every full-buffer miss
+//! scans; waits use timeout 0 (the owner's liveness is checked at once). Each run is a sequence
+//! of epochs of `epoch_steps` steps, each a fresh buffer with its own random geometry and
+//! operation mix (swarm testing), all drawn from the seed: `run(seed, steps)` is reproducible,
+//! and `zig build fuzz -- --seed N --steps M` (`fuzz_main.zig`) is the long form.
 const std = @import("std");
 const buffer_module = @import("buffer.zig");
+const constants = @import("constants.zig");
 
 const Buffer = buffer_module.Buffer;
 const BlockId = buffer_module.BlockId;
 const State = buffer_module.State;
+const Counter = buffer_module.Counter;
+const GetResult = buffer_module.GetResult;
+const WaitResult = buffer_module.WaitResult;
+const CommitResult = buffer_module.CommitResult;
+const PreallocResult = buffer_module.PreallocResult;
+const HolderState = buffer_module.HolderState;
 const assert = std.debug.assert;
 const expect = std.testing.expect;
 const expectEqual = std.testing.expectEqual;
+const slot_none = buffer_module.slot_none;
 
-const block_count = 5;
-const shards_per_block = 3;
-const key_count = block_count * shards_per_block;
-const steps_per_seed = 3000;
-const refs_max = 64;
-/// Simulated processes sharing the buffer; each is one holder with its own (fake) identity.
-const process_count = 3;
-/// Geometry below has at most 10 regular + 4 reserved slots.
-const slot_scan_max = 16;
+const block_count_max = 6;
+const shards_per_block_max = 4;
+const key_count_max = block_count_max * shards_per_block_max;
+const slot_count_regular_max = 10;
+const slot_count_reserved_max = 4;
+const slot_count_max = slot_count_regular_max + slot_count_reserved_max;
+const bucket_count_max = 8;
+const slots_per_segment_max = 5;
+/// Simulated processes sharing the buffer.
+const process_count_max = 4;
+/// Keys (or blocks, or slots) per batched call.
+const batch_max = 3;
+const holders_max = constants.buffer_holders_max;
+const counter_count = buffer_module.counter_count;
+/// Steps per epoch (one buffer, one geometry, one operation mix).
+pub const epoch_steps: u64 = 2500;
+/// Fake pids start above Linux's PID_MAX_LIMIT (4194304), so no real process has one: a check
+/// by pid alone (`pid_alive`) of a fake pid finds nobody.
+const fake_pid_first: u32 = 600_000_000;
 
-const Role = enum { owner, waiter, hit };
-
-const Ref = struct {
-    slot: u32,
-    /// The key the slot holds, or null once it was detached (failed or force-removed).
-    key: ?u32,
-    role: Role,
-    /// Index of the simulated process holding it.
-    process: u32,
+const geometry_max = buffer_module.Geometry{
+    .shard_size_bytes = 64,
+    .slot_count_regular = slot_count_regular_max,
+    .slot_count_reserved = slot_count_reserved_max,
+    .bucket_count = bucket_count_max,
+    .slots_per_segment = 1,
 };
+const ctrl_size_max_bytes: usize = @intCast(buffer_module.ctrl_size_bytes(geometry_max));
+/// The control region of the fuzzed buffer (no allocation): one run at a time.
+var ctrl_memory: [ctrl_size_max_bytes]u8 align(constants.buffer_cache_line_bytes) = undefined;
+var running = false;
 
-const KeyModel = struct {
-    present: bool = false,
-    ready: bool = false,
-    slot: u32 = 0,
-    /// The process that owns the idle slot (holds its reference without having committed).
-    owner: ?u32 = null,
-};
+fn holder_bit(holder: u32) u64 {
+    return buffer_module.holder_bit(holder);
+}
 
-/// The simulated processes: liveness is decided by `fuzz_identity_alive` over this table, so a
-/// "kill" is flipping `alive`, and a restart reuses the pid with another start time.
-const FakeProcess = struct { pid: u32, start_time: u64, alive: bool };
-var fake_processes: [process_count]FakeProcess = undefined;
+// -------------------------------------------------------------------------------------------
+// The simulated processes' identities: the world both the model and the buffer observe.
 
-fn fuzz_identity_alive(pid: u32, start_time: u64) bool {
-    for (fake_processes) |process| {
-        if (process.pid == pid and process.start_time == start_time) return process.alive;
+const Identity = struct { pid: u32 = 0, start_time: u64 = 0, alive: bool = false };
+var identities: [process_count_max]Identity = @splat(.{});
+
+/// The `debug_identity_alive` hook: a process runs while its current identity is alive; a
+/// killed or replaced (restarted) identity is dead.
+fn identity_alive(pid: u32, start_time: u64) bool {
+    for (identities) |identity| {
+        if (identity.pid == pid and identity.start_time == start_time) return identity.alive;
     }
     return false;
 }
 
-const Model = struct {
-    keys: [key_count]KeyModel = @splat(.{}),
-    refs: [refs_max]Ref = undefined,
-    ref_count: usize = 0,
+// -------------------------------------------------------------------------------------------
+// The reference model.
 
-    fn refs_on_key(model: *const Model, key: u32) u32 {
-        var total: u32 = 0;
-        for (model.refs[0..model.ref_count]) |ref| total += @intFromBool(ref.key == key);
-        return total;
+const Place = enum { free, linked, detached };
+const Pool = enum(u1) { regular, reserved };
+
+const SlotModel = struct {
+    /// Free (claimable), linked on its key's chain, or detached (failed or force-removed while
+    /// referenced; freed by its last release).
+    place: Place = .free,
+    /// The key it holds (linked or detached).
+    key: u32 = 0,
+    state: State = .idle,
+    accessed: bool = false,
+    /// Holder loading the slot (set by Get/takeover, kept after a Ready commit).
+    owner: ?u32 = null,
+    /// Holders referencing the slot, one bit each.
+    holders: u64 = 0,
+    preallocated: bool = false,
+    dirty: bool = false,
+    /// Holder writing the dirty slot down (`take_dirty`).
+    flusher: ?u32 = null,
+    /// Commits so far (never reset).
+    version: u32 = 0,
+};
+
+const EntryModel = struct {
+    state: HolderState = .free,
+    pid: u32 = 0,
+    start_time: u64 = 0,
+    closing: bool = false,
+};
+
+/// Who calls: a process view (pid + holder) or a view that holds no references.
+const Caller = struct { pid: u32, holder: ?u32 };
+
+const Reclaim = struct { holders: u32 = 0, refs: u64 = 0 };
+
+const DirtyClaim = struct { slot: u32, key: u32 };
+
+const Model = struct {
+    slot_count_regular: u32,
+    slot_count_reserved: u32,
+    shards_per_block: u32,
+    block_count: u32,
+    /// The bucket of each block: the buffer's hash is an input to the model, not under test.
+    block_buckets: [block_count_max]u32,
+
+    slots: [slot_count_max]SlotModel = @splat(.{}),
+    /// The chains: key -> the slot linked for it.
+    resident: [key_count_max]?u32 = @splat(null),
+    fresh: [2]u32 = .{ 0, 0 },
+    cursor: [2]u32 = .{ 0, 0 },
+    entries: [holders_max]EntryModel = @splat(.{}),
+    /// Bit h set: entry h is marked dead.
+    dead: u64 = 0,
+    counters: [counter_count]u64 = @splat(0),
+    /// Pid of a dead process that still holds the bucket's lock, else 0.
+    dead_locks: [bucket_count_max]u32 = @splat(0),
+    /// Registrations that found the holder table full and reclaimed it first (coverage).
+    full_table_registrations: u64 = 0,
+
+    fn slot_count(model: *const Model) u32 {
+        return model.slot_count_regular + model.slot_count_reserved;
     }
 
-    fn holds_key(model: *const Model, process: u32, key: u32) bool {
-        for (model.refs[0..model.ref_count]) |ref| {
-            if (ref.process == process and ref.key == key) return true;
+    fn key_count(model: *const Model) u32 {
+        return model.block_count * model.shards_per_block;
+    }
+
+    fn key_of(model: *const Model, block: u32, shard: u32) u32 {
+        assert(block < model.block_count and shard < model.shards_per_block);
+        return block * model.shards_per_block + shard;
+    }
+
+    fn key_block(model: *const Model, key: u32) u32 {
+        return key / model.shards_per_block;
+    }
+
+    fn key_shard(model: *const Model, key: u32) u32 {
+        return key % model.shards_per_block;
+    }
+
+    fn key_bucket(model: *const Model, key: u32) u32 {
+        return model.block_buckets[model.key_block(key)];
+    }
+
+    fn count(model: *Model, counter: Counter, amount: u64) void {
+        model.counters[@intFromEnum(counter)] += amount;
+    }
+
+    fn dirty_gauge_down(model: *Model) void {
+        assert(model.counters[@intFromEnum(Counter.dirty_slots)] > 0);
+        model.counters[@intFromEnum(Counter.dirty_slots)] -= 1;
+    }
+
+    fn holds(model: *const Model, slot: u32, holder: u32) bool {
+        return model.slots[slot].holders & holder_bit(holder) != 0;
+    }
+
+    // --- Holders ------------------------------------------------------------------------
+
+    /// The entries marked dead (kept with `entries`: see `check_dead_mask`).
+    fn dead_mask(model: *const Model) u64 {
+        return model.dead;
+    }
+
+    fn check_dead_mask(model: *const Model) void {
+        var mask: u64 = 0;
+        for (model.entries, 0..) |entry, index| {
+            if (entry.state == .dead) mask |= holder_bit(@intCast(index));
         }
+        assert(mask == model.dead);
+    }
+
+    fn mark_dead(model: *Model, holder: u32) void {
+        if (model.entries[holder].state != .live) return;
+        model.entries[holder].state = .dead;
+        model.dead |= holder_bit(holder);
+        model.count(.dead_holders, 1);
+    }
+
+    /// Whether holder `holder` runs, as `caller` judges it; a dead live entry is marked dead.
+    fn holder_alive(model: *Model, caller: Caller, holder: u32) bool {
+        const entry = model.entries[holder];
+        if (entry.state != .live) return false;
+        if (entry.pid == caller.pid and caller.holder == holder) return true;
+        if (identity_alive(entry.pid, entry.start_time)) return true;
+        model.mark_dead(holder);
         return false;
     }
 
-    fn add_ref(model: *Model, ref: Ref) void {
-        assert(model.ref_count < refs_max);
-        model.refs[model.ref_count] = ref;
-        model.ref_count += 1;
-    }
-
-    fn drop_ref(model: *Model, index: usize) Ref {
-        assert(index < model.ref_count);
-        const ref = model.refs[index];
-        model.ref_count -= 1;
-        model.refs[index] = model.refs[model.ref_count];
-        return ref;
-    }
-
-    /// Forget a key whose slot left the chain; references still held become detached.
-    fn detach_key(model: *Model, key: u32) void {
-        for (model.refs[0..model.ref_count]) |*ref| {
-            if (ref.key == key) ref.key = null;
+    /// Checks every live entry; returns the dead mask.
+    fn scan(model: *Model, caller: Caller) u64 {
+        for (0..holders_max) |index| {
+            if (model.entries[index].state == .live) _ = model.holder_alive(caller, @intCast(index));
         }
-        model.keys[key] = .{};
+        return model.dead_mask();
     }
 
-    /// A killed process: every reference it held is gone, its ownerships end.
-    fn kill(model: *Model, process: u32) u64 {
-        var dropped: u64 = 0;
-        var index: usize = 0;
-        while (index < model.ref_count) {
-            if (model.refs[index].process == process) {
-                _ = model.drop_ref(index);
-                dropped += 1;
+    // --- Bucket locks ---------------------------------------------------------------------
+
+    /// A blocking acquisition: a lock left by a dead process is stolen (its entry is judged
+    /// and marked dead on the way).
+    fn acquire(model: *Model, caller: Caller, bucket: u32) void {
+        const dead_pid = model.dead_locks[bucket];
+        if (dead_pid != 0) {
+            assert(dead_pid != caller.pid);
+            for (0..holders_max) |index| {
+                const entry = model.entries[index];
+                if (entry.pid != dead_pid or entry.state != .live) continue;
+                // The fuzzer never lets a pid that died holding a lock be reused.
+                assert(!model.holder_alive(caller, @intCast(index)));
+            }
+            model.dead_locks[bucket] = 0;
+            model.count(.lock_recoveries, 1);
+        }
+        model.count(.lock_acquisitions, 1);
+    }
+
+    /// A try-lock (eviction of a slot of another bucket): fails on a lock still held.
+    fn try_acquire(model: *Model, bucket: u32) bool {
+        if (model.dead_locks[bucket] != 0) return false;
+        model.count(.lock_acquisitions, 1);
+        return true;
+    }
+
+    // --- Slots ----------------------------------------------------------------------------
+
+    /// Drops references of (dead) holders `stale`; an owner or flusher among them leaves its
+    /// role, so waiters take over and the next flusher takes the debt.
+    fn drop_refs(model: *Model, slot_index: u32, stale: u64) void {
+        const slot = &model.slots[slot_index];
+        assert(stale != 0 and slot.holders & stale == stale);
+        slot.holders &= ~stale;
+        if (slot.owner) |owner| {
+            if (stale & holder_bit(owner) != 0) slot.owner = null;
+        }
+        if (slot.flusher) |flusher| {
+            if (stale & holder_bit(flusher) != 0) slot.flusher = null;
+        }
+        model.count(.refs_reclaimed, @popCount(stale));
+    }
+
+    /// Drops the references of holders marked dead; returns whether none is left.
+    fn drop_dead_refs(model: *Model, slot_index: u32) bool {
+        const stale = model.slots[slot_index].holders & model.dead_mask();
+        if (stale != 0) model.drop_refs(slot_index, stale);
+        return model.slots[slot_index].holders == 0;
+    }
+
+    fn unlink(model: *Model, slot_index: u32) void {
+        const slot = &model.slots[slot_index];
+        assert(slot.place == .linked);
+        assert(model.resident[slot.key] == slot_index);
+        model.resident[slot.key] = null;
+        slot.place = .detached;
+    }
+
+    fn free_slot(model: *Model, slot_index: u32) void {
+        const slot = &model.slots[slot_index];
+        assert(slot.holders == 0 and slot.place != .linked);
+        if (slot.dirty) model.dirty_gauge_down();
+        slot.* = .{ .version = slot.version };
+    }
+
+    fn clear_dirty(model: *Model, slot_index: u32) void {
+        if (!model.slots[slot_index].dirty) return;
+        model.slots[slot_index].dirty = false;
+        model.dirty_gauge_down();
+    }
+
+    fn install(model: *Model, caller: Caller, slot_index: u32, key: u32, owner: bool) void {
+        const slot = &model.slots[slot_index];
+        assert(slot.holders == 0 and !slot.dirty and slot.flusher == null);
+        assert(model.resident[key] == null);
+        slot.place = .linked;
+        slot.key = key;
+        slot.state = .idle;
+        slot.accessed = owner;
+        slot.owner = if (owner) caller.holder.? else null;
+        slot.preallocated = !owner;
+        if (owner) slot.holders = holder_bit(caller.holder.?);
+        model.resident[key] = slot_index;
+    }
+
+    // --- Allocation: fresh slots, then CLOCK ---------------------------------------------
+
+    fn pool_first(model: *const Model, pool: Pool) u32 {
+        return if (pool == .regular) 0 else model.slot_count_regular;
+    }
+
+    fn pool_count(model: *const Model, pool: Pool) u32 {
+        return if (pool == .regular) model.slot_count_regular else model.slot_count_reserved;
+    }
+
+    /// The next never-used slot of the pool, if any.
+    fn take_fresh(model: *Model, pool: Pool) ?u32 {
+        const used = &model.fresh[@intFromEnum(pool)];
+        if (used.* == model.pool_count(pool)) return null;
+        const slot_index = model.pool_first(pool) + used.*;
+        used.* += 1;
+        assert(model.slots[slot_index].place == .free);
+        return slot_index;
+    }
+
+    /// CLOCK over one pool from its cursor: a lap of second chances (a set accessed bit is
+    /// cleared and the slot passed over), then a lap on the raw cursor. Skipped: slots a live
+    /// (or not yet marked dead) holder references, dirty slots, detached slots, slots whose
+    /// bucket lock is held by someone else, and with `idle_only` Ready slots. A victim's dead
+    /// references are dropped; a Ready victim is an eviction.
+    fn clock(model: *Model, pool: Pool, bucket: u32, idle_only: bool) ?u32 {
+        const pool_slots = model.pool_count(pool);
+        if (pool_slots == 0) return null;
+        const cursor = &model.cursor[@intFromEnum(pool)];
+        for (0..2 * pool_slots) |step| {
+            const slot_index = model.pool_first(pool) + cursor.*;
+            cursor.* = (cursor.* + 1) % pool_slots;
+            const slot = &model.slots[slot_index];
+            if (step < pool_slots) {
+                const accessed = slot.accessed;
+                slot.accessed = false;
+                if (accessed) continue;
+            }
+            if (slot.holders & ~model.dead_mask() != 0) continue;
+            if (slot.dirty) continue;
+            switch (slot.place) {
+                .free => return slot_index,
+                .detached => continue,
+                .linked => {},
+            }
+            const victim_bucket = model.key_bucket(slot.key);
+            if (victim_bucket != bucket and !model.try_acquire(victim_bucket)) continue;
+            assert(model.drop_dead_refs(slot_index));
+            if (idle_only and slot.state == .ready) continue;
+            if (slot.state == .ready) model.count(.evictions, 1);
+            model.unlink(slot_index);
+            slot.place = .free; // claimed by the caller: `install` links it
+            return slot_index;
+        }
+        return null;
+    }
+
+    fn allocate_once(model: *Model, bucket: u32) ?u32 {
+        return model.take_fresh(.regular) orelse
+            model.clock(.regular, bucket, false) orelse
+            model.take_fresh(.reserved) orelse
+            model.clock(.reserved, bucket, false);
+    }
+
+    /// A full buffer looks for dead holders (every time: the fuzzer resets the rate limit)
+    /// and tries once more when it found any.
+    fn allocate_for_get(model: *Model, caller: Caller, bucket: u32) ?u32 {
+        if (model.allocate_once(bucket)) |slot_index| return slot_index;
+        if (model.scan(caller) == 0) return null;
+        return model.allocate_once(bucket);
+    }
+
+    // --- Operations -------------------------------------------------------------------------
+
+    fn get(model: *Model, caller: Caller, keys: []const u32, results: []GetResult, slots: []u32) void {
+        const me = caller.holder.?;
+        for (keys, results, slots) |key, *result, *slot_out| {
+            model.acquire(caller, model.key_bucket(key));
+            if (model.resident[key]) |slot_index| {
+                slot_out.* = slot_index;
+                result.* = model.get_resident(me, slot_index);
+                continue;
+            }
+            model.count(.misses, 1);
+            if (model.allocate_for_get(caller, model.key_bucket(key))) |slot_index| {
+                model.install(caller, slot_index, key, true);
+                slot_out.* = slot_index;
+                result.* = .owner;
             } else {
-                index += 1;
+                model.count(.no_slot, 1);
+                slot_out.* = slot_none;
+                result.* = .no_slot;
             }
         }
-        for (&model.keys) |*key_model| {
-            if (key_model.owner == process) key_model.owner = null;
+    }
+
+    fn get_resident(model: *Model, me: u32, slot_index: u32) GetResult {
+        const slot = &model.slots[slot_index];
+        _ = model.drop_dead_refs(slot_index);
+        if (slot.holders & holder_bit(me) != 0) return .held;
+        assert(slot.state == .idle or slot.state == .ready);
+        if (slot.state == .ready) {
+            slot.holders |= holder_bit(me);
+            slot.accessed = true;
+            model.count(.hits, 1);
+            return .hit;
         }
-        return dropped;
+        model.count(.misses, 1);
+        if (slot.holders == 0) {
+            // An idle slot nobody holds (prewarmed, or given up by its owner): take it over.
+            if (slot.preallocated) model.count(.prealloc_hits, 1);
+            slot.preallocated = false;
+            slot.owner = me;
+            slot.accessed = true;
+            slot.holders |= holder_bit(me);
+            return .owner;
+        }
+        slot.holders |= holder_bit(me);
+        return .waiter;
+    }
+
+    fn prealloc(model: *Model, caller: Caller, keys: []const u32, results: []PreallocResult) void {
+        for (keys, results) |key, *result| {
+            const bucket = model.key_bucket(key);
+            model.acquire(caller, bucket);
+            if (model.resident[key] != null) {
+                result.* = .exists;
+                continue;
+            }
+            const found = model.take_fresh(.regular) orelse
+                model.take_fresh(.reserved) orelse
+                model.clock(.reserved, bucket, true);
+            if (found) |slot_index| {
+                model.install(caller, slot_index, key, false);
+                model.count(.preallocs, 1);
+                result.* = .allocated;
+            } else {
+                result.* = .no_slot;
+            }
+        }
+    }
+
+    fn commit(model: *Model, caller: Caller, slot_index: u32, code: u8) CommitResult {
+        const me = caller.holder.?;
+        const slot = &model.slots[slot_index];
+        if (slot.owner != me) return .not_owner;
+        if (slot.state != .idle) return .not_idle;
+        assert(slot.holders & holder_bit(me) != 0);
+        const state: State = @enumFromInt(code & ~buffer_module.commit_dirty_bit);
+        if (state == .ready) {
+            if (code & buffer_module.commit_dirty_bit != 0) {
+                // Also on a detached (force-removed) slot, as the buffer does: no flusher can
+                // take that debt; it stays in the gauge until the slot's last release.
+                assert(!slot.dirty);
+                slot.dirty = true;
+                model.count(.dirty_slots, 1);
+            }
+            slot.state = .ready;
+            model.count(.commits_ready, 1);
+        } else {
+            // Failures are not remembered: the slot leaves its chain at once.
+            if (slot.place == .linked) {
+                model.acquire(caller, model.key_bucket(slot.key));
+                model.unlink(slot_index);
+            }
+            slot.state = state;
+            model.count(.commits_failed, 1);
+        }
+        slot.version +%= 1;
+        return .ok;
+    }
+
+    /// A wait with timeout 0 on a slot the caller references.
+    fn wait(model: *Model, caller: Caller, slot_index: u32) WaitResult {
+        const me = caller.holder.?;
+        const slot = &model.slots[slot_index];
+        assert(slot.holders & holder_bit(me) != 0);
+        switch (slot.state) {
+            .ready => return .ready,
+            .failed => return .failed,
+            .missing => return .missing,
+            .idle => {},
+        }
+        const owner = slot.owner;
+        if (owner != me) {
+            const orphaned = if (owner) |holder| !model.holder_alive(caller, holder) else true;
+            if (orphaned) {
+                // Take over: the dead owner's reference goes; ours stays.
+                if (slot.place == .linked) model.acquire(caller, model.key_bucket(slot.key));
+                if (owner) |holder| {
+                    if (slot.holders & holder_bit(holder) != 0) {
+                        slot.holders &= ~holder_bit(holder);
+                        model.count(.refs_reclaimed, 1);
+                    }
+                }
+                slot.owner = me;
+                slot.accessed = true;
+                model.count(.takeovers, 1);
+                return .takeover;
+            }
+        }
+        model.count(.wait_timeouts, 1);
+        return .idle;
+    }
+
+    fn release(model: *Model, caller: Caller, slot_indices: []const u32) u32 {
+        const me = caller.holder.?;
+        var released: u32 = 0;
+        for (slot_indices) |slot_index| {
+            const slot = &model.slots[slot_index];
+            if (slot.place == .linked) model.acquire(caller, model.key_bucket(slot.key));
+            if (slot.holders & holder_bit(me) == 0) continue;
+            // The owner gives up without committing: waiters may take over.
+            if (slot.state == .idle and slot.owner == me) slot.owner = null;
+            slot.holders &= ~holder_bit(me);
+            released += 1;
+            if (slot.place == .detached and slot.holders == 0) model.free_slot(slot_index);
+        }
+        return released;
+    }
+
+    fn touch(model: *Model, caller: Caller, blocks: []const u32) u64 {
+        var touched: u64 = 0;
+        for (blocks) |block| {
+            model.acquire(caller, model.block_buckets[block]);
+            for (0..model.shards_per_block) |shard| {
+                const key = model.key_of(block, @intCast(shard));
+                const slot_index = model.resident[key] orelse continue;
+                if (model.slots[slot_index].state != .ready) continue;
+                model.slots[slot_index].accessed = true;
+                touched += 1;
+            }
+        }
+        model.count(.touched, touched);
+        return touched;
+    }
+
+    fn ready(model: *const Model, key: u32) bool {
+        const slot_index = model.resident[key] orelse return false;
+        return model.slots[slot_index].state == .ready;
+    }
+
+    fn lookup(model: *Model, caller: Caller, keys: []const u32, out: []u8) void {
+        for (keys, out) |key, *present| {
+            model.acquire(caller, model.key_bucket(key));
+            present.* = @intFromBool(model.ready(key));
+        }
+    }
+
+    fn lookup_blocks(model: *Model, caller: Caller, blocks: []const u32, shards_per_block: u32, out: []u8) void {
+        for (blocks, out) |block, *present| {
+            model.acquire(caller, model.block_buckets[block]);
+            var ready_shards: u32 = 0;
+            for (0..@min(shards_per_block, model.shards_per_block)) |shard| {
+                ready_shards += @intFromBool(model.ready(model.key_of(block, @intCast(shard))));
+            }
+            present.* = @intFromBool(ready_shards == shards_per_block);
+        }
+    }
+
+    /// Removes keys (or whole blocks when `shards` is null): an unreferenced slot (after its
+    /// dead references are dropped) is freed, a referenced one detached only with `force`.
+    /// Removal forgives write-back debt. Returns the Ready shards removed.
+    fn remove(model: *Model, caller: Caller, blocks: []const u32, shards: ?[]const u32, force: bool) u64 {
+        var removed: u64 = 0;
+        // One lock per distinct bucket (a batch is far below one chunk).
+        for (0..bucket_count_max) |bucket_index| {
+            const bucket: u32 = @intCast(bucket_index);
+            var selected_keys: [batch_max * shards_per_block_max]u32 = undefined;
+            var selected: usize = 0;
+            for (blocks, 0..) |block, index| {
+                if (model.block_buckets[block] != bucket) continue;
+                if (shards) |shard_list| {
+                    selected_keys[selected] = model.key_of(block, shard_list[index]);
+                    selected += 1;
+                } else {
+                    for (0..model.shards_per_block) |shard| {
+                        selected_keys[selected] = model.key_of(block, @intCast(shard));
+                        selected += 1;
+                    }
+                }
+            }
+            if (selected == 0) continue;
+            model.acquire(caller, bucket);
+            model.count(.remove_lock_acquisitions, 1);
+            for (selected_keys[0..selected]) |key| {
+                const slot_index = model.resident[key] orelse continue;
+                const slot = &model.slots[slot_index];
+                const was_ready = slot.state == .ready;
+                if (model.drop_dead_refs(slot_index)) {
+                    model.unlink(slot_index);
+                    model.free_slot(slot_index);
+                } else if (force) {
+                    model.unlink(slot_index);
+                    model.clear_dirty(slot_index);
+                } else {
+                    continue;
+                }
+                removed += @intFromBool(was_ready);
+            }
+        }
+        model.count(.removed, removed);
+        return removed;
+    }
+
+    /// Claims up to `claims.len` dirty slots from `cursor.*` on (one pass over every slot):
+    /// skipped are slots the caller already references and slots a live flusher writes; a
+    /// dead flusher's claim passes to the caller.
+    fn take_dirty(model: *Model, caller: Caller, cursor: *u32, claims: []DirtyClaim) u32 {
+        const me = caller.holder.?;
+        const total = model.slot_count();
+        var position = cursor.* % total;
+        var taken: u32 = 0;
+        var scanned: u32 = 0;
+        while (scanned < total and taken < claims.len) : (scanned += 1) {
+            const slot_index = position;
+            position = (position + 1) % total;
+            const slot = &model.slots[slot_index];
+            if (!slot.dirty) continue;
+            if (slot.flusher) |flusher| {
+                if (flusher == me or model.holder_alive(caller, flusher)) continue;
+            }
+            if (slot.place != .linked) continue;
+            model.acquire(caller, model.key_bucket(slot.key));
+            assert(slot.state == .ready);
+            if (slot.holders & holder_bit(me) != 0) continue;
+            slot.flusher = me;
+            slot.holders |= holder_bit(me);
+            claims[taken] = .{ .slot = slot_index, .key = slot.key };
+            taken += 1;
+        }
+        cursor.* = position;
+        return taken;
+    }
+
+    fn clean(model: *Model, caller: Caller, slot_indices: []const u32, written: []const u8) u32 {
+        const me = caller.holder.?;
+        var cleaned: u32 = 0;
+        for (slot_indices, written) |slot_index, ok| {
+            const slot = &model.slots[slot_index];
+            if (slot.place != .linked) continue;
+            model.acquire(caller, model.key_bucket(slot.key));
+            if (slot.flusher != me) continue;
+            slot.flusher = null;
+            if (ok != 0 and slot.dirty) {
+                model.clear_dirty(slot_index);
+                model.count(.flushed, 1);
+                cleaned += 1;
+            }
+        }
+        return cleaned;
+    }
+
+    /// The caller is the last to close when every other live holder is closing or dead
+    /// (judged in table order, stopping at the first live one that is not closing).
+    fn mark_closing(model: *Model, caller: Caller, closing: bool) bool {
+        const me = caller.holder.?;
+        model.entries[me].closing = closing;
+        if (!closing) return false;
+        for (0..holders_max) |index| {
+            if (index == me) continue;
+            const entry = model.entries[index];
+            if (entry.state != .live or entry.closing) continue;
+            if (model.holder_alive(caller, @intCast(index))) return false;
+        }
+        return true;
+    }
+
+    /// Marks the dead, steals their locks, drops every reference they left (slot by slot) and
+    /// frees their entries.
+    fn reclaim_dead(model: *Model, caller: Caller) Reclaim {
+        const claimed = model.scan(caller);
+        var report = Reclaim{};
+        if (claimed == 0) return report;
+        for (0..bucket_count_max) |bucket| {
+            const dead_pid = model.dead_locks[bucket];
+            if (dead_pid == 0) continue;
+            for (model.entries, 0..) |entry, index| {
+                if (claimed & holder_bit(@intCast(index)) == 0 or entry.pid != dead_pid) continue;
+                model.acquire(caller, @intCast(bucket));
+                break;
+            }
+        }
+        for (0..model.slot_count()) |slot_index_usize| {
+            const slot_index: u32 = @intCast(slot_index_usize);
+            const slot = &model.slots[slot_index];
+            const stale = slot.holders & claimed;
+            if (stale == 0) continue;
+            if (slot.place == .linked) model.acquire(caller, model.key_bucket(slot.key));
+            model.drop_refs(slot_index, stale);
+            report.refs += @popCount(stale);
+            if (slot.place == .detached and slot.holders == 0) model.free_slot(slot_index);
+        }
+        for (&model.entries, 0..) |*entry, index| {
+            if (claimed & holder_bit(@intCast(index)) == 0) continue;
+            entry.* = .{};
+            model.dead &= ~holder_bit(@intCast(index));
+            report.holders += 1;
+        }
+        model.count(.holders_freed, report.holders);
+        return report;
+    }
+
+    /// A live entry of the same pid with another start time is a dead predecessor (pid
+    /// reuse); the first free entry is taken; a full table is reclaimed once first.
+    fn register(model: *Model, caller: Caller, pid: u32, start_time: u64) ?u32 {
+        for (0..2) |attempt| {
+            for (&model.entries, 0..) |*entry, index| {
+                if (entry.state != .live or entry.pid != pid) continue;
+                if (entry.start_time == start_time) return @intCast(index);
+                model.mark_dead(@intCast(index));
+            }
+            for (&model.entries, 0..) |*entry, index| {
+                if (entry.state != .free) continue;
+                entry.* = .{ .state = .live, .pid = pid, .start_time = start_time };
+                return @intCast(index);
+            }
+            if (attempt == 0) {
+                model.full_table_registrations += 1;
+                _ = model.reclaim_dead(caller);
+            }
+        }
+        return null;
+    }
+
+    /// A process takes a bucket lock and dies holding it.
+    fn hold_lock(model: *Model, caller: Caller, bucket: u32) void {
+        model.acquire(caller, bucket);
+        model.dead_locks[bucket] = caller.pid;
     }
 };
 
-fn block_id_of(block: u32) BlockId {
-    var id: BlockId = @splat(0);
-    id[0] = @intCast(block + 1);
-    id[15] = 0xB0;
-    return id;
-}
+// -------------------------------------------------------------------------------------------
+// The harness: one epoch's world (a buffer, its model, the simulated processes).
 
-fn key_block(key: u32) u32 {
-    return key / shards_per_block;
-}
+const Op = enum {
+    get,
+    commit,
+    commit_invalid,
+    wait,
+    release,
+    touch,
+    prealloc,
+    remove,
+    lookup,
+    take_dirty,
+    clean,
+    mark_closing,
+    kill,
+    restart,
+    reclaim,
+    lock_death,
+};
+const op_count = @typeInfo(Op).@"enum".fields.len;
 
-fn key_shard(key: u32) u32 {
-    return key % shards_per_block;
-}
+/// Relative weights of the operations before the swarm's per-epoch scaling.
+const op_weights_base = std.enums.directEnumArray(Op, u32, 0, .{
+    .get = 30,
+    .commit = 16,
+    .commit_invalid = 1,
+    .wait = 8,
+    .release = 12,
+    .touch = 4,
+    .prealloc = 5,
+    .remove = 4,
+    .lookup = 3,
+    .take_dirty = 5,
+    .clean = 5,
+    .mark_closing = 2,
+    .kill = 3,
+    .restart = 4,
+    .reclaim = 1,
+    .lock_death = 0, // set per epoch: each recovery sleeps out a 10 ms lock slice
+});
 
-fn check_invariants(buffer: Buffer, views: []const Buffer, model: *const Model) !void {
-    // Every linked slot is on the chain of the bucket it names, keys are unique, and the
-    // refcounts equal the references the model holds.
-    var seen: [slot_scan_max]bool = @splat(false);
-    assert(buffer.slots.len <= seen.len);
-    for (buffer.buckets, 0..) |bucket, bucket_index| {
-        var current = bucket.head;
-        var steps: usize = 0;
-        while (current != buffer_module.slot_none) : (steps += 1) {
-            try expect(steps < buffer.slots.len);
-            try expectEqual(@as(u32, @intCast(bucket_index)), buffer.slots[current].bucket.load(.monotonic));
-            try expect(!seen[current]);
-            seen[current] = true;
-            current = buffer.slots[current].next;
+const Process = struct {
+    holder: u32 = 0,
+    view: Buffer = undefined,
+    /// The position `take_dirty` continues from (kept by the flusher between calls).
+    take_cursor: u32 = 0,
+    /// Died holding a bucket lock: its pid is never reused (a live process with the locker's
+    /// pid keeps the lock from being stolen until the lock timeout).
+    pid_retired: bool = false,
+};
+
+const log_entries_max = 24;
+const log_entry_size_bytes = 160;
+
+/// The last operations, printed when a check fails.
+const OpLog = struct {
+    entries: [log_entries_max][log_entry_size_bytes]u8 = undefined,
+    lengths: [log_entries_max]usize = @splat(0),
+    next: usize = 0,
+    total: u64 = 0,
+
+    fn add(log: *OpLog, comptime format: []const u8, args: anytype) void {
+        const slot = log.next;
+        const text = std.fmt.bufPrint(&log.entries[slot], format, args) catch &log.entries[slot];
+        log.lengths[slot] = text.len;
+        log.next = (log.next + 1) % log_entries_max;
+        log.total += 1;
+    }
+
+    fn dump(log: *const OpLog) void {
+        const shown = @min(log.total, log_entries_max);
+        for (0..shown) |age| {
+            const index = (log.next + log_entries_max - shown + age) % log_entries_max;
+            std.debug.print("  {s}\n", .{log.entries[index][0..log.lengths[index]]});
         }
     }
-    for (buffer.slots, 0..) |*slot, index| {
-        var expected_refs: u32 = 0;
-        var expected_holders: u64 = 0;
-        for (model.refs[0..model.ref_count]) |ref| {
-            if (ref.slot != index) continue;
-            expected_refs += 1;
-            expected_holders |= buffer_module.holder_bit(views[ref.process].holder);
+};
+
+const Mismatch = error{ModelMismatch};
+
+fn check(what: []const u8, index: u64, expected: u64, actual: u64) Mismatch!void {
+    if (expected == actual) return;
+    std.debug.print("buffer fuzz mismatch: {s} [{d}]: model {d}, buffer {d}\n", .{ what, index, expected, actual });
+    return error.ModelMismatch;
+}
+
+fn check_true(what: []const u8, index: u64, condition: bool) Mismatch!void {
+    return check(what, index, 1, @intFromBool(condition));
+}
+
+/// One epoch's world: the buffer's geometry, the keys (blocks x shards) and the processes.
+const Config = struct {
+    geometry: buffer_module.Geometry,
+    block_count: u32,
+    shards_per_block: u32,
+    process_count: u32,
+};
+
+/// A view and who it is, for calls that take no references.
+const Who = struct { view: Buffer, caller: Caller };
+
+const World = struct {
+    random: std.Random,
+    model: Model,
+    base: Buffer,
+    processes: [process_count_max]Process = @splat(.{}),
+    process_count: u32,
+    block_ids: [block_count_max]BlockId,
+    weights: [op_count]u32,
+    weight_total: u32,
+    /// A process at this many references releases instead of getting more (per epoch: from
+    /// one reference each to pinning the whole buffer).
+    hold_limit: u32,
+    next_pid: u32 = fake_pid_first,
+    next_start_time: u64 = 1000,
+    log: OpLog = .{},
+    /// The epoch's configuration, printed with a failure.
+    description: [log_entry_size_bytes]u8 = undefined,
+    description_len: usize = 0,
+    stats: *Summary,
+
+    fn init(world: *World, random: std.Random, stats: *Summary) !void {
+        try world.init_config(.{
+            .geometry = .{
+                .shard_size_bytes = 64,
+                .slot_count_regular = random.intRangeAtMost(u32, 1, slot_count_regular_max),
+                .slot_count_reserved = random.intRangeAtMost(u32, 0, slot_count_reserved_max),
+                .bucket_count = random.intRangeAtMost(u32, 1, bucket_count_max),
+                .slots_per_segment = random.intRangeAtMost(u32, 1, slots_per_segment_max),
+            },
+            .block_count = random.intRangeAtMost(u32, 1, block_count_max),
+            .shards_per_block = random.intRangeAtMost(u32, 1, shards_per_block_max),
+            .process_count = random.intRangeAtMost(u32, 1, process_count_max),
+        }, random, stats);
+    }
+
+    /// A fresh buffer of `config`; `random` draws the block ids and the operation mix.
+    fn init_config(world: *World, config: Config, random: std.Random, stats: *Summary) !void {
+        const geometry = config.geometry;
+        assert(geometry.slot_count_regular <= slot_count_regular_max);
+        assert(geometry.slot_count_reserved <= slot_count_reserved_max);
+        assert(geometry.bucket_count <= bucket_count_max);
+        assert(config.block_count <= block_count_max and config.shards_per_block <= shards_per_block_max);
+        assert(config.process_count >= 1 and config.process_count <= process_count_max);
+        const size_bytes = buffer_module.ctrl_size_bytes(geometry);
+        assert(size_bytes <= ctrl_memory.len);
+        const base_address = @intFromPtr(&ctrl_memory);
+        if (Buffer.init(base_address, ctrl_memory.len, geometry, 0) != .ok) return error.ModelMismatch;
+        const base = Buffer.open(base_address).?;
+        world.* = .{
+            .random = random,
+            .model = .{
+                .slot_count_regular = geometry.slot_count_regular,
+                .slot_count_reserved = geometry.slot_count_reserved,
+                .shards_per_block = config.shards_per_block,
+                .block_count = config.block_count,
+                .block_buckets = undefined,
+            },
+            .base = base,
+            .process_count = config.process_count,
+            .block_ids = undefined,
+            .weights = undefined,
+            .weight_total = 0,
+            .stats = stats,
+            .hold_limit = undefined,
+        };
+        // Mostly a fair share of the slots per process; now and then enough to pin them all.
+        const slots_total = geometry.slot_count_regular + geometry.slot_count_reserved;
+        world.hold_limit = if (random.uintLessThan(u32, 4) == 0)
+            random.intRangeAtMost(u32, 1, slots_total)
+        else
+            random.intRangeAtMost(u32, 1, @max(1, slots_total / world.process_count));
+        for (&world.block_ids, 0..) |*id, block| {
+            random.bytes(id);
+            id[0] = @intCast(block); // distinct blocks
+            world.model.block_buckets[block] = base.bucket_of(id);
         }
-        try expectEqual(expected_refs, slot.refcount());
-        try expectEqual(expected_holders, slot.holders.load(.monotonic));
-        const bucket = slot.bucket.load(.monotonic);
-        if (bucket == buffer_module.bucket_free) try expectEqual(@as(u32, 0), expected_refs);
-        if (bucket < buffer.buckets.len) try expect(seen[index]);
-    }
-    for (model.keys, 0..) |key_model, key| {
-        const id = block_id_of(key_block(@intCast(key)));
-        const found = try buffer.find_locked(&id, key_shard(@intCast(key)));
-        if (key_model.ready) {
-            try expectEqual(@as(?u32, key_model.slot), found);
-            try expectEqual(@intFromEnum(State.ready), buffer.slots[key_model.slot].state.load(.monotonic));
+        // Swarm testing: each epoch scales every weight by 0..3 (some operations never run).
+        world.weight_total = 0;
+        for (&world.weights, op_weights_base) |*weight, base_weight| {
+            weight.* = base_weight * random.uintLessThan(u32, 4);
+            world.weight_total += weight.*;
         }
-        if (!key_model.present) try expectEqual(@as(?u32, null), found);
+        world.weights[@intFromEnum(Op.get)] += op_weights_base[@intFromEnum(Op.get)];
+        world.weights[@intFromEnum(Op.release)] += op_weights_base[@intFromEnum(Op.release)];
+        world.weight_total += op_weights_base[@intFromEnum(Op.get)] + op_weights_base[@intFromEnum(Op.release)];
+        if (random.uintLessThan(u32, 3) == 0) {
+            world.weights[@intFromEnum(Op.lock_death)] = 1;
+            world.weight_total += 1;
+        }
+        for (0..world.process_count) |index| {
+            identities[index] = .{ .pid = world.fresh_pid(), .start_time = world.fresh_start_time(), .alive = true };
+            try world.register_process(@intCast(index));
+        }
+        for (world.process_count..process_count_max) |index| identities[index] = .{};
+        const description = std.fmt.bufPrint(&world.description, "regular {d} reserved {d} buckets {d} per-segment {d} blocks {d} x {d} shards, {d} processes, hold limit {d}", .{
+            geometry.slot_count_regular, geometry.slot_count_reserved,
+            geometry.bucket_count,       geometry.slots_per_segment,
+            world.model.block_count,     world.model.shards_per_block,
+            world.process_count,         world.hold_limit,
+        }) catch unreachable;
+        world.description_len = description.len;
+        world.log.add("epoch: {s}", .{description});
     }
-}
 
-/// Idle keys nobody references may be recycled silently (their slot had no data); sync them.
-fn reconcile(buffer: Buffer, model: *Model) !void {
-    for (&model.keys, 0..) |*key_model, key| {
-        if (!key_model.present or key_model.ready) continue;
-        if (model.refs_on_key(@intCast(key)) > 0) continue;
-        const id = block_id_of(key_block(@intCast(key)));
-        const found = try buffer.find_locked(&id, key_shard(@intCast(key)));
-        if (found == null) key_model.* = .{};
+    fn fresh_pid(world: *World) u32 {
+        world.next_pid += 1;
+        return world.next_pid;
     }
-}
 
-fn all_in_use(buffer: Buffer, first: usize, end: usize) bool {
-    for (buffer.slots[first..end]) |*slot| {
-        if (slot.refcount() != 0) continue;
-        return false;
+    fn fresh_start_time(world: *World) u64 {
+        world.next_start_time += 1;
+        return world.next_start_time;
     }
-    return true;
-}
 
-/// Prealloc may only fail when no reserved slot is both unreferenced and without data.
-fn no_idle_unused(buffer: Buffer, first: usize, end: usize) bool {
-    for (buffer.slots[first..end]) |*slot| {
-        const idle = slot.state.load(.monotonic) != @intFromEnum(State.ready);
-        const linked_or_free = slot.bucket.load(.monotonic) != buffer_module.bucket_detached;
-        if (slot.refcount() == 0 and idle and linked_or_free) return false;
+    fn caller_of(world: *const World, process: u32) Caller {
+        return .{ .pid = identities[process].pid, .holder = world.processes[process].holder };
     }
-    return true;
-}
 
-fn register_process(buffer: Buffer, process: u32) !Buffer {
-    const fake = fake_processes[process];
-    var view = buffer;
-    view.pid = fake.pid;
-    view.holder = try buffer.register_identity(fake.pid, fake.start_time);
-    return view;
-}
+    fn base_caller(world: *const World) Caller {
+        return .{ .pid = world.base.pid, .holder = null };
+    }
 
-fn run_seed(seed: u64) !void {
-    var prng = std.Random.DefaultPrng.init(seed);
-    const random = prng.random();
-    const geometry = buffer_module.Geometry{
-        .shard_size_bytes = 64,
-        .slot_count_regular = random.intRangeAtMost(u32, 1, 10),
-        .slot_count_reserved = random.intRangeAtMost(u32, 0, 4),
-        .bucket_count = random.intRangeAtMost(u32, 1, 8),
-        .slots_per_segment = random.intRangeAtMost(u32, 1, 5),
-    };
-    const size_bytes: usize = @intCast(buffer_module.ctrl_size_bytes(geometry));
-    const memory = try std.testing.allocator.alignedAlloc(u8, .@"64", size_bytes);
-    defer std.testing.allocator.free(memory);
-    try expectEqual(buffer_module.Status.ok, Buffer.init(@intFromPtr(memory.ptr), size_bytes, geometry, 0));
-    const base = Buffer.open(@intFromPtr(memory.ptr)).?;
-    buffer_module.debug_identity_alive = fuzz_identity_alive;
+    /// A process or the reference-free base view, for calls that take no references.
+    fn any_caller(world: *World) Who {
+        if (world.live_process()) |process| {
+            if (world.random.boolean()) return .{ .view = world.processes[process].view, .caller = world.caller_of(process) };
+        }
+        return base_who(world);
+    }
+
+    fn register_process(world: *World, process: u32) !void {
+        const identity = identities[process];
+        var view = world.base;
+        view.pid = identity.pid;
+        const caller = Caller{ .pid = identity.pid, .holder = null };
+        const expected = world.model.register(caller, identity.pid, identity.start_time);
+        const holder = view.register_identity(identity.pid, identity.start_time) catch |err| {
+            std.debug.print("buffer fuzz mismatch: register_identity failed: {s}\n", .{@errorName(err)});
+            return error.ModelMismatch;
+        };
+        try check("register holder", process, expected.?, holder);
+        view.holder = holder;
+        world.processes[process] = .{ .holder = holder, .view = view, .pid_retired = world.processes[process].pid_retired };
+    }
+
+    fn live_process(world: *World) ?u32 {
+        return world.pick_process(true);
+    }
+
+    fn pick_process(world: *World, alive: bool) ?u32 {
+        var candidates: [process_count_max]u32 = undefined;
+        var found: usize = 0;
+        for (0..world.process_count) |index| {
+            if (identities[index].alive != alive) continue;
+            candidates[found] = @intCast(index);
+            found += 1;
+        }
+        if (found == 0) return null;
+        return candidates[world.random.uintLessThan(usize, found)];
+    }
+
+    fn random_key(world: *World) u32 {
+        return world.random.uintLessThan(u32, world.model.key_count());
+    }
+
+    fn random_block(world: *World) u32 {
+        return world.random.uintLessThan(u32, world.model.block_count);
+    }
+
+    /// Slots `holder` references, filtered by `want`.
+    const Held = enum { any, owned, waitable, releasable, claimed };
+
+    /// A live process that holds a slot of kind `want`, when one does, else any live one.
+    fn process_holding(world: *World, want: Held) u32 {
+        var candidates: [process_count_max]u32 = undefined;
+        var found: usize = 0;
+        for (0..world.process_count) |index| {
+            if (!identities[index].alive) continue;
+            var held: [slot_count_max]u32 = undefined;
+            if (world.held_slots(world.processes[index].holder, want, &held) == 0) continue;
+            candidates[found] = @intCast(index);
+            found += 1;
+        }
+        if (found == 0) return world.live_process().?;
+        return candidates[world.random.uintLessThan(usize, found)];
+    }
+
+    fn held_slots(world: *World, holder: u32, want: Held, out: []u32) usize {
+        var found: usize = 0;
+        for (0..world.model.slot_count()) |index| {
+            const slot = world.model.slots[index];
+            if (slot.holders & holder_bit(holder) == 0) continue;
+            const keep = switch (want) {
+                .any, .waitable => true,
+                .owned => slot.owner == holder and slot.state == .idle,
+                // Flush claims are released by `op_clean`; an owner gives its load up now
+                // and then, else it commits.
+                .releasable => slot.flusher != holder and
+                    (slot.owner != holder or slot.state != .idle or world.random.uintLessThan(u32, 8) == 0),
+                .claimed => slot.flusher == holder,
+            };
+            if (!keep) continue;
+            out[found] = @intCast(index);
+            found += 1;
+        }
+        return found;
+    }
+
+    /// Picks up to `limit` distinct entries of `candidates` (shuffled in place).
+    fn pick_subset(world: *World, candidates: []u32, limit: usize) []u32 {
+        world.random.shuffle(u32, candidates);
+        const wanted = @min(candidates.len, world.random.intRangeAtMost(usize, 1, limit));
+        return candidates[0..wanted];
+    }
+
+    fn step(world: *World) !void {
+        // Deterministic holder scans: every full-buffer miss scans (see the file comment).
+        world.base.holder_table.last_scan_ns.store(0, .monotonic);
+        if (world.live_process() == null) return world.op_restart();
+        var choice = world.random.uintLessThan(u32, world.weight_total);
+        const op: Op = for (world.weights, 0..) |weight, index| {
+            if (choice < weight) break @enumFromInt(index);
+            choice -= weight;
+        } else unreachable;
+        world.stats.ops[@intFromEnum(op)] += 1;
+        switch (op) {
+            .get => try world.op_get(),
+            .commit => try world.op_commit(),
+            .commit_invalid => try world.op_commit_invalid(),
+            .wait => try world.op_wait(),
+            .release => try world.op_release(),
+            .touch => try world.op_touch(),
+            .prealloc => try world.op_prealloc(),
+            .remove => try world.op_remove(),
+            .lookup => try world.op_lookup(),
+            .take_dirty => try world.op_take_dirty(),
+            .clean => try world.op_clean(),
+            .mark_closing => try world.op_mark_closing(),
+            .kill => try world.op_kill(),
+            .restart => try world.op_restart(),
+            .reclaim => try world.op_reclaim(),
+            .lock_death => try world.op_lock_death(),
+        }
+    }
+
+    fn random_keys(world: *World, keys: []u32) void {
+        for (keys) |*key| key.* = world.random_key();
+    }
+
+    fn op_get(world: *World) !void {
+        const process = world.live_process().?;
+        const holder = world.processes[process].holder;
+        var held: [slot_count_max]u32 = undefined;
+        if (world.held_slots(holder, .any, &held) >= world.hold_limit) return world.op_release();
+        var keys: [batch_max]u32 = undefined;
+        const n = world.random.intRangeAtMost(usize, 1, batch_max);
+        for (keys[0..n]) |*key| {
+            key.* = world.random_key();
+            // Mostly keys the process does not hold yet (a repeated Get answers `held`).
+            if (world.model.resident[key.*]) |slot_index| {
+                if (world.model.holds(slot_index, holder)) key.* = world.random_key();
+            }
+        }
+        var results: [batch_max]GetResult = undefined;
+        var slots: [batch_max]u32 = undefined;
+        try world.exec_get(process, keys[0..n], results[0..n], slots[0..n]);
+    }
+
+    /// Get `keys` as `process` in one batch; results and slots as the model predicted them.
+    fn exec_get(world: *World, process: u32, keys: []const u32, results: []GetResult, slots: []u32) !void {
+        assert(keys.len <= batch_max);
+        const caller = world.caller_of(process);
+        var ids: [batch_max]BlockId = undefined;
+        var shards: [batch_max]u32 = undefined;
+        for (keys, 0..) |key, index| {
+            ids[index] = world.block_ids[world.model.key_block(key)];
+            shards[index] = world.model.key_shard(key);
+        }
+        world.model.get(caller, keys, results, slots);
+        world.log.add("p{d}/h{d} get keys {any} -> {any} slots {any}", .{ process, caller.holder.?, keys, results, slots });
+        var real_results: [batch_max]GetResult = undefined;
+        var real_slots: [batch_max]u32 = undefined;
+        const n = keys.len;
+        world.processes[process].view.get(ids[0..n], shards[0..n], .{ .results = real_results[0..n], .slots = real_slots[0..n] });
+        for (0..n) |index| {
+            world.stats.get_results[@intFromEnum(results[index])] += 1;
+            try check("get result", index, @intFromEnum(results[index]), @intFromEnum(real_results[index]));
+            try check("get slot", index, slots[index], real_slots[index]);
+        }
+    }
+
+    fn op_commit(world: *World) !void {
+        const process = world.process_holding(.owned);
+        var owned: [slot_count_max]u32 = undefined;
+        const found = world.held_slots(world.processes[process].holder, .owned, &owned);
+        if (found == 0) return;
+        const slots = world.pick_subset(owned[0..found], 2);
+        var codes: [2]u8 = undefined;
+        for (codes[0..slots.len]) |*code| {
+            code.* = switch (world.random.uintLessThan(u32, 8)) {
+                0, 1, 2 => @intFromEnum(State.ready),
+                3, 4, 5 => @intFromEnum(State.ready) | buffer_module.commit_dirty_bit,
+                6 => @intFromEnum(State.failed),
+                7 => @intFromEnum(State.missing),
+                else => unreachable,
+            };
+        }
+        var results: [2]CommitResult = undefined;
+        try world.exec_commit(process, slots, codes[0..slots.len], results[0..slots.len]);
+    }
+
+    fn exec_commit(world: *World, process: u32, slots: []const u32, codes: []const u8, results: []CommitResult) !void {
+        assert(slots.len <= batch_max);
+        const caller = world.caller_of(process);
+        for (slots, codes, results) |slot_index, code, *result| result.* = world.model.commit(caller, slot_index, code);
+        world.log.add("p{d}/h{d} commit slots {any} codes {any} -> {any}", .{ process, caller.holder.?, slots, codes, results });
+        var real: [batch_max]CommitResult = undefined;
+        world.processes[process].view.commit(slots, codes, real[0..slots.len]);
+        for (results, 0..) |result, index| {
+            try check("commit result", slots[index], @intFromEnum(result), @intFromEnum(real[index]));
+        }
+    }
+
+    /// A commit the process is not entitled to (not its slot, or already final): refused.
+    fn op_commit_invalid(world: *World) !void {
+        const process = world.live_process().?;
+        const slot_index = world.random.uintLessThan(u32, world.model.slot_count());
+        const slot = world.model.slots[slot_index];
+        if (slot.owner == world.processes[process].holder and slot.state == .idle) return; // valid
+        var result: [1]CommitResult = undefined;
+        try world.exec_commit(process, &.{slot_index}, &.{@intFromEnum(State.ready)}, &result);
+        assert(result[0] != .ok);
+    }
+
+    fn op_wait(world: *World) !void {
+        const process = world.process_holding(.waitable);
+        var held: [slot_count_max]u32 = undefined;
+        const found = world.held_slots(world.processes[process].holder, .waitable, &held);
+        if (found == 0) return;
+        const slots = world.pick_subset(held[0..found], 2);
+        var results: [2]WaitResult = undefined;
+        try world.exec_wait(process, slots, results[0..slots.len]);
+    }
+
+    /// Wait with timeout 0 (deterministic: the owner's liveness is judged at once).
+    fn exec_wait(world: *World, process: u32, slots: []const u32, results: []WaitResult) !void {
+        assert(slots.len <= batch_max);
+        const caller = world.caller_of(process);
+        for (slots, results) |slot_index, *result| result.* = world.model.wait(caller, slot_index);
+        world.log.add("p{d}/h{d} wait slots {any} -> {any}", .{ process, caller.holder.?, slots, results });
+        var real: [batch_max]WaitResult = undefined;
+        world.processes[process].view.wait(slots, 0, real[0..slots.len]);
+        for (results, 0..) |result, index| {
+            world.stats.wait_results[@intFromEnum(result)] += 1;
+            try check("wait result", slots[index], @intFromEnum(result), @intFromEnum(real[index]));
+        }
+    }
+
+    fn op_release(world: *World) !void {
+        const process = world.process_holding(.releasable);
+        var held: [slot_count_max]u32 = undefined;
+        const found = world.held_slots(world.processes[process].holder, .releasable, &held);
+        if (found == 0) return;
+        _ = try world.exec_release(process, world.pick_subset(held[0..found], batch_max));
+    }
+
+    fn exec_release(world: *World, process: u32, slots: []const u32) !u32 {
+        const caller = world.caller_of(process);
+        const expected = world.model.release(caller, slots);
+        world.log.add("p{d}/h{d} release slots {any} -> {d}", .{ process, caller.holder.?, slots, expected });
+        try check("released", 0, expected, world.processes[process].view.release(slots));
+        return expected;
+    }
+
+    fn op_touch(world: *World) !void {
+        var blocks: [batch_max]u32 = undefined;
+        const n = world.random.intRangeAtMost(usize, 1, batch_max);
+        for (blocks[0..n]) |*block| block.* = world.random_block();
+        _ = try world.exec_touch(world.any_caller(), blocks[0..n]);
+    }
+
+    fn exec_touch(world: *World, who: Who, blocks: []const u32) !u64 {
+        var ids: [batch_max]BlockId = undefined;
+        for (blocks, 0..) |block, index| ids[index] = world.block_ids[block];
+        const expected = world.model.touch(who.caller, blocks);
+        world.log.add("pid {d} touch blocks {any} -> {d}", .{ who.caller.pid, blocks, expected });
+        try check("touched", 0, expected, try who.view.touch(ids[0..blocks.len]));
+        return expected;
+    }
+
+    fn op_prealloc(world: *World) !void {
+        var keys: [batch_max]u32 = undefined;
+        const n = world.random.intRangeAtMost(usize, 1, batch_max);
+        world.random_keys(keys[0..n]);
+        var results: [batch_max]PreallocResult = undefined;
+        try world.exec_prealloc(world.any_caller(), keys[0..n], results[0..n]);
+    }
+
+    fn exec_prealloc(world: *World, who: Who, keys: []const u32, results: []PreallocResult) !void {
+        var ids: [batch_max]BlockId = undefined;
+        var shards: [batch_max]u32 = undefined;
+        for (keys, 0..) |key, index| {
+            ids[index] = world.block_ids[world.model.key_block(key)];
+            shards[index] = world.model.key_shard(key);
+        }
+        world.model.prealloc(who.caller, keys, results);
+        world.log.add("pid {d} prealloc keys {any} -> {any}", .{ who.caller.pid, keys, results });
+        var real: [batch_max]PreallocResult = undefined;
+        who.view.prealloc(ids[0..keys.len], shards[0..keys.len], real[0..keys.len]);
+        for (results, 0..) |result, index| {
+            try check("prealloc result", index, @intFromEnum(result), @intFromEnum(real[index]));
+        }
+    }
+
+    fn op_remove(world: *World) !void {
+        var keys: [batch_max]u32 = undefined;
+        const n = world.random.intRangeAtMost(usize, 1, batch_max);
+        world.random_keys(keys[0..n]);
+        const force = world.random.uintLessThan(u32, 3) == 0;
+        _ = try world.exec_remove(world.any_caller(), keys[0..n], world.random.boolean(), force);
+    }
+
+    /// Removes the keys, or with `whole_blocks` every shard of their blocks.
+    fn exec_remove(world: *World, who: Who, keys: []const u32, whole_blocks: bool, force: bool) !u64 {
+        var blocks: [batch_max]u32 = undefined;
+        var ids: [batch_max]BlockId = undefined;
+        var shards: [batch_max]u32 = undefined;
+        for (keys, 0..) |key, index| {
+            blocks[index] = world.model.key_block(key);
+            ids[index] = world.block_ids[blocks[index]];
+            shards[index] = world.model.key_shard(key);
+        }
+        const n = keys.len;
+        const shard_list: ?[]const u32 = if (whole_blocks) null else shards[0..n];
+        const expected = world.model.remove(who.caller, blocks[0..n], shard_list, force);
+        world.log.add("pid {d} remove blocks {any} shards {any} force {} -> {d}", .{ who.caller.pid, blocks[0..n], shard_list, force, expected });
+        try check("removed", 0, expected, try who.view.remove(ids[0..n], shard_list, force));
+        return expected;
+    }
+
+    fn op_lookup(world: *World) !void {
+        var keys: [batch_max]u32 = undefined;
+        const n = world.random.intRangeAtMost(usize, 1, batch_max);
+        world.random_keys(keys[0..n]);
+        var present: [batch_max]u8 = undefined;
+        if (world.random.boolean()) {
+            try world.exec_lookup(world.any_caller(), keys[0..n], present[0..n]);
+        } else {
+            var blocks: [batch_max]u32 = undefined;
+            for (keys[0..n], 0..) |key, index| blocks[index] = world.model.key_block(key);
+            const shards_per_block = world.random.intRangeAtMost(u32, 1, world.model.shards_per_block + 1);
+            try world.exec_lookup_blocks(world.any_caller(), blocks[0..n], shards_per_block, present[0..n]);
+        }
+    }
+
+    fn exec_lookup(world: *World, who: Who, keys: []const u32, present: []u8) !void {
+        var ids: [batch_max]BlockId = undefined;
+        var shards: [batch_max]u32 = undefined;
+        for (keys, 0..) |key, index| {
+            ids[index] = world.block_ids[world.model.key_block(key)];
+            shards[index] = world.model.key_shard(key);
+        }
+        world.model.lookup(who.caller, keys, present);
+        world.log.add("pid {d} lookup keys {any} -> {any}", .{ who.caller.pid, keys, present });
+        var real: [batch_max]u8 = undefined;
+        try who.view.lookup(ids[0..keys.len], shards[0..keys.len], real[0..keys.len]);
+        for (present, 0..) |expected, index| try check("lookup", index, expected, real[index]);
+    }
+
+    fn exec_lookup_blocks(world: *World, who: Who, blocks: []const u32, shards_per_block: u32, present: []u8) !void {
+        var ids: [batch_max]BlockId = undefined;
+        for (blocks, 0..) |block, index| ids[index] = world.block_ids[block];
+        world.model.lookup_blocks(who.caller, blocks, shards_per_block, present);
+        world.log.add("pid {d} lookup_blocks {any} x {d} -> {any}", .{ who.caller.pid, blocks, shards_per_block, present });
+        var real: [batch_max]u8 = undefined;
+        try who.view.lookup_blocks(ids[0..blocks.len], shards_per_block, real[0..blocks.len]);
+        for (present, 0..) |expected, index| try check("lookup_blocks", index, expected, real[index]);
+    }
+
+    fn op_take_dirty(world: *World) !void {
+        const process = world.live_process().?;
+        var claims: [batch_max]DirtyClaim = undefined;
+        _ = try world.exec_take_dirty(process, claims[0..world.random.intRangeAtMost(usize, 1, batch_max)]);
+    }
+
+    /// Claims up to `claims.len` dirty slots as `process`, from its cursor.
+    fn exec_take_dirty(world: *World, process: u32, claims: []DirtyClaim) !u32 {
+        assert(claims.len <= batch_max);
+        const caller = world.caller_of(process);
+        var model_cursor = world.processes[process].take_cursor;
+        const expected = world.model.take_dirty(caller, &model_cursor, claims);
+        world.log.add("p{d}/h{d} take_dirty {d} -> {d} ({any}), cursor {d}", .{ process, caller.holder.?, claims.len, expected, claims[0..expected], model_cursor });
+        var slots: [batch_max]u32 = undefined;
+        var ids: [batch_max]BlockId = undefined;
+        var shards: [batch_max]u32 = undefined;
+        const n = claims.len;
+        const taken = world.processes[process].view.take_dirty(&world.processes[process].take_cursor, .{
+            .slots = slots[0..n],
+            .block_ids = ids[0..n],
+            .shard_indices = shards[0..n],
+        });
+        try check("take_dirty taken", 0, expected, taken);
+        try check("take_dirty cursor", 0, model_cursor, world.processes[process].take_cursor);
+        for (claims[0..expected], 0..) |claim, index| {
+            try check("take_dirty slot", index, claim.slot, slots[index]);
+            try check_true("take_dirty block id", index, std.mem.eql(u8, &ids[index], &world.block_ids[world.model.key_block(claim.key)]));
+            try check("take_dirty shard", index, world.model.key_shard(claim.key), shards[index]);
+        }
+        return expected;
+    }
+
+    /// Ends a flush: clean some claimed slots (each written or not), then release them.
+    fn op_clean(world: *World) !void {
+        const process = world.process_holding(.claimed);
+        var claimed: [slot_count_max]u32 = undefined;
+        const found = world.held_slots(world.processes[process].holder, .claimed, &claimed);
+        if (found == 0) return;
+        const slots = world.pick_subset(claimed[0..found], batch_max);
+        var written: [batch_max]u8 = undefined;
+        for (written[0..slots.len]) |*ok| ok.* = @intFromBool(world.random.uintLessThan(u32, 4) != 0);
+        _ = try world.exec_clean(process, slots, written[0..slots.len]);
+        _ = try world.exec_release(process, slots);
+    }
+
+    fn exec_clean(world: *World, process: u32, slots: []const u32, written: []const u8) !u32 {
+        const caller = world.caller_of(process);
+        const expected = world.model.clean(caller, slots, written);
+        world.log.add("p{d}/h{d} clean slots {any} written {any} -> {d}", .{ process, caller.holder.?, slots, written, expected });
+        try check("cleaned", 0, expected, world.processes[process].view.clean(slots, written));
+        return expected;
+    }
+
+    fn op_mark_closing(world: *World) !void {
+        _ = try world.exec_mark_closing(world.live_process().?, world.random.uintLessThan(u32, 4) != 0);
+    }
+
+    fn exec_mark_closing(world: *World, process: u32, closing: bool) !bool {
+        const caller = world.caller_of(process);
+        const expected = world.model.mark_closing(caller, closing);
+        world.log.add("p{d}/h{d} mark_closing {} -> last {}", .{ process, caller.holder.?, closing, expected });
+        try check("mark_closing last", 0, @intFromBool(expected), @intFromBool(world.processes[process].view.mark_closing(closing)));
+        return expected;
+    }
+
+    fn op_kill(world: *World) !void {
+        world.exec_kill(world.live_process().?);
+    }
+
+    /// SIGKILL between two calls: whatever the process held stays, for others to find.
+    fn exec_kill(world: *World, process: u32) void {
+        assert(identities[process].alive);
+        identities[process].alive = false;
+        world.log.add("p{d}/h{d} killed", .{ process, world.processes[process].holder });
+    }
+
+    /// A dead process starts again: usually with its old pid (pid reuse: the old entry is
+    /// found by pid and marked dead), else with a new one. A live process re-registering
+    /// gets its own entry back.
+    fn op_restart(world: *World) !void {
+        if (world.pick_process(false)) |process| {
+            const reuse = !world.processes[process].pid_retired and world.random.uintLessThan(u32, 3) != 0;
+            try world.exec_restart(process, reuse);
+        } else {
+            const process = world.live_process().?;
+            const holder = world.processes[process].holder;
+            const cursor = world.processes[process].take_cursor;
+            try world.register_process(process);
+            try check("re-register is idempotent", process, holder, world.processes[process].holder);
+            world.processes[process].take_cursor = cursor;
+            world.log.add("p{d}/h{d} registered again", .{ process, holder });
+        }
+    }
+
+    fn exec_restart(world: *World, process: u32, reuse_pid: bool) !void {
+        assert(!identities[process].alive);
+        assert(!reuse_pid or !world.processes[process].pid_retired);
+        identities[process] = .{
+            .pid = if (reuse_pid) identities[process].pid else world.fresh_pid(),
+            .start_time = world.fresh_start_time(),
+            .alive = true,
+        };
+        world.processes[process].pid_retired = false;
+        try world.register_process(process);
+        world.log.add("p{d} restarted: pid {d} (reused {}), holder {d}", .{ process, identities[process].pid, reuse_pid, world.processes[process].holder });
+    }
+
+    fn op_reclaim(world: *World) !void {
+        _ = try world.exec_reclaim(world.any_caller());
+    }
+
+    fn exec_reclaim(world: *World, who: Who) !Reclaim {
+        const expected = world.model.reclaim_dead(who.caller);
+        world.log.add("pid {d} reclaim_dead -> {d} holders, {d} refs", .{ who.caller.pid, expected.holders, expected.refs });
+        const real = try who.view.reclaim_dead();
+        try check("reclaim holders", 0, expected.holders, real.holders);
+        try check("reclaim refs", 0, expected.refs, real.refs);
+        return expected;
+    }
+
+    fn op_lock_death(world: *World) !void {
+        const bucket = world.random.uintLessThan(u32, world.base.geometry.bucket_count);
+        try world.exec_lock_death(world.live_process().?, bucket);
+    }
+
+    /// SIGKILL inside a bucket's critical section: the lock word keeps the dead pid until
+    /// someone who needs the bucket steals it (after a 10 ms lock slice).
+    fn exec_lock_death(world: *World, process: u32, bucket: u32) !void {
+        const caller = world.caller_of(process);
+        world.model.hold_lock(caller, bucket);
+        try world.processes[process].view.debug_hold_lock(bucket);
+        identities[process].alive = false;
+        world.processes[process].pid_retired = true;
+        world.log.add("p{d}/h{d} killed holding bucket {d}'s lock", .{ process, caller.holder.?, bucket });
+    }
+
+    /// Prints every slot as the model and the buffer see it.
+    fn dump_slots(world: *const World) void {
+        const model = &world.model;
+        std.debug.print("slots (model | buffer): place/bucket key state accessed owner+1 holders flusher+1 flags\n", .{});
+        for (0..model.slot_count()) |index| {
+            const slot = model.slots[index];
+            const real = &world.base.slots[index];
+            std.debug.print("  {d:>2}: {s:>8} k{d:<2} {s:>7} a{d} o{d} h{x} f{d} {s}{s} | b{d} s{d} {d} a{d} o{d} h{x} f{d} flags {x}\n", .{
+                index,                         @tagName(slot.place),
+                slot.key,                      @tagName(slot.state),
+                @intFromBool(slot.accessed),   if (slot.owner) |owner| owner + 1 else 0,
+                slot.holders,                  if (slot.flusher) |flusher| flusher + 1 else 0,
+                if (slot.dirty) "D" else "-",  if (slot.preallocated) "P" else "-",
+                real.bucket.load(.monotonic),  real.shard_index,
+                real.state.load(.monotonic),   real.accessed.load(.monotonic),
+                real.owner.load(.monotonic),   real.holders.load(.monotonic),
+                real.flusher.load(.monotonic), real.flags.load(.monotonic),
+            });
+        }
+        std.debug.print("  cursors (model | buffer): {d} {d} | {d} {d}; fresh {d} {d} | {d} {d}; dead mask {x}\n", .{
+            model.cursor[0],                                  model.cursor[1],
+            world.base.clock.cursor_regular.load(.monotonic), world.base.clock.cursor_reserved.load(.monotonic),
+            model.fresh[0],                                   model.fresh[1],
+            world.base.clock.fresh_regular.load(.monotonic),  world.base.clock.fresh_reserved.load(.monotonic),
+            model.dead_mask(),
+        });
+    }
+
+    /// Compares the whole control region with the model.
+    fn check_state(world: *World) !void {
+        const model = &world.model;
+        const buffer = world.base;
+        const total = model.slot_count();
+        try check("slot count", 0, total, buffer.slots.len);
+        // The chains, as sets: each bucket's chain holds exactly the slots linked for keys
+        // of that bucket.
+        var on_chain: [slot_count_max]bool = @splat(false);
+        for (buffer.buckets, 0..) |*bucket, bucket_index| {
+            // The pid in the lock word (a stolen lock keeps the contended bit until released).
+            const lock_pid_mask: u32 = (1 << 31) - 1;
+            try check("bucket lock holder", bucket_index, model.dead_locks[bucket_index], bucket.lock.load(.monotonic) & lock_pid_mask);
+            var current = bucket.head;
+            var steps: u32 = 0;
+            while (current != slot_none) : (steps += 1) {
+                try check_true("chain is bounded", bucket_index, steps < total and current < total);
+                try check_true("slot on one chain", current, !on_chain[current]);
+                on_chain[current] = true;
+                const slot = model.slots[current];
+                try check_true("chained slot is linked", current, slot.place == .linked);
+                try check("chained slot's bucket", current, model.key_bucket(slot.key), bucket_index);
+                current = buffer.slots[current].next;
+            }
+        }
+        for (0..total) |index| {
+            const slot = model.slots[index];
+            const real = &buffer.slots[index];
+            const bucket_word: u32 = switch (slot.place) {
+                .free => buffer_module.bucket_free,
+                .detached => buffer_module.bucket_detached,
+                .linked => model.key_bucket(slot.key),
+            };
+            try check("slot bucket", index, bucket_word, real.bucket.load(.monotonic));
+            try check("slot on its chain", index, @intFromBool(slot.place == .linked), @intFromBool(on_chain[index]));
+            if (slot.place != .linked) try check("unlinked slot's next", index, slot_none, real.next);
+            if (slot.place == .free) {
+                try check_true("free slot's block id", index, std.mem.allEqual(u8, &real.block_id, 0));
+                try check("free slot's shard", index, 0, real.shard_index);
+            } else {
+                try check_true("slot block id", index, std.mem.eql(u8, &real.block_id, &world.block_ids[model.key_block(slot.key)]));
+                try check("slot shard", index, model.key_shard(slot.key), real.shard_index);
+            }
+            try check("slot state", index, @intFromEnum(slot.state), real.state.load(.monotonic));
+            try check("slot accessed bit", index, @intFromBool(slot.accessed), real.accessed.load(.monotonic));
+            try check("slot owner", index, if (slot.owner) |owner| owner + 1 else 0, real.owner.load(.monotonic));
+            try check("slot holders", index, slot.holders, real.holders.load(.monotonic));
+            try check("slot flusher", index, if (slot.flusher) |flusher| flusher + 1 else 0, real.flusher.load(.monotonic));
+            try check("slot version", index, slot.version, real.version.load(.monotonic));
+            var flags: u32 = 0;
+            if (index >= model.slot_count_regular) flags |= buffer_module.slot_flag_reserved;
+            if (slot.preallocated) flags |= buffer_module.slot_flag_preallocated;
+            if (slot.dirty) flags |= buffer_module.slot_flag_dirty;
+            try check("slot flags", index, flags, real.flags.load(.monotonic));
+        }
+        try check("fresh regular", 0, model.fresh[0], buffer.clock.fresh_regular.load(.monotonic));
+        try check("fresh reserved", 0, model.fresh[1], buffer.clock.fresh_reserved.load(.monotonic));
+        try check("cursor regular", 0, model.cursor[0], buffer.clock.cursor_regular.load(.monotonic));
+        try check("cursor reserved", 0, model.cursor[1], buffer.clock.cursor_reserved.load(.monotonic));
+        const table = buffer.holder_table;
+        try check("dead mask", 0, model.dead_mask(), table.dead_mask.load(.monotonic));
+        for (model.entries, 0..) |entry, index| {
+            const real = &table.entries[index];
+            try check("holder entry tag", index, buffer_module.holder_tag(entry.state, entry.pid), real.tag.load(.monotonic));
+            try check("holder entry reclaimer", index, 0, real.reclaimer.load(.monotonic));
+            if (entry.state == .free) continue;
+            try check("holder entry start time", index, entry.start_time, real.start_time.load(.monotonic));
+            try check("holder entry closing", index, @intFromBool(entry.closing), real.closing.load(.monotonic));
+        }
+        for (model.counters, 0..) |expected, index| {
+            const actual = buffer.counter_value(@enumFromInt(index));
+            if (expected != actual) {
+                std.debug.print("buffer fuzz mismatch: counter {s}: model {d}, buffer {d}\n", .{ buffer_module.counter_names[index], expected, actual });
+                return error.ModelMismatch;
+            }
+        }
+        // Model invariants (the model's own consistency, independent of the buffer).
+        var dirty: u64 = 0;
+        for (model.slots[0..total], 0..) |slot, index| {
+            dirty += @intFromBool(slot.dirty);
+            if (slot.place == .linked) assert(model.resident[slot.key].? == index);
+            if (slot.place == .free) assert(slot.holders == 0 and !slot.dirty);
+            if (slot.place == .linked and slot.flusher != null) assert(slot.dirty);
+            if (slot.state == .failed or slot.state == .missing) assert(slot.place != .linked);
+        }
+        assert(dirty == model.counters[@intFromEnum(Counter.dirty_slots)]);
+        model.check_dead_mask();
+    }
+
+    /// The end of an epoch: the survivors finish their work, the dead are reclaimed, every
+    /// survivor closes, and the last one pays the whole write-back debt: nothing acknowledged
+    /// (committed dirty) is left unwritten, and nothing is left referenced.
+    fn finish(world: *World) !void {
+        if (world.live_process() == null) try world.op_restart();
+        for (0..world.process_count) |index| {
+            const process: u32 = @intCast(index);
+            if (!identities[process].alive) continue;
+            const holder = world.processes[process].holder;
+            var held: [slot_count_max]u32 = undefined;
+            const claimed = world.held_slots(holder, .claimed, &held);
+            const written: [slot_count_max]u8 = @splat(1);
+            if (claimed > 0) _ = try world.exec_clean(process, held[0..claimed], written[0..claimed]);
+            _ = try world.exec_release(process, held[0..world.held_slots(holder, .any, &held)]);
+        }
+        try world.check_state();
+        _ = try world.exec_reclaim(base_who(world));
+        try world.check_state();
+        var last: ?u32 = null;
+        for (0..world.process_count) |index| {
+            const process: u32 = @intCast(index);
+            if (!identities[process].alive) continue;
+            if (try world.exec_mark_closing(process, true)) last = process;
+        }
+        try check_true("finish: a survivor is the last to close", 0, last != null);
+        var rounds: u32 = 0;
+        while (world.model.counters[@intFromEnum(Counter.dirty_slots)] > 0) : (rounds += 1) {
+            try check_true("finish: the debt is paid in bounded rounds", rounds, rounds <= slot_count_max);
+            var claims: [batch_max]DirtyClaim = undefined;
+            const taken = try world.exec_take_dirty(last.?, &claims);
+            try check_true("finish: the last to close can claim the debt", rounds, taken > 0);
+            var slots: [batch_max]u32 = undefined;
+            for (claims[0..taken], 0..) |claim, index| slots[index] = claim.slot;
+            const written: [batch_max]u8 = @splat(1);
+            try check("finish: cleaned", rounds, taken, try world.exec_clean(last.?, slots[0..taken], written[0..taken]));
+            _ = try world.exec_release(last.?, slots[0..taken]);
+        }
+        try world.check_state();
+        for (world.base.slots, 0..) |*slot, index| {
+            try check("finish: no reference left", index, 0, slot.holders.load(.monotonic));
+            try check("finish: no debt left", index, 0, slot.flags.load(.monotonic) & buffer_module.slot_flag_dirty);
+        }
+        try check("finish: dirty gauge", 0, 0, world.base.counter_value(.dirty_slots));
+    }
+};
+
+pub const Summary = struct {
+    steps: u64 = 0,
+    epochs: u64 = 0,
+    /// The buffer's counters summed over the epochs: the events whose outcome the model
+    /// predicted (the coverage of a run).
+    counters: [counter_count]u64 = @splat(0),
+    /// Operations run, by kind.
+    ops: [op_count]u64 = @splat(0),
+    /// Get outcomes, by result.
+    get_results: [@typeInfo(GetResult).@"enum".fields.len]u64 = @splat(0),
+    /// Wait outcomes, by result.
+    wait_results: [@typeInfo(WaitResult).@"enum".fields.len]u64 = @splat(0),
+    /// Registrations into a full holder table (which reclaims the dead first).
+    full_table_registrations: u64 = 0,
+};
+
+/// Runs `steps` fuzz steps from `seed` (epochs of `epoch_steps`). On a mismatch prints the
+/// seed, the step and the last operations, and returns error.ModelMismatch.
+pub fn run(seed: u64, steps: u64) !Summary {
+    assert(!running);
+    running = true;
+    defer running = false;
+    buffer_module.debug_identity_alive = identity_alive;
     defer buffer_module.debug_identity_alive = null;
-    var views: [process_count]Buffer = undefined;
-    for (&fake_processes, 0..) |*process, index| {
-        process.* = .{ .pid = 4_000_001 + @as(u32, @intCast(index)), .start_time = 1000, .alive = true };
-    }
-    for (&views, 0..) |*view, index| view.* = try register_process(base, @intCast(index));
-    var model = Model{};
-
-    var step: u32 = 0;
-    while (step < steps_per_seed) : (step += 1) {
-        const key: u32 = random.uintLessThan(u32, key_count);
-        const id = block_id_of(key_block(key));
-        const shard = key_shard(key);
-        const process = random.uintLessThan(u32, process_count);
-        const buffer = views[process];
-        switch (random.uintLessThan(u8, 10)) {
-            0, 1 => if (model.ref_count < refs_max) {
-                var result: [1]buffer_module.GetResult = undefined;
-                var slot: [1]u32 = undefined;
-                var evicted_ids: [1]BlockId = undefined;
-                var evicted_shards: [1]u32 = undefined;
-                const before = model.keys[key];
-                const refs_before = model.refs_on_key(key);
-                buffer.get(&.{id}, &.{shard}, .{
-                    .results = &result,
-                    .slots = &slot,
-                    .evicted_block_ids = &evicted_ids,
-                    .evicted_shard_indices = &evicted_shards,
-                });
-                if (before.present and model.holds_key(process, key)) {
-                    // One reference per holder: a repeated Get takes nothing.
-                    try expectEqual(buffer_module.GetResult.held, result[0]);
-                    try expectEqual(before.slot, slot[0]);
-                } else if (before.ready) {
-                    try expectEqual(buffer_module.GetResult.hit, result[0]);
-                    try expectEqual(before.slot, slot[0]);
-                    model.add_ref(.{ .slot = slot[0], .key = key, .role = .hit, .process = process });
-                } else if (before.present and refs_before > 0) {
-                    try expectEqual(buffer_module.GetResult.waiter, result[0]);
-                    model.add_ref(.{ .slot = slot[0], .key = key, .role = .waiter, .process = process });
-                } else if (result[0] == .no_slot) {
-                    try expect(!before.present);
-                    try expect(all_in_use(buffer, 0, buffer.slots.len));
-                } else {
-                    try expectEqual(buffer_module.GetResult.owner, result[0]);
-                    if (before.present) try expectEqual(before.slot, slot[0]);
-                    if (evicted_shards[0] != buffer_module.slot_none) {
-                        const victim = (evicted_ids[0][0] - 1) * shards_per_block + evicted_shards[0];
-                        try expect(model.keys[victim].ready);
-                        try expectEqual(@as(u32, 0), model.refs_on_key(victim));
-                        model.keys[victim] = .{};
-                    }
-                    model.keys[key] = .{ .present = true, .slot = slot[0], .owner = process };
-                    model.add_ref(.{ .slot = slot[0], .key = key, .role = .owner, .process = process });
-                }
-            },
-            2 => if (model.ref_count > 0) { // commit an active owner's slot
-                const index = random.uintLessThan(usize, model.ref_count);
-                const ref = model.refs[index];
-                if (ref.role == .owner and ref.key != null and model.keys[ref.key.?].owner == ref.process) {
-                    const state = random.enumValue(State);
-                    const ready = state == .ready or state == .idle; // idle: commit Ready
-                    var out: [1]buffer_module.CommitResult = undefined;
-                    const code: u8 = @intCast(@intFromEnum(if (ready) State.ready else state));
-                    views[ref.process].commit(&.{ref.slot}, &.{code}, &out);
-                    try expectEqual(buffer_module.CommitResult.ok, out[0]);
-                    model.refs[index].role = .hit;
-                    if (ready) {
-                        model.keys[ref.key.?].ready = true;
-                        model.keys[ref.key.?].owner = null;
-                    } else {
-                        model.detach_key(ref.key.?);
-                    }
-                }
-            },
-            3 => if (model.ref_count > 0) { // wait (timeout 0) on a waiter
-                const index = random.uintLessThan(usize, model.ref_count);
-                const ref = model.refs[index];
-                if (ref.role == .waiter and ref.key != null) {
-                    var out: [1]buffer_module.WaitResult = undefined;
-                    views[ref.process].wait(&.{ref.slot}, 0, &out);
-                    const key_model = model.keys[ref.key.?];
-                    if (key_model.ready) {
-                        try expectEqual(buffer_module.WaitResult.ready, out[0]);
-                    } else if (key_model.owner != null) {
-                        try expectEqual(buffer_module.WaitResult.idle, out[0]);
-                    } else {
-                        try expectEqual(buffer_module.WaitResult.takeover, out[0]);
-                        model.refs[index].role = .owner;
-                        model.keys[ref.key.?].owner = ref.process;
-                    }
-                }
-            },
-            4 => if (model.ref_count > 0) {
-                const index = random.uintLessThan(usize, model.ref_count);
-                const ref = model.drop_ref(index);
-                try expectEqual(@as(u32, 1), views[ref.process].release(&.{ref.slot}));
-                // The owner releasing without committing gives the slot up: waiters take over.
-                if (ref.key) |released_key| {
-                    const key_model = &model.keys[released_key];
-                    if (!key_model.ready and key_model.owner == ref.process) key_model.owner = null;
-                }
-            },
-            5 => {
-                var expected: u64 = 0;
-                for (0..shards_per_block) |s| {
-                    expected += @intFromBool(model.keys[key_block(key) * shards_per_block + s].ready);
-                }
-                try expectEqual(expected, try buffer.touch(&.{id}));
-            },
-            6 => {
-                var out: [1]buffer_module.PreallocResult = undefined;
-                const before = model.keys[key];
-                buffer.prealloc(&.{id}, &.{shard}, &out);
-                if (before.present) {
-                    try expectEqual(buffer_module.PreallocResult.exists, out[0]);
-                } else if (out[0] == .no_slot) {
-                    try expect(buffer.clock.fresh_regular.load(.monotonic) == geometry.slot_count_regular);
-                    try expect(no_idle_unused(buffer, geometry.slot_count_regular, buffer.slots.len));
-                } else {
-                    try expectEqual(buffer_module.PreallocResult.allocated, out[0]);
-                    const slot = (try buffer.find_locked(&id, shard)).?;
-                    model.keys[key] = .{ .present = true, .slot = slot };
-                }
-            },
-            7 => {
-                const force = random.boolean();
-                const whole_block = random.boolean();
-                var expected: u64 = 0;
-                for (0..key_count) |other_index| {
-                    const other: u32 = @intCast(other_index);
-                    const selected = if (whole_block) key_block(other) == key_block(key) else other == key;
-                    if (!selected or !model.keys[other].present) continue;
-                    if (model.refs_on_key(other) > 0 and !force) continue;
-                    expected += @intFromBool(model.keys[other].ready);
-                    model.detach_key(other);
-                }
-                const removed = if (whole_block)
-                    try buffer.remove(&.{id}, null, force)
-                else
-                    try buffer.remove(&.{id}, &.{shard}, force);
-                try expectEqual(expected, removed);
-            },
-            8 => {
-                var out: [1]u8 = undefined;
-                try buffer.lookup(&.{id}, &.{shard}, &out);
-                try expectEqual(@intFromBool(model.keys[key].ready), out[0]);
-                var block_out: [1]u8 = undefined;
-                try buffer.lookup_blocks(&.{id}, shards_per_block, &block_out);
-                var all_ready = true;
-                for (0..shards_per_block) |s| {
-                    all_ready = all_ready and model.keys[key_block(key) * shards_per_block + s].ready;
-                }
-                try expectEqual(@intFromBool(all_ready), block_out[0]);
-            },
-            9 => if (random.uintLessThan(u8, 4) == 0) {
-                // SIGKILL the process (any instruction boundary between operations), then a
-                // survivor sweeps: exactly the dead process's references are dropped, and the
-                // restarted process (same pid, new start time: a reused pid) is a new holder.
-                const expected_refs = model.kill(process);
-                fake_processes[process].alive = false;
-                const survivor = views[(process + 1) % process_count];
-                const report = try survivor.reclaim_dead();
-                try expectEqual(expected_refs, report.refs);
-                try expectEqual(@as(u32, 1), report.holders);
-                fake_processes[process] = .{
-                    .pid = fake_processes[process].pid,
-                    .start_time = fake_processes[process].start_time + 1,
-                    .alive = true,
-                };
-                views[process] = try register_process(base, process);
-            },
-            else => unreachable,
+    var prng = std.Random.DefaultPrng.init(seed);
+    var summary = Summary{};
+    var world: World = undefined;
+    var done: u64 = 0;
+    while (done < steps) : (summary.epochs += 1) {
+        const epoch_end = @min(steps, done + epoch_steps);
+        try world.init(prng.random(), &summary);
+        world.check_state() catch |err| return report_failure(seed, steps, done, summary.epochs, &world, err);
+        while (done < epoch_end) : (done += 1) {
+            world.step() catch |err| return report_failure(seed, steps, done, summary.epochs, &world, err);
+            world.check_state() catch |err| return report_failure(seed, steps, done, summary.epochs, &world, err);
         }
-        try reconcile(views[0], &model);
-        try check_invariants(views[0], &views, &model);
+        world.finish() catch |err| return report_failure(seed, steps, done, summary.epochs, &world, err);
+        for (&summary.counters, world.model.counters) |*total, value| total.* += value;
+        summary.full_table_registrations += world.model.full_table_registrations;
     }
-    // Drain: releasing everything leaves no reference behind.
-    while (model.ref_count > 0) {
-        const ref = model.drop_ref(model.ref_count - 1);
-        try expectEqual(@as(u32, 1), views[ref.process].release(&.{ref.slot}));
+    summary.steps = done;
+    return summary;
+}
+
+fn report_failure(seed: u64, steps: u64, step_index: u64, epoch: u64, world: *const World, err: anyerror) anyerror {
+    std.debug.print("buffer fuzz failed at step {d} (epoch {d}: {s}): {s}; last operations:\n", .{
+        step_index,
+        epoch,
+        world.description[0..world.description_len],
+        @errorName(err),
+    });
+    world.log.dump();
+    world.dump_slots();
+    std.debug.print("buffer fuzz failed: seed {d}, steps {d}; reproduce: zig build fuzz -- --seed {d} --steps {d}\n", .{ seed, steps, seed, steps });
+    return err;
+}
+
+/// Prints how often each counted event happened in a run (what the model predicted).
+pub fn print_coverage(summary: *const Summary) void {
+    std.debug.print("  operations:", .{});
+    for (summary.ops, 0..) |value, index| std.debug.print(" {s} {d}", .{ @tagName(@as(Op, @enumFromInt(index))), value });
+    std.debug.print("\n  get results:", .{});
+    for (summary.get_results, 0..) |value, index| std.debug.print(" {s} {d}", .{ @tagName(@as(GetResult, @enumFromInt(index))), value });
+    std.debug.print("\n  wait results:", .{});
+    for (summary.wait_results, 0..) |value, index| std.debug.print(" {s} {d}", .{ @tagName(@as(WaitResult, @enumFromInt(index))), value });
+    std.debug.print("\n  registrations into a full holder table: {d}", .{summary.full_table_registrations});
+    std.debug.print("\n  counters:", .{});
+    for (summary.counters, 0..) |value, index| std.debug.print(" {s} {d}", .{ buffer_module.counter_names[index], value });
+    std.debug.print("\n", .{});
+}
+
+/// The seed for a fresh run: `UCM_FUZZ_SEED` when set (a failure found elsewhere), else random.
+pub fn fresh_seed() !u64 {
+    if (std.posix.getenv("UCM_FUZZ_SEED")) |text| {
+        return std.fmt.parseInt(u64, text, 10) catch {
+            std.debug.print("UCM_FUZZ_SEED={s} is not a seed: expected an unsigned 64-bit decimal integer\n", .{text});
+            return error.InvalidSeed;
+        };
     }
-    for (views[0].slots) |*slot| try expectEqual(@as(u32, 0), slot.refcount());
+    return std.crypto.random.int(u64);
 }
 
 test "buffer fuzz: model-based, fixed seeds" {
     const seeds = [_]u64{ 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233 };
-    for (seeds) |seed| {
-        run_seed(seed) catch |err| {
-            std.debug.print("buffer fuzz failed with seed {d}\n", .{seed});
-            return err;
-        };
+    for (seeds) |seed| _ = try run(seed, fixed_seed_steps);
+}
+
+const fixed_seed_steps = 4 * epoch_steps;
+const fresh_seed_steps = 10 * epoch_steps;
+
+test "buffer fuzz: one fresh seed (UCM_FUZZ_SEED, else random)" {
+    const seed = try fresh_seed();
+    std.debug.print("buffer fuzz: seed {d}, steps {d}\n", .{ seed, fresh_seed_steps });
+    _ = try run(seed, fresh_seed_steps);
+}
+
+// -------------------------------------------------------------------------------------------
+// Directed runs through the same harness: the seed's scenarios, and regressions the fuzzer
+// found. Every step is also checked against the model.
+
+/// Runs `body` on a fresh world of `config`, then the end-of-epoch checks.
+fn run_scripted(config: Config, body: *const fn (*World) anyerror!void) !void {
+    assert(!running);
+    running = true;
+    defer running = false;
+    buffer_module.debug_identity_alive = identity_alive;
+    defer buffer_module.debug_identity_alive = null;
+    var prng = std.Random.DefaultPrng.init(1);
+    var stats = Summary{};
+    var world: World = undefined;
+    try world.init_config(config, prng.random(), &stats);
+    try world.check_state();
+    body(&world) catch |err| {
+        std.debug.print("scripted run failed: {s}; last operations:\n", .{@errorName(err)});
+        world.log.dump();
+        world.dump_slots();
+        return err;
+    };
+    try world.check_state();
+    try world.finish();
+}
+
+fn scripted_config(regular: u32, reserved: u32, blocks: u32, shards_per_block: u32, processes: u32) Config {
+    return .{
+        .geometry = .{
+            .shard_size_bytes = 64,
+            .slot_count_regular = regular,
+            .slot_count_reserved = reserved,
+            .bucket_count = 1,
+            .slots_per_segment = regular + reserved,
+        },
+        .block_count = blocks,
+        .shards_per_block = shards_per_block,
+        .process_count = processes,
+    };
+}
+
+/// Gets `keys` as `process`, checks the state, and expects `expected` results in `slots`.
+fn get_expect(world: *World, process: u32, keys: []const u32, expected: []const GetResult, slots: []const u32) !void {
+    var results: [batch_max]GetResult = undefined;
+    var got: [batch_max]u32 = undefined;
+    try world.exec_get(process, keys, results[0..keys.len], got[0..keys.len]);
+    try world.check_state();
+    try std.testing.expectEqualSlices(GetResult, expected, results[0..keys.len]);
+    try std.testing.expectEqualSlices(u32, slots, got[0..keys.len]);
+}
+
+fn commit_ready(world: *World, process: u32, slots: []const u32) !void {
+    var codes: [batch_max]u8 = undefined;
+    @memset(codes[0..slots.len], @intFromEnum(State.ready));
+    var results: [batch_max]CommitResult = undefined;
+    try world.exec_commit(process, slots, codes[0..slots.len], results[0..slots.len]);
+    try world.check_state();
+    for (results[0..slots.len]) |result| try expectEqual(CommitResult.ok, result);
+}
+
+fn release_expect(world: *World, process: u32, slots: []const u32) !void {
+    try expectEqual(@as(u32, @intCast(slots.len)), try world.exec_release(process, slots));
+    try world.check_state();
+}
+
+fn base_who(world: *const World) Who {
+    return .{ .view = world.base, .caller = world.base_caller() };
+}
+
+fn accessed_bits(world: *const World) u32 {
+    var bits: u32 = 0;
+    for (world.base.slots, 0..) |*slot, index| {
+        if (slot.accessed.load(.monotonic) != 0) bits |= @as(u32, 1) << @intCast(index);
     }
+    return bits;
+}
+
+test "buffer fuzz, scripted: Scenario C, CLOCK keeps a hit shard and evicts the untouched one" {
+    // 4 slots; blocks A B C D E F (one shard each) are keys 0..5.
+    try run_scripted(scripted_config(4, 0, 6, 1, 1), &struct {
+        fn body(world: *World) !void {
+            try get_expect(world, 0, &.{ 0, 1, 2 }, &.{ .owner, .owner, .owner }, &.{ 0, 1, 2 });
+            try get_expect(world, 0, &.{3}, &.{.owner}, &.{3});
+            try commit_ready(world, 0, &.{ 0, 1, 2 });
+            try commit_ready(world, 0, &.{3});
+            try release_expect(world, 0, &.{ 0, 1, 2 });
+            try release_expect(world, 0, &.{3});
+            try expectEqual(@as(u32, 0b1111), accessed_bits(world)); // set on new load
+            // Miss E: a lap clears every bit, the raw cursor takes slot 0 (A).
+            try get_expect(world, 0, &.{4}, &.{.owner}, &.{0});
+            try expectEqual(@as(u32, 0b0001), accessed_bits(world));
+            try expectEqual(@as(u32, 1), world.base.cursor_position(.regular));
+            try commit_ready(world, 0, &.{0});
+            try release_expect(world, 0, &.{0});
+            // A hit on B sets its bit again.
+            try get_expect(world, 0, &.{1}, &.{.hit}, &.{1});
+            try release_expect(world, 0, &.{1});
+            try expectEqual(@as(u32, 0b0011), accessed_bits(world));
+            // Miss F: B gets its second chance, C (bit 0) is the victim.
+            try get_expect(world, 0, &.{5}, &.{.owner}, &.{2});
+            try expectEqual(@as(u64, 2), world.base.counter_value(.evictions));
+            var present: [2]u8 = undefined;
+            try world.exec_lookup(base_who(world), &.{ 1, 2 }, &present);
+            try std.testing.expectEqualSlices(u8, &.{ 1, 0 }, &present); // B stays, C left
+            try release_expect(world, 0, &.{2});
+        }
+    }.body);
+}
+
+test "buffer fuzz, scripted: Scenario D, Touch renews every shard of a block" {
+    // 6 slots; block T (0) has shards 0..2 (keys 0..2); U V W Y X are blocks 1..5, shard 0.
+    try run_scripted(scripted_config(6, 0, 6, 3, 1), &struct {
+        fn body(world: *World) !void {
+            const u = 3;
+            const v = 6;
+            const w = 9;
+            const y = 12;
+            const x = 15;
+            try get_expect(world, 0, &.{ 0, 1, 2 }, &.{ .owner, .owner, .owner }, &.{ 0, 1, 2 });
+            try get_expect(world, 0, &.{ u, v, w }, &.{ .owner, .owner, .owner }, &.{ 3, 4, 5 });
+            try commit_ready(world, 0, &.{ 0, 1, 2 });
+            try commit_ready(world, 0, &.{ 3, 4, 5 });
+            // One miss sweeps the new-load bits: only W is free to go, so Y replaces it.
+            try release_expect(world, 0, &.{5});
+            try get_expect(world, 0, &.{y}, &.{.owner}, &.{5});
+            try commit_ready(world, 0, &.{5});
+            try release_expect(world, 0, &.{ 0, 1, 2 });
+            try release_expect(world, 0, &.{ 3, 4, 5 });
+            try expectEqual(@as(u32, 0b100000), accessed_bits(world));
+            try expectEqual(@as(u32, 0), world.base.cursor_position(.regular));
+            // Touch T: its three resident shards get their bits back.
+            try expectEqual(@as(u64, 3), try world.exec_touch(base_who(world), &.{0}));
+            try world.check_state();
+            try expectEqual(@as(u32, 0b100111), accessed_bits(world));
+            // Miss X: T's shards get second chances; U (slot 3) is the victim.
+            try get_expect(world, 0, &.{x}, &.{.owner}, &.{3});
+            var present: [1]u8 = undefined;
+            try world.exec_lookup_blocks(base_who(world), &.{0}, 3, &present);
+            try expectEqual(@as(u8, 1), present[0]);
+            try release_expect(world, 0, &.{3});
+        }
+    }.body);
+}
+
+test "buffer fuzz, scripted: Scenario E, Prealloc prewarms next shards in the reserved pool" {
+    // 3 regular + 3 reserved slots; blocks B0..B3 with shards s=0 and s+1=1: key = 2 * block + shard.
+    try run_scripted(scripted_config(3, 3, 4, 2, 2), &struct {
+        fn body(world: *World) !void {
+            try get_expect(world, 0, &.{ 0, 2, 4 }, &.{ .owner, .owner, .owner }, &.{ 0, 1, 2 });
+            try commit_ready(world, 0, &.{ 0, 1, 2 });
+            // The idle window: prewarm (B0, s+1), (B1, s+1), (B2, s+1); the regular pool is full.
+            var results: [3]PreallocResult = undefined;
+            try world.exec_prealloc(base_who(world), &.{ 1, 3, 5 }, &results);
+            try world.check_state();
+            try std.testing.expectEqualSlices(PreallocResult, &.{ .allocated, .allocated, .allocated }, &results);
+            for (world.base.slots[3..6]) |*slot| {
+                try expectEqual(buffer_module.slot_flag_reserved | buffer_module.slot_flag_preallocated, slot.flags.load(.monotonic));
+                try expectEqual(@as(u32, 0), slot.refcount());
+            }
+            try release_expect(world, 0, &.{ 0, 1, 2 });
+            // The next task: (B0, s+1) is found on its chain, idle with refcount 0: owner at once,
+            // no victim search (the cursor has not moved, nothing was evicted).
+            try get_expect(world, 0, &.{1}, &.{.owner}, &.{3});
+            try get_expect(world, 1, &.{3}, &.{.owner}, &.{4});
+            try expectEqual(@as(u64, 2), world.base.counter_value(.prealloc_hits));
+            try expectEqual(@as(u32, 0), world.base.cursor_position(.regular));
+            try expectEqual(@as(u64, 0), world.base.counter_value(.evictions));
+            // Taken by someone else already: a waiter, through the same fast path.
+            try get_expect(world, 0, &.{3}, &.{.waiter}, &.{4});
+            try commit_ready(world, 0, &.{3});
+            try commit_ready(world, 1, &.{4});
+            try release_expect(world, 0, &.{ 3, 4 });
+            try release_expect(world, 1, &.{4});
+        }
+    }.body);
+}
+
+test "buffer fuzz, regression: a force-removed Idle slot given up by its owner is taken over" {
+    // Found by the fuzzer: `release` cleared the owner of an Idle slot on a chain but not of a
+    // detached one, so its waiters waited on an owner that had left (until their timeout).
+    try run_scripted(scripted_config(2, 0, 1, 1, 2), &struct {
+        fn body(world: *World) !void {
+            try get_expect(world, 0, &.{0}, &.{.owner}, &.{0});
+            try get_expect(world, 1, &.{0}, &.{.waiter}, &.{0});
+            const base = base_who(world);
+            try expectEqual(@as(u64, 0), try world.exec_remove(base, &.{0}, false, true));
+            try expectEqual(buffer_module.bucket_detached, world.base.slots[0].bucket.load(.monotonic));
+            try release_expect(world, 0, &.{0}); // the owner gives up
+            try expectEqual(@as(u32, 0), world.base.slots[0].owner.load(.monotonic));
+            var waited: [1]WaitResult = undefined;
+            try world.exec_wait(1, &.{0}, &waited);
+            try expectEqual(WaitResult.takeover, waited[0]);
+            try commit_ready(world, 1, &.{0});
+            try release_expect(world, 1, &.{0});
+            try expectEqual(buffer_module.bucket_free, world.base.slots[0].bucket.load(.monotonic));
+        }
+    }.body);
+}
+
+test "buffer fuzz, regression: reclaim_dead clears a dead owner of a detached slot" {
+    // Found by the fuzzer: the sweep of a detached slot dropped the dead owner's reference but
+    // kept its owner word; a new process registering into the freed entry was then taken for
+    // the owner, and the waiter never took over.
+    try run_scripted(scripted_config(2, 0, 1, 1, 2), &struct {
+        fn body(world: *World) !void {
+            try expectEqual(@as(u32, 0), world.processes[0].holder);
+            try get_expect(world, 0, &.{0}, &.{.owner}, &.{0});
+            try get_expect(world, 1, &.{0}, &.{.waiter}, &.{0});
+            const base = base_who(world);
+            _ = try world.exec_remove(base, &.{0}, false, true);
+            world.exec_kill(0);
+            const report = try world.exec_reclaim(base);
+            try world.check_state();
+            try expectEqual(Reclaim{ .holders = 1, .refs = 1 }, report);
+            try expectEqual(@as(u32, 0), world.base.slots[0].owner.load(.monotonic));
+            try world.exec_restart(0, false);
+            try world.check_state();
+            try expectEqual(@as(u32, 0), world.processes[0].holder); // the freed entry, reused
+            var waited: [1]WaitResult = undefined;
+            try world.exec_wait(1, &.{0}, &waited);
+            try expectEqual(WaitResult.takeover, waited[0]);
+            try release_expect(world, 1, &.{0});
+        }
+    }.body);
+}
+
+// -------------------------------------------------------------------------------------------
+// Holder table tests.
+
+fn test_block_id(block: u8) BlockId {
+    var id: BlockId = @splat(0);
+    id[0] = block + 1;
+    id[15] = 0xB0;
+    return id;
 }
 
 var full_table_alive: [65]bool = @splat(true);
@@ -451,7 +1999,7 @@ test "holder table: 64 live holders fill it; a dead one is reclaimed to make roo
     view.holder = 9;
     var result: [1]buffer_module.GetResult = undefined;
     var slot: [1]u32 = undefined;
-    view.get(&.{block_id_of(0)}, &.{0}, .{ .results = &result, .slots = &slot });
+    view.get(&.{test_block_id(0)}, &.{0}, .{ .results = &result, .slots = &slot });
     try expectEqual(buffer_module.GetResult.owner, result[0]);
     full_table_alive[9] = false;
     try expectEqual(@as(u32, 9), try base.register_identity(5_000_064, 1));

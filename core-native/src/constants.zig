@@ -4,7 +4,7 @@
 const std = @import("std");
 
 /// Bumped whenever the C ABI changes; the Python binding refuses a library with another value.
-pub const abi_version: u32 = 4;
+pub const abi_version: u32 = 5;
 
 /// Futex words are 32-bit on Linux, and they must be naturally aligned.
 pub const futex_word_size_bytes: usize = 4;
@@ -92,7 +92,9 @@ pub const buffer_magic: u64 = 0x3130_4655_424D_4355;
 /// Bumped whenever the control-region layout changes; attach refuses another value.
 /// 2: holder table after the counters; Slot.refcount/owner_pid replaced by a holder bitmap and
 /// the owner's holder index. 3: slot State `missing` (the owner found the key in no tier).
-pub const buffer_layout_version: u32 = 3;
+/// 4: write-back debt (slot flag `dirty`, `Slot.flusher`, `HolderEntry.closing`, counters
+/// `dirty_slots` and `flushed`); dirty slots are never eviction victims.
+pub const buffer_layout_version: u32 = 4;
 pub const buffer_cache_line_bytes: u64 = 64;
 pub const buffer_header_size_bytes: usize = 256;
 pub const buffer_clock_size_bytes: usize = 64;

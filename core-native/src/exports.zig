@@ -175,7 +175,7 @@ export fn ucm_buffer_holder_info(ctrl: usize, index: u32, out: *buffer.HolderEnt
         .tag = std.atomic.Value(u64).init(entry.tag.load(.acquire)),
         .start_time = std.atomic.Value(u64).init(entry.start_time.load(.monotonic)),
         .reclaimer = std.atomic.Value(u32).init(entry.reclaimer.load(.monotonic)),
-        ._pad0 = 0,
+        .closing = std.atomic.Value(u32).init(entry.closing.load(.monotonic)),
         ._pad1 = 0,
     };
     return 0;
@@ -204,8 +204,6 @@ export fn ucm_buffer_get(
     shards: [*]const u32,
     out_results: [*]buffer.GetResult,
     out_slots: [*]u32,
-    out_evicted_ids: ?[*]buffer.BlockId,
-    out_evicted_shards: ?[*]u32,
 ) i32 {
     const view = switch (buffer_open_holder(ctrl, holder)) {
         .view => |v| v,
@@ -214,8 +212,6 @@ export fn ucm_buffer_get(
     view.get(ids_slice(ids, n), shards[0..n], .{
         .results = out_results[0..n],
         .slots = out_slots[0..n],
-        .evicted_block_ids = if (out_evicted_ids) |p| p[0..n] else null,
-        .evicted_shard_indices = if (out_evicted_shards) |p| p[0..n] else null,
     });
     return 0;
 }
@@ -227,9 +223,7 @@ export fn ucm_buffer_commit(ctrl: usize, holder: u32, n: u32, slots: [*]const u3
     };
     if (!buffer_slots_valid(view, slots[0..n])) return buffer_status(.invalid_argument);
     for (states[0..n]) |state| {
-        if (state < @intFromEnum(buffer.State.ready) or state > @intFromEnum(buffer.State.missing)) {
-            return buffer_status(.invalid_argument);
-        }
+        if (!buffer.Buffer.commit_code_valid(state)) return buffer_status(.invalid_argument);
     }
     view.commit(slots[0..n], states[0..n], out[0..n]);
     return 0;
@@ -255,9 +249,7 @@ export fn ucm_buffer_commit_one(ctrl: usize, holder: u32, slot: u32, state: u8) 
     };
     const slots = [1]u32{slot};
     if (!buffer_slots_valid(view, &slots)) return buffer_status(.invalid_argument);
-    if (state < @intFromEnum(buffer.State.ready) or state > @intFromEnum(buffer.State.missing)) {
-        return buffer_status(.invalid_argument);
-    }
+    if (!buffer.Buffer.commit_code_valid(state)) return buffer_status(.invalid_argument);
     var out = [1]buffer.CommitResult{.ok};
     view.commit(&slots, &[1]u8{state}, &out);
     return @intFromEnum(out[0]);
@@ -285,6 +277,49 @@ export fn ucm_buffer_release(ctrl: usize, holder: u32, n: u32, slots: [*]const u
     if (!buffer_slots_held(view, slots[0..n])) return buffer_status(.invalid_argument);
     // A slot listed twice is released once (the second finds no reference): count < n.
     return view.release(slots[0..n]);
+}
+
+/// Claims up to `capacity` dirty slots for writing down (`Buffer.take_dirty`), scanning from
+/// `cursor.*` (updated). Returns how many were claimed, or a negative Status.
+export fn ucm_buffer_take_dirty(
+    ctrl: usize,
+    holder: u32,
+    cursor: *u32,
+    capacity: u32,
+    out_slots: [*]u32,
+    out_ids: [*]buffer.BlockId,
+    out_shards: [*]u32,
+) i64 {
+    const view = switch (buffer_open_holder(ctrl, holder)) {
+        .view => |v| v,
+        .status => |code| return code,
+    };
+    return view.take_dirty(cursor, .{
+        .slots = out_slots[0..capacity],
+        .block_ids = out_ids[0..capacity],
+        .shard_indices = out_shards[0..capacity],
+    });
+}
+
+/// Ends the flush of slots from `ucm_buffer_take_dirty`: `written[i]` != 0 pays slot i's debt.
+/// The references taken stay (release them). Returns how many were cleaned, or a negative Status.
+export fn ucm_buffer_clean(ctrl: usize, holder: u32, n: u32, slots: [*]const u32, written: [*]const u8) i64 {
+    const view = switch (buffer_open_holder(ctrl, holder)) {
+        .view => |v| v,
+        .status => |code| return code,
+    };
+    if (!buffer_slots_held(view, slots[0..n])) return buffer_status(.invalid_argument);
+    return view.clean(slots[0..n], written[0..n]);
+}
+
+/// Marks the calling holder closing (`closing` != 0) or open again; returns 1 when it is the
+/// last live holder not closing (it must pay the write-back debt), 0 otherwise.
+export fn ucm_buffer_mark_closing(ctrl: usize, holder: u32, closing: u32) i32 {
+    const view = switch (buffer_open_holder(ctrl, holder)) {
+        .view => |v| v,
+        .status => |code| return code,
+    };
+    return @intFromBool(view.mark_closing(closing != 0));
 }
 
 export fn ucm_buffer_prealloc(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, out: [*]buffer.PreallocResult) i32 {

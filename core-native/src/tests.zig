@@ -7,6 +7,7 @@ comptime {
     _ = @import("exports.zig");
     _ = @import("buffer.zig"); // CacheBuffer
     _ = @import("buffer_fuzz.zig"); // CacheBuffer model-based fuzzer
+    _ = @import("fuzz_main.zig"); // `zig build fuzz`: its argument parsing
     _ = @import("seg_sys.zig");
     _ = @import("shm.zig");
     _ = @import("memfd.zig");

@@ -64,12 +64,20 @@ RECORDED: dict[str, list[Key]] = {}
 CONTENTS: dict[str, dict[Key, bytes]] = {}
 CORRUPT: dict[str, set[Key]] = {}
 """Keys a RecordingTier serves as corrupt (a TierError) until they are written again."""
+GATES: dict[str, threading.Event] = {}
+"""A ``gated`` RecordingTier holds every load and dump until GATES[space] is set: a test orders
+events by what the tier is doing, never by sleeping."""
+ENTERED: dict[str, threading.Event] = {}
+"""Set by a ``gated`` RecordingTier when a load or dump reaches it (and waits at the gate)."""
+GATE_TIMEOUT_S = 120.0
+"""Bound on a wait at a gate that a test forgot to open (it then fails, never hangs)."""
 
 
 class RecordingConfig(LowerTierConfig):
     type: Literal["recording"] = "recording"
     space: str
     delay_s: float = 0.0
+    gated: bool = False
 
 
 class RecordingTier(Tier):
@@ -88,11 +96,19 @@ class RecordingTier(Tier):
         self.corrupt = CORRUPT.setdefault(config.space, set())
         self.lock = threading.Lock()
 
+    def _pass_gate(self) -> None:
+        if not self.cfg.gated:
+            return
+        ENTERED.setdefault(self.cfg.space, threading.Event()).set()
+        if not GATES.setdefault(self.cfg.space, threading.Event()).wait(GATE_TIMEOUT_S):
+            raise TierError(f"the test never opened the gate of {self.cfg.space}")
+
     def lookup(self, keys: Sequence[Key]) -> list[bool]:
         with self.lock:
             return [key in self.data and key not in self.corrupt for key in keys]
 
     def load(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
+        self._pass_gate()
         outcomes: list[Outcome] = []
         for key, views in zip(keys, destinations, strict=True):
             time.sleep(self.cfg.delay_s)
@@ -110,6 +126,7 @@ class RecordingTier(Tier):
         return outcomes
 
     def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
+        self._pass_gate()
         blobs = [b"".join(bytes(v) for v in views) for views in sources]
         with self.lock:
             for key, blob in zip(keys, blobs, strict=True):

@@ -18,9 +18,13 @@ def test_tiers() -> Iterator[None]:
     _tiers.RECORDED.clear()
     _tiers.CONTENTS.clear()
     _tiers.CORRUPT.clear()
+    _tiers.ENTERED.clear()
+    _tiers.GATES.clear()
     try:
         yield
     finally:
+        for gate in _tiers.GATES.values():
+            gate.set()  # nothing stays held at a gate past its test
         _tiers.unregister()
 
 

@@ -3,7 +3,11 @@ TaskError, idle-window Prealloc (Scenario E), repair and promotion, dumps beside
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +18,11 @@ import ucm
 from ucm.errors import TaskError
 from ucm.native.buffer import State
 
-from ._tiers import CONTENTS, CORRUPT, RECORDED, block, payload
+from ._tiers import CONTENTS, CORRUPT, ENTERED, GATES, RECORDED, block, payload
 
 SHARD = 4096
+BOUND_S = 60.0
+"""Bound on a step a test waits for: generous on a busy machine, still a failure on a hang."""
 
 
 def stack(
@@ -63,17 +69,29 @@ def test_dispatcher_claims_in_rearrange_index_order(test_tiers: None, unique_id:
     assert order == [2, 6, 10, 3, 7, 11, 0, 4, 8, 1, 5, 9]
 
 
+def bounded(call: Callable[[], Any], what: str) -> Any:
+    """``call()`` in another thread, failing the test (not hanging it) past BOUND_S."""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(call)
+        try:
+            return future.result(timeout=BOUND_S)
+        except FuturesTimeout:
+            GATES.setdefault("low", threading.Event()).set()  # let the thread finish
+            raise AssertionError(f"{what} did not return within {BOUND_S} s") from None
+
+
 def test_many_tasks_in_flight_check_does_not_block(test_tiers: None, unique_id: str) -> None:
     blocks = [block(i) for i in range(9)]
     fill_space("low", blocks, range(4))
-    lower = {"type": "recording", "space": "low", "delay_s": 0.02}
+    lower = {"type": "recording", "space": "low", "gated": True}
+    gate = GATES.setdefault("low", threading.Event())
     with ucm.open(stack(unique_id, lower, load_workers=2)) as store:
         dsts = [dst_for(3) for _ in range(3)]
         tasks = [store.load(blocks[3 * t : 3 * t + 3], t, dsts[t]) for t in range(3)]
-        started = time.perf_counter()
-        states = [store.check(task) for task in tasks]
-        assert time.perf_counter() - started < 0.05  # check never waits for the load
+        # Every load is held at the tier below: check answers without waiting for them.
+        states = bounded(lambda: [store.check(task) for task in tasks], "check()")
         assert states == [False, False, False]
+        gate.set()
         for task in reversed(tasks):
             store.wait(task)
         assert [store.check(task) for task in tasks] == [True] * 3
@@ -212,43 +230,54 @@ def test_prealloc_can_be_switched_off(test_tiers: None, unique_id: str) -> None:
 
 def test_dumps_do_not_starve_loads(test_tiers: None, unique_id: str) -> None:
     hot = [block(i) for i in range(4)]
-    slow = {"type": "recording", "space": "slow", "write": "through"}
+    slow = {"type": "recording", "space": "slow", "write": "through", "gated": True}
+    gate = GATES.setdefault("slow", threading.Event())
     with ucm.open(stack(unique_id, slow, slots=128)) as store:
+        gate.set()
         src = [[torch.full((SHARD,), i, dtype=torch.uint8)] for i in range(4)]
         store.wait(store.dump(hot, 0, src))
         store.drain()
-        # A write-through tier that takes 0.25 s per batch, and a backlog of dumps for it.
-        original = store.tiers[1].dump
-
-        def slow_dump(keys: Any, sources: Any) -> Any:
-            time.sleep(0.25)
-            return original(keys, sources)
-
-        store.tiers[1].dump = slow_dump  # type: ignore[method-assign]
+        # The write-through tier now holds every dump at its gate: a backlog that does not
+        # drain until the test says so.
+        gate.clear()
+        entered = ENTERED["slow"]
+        entered.clear()
         backlog = [block(50 + i) for i in range(8)]
         dumps = [store.dump([b], 1, [[torch.zeros(SHARD, dtype=torch.uint8)]]) for b in backlog]
-        started = time.perf_counter()
+        for task in dumps:  # acknowledged once in the buffer, before the write-through
+
+            def acked(task: ucm.Task = task) -> None:
+                store.wait(task)
+
+            bounded(acked, "a dump task")
+        assert entered.wait(BOUND_S)
         dst = dst_for(4)
-        store.wait(store.load(hot, 0, dst))
-        elapsed = time.perf_counter() - started
-        assert elapsed < 0.5, elapsed  # the 2 s write-through backlog did not delay the load
+
+        def load_hot() -> None:
+            store.wait(store.load(hot, 0, dst))
+
+        bounded(load_hot, "a load behind the write-through backlog")
         assert [int(d[0][0]) for d in dst] == [0, 1, 2, 3]
-        assert store.stats()["write_queue_bytes"] > 0
-        for task in dumps:
-            store.wait(task)  # acknowledged once in the buffer, before the write-through
+        assert store.stats()["write_queue_bytes"] > 0  # still held: the load went past it
+        gate.set()
+        store.drain()
+        assert store.stats()["write_queue_bytes"] == 0
 
 
 def test_a_full_load_queue_times_out_naming_the_knob(test_tiers: None, unique_id: str) -> None:
     blocks = [block(i) for i in range(4)]
     fill_space("low", blocks, range(4))
-    lower = {"type": "recording", "space": "low", "delay_s": 0.3}
+    lower = {"type": "recording", "space": "low", "gated": True}
+    gate = GATES.setdefault("low", threading.Event())
     config = stack(unique_id, lower, load_queue_depth=1, queue_timeout_s=0.1, load_workers=1)
     with ucm.open(config) as store:
-        tasks = [store.load([blocks[0]], 0, dst_for(1))]  # taken by the dispatcher
-        time.sleep(0.05)
+        tasks = [store.load([blocks[0]], 0, dst_for(1))]
+        # Taken by the dispatcher once its load reaches the tier below (held at the gate).
+        assert ENTERED.setdefault("low", threading.Event()).wait(BOUND_S)
         tasks.append(store.load([blocks[1]], 0, dst_for(1)))  # fills the queue
         with pytest.raises(TimeoutError, match="raise load_queue_depth / queue_timeout_s"):
             store.load([blocks[2]], 0, dst_for(1))
+        gate.set()
         for task in tasks:
             store.wait(task)
 
@@ -269,6 +298,7 @@ def test_raw_pointer_load_through_the_buffer(test_tiers: None, unique_id: str) -
         assert (store.stats()["hits"], store.stats()["misses"]) == (1, 1)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
 def test_cuda_destinations_copy_from_registered_buffer_memory(
     test_tiers: None, unique_id: str
@@ -287,6 +317,7 @@ def test_cuda_destinations_copy_from_registered_buffer_memory(
         assert store.stats().get("cuda_register_failures", 0) == 0
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
 def test_cuda_dump_then_load_round_trip(test_tiers: None, unique_id: str, tmp_path: Path) -> None:
     lower = {"type": "posix", "path": str(tmp_path / "nvme")}

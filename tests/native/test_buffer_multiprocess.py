@@ -10,6 +10,7 @@ import os
 import resource
 import signal
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.synchronize import Barrier
 
@@ -37,10 +38,26 @@ def _scenario_b_waiter(shared: SharedBuffer, pause_ns: int, conn: Connection) ->
     elapsed, cpu = time.monotonic() - start, cpu_s() - cpu_before
     data = rank.read_slot(got.slots[0])
     rank.core.release(got.slots)
-    conn.send((int(state), elapsed, cpu, time.monotonic(), data == payload(x, SHARD)))
+    conn.send((int(state), start, elapsed, cpu, data == payload(x, SHARD)))
 
 
-def _run_scenario_b(pause_ns: int, commit_after_s: float) -> tuple[float, float, float, float]:
+@dataclass(frozen=True)
+class WaitRun:
+    """One Scenario B run, as the waiter and the buffer's counters saw it."""
+
+    started: float
+    """time.monotonic() (system-wide) when the waiter entered wait()."""
+    committed: float
+    """time.monotonic() when the owner committed."""
+    elapsed: float
+    cpu: float
+    wakeups: int
+    """Blocked waiters the commit woke (FUTEX_WAKE's count)."""
+    slices: int
+    """Futex slices the waiter slept out without a change."""
+
+
+def _run_scenario_b(pause_ns: int, commit_after_s: float) -> WaitRun:
     geometry = Geometry(shard_size_bytes=SHARD, slot_count_regular=4, bucket_count=4)
     x = (block("X"), 0)
     with shared_buffer(geometry) as shared:
@@ -49,39 +66,59 @@ def _run_scenario_b(pause_ns: int, commit_after_s: float) -> tuple[float, float,
         parent, child = CTX.Pipe()
         process = CTX.Process(target=_scenario_b_waiter, args=(shared, pause_ns, child))
         process.start()
-        assert parent.poll(20) and parent.recv() == ("registered", GetResult.WAITER)
+        assert parent.poll(60) and parent.recv() == ("registered", GetResult.WAITER)
         time.sleep(commit_after_s)
         shared.write_slot(owner.slots[0], payload(x, SHARD))
-        committed_at = time.monotonic()
+        committed = time.monotonic()
         shared.core.commit(owner.slots, [State.READY])
-        assert parent.poll(20)
-        state, elapsed, cpu, woke_at, exact = parent.recv()
-        process.join(10)
+        assert parent.poll(60)
+        state, started, elapsed, cpu, exact = parent.recv()
+        process.join(60)
         assert process.exitcode == 0
+        # Whatever the timing: the waiter saw the committed bytes, and only after the commit.
         assert (state, exact) == (WaitResult.READY, True)
+        assert started + elapsed >= committed
         shared.core.release(owner.slots)
         stats = shared.core.stats()
-        assert stats["waits"] + stats["wakeups"] >= 1
-        return elapsed, cpu, woke_at - committed_at, stats["wakeups"]
+        return WaitRun(started, committed, elapsed, cpu, stats["wakeups"], stats["wait_slices"])
+
+
+SCENARIO_ATTEMPTS = 5
+"""Runs a timing-dependent premise gets: on a busy machine a run may miss it (the commit lands
+at a slice boundary, or after the window); a missed premise is retried, never asserted on."""
 
 
 def test_scenario_b_waiter_blocks_without_cpu_and_wakes_on_commit() -> None:
-    # Mid-slice (futex slices are 100 ms): at a slice boundary the waiter is briefly out of the
-    # futex checking the owner's liveness, sees the commit itself, and nobody is woken.
-    elapsed, cpu, wake_latency, wakeups = _run_scenario_b(pause_ns=0, commit_after_s=0.35)
-    assert 0.25 <= elapsed < 2.0
-    assert cpu < 0.03  # blocked on the futex, not polling
-    assert wake_latency < 0.05  # woken by the commit, not by a 100 ms slice
-    assert wakeups == 1  # the commit found the waiter blocked and woke it (FUTEX_WAKE's count)
+    # The premise is a commit that finds the waiter blocked inside a futex slice (slices are
+    # 100 ms): then the committer's FUTEX_WAKE wakes exactly it. At a slice boundary the waiter
+    # is briefly out of the futex checking the owner's liveness and sees the commit itself;
+    # such a run proves nothing about wake-ups and is retried.
+    runs = []
+    for _ in range(SCENARIO_ATTEMPTS):
+        run = _run_scenario_b(pause_ns=0, commit_after_s=0.35)
+        runs.append(run)
+        assert run.cpu < 0.05, run  # blocked on the futex, never polling, in every run
+        if run.wakeups == 1:
+            break
+        assert run.wakeups == 0, run
+    assert runs[-1].wakeups == 1, f"no run's commit found the waiter blocked: {runs}"
 
 
 def test_scenario_b_completion_between_read_version_and_block_is_not_missed() -> None:
     # The waiter reads version g0 and state Idle, then (test hook) pauses 300 ms before
-    # blocking; the owner commits 100 ms into that pause. Blocking "on g0" must return at once:
-    # the wait ends right after the pause, not after a futex slice or the 5 s timeout.
+    # blocking; the owner commits 100 ms into that pause. Blocking "on g0" must return at once
+    # (the version changed): the wait sleeps no futex slice out and nobody needs waking. The
+    # premise is the commit landing inside the pause; a run that misses it is retried.
     pause_s = 0.3
-    elapsed, _, _, _ = _run_scenario_b(pause_ns=int(pause_s * 1e9), commit_after_s=0.1)
-    assert pause_s <= elapsed < pause_s + 0.09
+    runs = []
+    for _ in range(SCENARIO_ATTEMPTS):
+        run = _run_scenario_b(pause_ns=int(pause_s * 1e9), commit_after_s=0.1)
+        runs.append(run)
+        if run.committed < run.started + pause_s:
+            assert (run.slices, run.wakeups) == (0, 0), run
+            assert run.elapsed >= pause_s, run
+            return
+    raise AssertionError(f"no run's commit landed inside the waiter's pause: {runs}")
 
 
 def _rank_loop(
@@ -192,13 +229,17 @@ def _doomed_owner(shared: SharedBuffer, conn: Connection) -> None:
     time.sleep(60)  # "loading" until SIGKILLed
 
 
+WAIT_AFTER_DEATH_S = 60.0
+"""The waiters' timeout: a dead owner must be noticed from its liveness, not this deadline."""
+
+
 def _waiter_after_death(shared: SharedBuffer, conn: Connection) -> None:
     rank = shared.attach_in_child()
     x = (block("X"), 0)
     got = rank.core.get([x])
     conn.send(("registered", int(got.results[0])))
     start = time.monotonic()
-    (state,) = rank.core.wait(got.slots, timeout_s=3.0)
+    (state,) = rank.core.wait(got.slots, timeout_s=WAIT_AFTER_DEATH_S)
     if state == WaitResult.TAKEOVER:
         rank.write_slot(got.slots[0], payload(x, SHARD))  # reload from below, then publish
         rank.core.commit(got.slots, [State.READY])
@@ -236,7 +277,8 @@ def test_owner_sigkilled_mid_load_waiters_recover_within_timeout() -> None:
             assert waiter.exitcode == 0
         assert sum(1 for _, took_over, _, _ in outcomes if took_over) == 1
         assert all(state == WaitResult.READY for state, _, _, _ in outcomes)
-        assert all(elapsed < 3.0 for _, _, elapsed, _ in outcomes)
+        # The death was seen within slices of the wait, long before its deadline.
+        assert all(elapsed < WAIT_AFTER_DEATH_S / 2 for _, _, elapsed, _ in outcomes)
         assert all(exact for _, _, _, exact in outcomes)  # nobody read the half-written slot
         stats = shared.core.stats()
         assert stats["takeovers"] == 1
@@ -271,7 +313,8 @@ def test_lock_holder_sigkilled_lock_recovered() -> None:
         start = time.monotonic()
         got = shared.core.get([x])
         assert list(got.results) == [GetResult.OWNER]
-        assert time.monotonic() - start < 1.0
+        # Recovered from the holder's death, not timed out (a live holder: 10 s, LOCK_TIMEOUT).
+        assert time.monotonic() - start < 9.0
         assert shared.core.stats()["lock_recoveries"] == 1
         shared.core.commit(got.slots, [State.READY])
         shared.core.release(got.slots)

@@ -14,6 +14,7 @@ from buffer_shm import RemoteRank, ShmRegion, block, shared_buffer
 
 from ucm.errors import InvalidArgumentError
 from ucm.native.buffer import (
+    CTRL_LAYOUT_VERSION,
     DETACHED,
     SLOT_NONE,
     BufferCore,
@@ -53,9 +54,9 @@ def test_scenario_c_clock_preserves_a_hit_block() -> None:
         assert core.cursor() == 0
 
         # Miss E: one lap clears every bit, falls back to the raw cursor: slot 0 (A) is the victim.
-        got = core.get([e], evicted=True)
+        got = core.get([e])
         assert (list(got.results), list(got.slots)) == ([OWN], [0])
-        assert got.evicted == [(0, a)]
+        assert core.slot_of(a) is None  # a was the victim
         assert bits(core, 4) == [1, 0, 0, 0]  # E just loaded; B/C/D swept
         assert core.cursor() == 1
         core.commit(got.slots, [State.READY])
@@ -68,9 +69,9 @@ def test_scenario_c_clock_preserves_a_hit_block() -> None:
         core.release(hit.slots)
 
         # Miss F: slot 1 (B) gets its second chance, slot 2 (C, bit 0) is the victim.
-        got = core.get([f], evicted=True)
+        got = core.get([f])
         assert (list(got.results), list(got.slots)) == ([OWN], [2])
-        assert got.evicted == [(0, c)]
+        assert core.slot_of(c) is None  # c was the victim
         assert core.cursor() == 3
         assert bits(core, 4) == [1, 0, 1, 0]
         core.commit(got.slots, [State.READY])
@@ -105,9 +106,9 @@ def test_scenario_d_touch_preserves_all_shards_of_a_block() -> None:
         assert bits(core, 6) == [1, 1, 1, 0, 0, 0]
 
         # Miss X: T.s0/s1/s2 get second chances, slot 3 (U) is the victim.
-        got_x = core.get([x], evicted=True)
+        got_x = core.get([x])
         assert (list(got_x.results), list(got_x.slots)) == ([OWN], [3])
-        assert got_x.evicted == [(0, u)]
+        assert core.slot_of(u) is None  # u was the victim
         assert core.cursor() == 4
         assert bits(core, 6) == [0, 0, 0, 1, 0, 0]
         core.commit(got_x.slots, [State.READY])
@@ -250,6 +251,10 @@ def test_attach_refuses_bad_magic_layout_and_geometry() -> None:
             r"Geometry\(shard_size_bytes=128.*must use the same shard size",
         ):
             BufferCore.attach(region.address, region.size_bytes, other)
+        # The binding's layout version is the one the native core writes (the segment layer
+        # refuses an old segment up front by it).
+        layout_version = int.from_bytes(region.read(8, 4), "little")
+        assert layout_version == CTRL_LAYOUT_VERSION == 4
         region.write(8, (99).to_bytes(4, "little"))  # layout_version
         with pytest.raises(InvalidArgumentError, match=r"layout version 99"):
             BufferCore.attach(region.address, region.size_bytes, geometry)
@@ -497,3 +502,81 @@ def test_single_slot_commit_and_wait_match_the_batch_path(container: Any) -> Non
         rank.call("release", waiter_slots)
         rank.close()
         core.release(other.slots)
+
+
+def test_dirty_slots_are_never_victims_and_flushers_partition_the_debt() -> None:
+    """Write-back debt in the control plane: a dirty slot survives every eviction, flushers of
+    two processes never claim the same slot, a failed write-down keeps the debt, a killed
+    flusher's claims pass on, remove pays the debt, and the last holder to close is told so."""
+    geometry = Geometry(shard_size_bytes=64, slot_count_regular=4, bucket_count=16)
+    a, b, c, d, e, f = ((block(name), 0) for name in "ABCDEF")
+    with shared_buffer(geometry) as shared:
+        core = shared.core
+        got = core.get([a, b])
+        assert core.commit(got.slots, [State.READY] * 2, dirty=True) == [CommitResult.OK] * 2
+        core.release(got.slots)
+        dirty_slots = list(got.slots)
+        assert [core.slot_info(s).dirty for s in dirty_slots] == [True, True]
+        assert core.stats()["dirty_slots"] == 2
+        load(core, [c, d])  # clean
+        for miss in (e, f):  # two misses evict: never A or B, whatever the CLOCK bits say
+            load(core, [miss])
+            assert core.lookup([a, b]) == [True, True]
+        assert core.lookup([c, d]) == [False, False]
+        # Flushers in two processes partition the debt.
+        rank = RemoteRank(shared)
+        try:
+            mine = core.take_dirty(1)
+            theirs = rank.call("take_dirty", 8)
+            assert len(mine.keys) == len(theirs.keys) == 1
+            assert {mine.keys[0], theirs.keys[0]} == {a, b}
+            assert core.take_dirty(8).keys == []  # both claimed
+            assert core.slot_info(mine.slots[0]).flusher_holder == core.holder
+            # A failed write-down keeps the debt; a written one pays it.
+            assert core.clean(mine.slots, [False]) == 0
+            core.release(mine.slots)
+            assert core.slot_info(mine.slots[0]).dirty
+            # The other flusher dies mid-write: its claim passes on to the next flusher.
+            rank.kill()
+            again = core.take_dirty(8)
+            assert sorted(again.keys) == sorted([a, b])
+            assert core.clean(again.slots, [True, True]) == 2
+            core.release(again.slots)
+            stats = core.stats()
+            assert (stats["dirty_slots"], stats["flushed"]) == (0, 2)
+        finally:
+            rank.close()
+        # Remove pays the debt too (the data is gone on purpose), in use or not.
+        got = core.get([e])
+        assert list(got.results) == [H]
+        load_dirty = core.get([c])
+        core.commit(load_dirty.slots, [State.READY], dirty=True)
+        assert core.stats()["dirty_slots"] == 1
+        assert core.remove([c], force=True) == 1
+        core.release(load_dirty.slots)
+        core.release(got.slots)
+        assert core.stats()["dirty_slots"] == 0
+        # The only live holder is the last one; marking it open again resets the mark.
+        assert core.mark_closing(True) is True
+        assert core.holders()[core.holder].closing
+        assert core.mark_closing(False) is False
+        assert not core.holders()[core.holder].closing
+
+
+def test_of_two_holders_only_the_one_closing_last_is_told_to_pay() -> None:
+    geometry = Geometry(shard_size_bytes=64, slot_count_regular=4, bucket_count=4)
+    with shared_buffer(geometry) as shared:
+        core = shared.core
+        rank = RemoteRank(shared)
+        try:
+            assert core.mark_closing(True) is False  # the other rank is live, not closing
+            assert rank.call("mark_closing", True) is True  # it closes last
+        finally:
+            rank.close()
+        core.mark_closing(False)
+        rank = RemoteRank(shared)
+        try:
+            rank.kill()  # a killed rank is not waited for
+            assert core.mark_closing(True) is True
+        finally:
+            rank.close()

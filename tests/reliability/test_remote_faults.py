@@ -244,16 +244,15 @@ def test_write_through_to_a_silent_endpoint_never_blocks_dumps_or_close(
         shards = Shards(2)
         shards.fill(block_ids, 0)
         store = ucm.open(config)
-        started = time.monotonic()
         store.wait(store.dump_data(block_ids, 0, shards.pointers(2)))  # the top tier took them
-        dump_s = time.monotonic() - started
+        # Acknowledged while the write-through to the silent endpoint is still pending.
+        assert store.stats()["write_queue_bytes"] > 0
         shards.poison()
         store.wait(store.load_data(block_ids, 0, shards.pointers(2)))
         assert [shards.data(i) for i in range(2)] == [payload(b, 0) for b in block_ids]
         started = time.monotonic()
         store.close()  # finishes (here: fails) the write-through within the request deadline
         close_s = time.monotonic() - started
-        assert dump_s < 1.0, dump_s
         assert close_s < OP_BOUND_S, close_s
         stats = store.stats()
         assert stats.get("write_through_failures", 0) == 2, stats

@@ -21,22 +21,36 @@ from ucm.soak import (
 )
 
 SOAK_SECONDS = 25.0
+SOAK_SECONDS_MAX = 240.0
+"""A busy machine gets more time to reach the goals below, never a weaker run."""
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(420)
 def test_kill_soak_no_hang_no_wrong_byte_no_leak(tmp_path: Path) -> None:
-    settings = SoakSettings(seconds=SOAK_SECONDS, ranks=4, seed=11, workdir=str(tmp_path))
+    settings = SoakSettings(
+        seconds=SOAK_SECONDS,
+        ranks=4,
+        seed=11,
+        workdir=str(tmp_path),
+        min_kills_per_mode=3,
+        min_loads_verified=1000,
+        min_dumps=100,
+        min_removes=10,
+        seconds_max=SOAK_SECONDS_MAX,
+    )
     report = run_soak(settings)
     text = "\n".join([*render(report), *report.violations])
     assert report.violations == [], text
+    assert report.goals_met, text
     # Kills of every kind happened and were survived (each killed rank came back).
-    assert report.kills_total >= 12, text
-    assert all(report.kills[mode] >= 1 for mode in KILL_MODES), text
+    assert all(report.kills[mode] >= 3 for mode in KILL_MODES), text
     assert report.restarts == report.kills_total
     # The workload ran: every load checked, none returned another key's or a torn shard.
     assert report.loads_verified >= 1000, text
     assert report.mismatches == 0
     assert report.ops.get("dump", 0) >= 100 and report.ops.get("remove", 0) >= 10, text
+    # Write-back debt (posix is `write: back`): what was dirty at the end reached posix.
+    assert report.debt_written == report.debt_at_end, text
     # Nobody waited past its timeout; nothing timed out at all.
     assert report.longest_wait_s <= settings.wait_timeout_s + 1.0, text
     assert report.longest_op_s < settings.op_timeout_s, text

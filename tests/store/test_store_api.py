@@ -155,7 +155,10 @@ def test_dump_writes_through_asynchronously_and_close_finishes_it(dict_tier) -> 
     assert store.stats()["write_through_shards"] == 20
 
 
-def test_eviction_writes_back_and_never_drops_the_only_copy(dict_tier) -> None:
+def test_the_evict_sink_writes_what_a_tier_evicts_to_the_back_tier(dict_tier) -> None:
+    """The Store's side of write-back: the sink a tier gets delivers its evictions to the
+    `write: back` tier. (What a failed write-down means for the evicting tier is the tier's
+    own rule: asserted on the real tiers in test_store_real_tiers.py and test_write_back.py.)"""
     tiers = (
         {"type": "dict", "space": "top", "capacity_shards": 2},
         {"type": "dict", "space": "back", "write": "back"},
@@ -171,7 +174,9 @@ def test_eviction_writes_back_and_never_drops_the_only_copy(dict_tier) -> None:
         assert store.stats()["written_back_shards"] >= 3
 
 
-def test_failed_write_back_keeps_the_shard_up_top(dict_tier) -> None:
+def test_the_evict_sink_reports_a_failed_write_back_per_key(dict_tier) -> None:
+    """The sink returns the write-back tier's per-key failure, so the evicting tier can keep
+    the shard (here the dict tier keeps it; the real tiers' own tests assert that they do)."""
     tiers = (
         {"type": "dict", "space": "top", "capacity_shards": 1},
         {"type": "dict", "space": "back", "write": "back", "fail_blocks": [block(0).hex()]},

@@ -90,3 +90,44 @@ def test_a_block_dumped_by_another_process_is_loaded_here(tmp_path: Path) -> Non
         dst = [[torch.zeros(64, dtype=torch.uint8)] for _ in ids]
         store.wait(store.load(ids, 1, dst))
         assert [int(d[0][0]) for d in dst] == [1, 3, 5]
+
+
+def test_posix_eviction_keeps_a_block_its_failing_write_back_tier_could_not_take(
+    tmp_path: Path,
+) -> None:
+    """Eviction never drops the only copy, on the real tiers: posix over capacity hands its
+    victims to a `write: back` fsspec tier that fails every write (its root is a file), keeps
+    them all, and every block still loads byte-exact; once the tier below works, an eviction
+    pass writes them down and drops them."""
+    below = tmp_path / "below"
+    below.write_text("a file where the tier expects a directory: every write fails")
+    config = {
+        "unique_id": f"rt-{uuid.uuid4().hex[:8]}",
+        "shard_size": 4096,
+        "shards_per_block": 1,
+        "tiers": [
+            {"type": "posix", "path": str(tmp_path / "nvme"), "capacity": 3 * 4096},
+            {"type": "fsspec", "url": f"file://{below}", "write": "back"},
+        ],
+    }
+    blocks = [block(i) for i in range(8)]
+    src = [[torch.frombuffer(bytearray(payload(b, 0, 4096)), dtype=torch.uint8)] for b in blocks]
+    with ucm.open(config) as store:
+        store.wait(store.dump(blocks, 0, src))
+        posix = store.tiers[0]
+        posix.evict_to_capacity()  # type: ignore[attr-defined]
+        assert posix.lookup([(b, 0) for b in blocks]) == [True] * 8  # nothing dropped
+        assert posix.stats()["evict_sink_failures"] > 0
+        assert posix.stats()["evictions"] == 0
+        dst = [[torch.zeros(4096, dtype=torch.uint8)] for _ in blocks]
+        store.wait(store.load(blocks, 0, dst))
+        assert [d[0].numpy().tobytes() for d in dst] == [payload(b, 0, 4096) for b in blocks]
+        below.unlink()  # the tier below works again
+        assert posix.evict_to_capacity() > 0  # type: ignore[attr-defined]
+        gone = [
+            b
+            for b, here in zip(blocks, posix.lookup([(b, 0) for b in blocks]), strict=True)
+            if not here
+        ]
+        assert gone
+        assert store.tiers[1].lookup([(b, 0) for b in gone]) == [True] * len(gone)

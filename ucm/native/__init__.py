@@ -13,7 +13,7 @@ from pathlib import Path
 from ..errors import NativeLibraryError
 
 LIBRARY_NAME = "libucm_core.so"
-ABI_VERSION = 4
+ABI_VERSION = 5
 _REBUILD_HINT = (
     "reinstall the package to rebuild it (`pip install -e .` or `pip install .` from the "
     "repository; the pinned ziglang build requirement compiles core-native/)"

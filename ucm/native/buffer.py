@@ -58,11 +58,17 @@ COUNTER_NAMES = (
     "refs_reclaimed",
     "holders_freed",
     "remove_lock_acquisitions",
+    "dirty_slots",
+    "flushed",
+    "wait_slices",
 )
 """Counter order of ``ucm_buffer_stats`` (``buffer.counter_names`` in buffer.zig)."""
+GAUGE_NAMES = ("dirty_slots",)
+"""The entries of COUNTER_NAMES that are gauges (go up and down), not monotonic counts."""
 
-CTRL_LAYOUT_VERSION = 2
-"""``buffer_layout_version`` of core-native/src/constants.zig: pass it to
+CTRL_LAYOUT_VERSION = 4
+"""``buffer_layout_version`` of core-native/src/constants.zig (a test checks that they agree,
+against the header ``BufferCore.create`` writes): pass it to
 ``SharedRegion.open(ctrl_layout_version=...)`` so that an old segment is refused up front."""
 HOLDERS_MAX = 64
 CTRL_ALIGNMENT_BYTES = 64
@@ -115,6 +121,8 @@ class CommitResult(enum.IntEnum):
     LOCK_TIMEOUT = 3
 
 
+_COMMIT_DIRTY_BIT = 0x80
+"""``commit_dirty_bit`` of buffer.zig: OR'ed into State.READY to commit with write-back debt."""
 _REAL_NUMBER = (int, float)
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 _FINAL_STATES = (State.READY, State.FAILED, State.MISSING)
@@ -198,7 +206,8 @@ class _SlotStruct(ctypes.Structure):
         ("bucket", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
         ("holders", ctypes.c_uint64),
-        ("_pad", ctypes.c_uint8 * 8),
+        ("flusher", ctypes.c_uint32),
+        ("_pad", ctypes.c_uint8 * 4),
     )
 
 
@@ -207,7 +216,7 @@ class _HolderStruct(ctypes.Structure):
         ("tag", ctypes.c_uint64),
         ("start_time", ctypes.c_uint64),
         ("reclaimer", ctypes.c_uint32),
-        ("_pad0", ctypes.c_uint32),
+        ("closing", ctypes.c_uint32),
         ("_pad1", ctypes.c_uint64),
     )
 
@@ -242,12 +251,18 @@ def _native() -> ctypes.CDLL:
         "ucm_buffer_holder_info": (i32, [usize, u32, ctypes.POINTER(_HolderStruct)]),
         "ucm_buffer_scan_holders": (i32, [usize, u64p]),
         "ucm_buffer_debug_set_holder_start_time": (i32, [usize, u32, u64]),
-        "ucm_buffer_get": (i32, [usize, u32, u32, ids, u32p, u8p, u32p, u8p, u32p]),
+        "ucm_buffer_get": (i32, [usize, u32, u32, ids, u32p, u8p, u32p]),
         "ucm_buffer_commit": (i32, [usize, u32, u32, u32p, u8p, u8p]),
         "ucm_buffer_wait": (i32, [usize, u32, u32, u32p, u64, u8p]),
         "ucm_buffer_commit_one": (i32, [usize, u32, u32, ctypes.c_uint8]),
         "ucm_buffer_wait_one": (i32, [usize, u32, u32, u64]),
         "ucm_buffer_release": (i64, [usize, u32, u32, u32p]),
+        "ucm_buffer_take_dirty": (
+            i64,
+            [usize, u32, ctypes.POINTER(ctypes.c_uint32), u32, u32p, u8p, u32p],
+        ),
+        "ucm_buffer_clean": (i64, [usize, u32, u32, u32p, u8p]),
+        "ucm_buffer_mark_closing": (i32, [usize, u32, u32]),
         "ucm_buffer_prealloc": (i32, [usize, u32, ids, u32p, u8p]),
         "ucm_buffer_touch": (i64, [usize, u32, ids]),
         "ucm_buffer_lookup": (i32, [usize, u32, ids, u32p, u8p]),
@@ -499,12 +514,11 @@ def _as_u32_array(values: Sequence[int] | array[int], argument: str) -> array[in
 @dataclass(frozen=True)
 class GetBatch:
     """Per-key outcome of :meth:`BufferCore.get`: ``results[i]`` is a :class:`GetResult` code,
-    ``slots[i]`` the slot (``SLOT_NONE`` for NO_SLOT); when requested, ``evicted`` lists
-    ``(i, key)`` for each Ready shard evicted to make room for key ``i`` (write it below first)."""
+    ``slots[i]`` the slot (``SLOT_NONE`` for NO_SLOT). Eviction never drops write-back debt
+    (a dirty slot is never a victim), so a Get has nothing to write below."""
 
     results: array[int]
     slots: array[int]
-    evicted: list[tuple[int, Key]]
 
     def held_slots(self) -> array[int]:
         """Slots holding a reference (everything but NO_SLOT / LOCK_TIMEOUT): release these."""
@@ -531,6 +545,19 @@ class SlotInfo:
     holders: int = 0
     """Bitmap of the holder indices referencing the slot."""
     owner_holder: int | None = None
+    dirty: bool = False
+    """Write-back debt: the Ready shard is not yet in the ``write: back`` tiers below."""
+    flusher_holder: int | None = None
+    """Holder index of the process writing the dirty shard down, if any."""
+
+
+@dataclass(frozen=True)
+class DirtyBatch:
+    """Dirty slots claimed by :meth:`BufferCore.take_dirty`: this process holds a reference on
+    each; write ``keys[i]`` from ``slots[i]`` below, then :meth:`BufferCore.clean` them."""
+
+    slots: array[int]
+    keys: list[Key]
 
 
 @dataclass(frozen=True)
@@ -543,6 +570,8 @@ class HolderInfo:
     start_time: int
     """Clock ticks after boot (/proc/<pid>/stat field 22) of the registered process."""
     reclaimer: int
+    closing: bool = False
+    """The process started closing the buffer (:meth:`BufferCore.mark_closing`)."""
 
 
 @dataclass(frozen=True)
@@ -576,6 +605,7 @@ class BufferCore:
         self._wait_one = self._native.ucm_buffer_wait_one
         self._holder = -1
         self._holder_pid = 0
+        self._dirty_cursor = ctypes.c_uint32(0)
 
     # -- holders -----------------------------------------------------------------------------
 
@@ -630,6 +660,7 @@ class BufferCore:
                     pid=raw.tag & 0xFFFF_FFFF,
                     start_time=raw.start_time,
                     reclaimer=raw.reclaimer,
+                    closing=bool(raw.closing),
                 )
             )
         return rows
@@ -706,15 +737,13 @@ class BufferCore:
 
     # -- operations ------------------------------------------------------------------------
 
-    def get(self, keys: Sequence[Key] | KeyBatch, *, evicted: bool = False) -> GetBatch:
+    def get(self, keys: Sequence[Key] | KeyBatch) -> GetBatch:
         batch = KeyBatch.of(keys)
         n = len(batch)
         if n == 0:
-            return GetBatch(array("B"), array("I"), [])
+            return GetBatch(array("B"), array("I"))
         results = array("B", bytes(n))
         slots = array("I", bytes(4 * n))
-        evicted_ids = ctypes.create_string_buffer(BLOCK_ID_BYTES * n) if evicted else None
-        evicted_shards = array("I", bytes(4 * n)) if evicted else None
         status = self._native.ucm_buffer_get(
             self._ctrl,
             self.holder,
@@ -723,24 +752,18 @@ class BufferCore:
             _address(batch.shards),
             _address(results),
             _address(slots),
-            ctypes.addressof(evicted_ids) if evicted_ids is not None and n else None,
-            _address(evicted_shards) if evicted_shards is not None else None,
         )
         if status == _Status.NOT_REGISTERED:
             raise self._unregistered("get")
         self._check(status, "get")
-        victims: list[tuple[int, Key]] = []
-        if evicted_ids is not None and evicted_shards is not None:
-            raw = evicted_ids.raw
-            for index, shard in enumerate(evicted_shards):
-                if shard != SLOT_NONE:
-                    block_id = raw[index * BLOCK_ID_BYTES : (index + 1) * BLOCK_ID_BYTES]
-                    victims.append((index, (block_id, shard)))
-        return GetBatch(results, slots, victims)
+        return GetBatch(results, slots)
 
     def commit(
-        self, slots: Sequence[int] | array[int], states: Sequence[State]
+        self, slots: Sequence[int] | array[int], states: Sequence[State], *, dirty: bool = False
     ) -> list[CommitResult]:
+        """Publishes owned slots (READY, FAILED or MISSING), waking their waiters. ``dirty``
+        publishes the READY ones with write-back debt (a dump into a buffer with ``write: back``
+        tiers below): they stay until :meth:`take_dirty` / :meth:`clean` wrote them down."""
         # The commit sits on every waiter's wake-up latency, and an owner that has just slept
         # on I/O runs it with cold caches, where each Python step costs microseconds: the
         # happy path is one conversion and one native call, and a single slot needs no array
@@ -756,7 +779,12 @@ class BufferCore:
             # Exact types only: ctypes would silently mask a wider int into the u32 slot.
             if type(slot) is int and 0 <= slot <= _U32_MAX and type(state) is State:
                 holder = self._holder if self._holder_pid == _PROCESS_ID[0] else self.holder
-                code = self._commit_one(self._ctrl, holder, slot, state)
+                code = self._commit_one(
+                    self._ctrl,
+                    holder,
+                    slot,
+                    state | _COMMIT_DIRTY_BIT if dirty and state is State.READY else state,
+                )
                 if code >= 0:
                     return [_COMMIT_RESULTS[code]]
                 # Refused before anything changed: the general path names the reason.
@@ -771,6 +799,11 @@ class BufferCore:
             self._reject_states(states, count)
         if not count:
             return []
+        if dirty:
+            ready = int(State.READY)
+            for index, code in enumerate(state_array):
+                if code == ready:
+                    state_array[index] = ready | _COMMIT_DIRTY_BIT
         out = array("B", bytes(count))
         status = self._native.ucm_buffer_commit(
             self._ctrl,
@@ -849,6 +882,60 @@ class BufferCore:
                 f"release dropped {released} of {len(slot_array)} references: a bucket lock "
                 "stayed held past the lock timeout"
             )
+
+    def take_dirty(self, capacity: int) -> DirtyBatch:
+        """Claims up to ``capacity`` dirty slots for writing down (this process's reference and
+        its holder as their flusher), scanning the buffer once at most from where the last call
+        stopped. Slots a live flusher in another process (or thread) writes are skipped."""
+        _check_int("capacity", capacity, 1, _U32_MAX, "")
+        slots = array("I", bytes(4 * capacity))
+        shards = array("I", bytes(4 * capacity))
+        ids = ctypes.create_string_buffer(BLOCK_ID_BYTES * capacity)
+        taken = int(
+            self._native.ucm_buffer_take_dirty(
+                self._ctrl,
+                self.holder,
+                ctypes.byref(self._dirty_cursor),
+                capacity,
+                _address(slots),
+                ctypes.addressof(ids),
+                _address(shards),
+            )
+        )
+        self._check(min(taken, 0), "take_dirty")
+        raw = ids.raw
+        keys = [
+            (raw[i * BLOCK_ID_BYTES : (i + 1) * BLOCK_ID_BYTES], shards[i]) for i in range(taken)
+        ]
+        return DirtyBatch(slots[:taken], keys)
+
+    def clean(self, slots: Sequence[int] | array[int], written: Sequence[bool]) -> int:
+        """Ends the flush of slots from :meth:`take_dirty`: ``written[i]`` pays slot i's debt,
+        otherwise it stays dirty for a later flush. The references stay: :meth:`release` them
+        after. Returns slots cleaned."""
+        slot_array = _as_u32_array(slots, "slots")
+        if len(written) != len(slot_array):
+            raise InvalidArgumentError(
+                f"written has {len(written)} entries, slots has {len(slot_array)}: one per slot"
+            )
+        if not slot_array:
+            return 0
+        flags = array("B", [1 if ok else 0 for ok in written])
+        cleaned = int(
+            self._native.ucm_buffer_clean(
+                self._ctrl, self.holder, len(slot_array), _address(slot_array), _address(flags)
+            )
+        )
+        self._check_slots(min(cleaned, 0), slot_array, "clean", referenced=True)
+        return cleaned
+
+    def mark_closing(self, closing: bool = True) -> bool:
+        """Marks this process closing the buffer (or open again, ``closing=False``). Returns
+        True when no other live process is attached without closing: this one is the last,
+        and must write every dirty slot down before it leaves."""
+        last = int(self._native.ucm_buffer_mark_closing(self._ctrl, self.holder, int(closing)))
+        self._check(min(last, 0), "mark_closing")
+        return bool(last)
 
     def prealloc(self, keys: Sequence[Key] | KeyBatch) -> list[PreallocResult]:
         batch = KeyBatch.of(keys)
@@ -980,6 +1067,8 @@ class BufferCore:
             preallocated=bool(raw.flags & 2),
             holders=int(raw.holders),
             owner_holder=owner_holder,
+            dirty=bool(raw.flags & 4),
+            flusher_holder=raw.flusher - 1 if raw.flusher else None,
         )
 
     def slot_of(self, key: Key) -> int | None:

@@ -1,0 +1,570 @@
+"""UCM as SGLang's HiCache L3 storage, against the real sglang 0.5.23 (docs/sglang.md).
+
+Every backend here is made the way SGLang's cache controller makes it: ``StorageBackendFactory``'s
+dynamic path with a ``HiCacheStorageConfig`` of the controller's defaults, then
+``register_mem_pool_host`` with a real CPU host KV pool (``MHATokenToKVPoolHost`` over a CPU
+``MHATokenToKVPool``, or the MLA pair). Skipped only when sglang is missing and ``CI`` is unset.
+"""
+
+from __future__ import annotations
+
+import json
+import selectors
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ucm
+from ucm.native import segments
+
+from ._sglang import (
+    PAGE_TOKENS,
+    SGLang,
+    ci,
+    create_backend,
+    fill,
+    host_pool,
+    import_sglang,
+    mla_host_pool,
+    page_bytes,
+    page_keys,
+    sglang_installed,
+    storage_config,
+)
+
+HERE = Path(__file__).parent
+UNKNOWN = "0" * 64  # a page key no test stores
+
+
+@pytest.fixture(scope="module")
+def sgl() -> SGLang:
+    if not sglang_installed():
+        if ci():
+            pytest.fail("sglang is not installed and CI is set: bash tools/install-test-env")
+        pytest.skip("sglang is not installed (bash tools/install-test-env installs it)")
+    return import_sglang()
+
+
+@pytest.fixture
+def unique_id() -> Iterator[Callable[[], str]]:
+    made: list[str] = []
+
+    def make() -> str:
+        made.append(f"sgl-{uuid.uuid4().hex[:12]}")
+        return made[-1]
+
+    yield make
+    for name in made:
+        segments.unlink(name)
+
+
+def buffer_stack(unique_id: str, lower: Path | None = None) -> dict[str, Any]:
+    tiers: list[dict[str, Any]] = [{"type": "buffer", "capacity": "4MiB"}]
+    if lower is not None:
+        tiers.append({"type": "posix", "path": str(lower)})
+    return {"unique_id": unique_id, "tiers": tiers}
+
+
+def pages_at(pool: Any, pages: list[int]) -> Any:
+    """host_indices of the given host-pool pages, in that order (SGLang passes page-aligned
+    slot runs, one per page)."""
+    import torch
+
+    return torch.cat(
+        [
+            torch.arange(p * pool.page_size, (p + 1) * pool.page_size, dtype=torch.int64)
+            for p in pages
+        ]
+    )
+
+
+def keys_of(sgl: SGLang, count: int) -> list[str]:
+    """SGLang page keys of fresh random tokens (SGLang's own hash of each page's prefix)."""
+    return page_keys(sgl, count, seed=uuid.uuid4().int)
+
+
+def test_the_factory_builds_it_from_the_default_config(
+    sgl: SGLang, tmp_path: Path, unique_id: Callable[[], str]
+) -> None:
+    import torch
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+    from ucm.integration.sglang import UcmHiCacheStorage
+
+    stack_file = tmp_path / "stack.yaml"
+    stack_file.write_text(
+        f"unique_id: {unique_id()}\ntiers:\n  - type: buffer\n    capacity: 1MiB\n"
+    )
+    pool = host_pool(sgl)
+    config = storage_config(sgl, {"ucm_stack": str(stack_file)})
+    assert config.tp_lcm_size is None  # what the controller passes unless told otherwise
+    backend = create_backend(sgl, config, pool)
+    try:
+        assert type(backend) is UcmHiCacheStorage and isinstance(backend, HiCacheStorage)
+        _pointers, sizes = pool.get_page_buffer_meta(torch.arange(PAGE_TOKENS))
+        layout = backend.store.layout
+        # layer_first: K and V of each of the 4 layers, 16 tokens x 4 heads x 32 dims x 2 bytes.
+        assert list(layout.tensor_sizes) == sizes == [4096] * 8
+        assert layout.shards_per_block == 1 and layout.shard_size == 32768
+        assert backend.batch_exists(keys_of(sgl, 3)) == 0
+    finally:
+        backend.close()
+
+
+def test_the_torchvision_standin_leaves_nothing_behind(sgl: SGLang) -> None:
+    """After SGLang's import, torchvision is what the environment has: here, nothing."""
+    import importlib.util
+
+    from transformers.utils import import_utils
+
+    if importlib.util.find_spec("torchvision") is not None:  # a real one: SGLang imported it
+        assert getattr(sys.modules["torchvision"], "__file__", None) is not None
+        return
+    assert not [name for name in sys.modules if name.split(".")[0] == "torchvision"]
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("torchvision")
+    assert import_utils.is_torchvision_available() is False
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct", "page_head"])
+def test_v1_set_then_get_restores_host_pool_pages_byte_exact(
+    sgl: SGLang, layout: str, unique_id: Callable[[], str]
+) -> None:
+    pool = host_pool(sgl, layout)
+    backend = create_backend(
+        sgl, storage_config(sgl, {"ucm_stack": buffer_stack(unique_id())}), pool
+    )
+    try:
+        keys = keys_of(sgl, 5)
+        source = pages_at(pool, [3, 0, 7, 1, 4])
+        fill(pool, seed=1)
+        expected = [page_bytes(pool, source, i) for i in range(len(keys))]
+        assert backend.batch_set_v1(keys, source) == [True] * 5
+        fill(pool, seed=2)  # every page of the pool now holds other bytes
+        target = pages_at(pool, [9, 12, 2, 15, 6])
+        assert [page_bytes(pool, target, i) for i in range(5)] != expected
+        assert backend.batch_get_v1(keys, target) == [True] * 5
+        assert [page_bytes(pool, target, i) for i in range(5)] == expected
+        stats = backend.store.stats()
+        assert (stats["dumped_shards"], stats["loaded_shards"]) == (5, 5)
+    finally:
+        backend.close()
+
+
+def test_batch_exists_counts_the_present_prefix(sgl: SGLang, unique_id: Callable[[], str]) -> None:
+    pool = host_pool(sgl)
+    backend = create_backend(
+        sgl, storage_config(sgl, {"ucm_stack": buffer_stack(unique_id())}), pool
+    )
+    try:
+        keys = keys_of(sgl, 6)
+        fill(pool, seed=3)
+        stored = [0, 1, 2, 4]
+        assert backend.batch_set_v1([keys[i] for i in stored], pages_at(pool, stored)) == [True] * 4
+        assert backend.batch_exists(keys) == 3  # page 3 is missing: 4 does not count
+        assert backend.batch_exists(keys[3:]) == 0
+        assert backend.batch_exists(keys[4:5]) == 1
+        assert backend.batch_exists([]) == 0
+        assert [backend.exists(k) for k in keys] == [True, True, True, False, True, False]
+    finally:
+        backend.close()
+
+
+def test_a_miss_and_a_corrupt_posix_shard_come_back_as_not_found(
+    sgl: SGLang, tmp_path: Path, unique_id: Callable[[], str]
+) -> None:
+    disk = tmp_path / "nvme"
+    pool = host_pool(sgl)
+    keys = keys_of(sgl, 4)
+    fill(pool, seed=4)
+    source = pages_at(pool, [0, 1, 2, 3])
+    expected = [page_bytes(pool, source, i) for i in range(4)]
+    writer = create_backend(
+        sgl, storage_config(sgl, {"ucm_stack": buffer_stack(unique_id(), disk)}), pool
+    )
+    assert writer.batch_set_v1(keys, source) == [True] * 4
+    corrupt = writer.block_id(keys[1])
+    writer.close()  # finishes the write-through to the posix tier
+    block_file = disk / corrupt.hex()[:2] / f"{corrupt.hex()}.blk"
+    with open(block_file, "r+b") as file:  # flip one bit of the page's bytes
+        file.seek(100)
+        byte = file.read(1)
+        file.seek(100)
+        file.write(bytes([byte[0] ^ 0x10]))
+
+    # A fresh node buffer over the same disk: every page comes from the posix tier.
+    reader = create_backend(
+        sgl, storage_config(sgl, {"ucm_stack": buffer_stack(unique_id(), disk)}), pool
+    )
+    try:
+        fill(pool, seed=5)
+        target = pages_at(pool, [4, 5, 6, 7, 8])
+        wanted = [keys[0], keys[1], keys[2], UNKNOWN, keys[3]]
+        assert reader.batch_get_v1(wanted, target) == [True, False, True, False, True]
+        assert page_bytes(pool, target, 0) == expected[0]
+        assert page_bytes(pool, target, 2) == expected[2]
+        assert page_bytes(pool, target, 4) == expected[3]
+        # The tensor interface says the same: no data for the corrupt page or the unknown one.
+        assert reader.get(keys[1]) is None and reader.get(UNKNOWN) is None
+        assert reader.exists(keys[0]) and not reader.exists(UNKNOWN)
+        assert reader.store.stats()["tiers"][1]["corrupt"] >= 1
+    finally:
+        reader.close()
+
+
+def test_the_tensor_interface_reads_and_writes_the_same_pages_as_v1(
+    sgl: SGLang, unique_id: Callable[[], str]
+) -> None:
+    """SGLang's generic path (flat pages: get_data_page / set_from_flat_data_page) and the
+    zero-copy path store one format: each reads what the other wrote."""
+    import torch
+
+    pool = host_pool(sgl)  # layer_first: the flat page orders K and V differently from v1
+    backend = create_backend(
+        sgl, storage_config(sgl, {"ucm_stack": buffer_stack(unique_id())}), pool
+    )
+    try:
+        fill(pool, seed=6)
+        flat_keys, v1_keys = keys_of(sgl, 2), keys_of(sgl, 2)
+        source = pages_at(pool, [0, 1])
+        expected = [page_bytes(pool, source, i) for i in range(2)]
+        flat_pages = [pool.get_data_page(int(source[i * PAGE_TOKENS]), flat=True) for i in (0, 1)]
+        assert backend.batch_set(flat_keys, flat_pages) is True
+        assert backend.set(v1_keys[0], flat_pages[0]) is True
+        assert backend.batch_set_v1(v1_keys[1:], pages_at(pool, [1])) == [True]
+
+        fill(pool, seed=7)
+        target = pages_at(pool, [10, 11])
+        assert backend.batch_get_v1(flat_keys, target) == [True, True]
+        assert [page_bytes(pool, target, i) for i in range(2)] == expected
+
+        pages = backend.batch_get(v1_keys)
+        assert [bytes(p.view(torch.uint8).numpy()) for p in pages] == expected
+        into = pool.get_dummy_flat_data_page()
+        assert backend.get(v1_keys[1], into) is into
+        assert bytes(into.view(torch.uint8).numpy()) == expected[1]
+        pool.set_from_flat_data_page(int(target[0]), into)  # what SGLang does with the page
+        assert page_bytes(pool, target, 0) == expected[1]
+        assert backend.batch_get([v1_keys[0], UNKNOWN])[1] is None
+    finally:
+        backend.close()
+
+
+def test_mla_pages_are_one_shard_that_every_tp_rank_reads(
+    sgl: SGLang, tmp_path: Path, unique_id: Callable[[], str]
+) -> None:
+    """MLA KV is the same on every TP rank (SGLang lets rank 0 write it): one shard per page."""
+    stack = {"unique_id": unique_id(), "tiers": [{"type": "posix", "path": str(tmp_path)}]}
+    writer_pool, reader_pool = mla_host_pool(sgl), mla_host_pool(sgl)
+    fields = {"tp_size": 2, "is_mla_model": True}
+    writer = create_backend(
+        sgl, storage_config(sgl, {"ucm_stack": stack}, tp_rank=0, **fields), writer_pool
+    )
+    reader = create_backend(
+        sgl, storage_config(sgl, {"ucm_stack": stack}, tp_rank=1, **fields), reader_pool
+    )
+    try:
+        assert writer.plan.shards_per_block == reader.plan.shards_per_block == 1
+        assert list(writer.store.layout.tensor_sizes) == [16 * 80 * 2] * 4  # one per layer
+        keys = keys_of(sgl, 3)
+        fill(writer_pool, seed=8)
+        source = pages_at(writer_pool, [0, 1, 2])
+        assert writer.batch_set_v1(keys, source) == [True] * 3
+        assert reader.batch_exists(keys) == 3
+        target = pages_at(reader_pool, [5, 3, 4])
+        assert reader.batch_get_v1(keys, target) == [True] * 3
+        assert [page_bytes(reader_pool, target, i) for i in range(3)] == [
+            page_bytes(writer_pool, source, i) for i in range(3)
+        ]
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_pipeline_stages_get_a_buffer_and_a_key_space_each(
+    sgl: SGLang, unique_id: Callable[[], str]
+) -> None:
+    """Each PP stage holds other layers: its own CacheBuffer (unique_id + -pp<rank>) and ids."""
+    base = unique_id()
+    pool = host_pool(sgl)
+    stages = []
+    try:
+        for stage in range(2):
+            config = storage_config(
+                sgl, {"ucm_stack": buffer_stack(base)}, pp_rank=stage, pp_size=2
+            )
+            stages.append(create_backend(sgl, config, pool))
+        assert [b.store.config.unique_id for b in stages] == [f"{base}-pp0", f"{base}-pp1"]
+        key = keys_of(sgl, 1)[0]
+        assert stages[0].block_id(key) != stages[1].block_id(key)
+        fill(pool, seed=10)
+        assert stages[0].batch_set_v1([key], pages_at(pool, [0])) == [True]
+        assert (stages[0].exists(key), stages[1].exists(key)) == (True, False)
+    finally:
+        for backend in stages:
+            backend.close()
+        for stage in range(2):
+            segments.unlink(f"{base}-pp{stage}")
+
+
+def test_tp_ranks_are_shards_of_one_block(sgl: SGLang, unique_id: Callable[[], str]) -> None:
+    from ucm.integration.sglang import ShardPlan
+
+    plans = [ShardPlan.of(storage_config(sgl, {}, tp_rank=r, tp_size=4)) for r in range(4)]
+    assert [(p.shard_index, p.shards_per_block, p.device_id, p.local_rank_size) for p in plans] == [
+        (r, 4, r, 4) for r in range(4)
+    ]
+    mla = [
+        ShardPlan.of(storage_config(sgl, {}, tp_rank=r, tp_size=4, is_mla_model=True))
+        for r in (0, 3)
+    ]
+    assert [(p.shard_index, p.shards_per_block, p.device_id) for p in mla] == [(0, 1, 0), (0, 1, 3)]
+    # Every rank names a page by the same block id: the key space has no rank in it.
+    stack = buffer_stack(unique_id())
+    pools = [host_pool(sgl), host_pool(sgl)]
+    ranks = [
+        create_backend(
+            sgl, storage_config(sgl, {"ucm_stack": stack}, tp_rank=r, tp_size=2), pools[r]
+        )
+        for r in range(2)
+    ]
+    try:
+        key = keys_of(sgl, 1)[0]
+        assert ranks[0].block_id(key) == ranks[1].block_id(key)
+        assert ranks[0].store.layout.shards_per_block == 2
+    finally:
+        for backend in ranks:
+            backend.close()
+
+
+RANK = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import _sglang as h
+rank, size, pages = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[5])
+stack = json.loads(sys.argv[4])
+sgl = h.import_sglang()
+keys = h.page_keys(sgl, pages, seed=int(sys.argv[6]))  # the same pages on both ranks
+pool = h.host_pool(sgl)
+h.fill(pool, seed=100 + rank)
+source = pool.alloc(pages * h.PAGE_TOKENS)
+expected = [h.page_bytes(pool, source, i) for i in range(pages)]
+config = h.storage_config(sgl, {"ucm_stack": stack}, tp_rank=rank, tp_size=size)
+backend = h.create_backend(sgl, config, pool)
+stored = backend.batch_set_v1(keys, source)
+print(json.dumps({"stored": stored, "shard": backend.plan.shard_index}), flush=True)
+sys.stdin.readline()  # every rank has stored its shard
+present = backend.batch_exists(keys)
+h.fill(pool, seed=200 + rank)
+target = pool.alloc(pages * h.PAGE_TOKENS)
+loaded = backend.batch_get_v1(keys, target)
+exact = [h.page_bytes(pool, target, i) == expected[i] for i in range(pages)]
+# The peer's shard, read through this rank's store from the node buffer: the bytes the peer's
+# seeded pool held (rebuilt here from its seed).
+peer = 1 - rank
+peer_pool = h.host_pool(sgl)
+h.fill(peer_pool, seed=100 + peer)
+peer_source = peer_pool.alloc(pages * h.PAGE_TOKENS)
+peer_expected = [h.page_bytes(peer_pool, peer_source, i) for i in range(pages)]
+h.fill(peer_pool, seed=300)
+scratch = peer_pool.alloc(pages * h.PAGE_TOKENS)
+pointers, _ = peer_pool.get_page_buffer_meta(scratch)
+per_page = len(pointers) // pages
+ids = [backend.block_id(k) for k in keys]
+backend.store.wait(backend.store.load_data(
+    ids, [peer] * pages, [pointers[i * per_page:(i + 1) * per_page] for i in range(pages)]))
+peer_exact = [h.page_bytes(peer_pool, scratch, i) == peer_expected[i] for i in range(pages)]
+print(json.dumps({"present": present, "loaded": loaded, "exact": exact, "peer_exact": peer_exact}),
+      flush=True)
+sys.stdin.readline()  # every rank has checked
+backend.close()
+print(json.dumps({"closed": True}), flush=True)
+"""
+
+
+class Rank:
+    """One SGLang TP rank in its own process, stepped through stdin/stdout lines."""
+
+    def __init__(self, rank: int, size: int, stack: dict[str, Any], pages: int, seed: int) -> None:
+        arguments = [str(HERE), str(rank), str(size), json.dumps(stack), str(pages), str(seed)]
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", RANK, *arguments],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def read(self, timeout_s: float = 240.0) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if selector.select(timeout=1.0):
+                    line = self.process.stdout.readline()
+                    if not line:
+                        break
+                    if line.startswith("{"):
+                        return dict(json.loads(line))
+                elif self.process.poll() is not None:
+                    break
+        self.process.kill()
+        _out, err = self.process.communicate(timeout=60)
+        raise AssertionError(f"rank gave no result (exit {self.process.returncode}): {err[-3000:]}")
+
+    def step(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.communicate(timeout=60)
+
+
+def test_two_tp_ranks_of_a_node_share_one_buffer(sgl: SGLang, unique_id: Callable[[], str]) -> None:
+    """Two SGLang TP ranks in two processes: each stores its shard of the same pages into one
+    node buffer (the stack has no other tier), sees every page complete, restores its own pages
+    byte-exact and reads the peer's shard from the buffer."""
+    pages = 6
+    stack = buffer_stack(unique_id())
+    seed = uuid.uuid4().int % 2**32
+    ranks = [Rank(r, 2, stack, pages, seed) for r in range(2)]
+    try:
+        assert [rank.read() for rank in ranks] == [
+            {"stored": [True] * pages, "shard": 0},
+            {"stored": [True] * pages, "shard": 1},
+        ]
+        for rank in ranks:
+            rank.step()
+        results = [rank.read() for rank in ranks]
+        for result in results:
+            assert result == {
+                "present": pages,  # a page counts only once both ranks' shards are in the buffer
+                "loaded": [True] * pages,
+                "exact": [True] * pages,
+                "peer_exact": [True] * pages,
+            }
+        for rank in ranks:
+            rank.step()
+        assert [rank.read() for rank in ranks] == [{"closed": True}] * 2
+        for rank in ranks:
+            assert rank.process.wait(timeout=120) == 0
+    finally:
+        for rank in ranks:
+            rank.stop()
+
+
+@pytest.mark.parametrize(
+    ("extra", "fields", "message"),
+    [
+        ({}, {}, r"^hicache_storage_backend_extra_config\['ucm_stack'\] is missing"),
+        (
+            {"ucm_stack": 42},
+            {},
+            r"\['ucm_stack'\] must be the path of a YAML stack or a mapping, got int",
+        ),
+        (
+            {"ucm_stak": "x.yaml"},
+            {},
+            r"unknown key\(s\) \['ucm_stak'\]; the UCM backend reads \['ucm_stack'\]",
+        ),
+        (
+            {"ucm_stack": {}},
+            {"tp_lcm_size": 4, "tp_size": 2},
+            r"\['tp_lcm_size'\]=4: UCM stores one shard per TP rank",
+        ),
+        (
+            {"ucm_stack": {}},
+            {"attn_cp_size": 2},
+            r"attn_cp_size=2, dcp_size=1: .*context parallelism",
+        ),
+    ],
+)
+def test_a_bad_configuration_is_refused_at_creation(
+    sgl: SGLang, extra: dict[str, Any], fields: dict[str, Any], message: str
+) -> None:
+    config = storage_config(sgl, extra, **fields)
+    with pytest.raises(ucm.ConfigError, match=message):
+        sgl.StorageBackendFactory.create_backend("dynamic", config, None)
+
+
+def test_a_stack_that_contradicts_the_host_pool_is_refused(sgl: SGLang, tmp_path: Path) -> None:
+    pool = host_pool(sgl)
+    key = r"^hicache_storage_backend_extra_config\['ucm_stack'\]"
+    stated = {
+        "unique_id": "u",
+        "shard_size": 4096,
+        "tiers": [{"type": "posix", "path": str(tmp_path)}],
+    }
+    with pytest.raises(
+        ucm.ConfigError,
+        match=key
+        + r": the stack states shard_size: 4096, but SGLang's KV cache has shard_size 32768",
+    ) as info:
+        create_backend(sgl, storage_config(sgl, {"ucm_stack": stated}), pool)
+    assert "MHATokenToKVPoolHost, layout layer_first, 4 layers, page_size 16 tokens" in str(
+        info.value
+    )
+    with pytest.raises(ucm.ConfigError, match=key + r": cannot read stack file"):
+        create_backend(sgl, storage_config(sgl, {"ucm_stack": str(tmp_path / "absent.yaml")}), pool)
+
+
+def test_bad_arguments_raise_naming_the_argument(sgl: SGLang, unique_id: Callable[[], str]) -> None:
+    import torch
+
+    pool = host_pool(sgl)
+    backend = sgl.StorageBackendFactory.create_backend(
+        "dynamic", storage_config(sgl, {"ucm_stack": buffer_stack(unique_id())}), pool
+    )
+    with pytest.raises(ucm.InvalidArgumentError, match="register_mem_pool_host"):
+        backend.batch_exists(["a"])  # the host pool fixes the geometry: not registered yet
+    backend.register_mem_pool_host(pool)
+    try:
+        with pytest.raises(
+            ucm.InvalidArgumentError, match=r"host_indices has 8 slots for 1 key\(s\): expected 16"
+        ):
+            backend.batch_get_v1(["a"], torch.arange(8))
+        with pytest.raises(ucm.InvalidArgumentError, match=r"keys\[1\] must be a page hash string"):
+            backend.batch_set_v1(["a", 7], pages_at(pool, [0, 1]))
+        with pytest.raises(
+            ucm.InvalidArgumentError,
+            match=r"values\[0\] has 16384 bytes, expected one page of 32768",
+        ):
+            backend.batch_set(["a"], [torch.zeros(8192, dtype=torch.bfloat16)])
+        with pytest.raises(
+            ucm.InvalidArgumentError, match=r"target_locations\[0\] is not contiguous"
+        ):
+            backend.get("a", torch.zeros(2, 32768, dtype=torch.uint8)[:, :16384].T)
+        assert backend.batch_exists(["a"]) == 0  # nothing was touched
+    finally:
+        backend.close()
+
+
+def test_closing_the_backend_finishes_write_through(
+    sgl: SGLang, tmp_path: Path, unique_id: Callable[[], str]
+) -> None:
+    """SGLang calls close() on detach: every page stored before is on the posix tier then."""
+    pool = host_pool(sgl)
+    disk = tmp_path / "nvme"
+    keys = keys_of(sgl, 8)
+    fill(pool, seed=9)
+    backend = create_backend(
+        sgl, storage_config(sgl, {"ucm_stack": buffer_stack(unique_id(), disk)}), pool
+    )
+    assert backend.batch_set_v1(keys, pages_at(pool, list(range(8)))) == [True] * 8
+    backend.close()
+    posix_only = {"unique_id": unique_id(), "tiers": [{"type": "posix", "path": str(disk)}]}
+    after = create_backend(sgl, storage_config(sgl, {"ucm_stack": posix_only}), pool)
+    try:
+        assert after.batch_exists(keys) == 8
+    finally:
+        after.close()

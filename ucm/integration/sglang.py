@@ -1,0 +1,457 @@
+"""UCM as SGLang's HiCache L3 storage (sglang 0.5.23), behind SGLang's dynamic backend.
+
+SGLang loads it by name (see ``docs/sglang.md``)::
+
+    --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "ucm",
+        "module_path": "ucm.integration.sglang", "class_name": "UcmHiCacheStorage",
+        "interface_v1": true, "ucm_stack": "stack.yaml"}'
+
+``StorageBackendFactory`` builds it as ``UcmHiCacheStorage(storage_config, kwargs)`` and then
+hands it the host KV pool (``register_mem_pool_host``); the stack is opened there, because the
+pool fixes the geometry.
+
+- **Keys.** SGLang names a page by a hash string of its whole token prefix, the same string on
+  every TP rank. A page is one UCM block (:func:`~ucm.integration.keys.named_block_id`, salted
+  with the model, dtype, page size, host-pool layout and TP size); the shard index is the TP rank,
+  and ``shards_per_block`` is the TP size, so the TP ranks of a node fill one block of one shared
+  CacheBuffer. An MLA model's KV is the same on every rank (SGLang lets rank 0 write it): one
+  shard per page, read by every rank.
+- **Geometry.** A shard is one page of one rank, laid out as the host pool's zero-copy page
+  pointers give it (``get_page_buffer_meta``: K and V of each layer for ``layer_first``, the K
+  and the V page for the page-first layouts), so ``batch_get_v1``/``batch_set_v1`` move pages
+  straight between UCM and the host pool (``load_data``/``dump_data`` with the pool's page
+  addresses: no Python copy). The tensor interface (``get``/``set``, flat pages) stores the same
+  bytes in the same order, so both interfaces read each other's pages.
+- **Failures.** A missing page, a corrupt shard or a failed tier comes back as ``False`` (or
+  ``None``) for that page only, so SGLang recomputes it; bad arguments raise.
+
+Importing this module imports sglang and torch; ``import ucm`` and ``import ucm.integration``
+import neither.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+import ucm
+from ucm.config import parse_stack
+from ucm.errors import ConfigError, InvalidArgumentError, TaskError
+
+from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id
+
+logger = logging.getLogger(__name__)
+
+STACK_KEY = "hicache_storage_backend_extra_config['ucm_stack']"
+"""Where the stack is given; every configuration error starts with it."""
+
+EXTRA_CONFIG_KEYS = ("ucm_stack",)
+"""The ``ucm_*`` keys of the extra config this backend reads; any other ``ucm_*`` key is a typo."""
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How one SGLang rank maps onto UCM: its shard of each page and its rank parameters."""
+
+    shard_index: int
+    shards_per_block: int
+    device_id: int
+    local_rank_size: int
+    salt_tp_size: int
+    """TP size in the key space: 1 for MLA, whose pages do not depend on it."""
+    unique_id_suffix: str
+    """Appended to the stack's ``unique_id`` (one buffer per pipeline stage)."""
+    salt_extra: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, config: HiCacheStorageConfig) -> ShardPlan:
+        """The plan for the rank ``config`` describes (SGLang's own HiCacheStorageConfig)."""
+        tp_rank, tp_size = config.tp_rank, config.tp_size
+        if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= tp_rank < tp_size):
+            raise ConfigError(
+                f"HiCacheStorageConfig: tp_rank={tp_rank!r}, tp_size={tp_size!r}: expected "
+                "0 <= tp_rank < tp_size"
+            )
+        lcm = config.tp_lcm_size
+        if lcm is not None and lcm != tp_size:
+            raise ConfigError(
+                f"hicache_storage_backend_extra_config['tp_lcm_size']={lcm!r}: UCM stores one "
+                f"shard per TP rank (tp_size {tp_size}) and does not split heads for deployments "
+                "of other TP sizes; leave tp_lcm_size out (pages of other TP sizes are misses)"
+            )
+        if config.attn_cp_size != 1 or config.dcp_size != 1:
+            raise ConfigError(
+                f"HiCacheStorageConfig: attn_cp_size={config.attn_cp_size}, dcp_size="
+                f"{config.dcp_size}: the UCM backend supports tensor and pipeline parallelism; "
+                "context parallelism (each rank holding a slice of every page) is not supported"
+            )
+        pp_rank, pp_size = config.pp_rank, config.pp_size
+        stage = pp_size > 1
+        if config.is_mla_model:
+            shard_index, shards, salt_tp = 0, 1, 1
+        else:
+            shard_index, shards, salt_tp = tp_rank, tp_size, tp_size
+        return cls(
+            shard_index=shard_index,
+            shards_per_block=shards,
+            device_id=tp_rank,
+            local_rank_size=tp_size,
+            salt_tp_size=salt_tp,
+            unique_id_suffix=f"-pp{pp_rank}" if stage else "",
+            salt_extra=(("pipeline_stage", f"{pp_rank}/{pp_size}"),) if stage else (),
+        )
+
+
+class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships no type hints
+    """SGLang ``HiCacheStorage`` over a UCM stack: one instance per SGLang rank."""
+
+    def __init__(
+        self, storage_config: HiCacheStorageConfig, kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        # ``kwargs``: the factory's extra keyword arguments (none from SGLang's controller).
+        extra = dict(storage_config.extra_config or {})
+        unknown = sorted(k for k in extra if k.startswith("ucm_") and k not in EXTRA_CONFIG_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"hicache_storage_backend_extra_config: unknown key(s) {unknown}; the UCM "
+                f"backend reads {list(EXTRA_CONFIG_KEYS)}"
+            )
+        source = extra.get("ucm_stack")
+        if source is None:
+            raise ConfigError(
+                f"{STACK_KEY} is missing: give the path of a YAML stack or the stack itself "
+                "(unique_id and tiers; UCM derives the geometry from SGLang's host KV pool)"
+            )
+        if not isinstance(source, str | Mapping):
+            raise ConfigError(
+                f"{STACK_KEY} must be the path of a YAML stack or a mapping, got "
+                f"{type(source).__name__}"
+            )
+        self.storage_config = storage_config
+        self.plan = ShardPlan.of(storage_config)
+        self._source: str | Mapping[str, Any] = source
+        self._store: ucm.Store | None = None
+        self._salt = b""
+        self._page_size = 0
+        self._pointers_per_page = 0
+        self._flat_offsets: list[int] | None = None
+        self._flat_problem = ""
+
+    # ---- set-up: the host pool fixes the geometry -----------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Opens the stack with the geometry of ``mem_pool_host`` (SGLang's host KV pool)."""
+        super().register_mem_pool_host(mem_pool_host)
+        page_size = int(mem_pool_host.page_size)
+        first_page = torch.arange(page_size, dtype=torch.int64)
+        pointers, sizes = mem_pool_host.get_page_buffer_meta(first_page)
+        if not sizes or len(pointers) != len(sizes):
+            raise ConfigError(
+                f"{type(mem_pool_host).__name__}.get_page_buffer_meta gave {len(pointers)} "
+                f"pointers and {len(sizes)} sizes for one page: the UCM backend needs the host "
+                "pool's zero-copy page layout"
+            )
+        description = (
+            f"SGLang {type(mem_pool_host).__name__}, layout {mem_pool_host.layout}, "
+            f"{mem_pool_host.layer_num} layers, page_size {page_size} tokens, "
+            f"dtype {mem_pool_host.dtype}"
+        )
+        geometry = EngineGeometry(
+            tensor_sizes=tuple(int(s) for s in sizes),
+            shards_per_block=self.plan.shards_per_block,
+            description=description,
+        )
+        stack = engine_stack(self._source, geometry, key=STACK_KEY, engine="SGLang")
+        if self.plan.unique_id_suffix:
+            data = stack.model_dump(exclude_none=True)
+            data["unique_id"] = f"{stack.unique_id}{self.plan.unique_id_suffix}"
+            stack = parse_stack(data, source=f"{STACK_KEY} (pipeline stage)")
+        space = KeySpace(
+            engine="sglang",
+            model=self.storage_config.model_name or "",
+            dtype=str(mem_pool_host.dtype),
+            block_tokens=page_size,
+            kv_layout=(
+                f"{type(mem_pool_host).__name__}:{mem_pool_host.layout}:"
+                f"{mem_pool_host.layer_num} layers:{list(geometry.tensor_sizes)}"
+            ),
+            tp_size=self.plan.salt_tp_size,
+            extra=self.plan.salt_extra,
+        )
+        self._flat_offsets, self._flat_problem = _flat_page_offsets(
+            mem_pool_host, [int(p) for p in pointers], geometry.tensor_sizes
+        )
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        self._salt = space.salt()
+        self._page_size = page_size
+        self._pointers_per_page = len(sizes)
+        self._store = ucm.open(
+            stack, device_id=self.plan.device_id, local_rank_size=self.plan.local_rank_size
+        )
+
+    @property
+    def store(self) -> ucm.Store:
+        """The UCM store of this rank (opened when SGLang registers its host pool)."""
+        return self._require_store()
+
+    def _require_store(self) -> ucm.Store:
+        if self._store is None:
+            raise InvalidArgumentError(
+                "the UCM HiCache backend has no host pool yet: SGLang calls "
+                "register_mem_pool_host(host_pool) after creating the backend; call it first"
+            )
+        return self._store
+
+    def block_id(self, key: str) -> bytes:
+        """The UCM block id of SGLang page ``key``."""
+        return self._block_ids([key])[0]
+
+    # ---- zero-copy v1 interface ------------------------------------------------------------
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Loads page ``keys[i]`` into the host pool at ``host_indices[i * page_size]``."""
+        ids = self._block_ids(keys)
+        pointers = self._page_pointers(len(ids), host_indices)
+        task = self.store.load_data(ids, [self.plan.shard_index] * len(ids), pointers)
+        return self._outcomes(task, ids)
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Stores the host pool's pages at ``host_indices`` as pages ``keys``."""
+        ids = self._block_ids(keys)
+        pointers = self._page_pointers(len(ids), host_indices)
+        task = self.store.dump_data(ids, [self.plan.shard_index] * len(ids), pointers)
+        return self._outcomes(task, ids)
+
+    # ---- tensor interface (flat pages, SGLang's generic path) ------------------------------
+
+    def get(
+        self,
+        key: str,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> torch.Tensor | None:
+        """Page ``key`` as a flat page (into ``target_location`` when given); None if absent."""
+        return self.batch_get([key], None if target_location is None else [target_location])[0]
+
+    def batch_get(
+        self,
+        keys: list[str],
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> list[torch.Tensor | None]:
+        """Each page as a flat page, or None where it is absent or failed to load."""
+        ids = self._block_ids(keys)
+        if target_locations is None:
+            targets = [self.mem_pool_host.get_dummy_flat_data_page() for _ in ids]
+        else:
+            targets = list(target_locations)
+        pointers = self._flat_pointers(targets, len(ids), "target_locations", for_load=True)
+        task = self.store.load_data(ids, [self.plan.shard_index] * len(ids), pointers)
+        found = self._outcomes(task, ids)
+        return [target if ok else None for target, ok in zip(targets, found, strict=True)]
+
+    def set(
+        self,
+        key: str,
+        value: Any | None = None,
+        target_location: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        """Stores the flat page ``value`` as page ``key``."""
+        return self.batch_set([key], [value])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        """Stores the flat pages ``values``; True when every page was stored."""
+        ids = self._block_ids(keys)
+        if values is None:
+            raise InvalidArgumentError("values is None: batch_set needs one flat page per key")
+        sources = list(values)
+        pointers = self._flat_pointers(sources, len(ids), "values", for_load=False)
+        task = self.store.dump_data(ids, [self.plan.shard_index] * len(ids), pointers)
+        return all(self._outcomes(task, ids))
+
+    # ---- lookups ---------------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        """Whether page ``key`` is stored (every TP rank's shard of it)."""
+        return self.store.lookup(self._block_ids([key]))[0]
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many pages from the start of ``keys`` are stored, consecutively."""
+        ids = self._block_ids(keys)
+        return self.store.lookup_on_prefix(ids) + 1 if ids else 0
+
+    def close(self) -> None:
+        """Finishes pending writes and closes the store (SGLang calls it on detach)."""
+        if self._store is not None:
+            self._store.close()
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _block_ids(self, keys: Sequence[str]) -> list[bytes]:
+        if isinstance(keys, str) or not isinstance(keys, Sequence):
+            raise InvalidArgumentError(
+                f"keys must be a list of page hash strings, got {type(keys).__name__}"
+            )
+        self._require_store()  # the salt exists once the host pool is registered
+        ids = []
+        for i, key in enumerate(keys):
+            if not isinstance(key, str):
+                raise InvalidArgumentError(f"keys[{i}] must be a page hash string, got {key!r}")
+            ids.append(named_block_id(self._salt, key))
+        return ids
+
+    def _page_pointers(self, pages: int, host_indices: Any) -> list[list[int]]:
+        """The host pool's address of every tensor of each page, in the shard's order."""
+        if not isinstance(host_indices, torch.Tensor):
+            raise InvalidArgumentError(
+                f"host_indices must be a torch.Tensor of host pool slots, got "
+                f"{type(host_indices).__name__}"
+            )
+        if host_indices.numel() != pages * self._page_size:
+            raise InvalidArgumentError(
+                f"host_indices has {host_indices.numel()} slots for {pages} key(s): expected "
+                f"{pages * self._page_size} (page_size {self._page_size} per key)"
+            )
+        if pages == 0:
+            return []
+        flat, _sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        per_page = self._pointers_per_page
+        return [flat[i * per_page : (i + 1) * per_page] for i in range(pages)]
+
+    def _flat_pointers(
+        self, pages: Sequence[Any], count: int, name: str, for_load: bool
+    ) -> list[list[int]]:
+        """Addresses of each shard tensor inside flat pages (SGLang's generic page format)."""
+        if self._flat_offsets is None:
+            raise InvalidArgumentError(
+                f"{name}: flat pages are not supported for this host pool ({self._flat_problem}); "
+                'use the zero-copy interface ("interface_v1": true)'
+            )
+        if len(pages) != count:
+            raise InvalidArgumentError(
+                f"{name} has {len(pages)} entries for {count} key(s): give one flat page per key"
+            )
+        shard_size = self.store.layout.shard_size
+        pointers = []
+        for i, page in enumerate(pages):
+            if not isinstance(page, torch.Tensor):
+                raise InvalidArgumentError(
+                    f"{name}[{i}] must be a torch.Tensor flat page, got {type(page).__name__}"
+                )
+            nbytes = page.numel() * page.element_size()
+            problem = ""
+            if page.device.type != "cpu":
+                problem = f"is on {page.device}, expected a host (CPU) tensor"
+            elif not page.is_contiguous():
+                problem = "is not contiguous"
+            elif nbytes != shard_size:
+                problem = f"has {nbytes} bytes, expected one page of {shard_size}"
+            elif for_load and page.requires_grad:
+                problem = "requires grad"
+            if problem:
+                raise InvalidArgumentError(f"{name}[{i}] {problem}")
+            base = page.data_ptr()
+            pointers.append([base + offset for offset in self._flat_offsets])
+        return pointers
+
+    def _outcomes(self, task: ucm.Task, ids: Sequence[bytes]) -> list[bool]:
+        """Waits for the task; each page is True unless its key failed (missing, corrupt...)."""
+        try:
+            self.store.wait(task)
+        except TaskError as error:
+            failed = {block for block, _shard in error.failures}
+            logger.debug("UCM HiCache: %s", error)
+            return [block not in failed for block in ids]
+        return [True] * len(ids)
+
+
+def _flat_page_offsets(
+    host_pool: Any, pointers: Sequence[int], sizes: Sequence[int]
+) -> tuple[list[int] | None, str]:
+    """Where each shard tensor of page 0 lies inside the pool's flat page (byte offsets).
+
+    SGLang's flat page is ``get_data_page(index, flat=True)``: the pool's view of one page,
+    flattened. The zero-copy pointers (``get_page_buffer_meta``) address the same bytes in the
+    pool, in the shard's order; reading the view's strides maps each pointer to its place in the
+    flat page. Returns (None, why) when the pool's page is not such a view.
+    """
+    try:
+        view = host_pool.get_data_page(0, flat=False)
+    except (AttributeError, NotImplementedError, ValueError) as exc:
+        return None, f"get_data_page: {exc}"
+    if not isinstance(view, torch.Tensor):
+        return None, "get_data_page does not return a tensor"
+    storage = getattr(host_pool, "kv_buffer", None)
+    if not (
+        isinstance(storage, torch.Tensor)
+        and view.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
+    ):
+        return None, "its data page is not a view of its kv_buffer"
+    itemsize = view.element_size()
+    # Runs: the view's contiguous stretches (its trailing dense dims), in flat order.
+    shape, strides = list(view.shape), list(view.stride())
+    run = 1
+    dims = len(shape)
+    while dims > 0 and strides[dims - 1] == run:
+        run *= shape[dims - 1]
+        dims -= 1
+    run_bytes = run * itemsize
+    starts: list[tuple[int, int]] = []  # (address, flat byte offset)
+    for flat_run, coords in enumerate(itertools.product(*(range(n) for n in shape[:dims]))):
+        address = view.data_ptr() + sum(c * s for c, s in zip(coords, strides, strict=False)) * (
+            itemsize
+        )
+        starts.append((address, flat_run * run_bytes))
+    starts.sort()
+    addresses = [a for a, _ in starts]
+    offsets = []
+    for pointer, size in zip(pointers, sizes, strict=True):
+        place = bisect.bisect_right(addresses, pointer) - 1
+        if place < 0 or pointer + size > addresses[place] + run_bytes:
+            return None, "a zero-copy tensor does not lie in one stretch of its flat page"
+        offsets.append(starts[place][1] + (pointer - addresses[place]))
+    covered = sorted(zip(offsets, sizes, strict=True))
+    position = 0
+    for offset, size in covered:
+        if offset != position:
+            return None, "its zero-copy tensors do not tile its flat page"
+        position += size
+    if position != view.numel() * itemsize:
+        return None, "its zero-copy tensors do not cover its flat page"
+    return offsets, ""
+
+
+__all__ = ["EXTRA_CONFIG_KEYS", "STACK_KEY", "ShardPlan", "UcmHiCacheStorage"]
