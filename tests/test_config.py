@@ -193,7 +193,7 @@ def test_unknown_tier_type_lists_installed_types_at_its_yaml_path() -> None:
     (problem,) = problems_of(BASE | {"tiers": [{"type": "posix", "path": "/x"}, {"type": "nvme"}]})
     assert problem.startswith("tiers[1].type: unknown tier type ")
     assert problem.endswith(f"; installed tier types: {installed()} (got {{'type': 'nvme'}})")
-    assert installed().startswith("buffer, fsspec, posix")
+    assert installed().startswith("buffer, fsspec, mooncake, posix")
 
 
 def test_unknown_tier_type_lists_a_plugin_type(scratch_tier: Any) -> None:

@@ -17,6 +17,7 @@ DEFAULT_PLUGINS = (
     "ucm_backends.buffer",
     "ucm_backends.posix",
     "ucm_backends.fsspec_tier",
+    "ucm_backends.mooncake",  # imports mooncake.store only when a mooncake tier opens
 )
 
 pm = pluggy.PluginManager("ucm")

@@ -28,7 +28,7 @@ from .layout import Key, Layout
 from .loadqueue import BufferTier, DumpQueue, LoadJob, LoadQueue, QueueSettings
 from .plugins import tier_types
 from .task import Progress, Task
-from .tier import Outcome, ShardViews, Tier, TierContext
+from .tier import HOST_MEMORY_OPTION, Outcome, ShardViews, Tier, TierContext
 
 DEFAULT_WRITE_QUEUE_BYTES = 256 * 1024 * 1024
 
@@ -63,6 +63,7 @@ class Store:
         self._final_tier_stats: list[dict[str, Any]] | None = None
         self.tiers: list[Tier] = []
         installed = tier_types()
+        host_memory: tuple[tuple[int, int], ...] = ()
         try:
             for position, tier_config in enumerate(config.tiers):
                 context = TierContext(
@@ -72,6 +73,7 @@ class Store:
                     local_rank_size=local_rank_size,
                     position=position,
                     evict_sink=self._evict_sink_for(position),
+                    options={HOST_MEMORY_OPTION: host_memory} if host_memory else {},
                 )
                 if tier_config.type == "buffer" and position > 0:
                     raise ConfigError(
@@ -82,6 +84,8 @@ class Store:
                     self.tiers.append(installed[tier_config.type](tier_config, context))
                 except InvalidArgumentError as exc:
                     raise ConfigError(f"tiers[{position}] ({tier_config.type}): {exc}") from exc
+                # Memory this tier keeps mapped (the buffer's slots), for the tiers below.
+                host_memory += tuple(getattr(self.tiers[-1], "host_memory", ()))
         except BaseException:
             for tier in self.tiers:
                 tier.close()

@@ -29,6 +29,13 @@ ShardViews = Sequence[memoryview]
 
 Outcome = BaseException | None
 
+HOST_MEMORY_OPTION = "host_memory"
+"""``TierContext.options`` key: ``((address, nbytes), ...)``, host memory that tiers above this
+one keep mapped for the store's whole life (the CacheBuffer's data plane). Loads from below are
+read into it and write-back/promotion dumps come from it, so a tier that must register memory
+with its transport (RDMA, Mooncake Store) registers these ranges once at open instead of on
+every call. A tier exposes such memory as a ``host_memory`` attribute of the same shape."""
+
 REMOVE_CHUNK_KEYS = 1024
 """batched_remove takes a tier's lock once per chunk of at most this many keys (seed 003): one
 acquisition per chunk instead of one per key, yet never held long enough to starve readers."""
@@ -52,7 +59,7 @@ class TierContext:
     evict_sink: EvictSink | None = None
     """Set when a tier below this one has ``write: back``."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Free-form runtime options (e.g. timeouts) passed down by the store."""
+    """Free-form runtime options passed down by the store (see :data:`HOST_MEMORY_OPTION`)."""
 
     @property
     def is_scheduler(self) -> bool:

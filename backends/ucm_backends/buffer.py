@@ -180,6 +180,13 @@ class BufferTier(Tier):
             # never inherits leaked references even if the buffer never fills up.
             self.core.reclaim_dead()
         self.bases = [self.region.segment_address(i) for i in range(geometry.segment_count)]
+        # The data plane stays mapped until close: tiers below may register it once (RDMA,
+        # Mooncake) instead of per call (ucm.tier.HOST_MEMORY_OPTION). A scheduler has none.
+        self.host_memory: tuple[tuple[int, int], ...] = (
+            ((self.region.data_address, self.region.data_bytes),)
+            if self.region.data_address
+            else ()
+        )
         # References and ownership are recorded per process in the native core, so the threads
         # of one rank share them here, under `_lock` together with the native call that changes
         # them: `_refs` counts this process's uses of each slot it holds (the native reference

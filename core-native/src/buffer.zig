@@ -1006,8 +1006,9 @@ pub const Buffer = struct {
     /// Clears the slot's write-back debt, keeping the `dirty_slots` gauge equal to the number of
     /// dirty slots. The caller holds the slot's bucket lock (or the slot exclusively).
     fn clear_dirty(buffer: Buffer, slot: *Slot) void {
-        // Monotonic: the flag is read under the bucket lock that orders it.
-        const previous = slot.flags.fetchAnd(~slot_flag_dirty, .monotonic);
+        // SeqCst: it pairs with a dirty commit's flag (see `commit`), which is set without the
+        // bucket lock; acquiring it also orders our decrement after that commit's increment.
+        const previous = slot.flags.fetchAnd(~slot_flag_dirty, .seq_cst);
         if (previous & slot_flag_dirty == 0) return;
         const gauge = buffer.counters.values[@intFromEnum(Counter.dirty_slots)].fetchSub(1, .monotonic);
         assert(gauge > 0);
@@ -1289,10 +1290,16 @@ pub const Buffer = struct {
             } else {
                 if (dirty) {
                     // Before the state: whoever sees the slot Ready sees it dirty, so no
-                    // evictor ever takes it clean. Monotonic: ordered by the release below.
-                    const previous = slot.flags.fetchOr(slot_flag_dirty, .monotonic);
-                    assert(previous & slot_flag_dirty == 0);
+                    // evictor ever takes it clean. The gauge first: whoever clears the flag
+                    // (a remove does not hold our reference) decrements after our increment.
                     buffer.count(.dirty_slots, 1);
+                    // SeqCst flag, then SeqCst bucket load, against remove_slot's SeqCst
+                    // `detached` store, then SeqCst flag clear (Dekker): either the remove
+                    // sees our flag and clears it, or we see the slot detached and clear it
+                    // ourselves. Debt on a force-removed slot is no flusher's to take.
+                    const previous = slot.flags.fetchOr(slot_flag_dirty, .seq_cst);
+                    assert(previous & slot_flag_dirty == 0);
+                    if (slot.bucket.load(.seq_cst) == bucket_detached) buffer.clear_dirty(slot);
                 }
                 // Release: the shard bytes written before are visible to whoever acquires it.
                 slot.state.store(@intFromEnum(State.ready), .release);
@@ -1765,10 +1772,12 @@ pub const Buffer = struct {
             buffer.free_slot(slot_index);
         } else if (force) {
             buffer.unlink(bucket_index, slot_index);
+            // SeqCst (includes the release that pairs with the acquire load in `release_one`):
+            // detached first, then the debt cleared, against a racing dirty commit (see
+            // `commit`).
+            slot.bucket.store(bucket_detached, .seq_cst);
             // Removed on purpose: not debt any more (its flusher, if any, cleans nothing).
             buffer.clear_dirty(slot);
-            // Release: pairs with the acquire load in `release_one`.
-            slot.bucket.store(bucket_detached, .release);
         } else {
             return 0;
         }

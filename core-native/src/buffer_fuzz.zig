@@ -469,9 +469,9 @@ const Model = struct {
         assert(slot.holders & holder_bit(me) != 0);
         const state: State = @enumFromInt(code & ~buffer_module.commit_dirty_bit);
         if (state == .ready) {
-            if (code & buffer_module.commit_dirty_bit != 0) {
-                // Also on a detached (force-removed) slot, as the buffer does: no flusher can
-                // take that debt; it stays in the gauge until the slot's last release.
+            if (code & buffer_module.commit_dirty_bit != 0 and slot.place != .detached) {
+                // A detached (force-removed) slot owes nothing: its commit pays the debt at
+                // once (no flusher could take it), so the gauge is unchanged.
                 assert(!slot.dirty);
                 slot.dirty = true;
                 model.count(.dirty_slots, 1);

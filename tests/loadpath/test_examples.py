@@ -47,9 +47,14 @@ def test_example_stacks_validate() -> None:
     assert [tier.type for tier in one.tiers] == ["buffer", "posix"]
     assert one.shards_per_block == 8 and one.resolved_shard_size == 262144
     many = ucm.load_stack(EXAMPLES / "stacks" / "many-nodes.yaml")
-    assert [tier.type for tier in many.tiers] == ["buffer", "posix", "fsspec"]
-    assert [getattr(tier, "write", None) for tier in many.tiers] == [None, "through", "back"]
-    assert many.tiers[1].promote is True  # type: ignore[attr-defined]
+    assert [tier.type for tier in many.tiers] == ["buffer", "mooncake", "posix", "fsspec"]
+    assert [getattr(tier, "write", None) for tier in many.tiers] == [
+        None,
+        "through",
+        "through",
+        "back",
+    ]
+    assert many.tiers[2].promote is True  # type: ignore[attr-defined]
     for path in (EXAMPLES / "stacks").glob("*.yaml"):
         completed = subprocess.run(
             [sys.executable, "-m", "ucm.cli", "validate", str(path)],

@@ -580,3 +580,20 @@ def test_of_two_holders_only_the_one_closing_last_is_told_to_pay() -> None:
             assert core.mark_closing(True) is True
         finally:
             rank.close()
+
+
+def test_a_dirty_commit_on_a_force_removed_slot_leaves_no_debt() -> None:
+    """The owner's slot is force-removed while it fills it; its dirty commit then owes nothing
+    (no flusher could take a detached slot, and a last close would wait for it in vain)."""
+    geometry = Geometry(shard_size_bytes=64, slot_count_regular=4, bucket_count=4)
+    key = (block("Z"), 0)
+    with shared_buffer(geometry) as shared:
+        core = shared.core
+        got = core.get([key])
+        assert list(got.results) == [OWN]
+        assert core.remove([key], force=True) == 0  # it was not Ready yet
+        assert core.commit(got.slots, [State.READY], dirty=True) == [CommitResult.OK]
+        assert not core.slot_info(got.slots[0]).dirty
+        assert core.stats()["dirty_slots"] == 0
+        core.release(got.slots)
+        assert core.slot_info(got.slots[0]).bucket is None  # freed by its last release

@@ -1,4 +1,5 @@
-"""Fixtures for the built-in tiers: a real S3 server (moto) on 127.0.0.1 and tier builders."""
+"""Fixtures for the built-in tiers: a real S3 server (moto) and a real mooncake_master on
+127.0.0.1, and tier builders."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from ucm_backends.posix import PosixConfig, PosixTier
 
 from ucm.layout import Layout
 from ucm.testing import make_context
+from ucm.testing.mooncake import MooncakeMaster
 from ucm.testing.s3 import S3_TEST_BUCKET, S3Server, shared_server
-from ucm.tier import EvictSink, Tier
+from ucm.tier import EvictSink, Tier, TierContext
 
 S3_BUCKET = S3_TEST_BUCKET
 _DUMMY_AWS = {
@@ -79,3 +81,56 @@ def s3_options(s3_server: S3Server) -> dict[str, Any]:
 
 
 TierBuilder = Callable[[Layout], Tier]
+
+
+# ---- Mooncake Store (a real mooncake_master on 127.0.0.1, ucm.testing.mooncake) ----------
+
+MOONCAKE_LEASE_MS = 500
+"""Read lease of the shared test master: long beside a test transfer, short enough that
+tests waiting for leases to lapse (MooncakeConformance.wait_for_read_leases) stay quick."""
+
+
+@pytest.fixture(scope="session")
+def mooncake() -> None:
+    """Mooncake is importable; a test needing it skips without it, except under CI."""
+    from ucm.testing.mooncake import missing_reason, on_ci
+
+    reason = missing_reason()
+    if reason is not None:
+        if on_ci():
+            pytest.fail(f"CI must run the Mooncake tests: {reason}")
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(mooncake: None) -> Iterator[MooncakeMaster]:
+    """One master for the tests that neither stop it nor need other flags."""
+    with MooncakeMaster(lease_ttl_ms=MOONCAKE_LEASE_MS) as master:
+        yield master
+
+
+@pytest.fixture
+def new_master(mooncake: None) -> Iterator[Callable[..., MooncakeMaster]]:
+    """``new_master(lease_ttl_ms=..., client_ttl_s=...)``: a master of the test's own (to kill,
+    restart, fill up); every one is stopped after the test, whatever happened."""
+    masters: list[MooncakeMaster] = []
+
+    def make(**options: Any) -> MooncakeMaster:
+        master = MooncakeMaster(**options)
+        masters.append(master)
+        return master.start()
+
+    yield make
+    for master in masters:
+        master.kill()
+
+
+def mooncake_tier(
+    master: MooncakeMaster, layout: Layout, context: TierContext | None = None, **options: Any
+) -> Tier:
+    from ucm_backends.mooncake import MooncakeConfig, MooncakeTier
+
+    config = MooncakeConfig(
+        master_server_address=master.address, local_hostname="127.0.0.1", **options
+    )
+    return MooncakeTier(config, context or make_context(layout))

@@ -3,6 +3,7 @@ the example plugin runs it in tests/test_example_plugin.py."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,10 @@ from ucm_backends.buffer import BufferTier, BufferTierConfig
 
 from ucm.layout import Key, Layout
 from ucm.testing import TierConformance, TierFactory, make_context
+from ucm.testing.mooncake import MooncakeMaster
 from ucm.tier import chunks
 
-from .conftest import fsspec_tier, posix_tier
+from .conftest import MOONCAKE_LEASE_MS, fsspec_tier, mooncake_tier, posix_tier
 
 
 class TestPosixConformance(TierConformance):
@@ -72,3 +74,16 @@ class TestBufferConformance(TierConformance):
             len({tier.core.bucket_of(block_id) for block_id, _ in chunk})
             for chunk in chunks(list(dict.fromkeys(keys)))
         )
+
+
+class TestMooncakeConformance(TierConformance):
+    """Against a real mooncake_master; each test's tiers are clients of their own pool
+    namespace (key_prefix), so tests never see each other's objects."""
+
+    @pytest.fixture
+    def tier_factory(self, mooncake_master: MooncakeMaster) -> TierFactory:
+        prefix = f"conformance-{uuid.uuid4().hex[:12]}"
+        return lambda layout: mooncake_tier(mooncake_master, layout, key_prefix=prefix)
+
+    def wait_for_read_leases(self, tier: Any) -> None:
+        time.sleep(MOONCAKE_LEASE_MS / 1000 + 0.2)

@@ -13,37 +13,9 @@ from collections.abc import Sequence
 
 from ..errors import InvalidArgumentError
 from . import lib
+from .pybuffer import PyBuffer, get_buffer, release_buffer
 
 _MAX_PARTS = 1 << 16  # constants.checksum_parts_max
-_PYBUF_SIMPLE = 0
-
-
-class _PyBuffer(ctypes.Structure):
-    """CPython's ``Py_buffer`` (stable layout since 3.0); only ``buf`` and ``len`` are read."""
-
-    _fields_ = [
-        ("buf", ctypes.c_void_p),
-        ("obj", ctypes.c_void_p),
-        ("len", ctypes.c_ssize_t),
-        ("itemsize", ctypes.c_ssize_t),
-        ("readonly", ctypes.c_int),
-        ("ndim", ctypes.c_int),
-        ("format", ctypes.c_char_p),
-        ("shape", ctypes.c_void_p),
-        ("strides", ctypes.c_void_p),
-        ("suboffsets", ctypes.c_void_p),
-        ("internal", ctypes.c_void_p),
-    ]
-
-
-# Read-only buffers (bytes, a read-only memoryview of a tensor) have no ctypes address; the
-# buffer protocol itself hands out the pointer without a copy.
-_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
-_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
-_get_buffer.restype = ctypes.c_int
-_release_buffer = ctypes.pythonapi.PyBuffer_Release
-_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
-_release_buffer.restype = None
 
 
 def checksum(parts: Sequence[bytes | bytearray | memoryview], seed: int = 0) -> int:
@@ -57,16 +29,17 @@ def checksum(parts: Sequence[bytes | bytearray | memoryview], seed: int = 0) -> 
         raise InvalidArgumentError(f"seed={seed!r} is not valid: expected an int in [0, 2**64)")
     addresses = (ctypes.c_size_t * count)()
     lengths = (ctypes.c_size_t * count)()
-    held: list[_PyBuffer] = []
+    held: list[PyBuffer] = []
     copies: list[bytes] = []
     try:
         for index, part in enumerate(parts):
-            view = _PyBuffer()
+            # Read-only buffers (bytes, a read-only view of a tensor) have no ctypes address;
+            # the buffer protocol itself hands out the pointer without a copy.
             try:
-                _get_buffer(part, ctypes.byref(view), _PYBUF_SIMPLE)
+                view = get_buffer(part)
             except BufferError:  # not contiguous: hash a contiguous copy
                 copies.append(bytes(memoryview(part)))
-                _get_buffer(copies[-1], ctypes.byref(view), _PYBUF_SIMPLE)
+                view = get_buffer(copies[-1])
             except TypeError:
                 raise InvalidArgumentError(
                     f"parts[{index}] is a {type(part).__name__}, which is not valid: expected "
@@ -81,4 +54,4 @@ def checksum(parts: Sequence[bytes | bytearray | memoryview], seed: int = 0) -> 
         return digest.value
     finally:
         for view in held:
-            _release_buffer(ctypes.byref(view))
+            release_buffer(view)

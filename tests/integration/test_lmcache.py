@@ -1,0 +1,704 @@
+"""UCM as LMCache's storage plugin, against the real lmcache 0.5.6 package: built by LMCache's
+StorageManager from its config, driven through StorageManager and LMCacheEngine (with a CPU
+implementation of LMCache's GPU connector), by two LMCache worker processes of one node, through
+the seed-003 removal cases, a corrupt shard below and bad configs. Ref counts are asserted
+exactly: a plugin that writes asynchronously must hold its own reference until written."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import re
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+
+try:
+    with warnings.catch_warnings():
+        # Each LMCache logger gets a handler opentelemetry deprecates; not ours to fix.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import lmcache  # noqa: F401
+except ImportError:
+    if os.environ.get("CI"):
+        raise  # CI installs every engine (tools/install-test-env): a missing one fails
+    pytest.skip(
+        "lmcache is not installed (bash tools/install-test-env installs it)",
+        allow_module_level=True,
+    )
+
+import torch
+
+import ucm
+from ucm.layout import Key
+from ucm.tier import Outcome, ShardViews, chunks, scatter
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from . import _lmcache as lm
+
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning"),
+]
+
+Register = Callable[[object, str], None]
+
+
+@pytest.fixture
+def unique_id() -> str:
+    return f"lmc-{uuid.uuid4().hex[:12]}"
+
+
+def buffer_over_posix(unique_id: str, path: Path, slots: int = 256) -> dict[str, Any]:
+    return {
+        "unique_id": unique_id,
+        "tiers": [
+            {"type": "buffer", "capacity": slots * lm.CHUNK_BYTES},
+            {"type": "posix", "path": str(path), "write": "through"},
+        ],
+    }
+
+
+@pytest.fixture
+def manager(unique_id: str, tmp_path: Path) -> Iterator[Any]:
+    """LMCache's StorageManager with its LocalCPUBackend (L1) and UCM (buffer over posix)."""
+    sm = lm.storage_manager(lm.config(buffer_over_posix(unique_id, tmp_path)), lm.metadata())
+    yield sm
+    sm.close()
+
+
+def _store(sm: Any, hashes: Sequence[int]) -> list[Any]:
+    keys = [lm.key(h) for h in hashes]
+    sm.batched_put(keys, [lm.filled(sm, h) for h in hashes])
+    assert sm.storage_backends["ucm"].flush(timeout_s=60)
+    return keys
+
+
+# ---- StorageManager: store, drop L1, retrieve from UCM -------------------------------------------
+
+
+def test_storage_manager_builds_the_plugin_and_retrieves_byte_exact(manager: Any) -> None:
+    backend = manager.storage_backends["ucm"]
+    assert type(backend).__name__ == "UcmStorageBackend" and str(backend) == "UcmStorageBackend"
+    assert list(manager.storage_backends) == ["LocalCPUBackend", "ucm"]
+    # The stack's geometry comes from LMCache: one chunk of one worker per shard.
+    assert backend.store.config.tensor_size_list == [lm.CHUNK_BYTES]
+    assert backend.store.config.shards_per_block == 1
+    assert backend.get_allocator_backend() is manager.storage_backends["LocalCPUBackend"]
+    baseline = lm.active_allocations(manager)
+
+    hashes = list(range(10, 18))
+    keys = _store(manager, hashes)
+    assert [backend.exists_in_put_tasks(k) for k in keys] == [False] * 8
+    assert manager.batched_contains(keys) == (8, {"LocalCPUBackend": keys})
+    # Drop the L1 copy: LMCache now finds every chunk in UCM only.
+    assert manager.batched_remove(keys, locations=["LocalCPUBackend"]) == 8
+    assert lm.active_allocations(manager) == baseline
+    assert manager.contains(keys[0]) == "ucm"
+    assert manager.batched_contains(keys) == (8, {"ucm": keys})
+    # batched_contains is a prefix count: a gap stops it.
+    gap = [*keys[:3], lm.key(999), *keys[3:]]
+    assert backend.batched_contains(gap) == 3
+    assert backend.batched_contains([]) == 0
+
+    got = manager.batched_get(keys, location="ucm")
+    assert [lm.content(obj) == lm.chunk_bytes(h) for obj, h in zip(got, hashes, strict=True)] == [
+        True
+    ] * 8
+    # The caller's reference plus the L1 write-back LMCache makes after a get from below.
+    assert [obj.get_ref_count() for obj in got] == [2] * 8
+    assert lm.active_allocations(manager) == baseline + 8
+    for obj in got:
+        obj.ref_count_down()
+    assert [obj.get_ref_count() for obj in got] == [1] * 8  # held by L1 only
+
+    # A single blocking get, a miss, and a batch with a miss in the middle.
+    manager.batched_remove(keys, locations=["LocalCPUBackend"])
+    single = backend.get_blocking(keys[2])
+    assert lm.content(single) == lm.chunk_bytes(12) and single.get_ref_count() == 1
+    single.ref_count_down()
+    assert backend.get_blocking(lm.key(999)) is None
+    mixed = backend.batched_get_blocking([keys[0], lm.key(999), keys[1]])
+    assert mixed[1] is None
+    assert [lm.content(mixed[0]), lm.content(mixed[2])] == [lm.chunk_bytes(10), lm.chunk_bytes(11)]
+    for obj in (mixed[0], mixed[2]):
+        obj.ref_count_down()
+    assert lm.active_allocations(manager) == baseline  # misses freed their allocation
+    # The same chunk twice in one batch: one load, one object, two references.
+    twice = backend.batched_get_blocking([keys[4], keys[4]])
+    assert twice[0] is twice[1] and twice[0].get_ref_count() == 2
+    assert lm.content(twice[0]) == lm.chunk_bytes(14)
+    twice[0].ref_count_down()
+    twice[0].ref_count_down()
+    assert lm.active_allocations(manager) == baseline
+    counters = backend.stats()["lmcache"]
+    assert counters["put_chunks_stored"] == 8 and counters["get_hits"] == 13
+    assert counters["get_misses"] == 2 and counters["puts_in_flight"] == 0
+
+
+def test_put_futures_and_callbacks_then_a_second_put_writes_nothing(manager: Any) -> None:
+    backend = manager.storage_backends["ucm"]
+    # Straight through the interface: one future per chunk, a callback per stored key.
+    keys = [lm.key(1), lm.key(2)]
+    objs = [lm.filled(manager, 1), lm.filled(manager, 2)]
+    called: list[Any] = []
+    futures = backend.batched_submit_put_task(keys, objs, on_complete_callback=called.append)
+    assert [future.result(timeout=60) for future in futures] == [True, True]
+    assert called == keys
+    assert [obj.get_ref_count() for obj in objs] == [1, 1]  # the plugin's reference is gone
+    for obj in objs:
+        obj.ref_count_down()
+    again = [lm.filled(manager, 1), lm.filled(manager, 2)]
+    assert backend.batched_submit_put_task(keys, again) is None
+    assert [obj.get_ref_count() for obj in again] == [1, 1]  # no reference kept
+    for obj in again:
+        obj.ref_count_down()
+    counters = backend.stats()["lmcache"]
+    assert counters["put_chunks_present"] == 2 and counters["put_chunks_submitted"] == 2
+
+
+def test_scheduler_role_answers_lookups_only(unique_id: str, tmp_path: Path) -> None:
+    stack = buffer_over_posix(unique_id, tmp_path)
+    worker = lm.storage_manager(lm.config(stack), lm.metadata())
+    scheduler = lm.storage_manager(lm.config(stack), lm.metadata(role="scheduler"))
+    try:
+        keys = _store(worker, [5, 6])
+        plugin = scheduler.storage_backends["ucm"]
+        assert plugin.store.device_id < 0 and plugin.local_cpu_backend is None
+        assert plugin.batched_contains([*keys, lm.key(7)]) == 2
+        with pytest.raises(ucm.RoleError, match="not allowed on LMCache's scheduler"):
+            plugin.get_blocking(keys[0])
+    finally:
+        scheduler.close()
+        worker.close()
+
+
+# ---- ref counts: the plugin's own reference while it writes --------------------------------------
+
+
+class GateTierConfig(ucm.LowerTierConfig):
+    type: Literal["gate"]
+
+
+class GateTier(ucm.Tier):
+    """A dict tier whose dumps wait for ``GATE``: a write that is still in flight, on demand."""
+
+    type_name = "gate"
+    config_model = GateTierConfig
+    GATE = threading.Event()
+    ENTERED = threading.Event()
+
+    def __init__(self, config: ucm.TierConfig, context: ucm.TierContext) -> None:
+        super().__init__(config, context)
+        self._shards: dict[Key, bytes] = {}
+
+    def lookup(self, keys: Sequence[Key]) -> list[bool]:
+        return [key in self._shards for key in keys]
+
+    def load(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for key, views in zip(keys, destinations, strict=True):
+            if key in self._shards:
+                scatter(self._shards[key], views)
+                outcomes.append(None)
+            else:
+                outcomes.append(ucm.KeyMissingError("not in the gate tier"))
+        return outcomes
+
+    def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
+        self.ENTERED.set()
+        assert self.GATE.wait(timeout=60), "the test never opened the gate"
+        self._shards.update((k, b"".join(v)) for k, v in zip(keys, sources, strict=True))
+        return [None] * len(keys)
+
+    def touch(self, block_ids: Sequence[bytes]) -> None:
+        pass
+
+    def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
+        removed = 0
+        for part in chunks(list(dict.fromkeys(keys))):
+            for key in part:
+                removed += self._shards.pop(key, None) is not None
+        return removed
+
+    def stats(self) -> dict[str, int | float]:
+        return {"hits": 0, "misses": 0, "remove_lock_acquisitions": 0}
+
+
+class GatePlugin:
+    @ucm.hookimpl
+    def register_tiers(self, register: Callable[[type[ucm.Tier]], None]) -> None:
+        register(GateTier)
+
+
+@pytest.mark.parametrize("local_cpu", [True, False], ids=["with-L1", "allocator-only"])
+def test_a_put_holds_its_own_reference_until_written(
+    register_plugin: Register, unique_id: str, local_cpu: bool
+) -> None:
+    """StorageManager.batched_put drops its reference right after handing the objects over; the
+    plugin holds one of its own until UCM has the bytes. With L1 off (allocator only), the
+    plugin's reference is the object's last one: freed after the write, never twice."""
+    register_plugin(GatePlugin(), "gate-plugin")
+    GateTier.GATE.clear()
+    GateTier.ENTERED.clear()
+    stack = {"unique_id": unique_id, "tiers": [{"type": "gate"}]}
+    sm = lm.storage_manager(lm.config(stack, local_cpu=local_cpu), lm.metadata())
+    try:
+        backend = sm.storage_backends["ucm"]
+        baseline = lm.active_allocations(sm)
+        keys = [lm.key(h) for h in (1, 2, 3)]
+        objs = [lm.filled(sm, h) for h in (1, 2, 3)]
+        with lm.lmcache_logs() as logs:
+            sm.batched_put(keys, objs)
+            assert GateTier.ENTERED.wait(timeout=60)
+            held = 2 if local_cpu else 1  # (L1) + this plugin; LMCache's own is gone
+            assert [obj.get_ref_count() for obj in objs] == [held] * 3
+            assert [backend.exists_in_put_tasks(k) for k in keys] == [True] * 3
+            # The same chunks again while in flight: not written twice, no extra reference.
+            assert backend.batched_submit_put_task(keys, objs) is None
+            assert [obj.get_ref_count() for obj in objs] == [held] * 3
+            GateTier.GATE.set()
+            assert backend.flush(timeout_s=60)
+            assert [obj.get_ref_count() for obj in objs] == [held - 1] * 3
+            assert [backend.exists_in_put_tasks(k) for k in keys] == [False] * 3
+            expected = baseline + (3 if local_cpu else 0)
+            assert lm.active_allocations(sm) == expected
+        assert not [m for m in logs.messages() if "Double free" in m or "negative" in m]
+        got = backend.batched_get_blocking(keys)
+        assert [lm.content(g) for g in got] == [lm.chunk_bytes(h) for h in (1, 2, 3)]
+        for g in got:
+            g.ref_count_down()
+        assert lm.active_allocations(sm) == expected
+    finally:
+        GateTier.GATE.set()
+        sm.close()
+
+
+# ---- LMCacheEngine: store, drop L1, lookup, retrieve into the (CPU) paged KV cache -------------
+
+TOKENS = 4 * lm.CHUNK
+SLOTS = 96
+
+
+def _kv_equal(dst: list[torch.Tensor], src: list[torch.Tensor], slots: torch.Tensor) -> bool:
+    return all(
+        torch.equal(d[:, slots].view(torch.int16), s[:, slots].view(torch.int16))
+        for d, s in zip(dst, src, strict=True)
+    )
+
+
+@pytest.mark.parametrize("local_cpu", [True, False], ids=["with-L1", "allocator-only"])
+def test_lmcache_engine_retrieves_from_ucm_byte_exact(
+    unique_id: str, tmp_path: Path, local_cpu: bool
+) -> None:
+    cfg = lm.config(buffer_over_posix(unique_id, tmp_path), local_cpu=local_cpu)
+    engine = lm.engine(cfg, lm.metadata())
+    engine.post_init()
+    try:
+        sm = engine.storage_manager
+        backend = sm.storage_backends["ucm"]
+        tokens = torch.arange(1000, 1000 + TOKENS)
+        src, slots = lm.paged_kv(TOKENS, SLOTS, seed=1)
+        engine.store(tokens, kvcaches=src, slot_mapping=slots)
+        assert backend.flush(timeout_s=60)
+        assert backend.stats()["lmcache"]["put_chunks_stored"] == 4
+        engine.clear(locations=["LocalCPUBackend"])  # drop the L1 copies (if any)
+        baseline = lm.active_allocations(sm)
+        assert baseline == 0
+        assert engine.lookup(tokens, lookup_id="req-1", pin=True) == TOKENS
+        keys = [key for _, _, key in engine.token_database.process_tokens(tokens)]
+        assert [backend.pinned(k) for k in keys] == [1] * 4
+        dst = [torch.zeros_like(cache) for cache in src]
+        ret = engine.retrieve(tokens, kvcaches=dst, slot_mapping=slots, req_id="req-1")
+        assert bool(ret.all())
+        assert _kv_equal(dst, src, slots)
+        untouched = torch.ones(SLOTS, dtype=torch.bool)
+        untouched[slots] = False
+        assert all(int(d[:, untouched].abs().sum()) == 0 for d in dst)
+        engine.lookup_unpin("req-1")
+        assert [backend.pinned(k) for k in keys] == [0] * 4
+        # After the retrieve LMCache holds the chunks in L1 only when L1 is on; nothing leaked.
+        assert lm.active_allocations(sm) == (4 if local_cpu else 0)
+        # A longer prompt: the stored prefix hits, the rest is a miss.
+        longer = torch.arange(1000, 1000 + TOKENS + 2 * lm.CHUNK)
+        assert engine.lookup(longer, lookup_id="req-2", pin=False) == TOKENS
+    finally:
+        lm.destroy(engine)
+
+
+def test_async_lookup_and_prefetch_load_from_ucm_in_batches(unique_id: str, tmp_path: Path) -> None:
+    """LMCache's async path, with its real ZMQ lookup client and server in this process: the
+    scheduler-side client asks, the worker's StorageManager runs batched_async_contains and
+    batched_get_non_blocking on UCM, and the retrieve takes the prefetched chunks."""
+    from lmcache.v1.lookup_client.lmcache_async_lookup_client import (
+        LMCacheAsyncLookupClient,
+        LMCacheAsyncLookupServer,
+    )
+
+    cfg = lm.config(
+        buffer_over_posix(unique_id, tmp_path),
+        local_cpu=False,
+        enable_async_loading=True,
+        lookup_timeout_ms=120_000,
+    )
+    meta = lm.metadata(engine_id=f"ucm-{uuid.uuid4().hex[:10]}")
+    engine = lm.engine(cfg, meta)
+    server = LMCacheAsyncLookupServer(engine, meta)
+    engine.post_init(async_lookup_server=server)
+    client = LMCacheAsyncLookupClient(cfg, meta)
+    try:
+        sm = engine.storage_manager
+        backend = sm.storage_backends["ucm"]
+        tokens = torch.arange(5000, 5000 + TOKENS)
+        src, slots = lm.paged_kv(TOKENS, SLOTS, seed=2)
+        engine.store(tokens, kvcaches=src, slot_mapping=slots)
+        assert backend.flush(timeout_s=60)
+        assert lm.active_allocations(sm) == 0
+        before = dict(backend.stats()["lmcache"])
+
+        assert client.lookup_cache("req-a") == -1  # unknown: the scheduler then asks
+        client.lookup(tokens, "req-a")
+        deadline = time.monotonic() + 120
+        hit = None
+        while hit is None and time.monotonic() < deadline:
+            hit = client.lookup_cache("req-a")
+        assert hit == TOKENS
+        after = backend.stats()["lmcache"]
+        # One batched lookup of the 4 chunks and one batched load of them.
+        assert after["lookups"] - before.get("lookups", 0) == 1
+        assert after["lookup_keys"] - before.get("lookup_keys", 0) == 4
+        assert after["loads"] - before.get("loads", 0) == 1
+        assert after["get_hits"] - before.get("get_hits", 0) == 4
+        assert after["pinned_keys"] == 0  # the lookup's pins went with the prefetch
+        dst = [torch.zeros_like(cache) for cache in src]
+        ret = engine.retrieve(tokens, kvcaches=dst, slot_mapping=slots, req_id="req-a")
+        assert bool(ret.all())
+        assert _kv_equal(dst, src, slots)
+        assert lm.active_allocations(sm) == 0  # the prefetched objects were released
+    finally:
+        _close_lookup(client, server)
+        lm.destroy(engine)
+
+
+def _close_lookup(client: Any, server: Any) -> None:
+    """Closes LMCache's lookup client and server without its close race: their close() joins
+    the receiving thread for 1 s only, then closes the socket that thread may still block in,
+    and libzmq aborts the process. So stop both loops, wake each with one message of LMCache's
+    own protocol, wait for the threads, then close."""
+    client.running = False
+    server.running = False
+    client._send_cleanup_message("ucm-test-wake")  # the server handles it, then sees running
+    server.send_response_to_scheduler("ucm-test-wake", 0)  # likewise for the client
+    for thread in (server.thread, client.thread):
+        thread.join(timeout=60)
+        assert not thread.is_alive(), thread.name
+    client.close()
+    server.close()
+
+
+# ---- two LMCache worker processes of one node share one CacheBuffer ------------------------------
+
+
+def test_two_worker_processes_share_one_buffer(unique_id: str) -> None:
+    """World size 2, one process per worker, a buffer-only stack: chunk c is block id(c) with
+    worker w's part as shard w. A chunk is a hit once both workers stored their shard, and each
+    worker reads the other's shard byte-exact: both can only come from one shared buffer."""
+    stack = {"unique_id": unique_id, "tiers": [{"type": "buffer", "capacity": "2MiB"}]}
+    context = mp.get_context("spawn")
+    barrier, out = context.Barrier(2), context.Queue()
+    processes = [context.Process(target=lm.worker, args=(w, stack, barrier, out)) for w in (0, 1)]
+    for process in processes:
+        process.start()
+    try:
+        reports = sorted((out.get(timeout=180) for _ in processes), key=lambda r: r["worker"])
+    finally:
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    for report in reports:
+        assert "error" not in report, report.get("error")
+    assert reports[0]["before_peer"] == 0  # worker 0's shards alone: no chunk is complete
+    for report in reports:
+        assert report["hits"] == 6
+        assert report["own_exact"] == [True] * 6
+        assert report["peer_exact"] == [True] * 6
+        assert report["unique_id"] == unique_id and report["tiers"] == ["buffer"]
+        assert report["leaked"] == 0
+        assert report["after_remove"] == (False, 5)
+    assert reports[0]["removed"] == 1 and reports[1]["removed_again"] == 0
+    assert [p.exitcode for p in processes] == [0, 0]
+
+
+# ---- seed 003: batched_remove through LMCache's plugin API --------------------------------------
+
+
+def test_batched_remove_seed_cases(unique_id: str, tmp_path: Path) -> None:
+    """Empty input, a batch delete, pinned entries preserved, missing keys and force, with lock
+    acquisitions counted: one per chunk of REMOVE_CHUNK_KEYS keys, in the plugin (its pin lock)
+    and in the posix tier below (its exclusive lock), never one per key."""
+    n = 2500
+    stack = buffer_over_posix(unique_id, tmp_path, slots=n + 64)
+    sm = lm.storage_manager(lm.config(stack, local_cpu=False, cpu_gb=0.04), lm.metadata())
+    try:
+        backend = sm.storage_backends["ucm"]
+
+        def locks() -> tuple[int, int]:
+            stats = backend.stats()
+            posix = next(t for t in stats["ucm"]["tiers"] if t["type"] == "posix")
+            return (
+                stats["lmcache"].get("remove_lock_acquisitions", 0),
+                posix["remove_lock_acquisitions"],
+            )
+
+        # Empty input: nothing removed, no lock taken.
+        start = locks()
+        assert backend.batched_remove([]) == 0
+        assert sm.batched_remove([], locations=["ucm"]) == 0
+        assert locks() == start
+
+        keys = []
+        for first in range(0, n, 500):  # 500 chunks per put keeps LMCache's pool small
+            keys += _store(sm, range(first, first + 500))
+        assert backend.batched_contains(keys) == n
+        # Pins the way LMCache takes them: a lookup with pin=True.
+        assert sm.batched_contains(keys[:3], pin=True) == (3, {"ucm": keys[:3]})
+        assert [backend.pinned(k) for k in keys[:3]] == [1, 1, 1]
+        absent = [lm.key(10_000 + i) for i in range(48)]
+
+        # A batch delete with pinned and missing keys, as LMCache's own eviction calls it.
+        start = locks()
+        assert backend.batched_remove([*keys, *absent], force=False) == n - 3
+        expected = math.ceil((n + len(absent)) / ucm.REMOVE_CHUNK_KEYS)
+        assert expected == 3
+        assert tuple(b - a for a, b in zip(start, locks(), strict=True)) == (expected, expected)
+        assert backend.batched_contains(keys[:3]) == 3  # pinned: kept
+        assert [backend.contains(k) for k in keys[3:]] == [False] * (n - 3)
+        kept = backend.batched_get_blocking(keys[:3])
+        assert [lm.content(o) for o in kept] == [lm.chunk_bytes(h) for h in range(3)]
+        for obj in kept:
+            obj.ref_count_down()
+
+        # Missing keys only: nothing to remove, and the count says so.
+        assert backend.batched_remove(absent, force=False) == 0
+        assert backend.remove(keys[5], force=False) is False
+
+        # Force (StorageManager.batched_remove passes the interface's default, force=True).
+        assert backend.remove(keys[0], force=False) is False  # still pinned
+        assert sm.batched_remove(keys[:3], locations=["ucm"]) == 3
+        assert [backend.pinned(k) for k in keys[:3]] == [0, 0, 0]
+        assert backend.batched_contains(keys[:3]) == 0
+        assert backend.unpin(keys[0]) is False
+        assert lm.active_allocations(sm) == 0
+    finally:
+        sm.close()
+
+
+# ---- a corrupt lower-tier shard is a miss --------------------------------------------------------
+
+
+def test_corrupt_posix_shard_is_a_miss(tmp_path: Path) -> None:
+    nvme = tmp_path / "nvme"
+    first = lm.storage_manager(
+        lm.config(buffer_over_posix(f"lmc-{uuid.uuid4().hex[:12]}", nvme), local_cpu=False),
+        lm.metadata(),
+    )
+    try:
+        keys = _store(first, [1, 2])
+        block = first.storage_backends["ucm"].ucm_key(keys[0])[0]
+    finally:
+        first.close()
+    # Flip bytes inside the first chunk's shard in the posix file (below any buffer).
+    path = nvme / block.hex()[:2] / f"{block.hex()}.blk"
+    data = bytearray(path.read_bytes())
+    data[100:108] = bytes(255 - b for b in data[100:108])
+    path.write_bytes(bytes(data))
+
+    # A fresh node (a new buffer) over the same NVMe directory.
+    sm = lm.storage_manager(
+        lm.config(buffer_over_posix(f"lmc-{uuid.uuid4().hex[:12]}", nvme), local_cpu=False),
+        lm.metadata(),
+    )
+    try:
+        backend = sm.storage_backends["ucm"]
+        got = sm.batched_get(keys, location="ucm")
+        assert got[0] is None  # the corrupt chunk: a miss, LMCache recomputes it
+        assert lm.content(got[1]) == lm.chunk_bytes(2)
+        got[1].ref_count_down()
+        assert lm.active_allocations(sm) == 0  # the failed load freed its allocation
+        assert backend.stats()["lmcache"]["get_errors"] == 1
+        assert backend.contains(keys[0]) is False  # the posix tier dropped the torn shard
+        assert backend.get_blocking(keys[0]) is None
+    finally:
+        sm.close()
+
+
+# ---- bad plugin configs: errors that name the key ------------------------------------------------
+
+KEY = "extra_config['storage_plugin.ucm.stack']"
+K = re.escape(KEY)
+
+
+def _construct(cfg: Any, meta: Any | None = None) -> Any:
+    from ucm.integration.lmcache import UcmStorageBackend
+
+    sm = lm.storage_manager(lm.config(plugin=False), lm.metadata())
+    try:
+        return UcmStorageBackend(
+            config=cfg,
+            dst_device="cpu",
+            metadata=meta or lm.metadata(),
+            local_cpu_backend=sm.storage_backends["LocalCPUBackend"],
+            loop=None,
+        )
+    finally:
+        sm.close()
+
+
+@pytest.mark.parametrize(
+    ("stack", "message"),
+    [
+        (None, rf"^{K} is missing: give the path of a YAML stack"),
+        ("/nonexistent/stack.yaml", rf"^{K}: .*/nonexistent/stack.yaml"),
+        (
+            {"unique_id": "u", "tiers": [{"type": "nope"}]},
+            rf"^{K} \(stack\): invalid stack:\n  tiers\[0\]\.type: unknown tier type 'nope'",
+        ),
+        (
+            {"unique_id": "u", "shard_size": 4096, "tiers": [{"type": "buffer"}]},
+            rf"^{K}: the stack states shard_size: 4096, but LMCache's KV cache has "
+            rf"shard_size {lm.CHUNK_BYTES}",
+        ),
+        (
+            {
+                "unique_id": f"lmc-too-big-{uuid.uuid4().hex[:8]}",
+                "tiers": [{"type": "buffer", "capacity": "100GiB"}],  # more than /dev/shm
+            },
+            rf"^{K}: tiers\[0\] \(buffer\): the buffer needs \d+ bytes of shared memory",
+        ),
+    ],
+    ids=["missing", "unreadable", "invalid", "contradicts-geometry", "cannot-open"],
+)
+def test_a_bad_stack_raises_an_error_naming_the_key(stack: Any, message: str) -> None:
+    with pytest.raises(ucm.ConfigError, match=message):
+        _construct(lm.config(stack))
+
+
+def test_storage_manager_logs_the_bad_config_by_key() -> None:
+    """LMCache catches a plugin's constructor error and logs it (then runs without the plugin):
+    the line names the key."""
+    with lm.lmcache_logs() as logs:
+        sm = lm.storage_manager(lm.config(None), lm.metadata())
+    try:
+        assert "ucm" not in sm.storage_backends
+        assert any(
+            m.startswith(f"Failed to create backend ucm: {KEY} is missing") for m in logs.messages()
+        ), logs.messages()
+    finally:
+        sm.close()
+
+
+def test_unsupported_lmcache_settings_are_named(tmp_path: Path) -> None:
+    stack = {"unique_id": "u", "tiers": [{"type": "posix", "path": str(tmp_path)}]}
+    with pytest.raises(ucm.ConfigError, match=r"^use_layerwise: True is not supported"):
+        _construct(lm.config(stack, use_layerwise=True))
+    from ucm.integration.lmcache import UcmStorageBackend
+
+    with pytest.raises(ucm.ConfigError, match="has none: set max_local_cpu_size > 0"):
+        UcmStorageBackend(config=lm.config(stack), metadata=lm.metadata(), local_cpu_backend=None)
+    with pytest.raises(ucm.ConfigError, match="needs LMCache's config and metadata"):
+        UcmStorageBackend(config=None, metadata=None)
+
+
+# ---- the key mapping ----------------------------------------------------------------------------
+
+
+def test_keys_map_chunks_to_blocks_and_workers_to_shards(tmp_path: Path) -> None:
+    from lmcache.utils import CacheEngineKey
+
+    stack = {
+        "unique_id": f"lmc-{uuid.uuid4().hex[:12]}",
+        "tiers": [{"type": "posix", "path": str(tmp_path)}],
+    }
+    backend = _construct(lm.config(stack), lm.metadata(world_size=2, worker_id=0))
+    try:
+        assert backend.store.config.shards_per_block == 2
+        assert backend.store.config.tensor_size_list == [lm.CHUNK_BYTES]
+        block, shard = backend.ucm_key(lm.key(7, 2, 0))
+        assert len(block) == 16 and shard == 0
+        assert backend.ucm_key(lm.key(7, 2, 1)) == (block, 1)  # same chunk, the other worker
+        assert backend.ucm_key(lm.key(8, 2, 0))[0] != block
+        tagged = CacheEngineKey(lm.MODEL, 2, 0, 7, lm.DTYPE, {"lmcache.tag.tenant": "a"})
+        other = CacheEngineKey(lm.MODEL, 2, 0, 7, lm.DTYPE, {"lmcache.tag.tenant": "b"})
+        assert len({block, backend.ucm_key(tagged)[0], backend.ucm_key(other)[0]}) == 3
+        assert backend.ucm_key(tagged) == backend.ucm_key(
+            CacheEngineKey(lm.MODEL, 2, 0, 7, lm.DTYPE, {"lmcache.tag.tenant": "a"})
+        )
+        assert backend.ucm_key(CacheEngineKey("other-model", 2, 0, 7, lm.DTYPE))[0] != block
+        assert backend.ucm_key(CacheEngineKey(lm.MODEL, 2, 0, 7, torch.float16))[0] != block
+        with pytest.raises(ucm.InvalidArgumentError, match="world size 4, but this LMCache worker"):
+            backend.ucm_key(lm.key(7, 4, 0))
+    finally:
+        backend.close()
+
+
+def test_mla_with_save_only_first_rank_is_one_shard_per_chunk(tmp_path: Path) -> None:
+    """LMCache's MLA keys have world size 1 (the latent KV is the same on every rank)."""
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    meta = LMCacheMetadata(
+        model_name=lm.MODEL,
+        world_size=2,
+        local_world_size=2,
+        worker_id=1,
+        local_worker_id=1,
+        kv_dtype=lm.DTYPE,
+        kv_shape=(lm.LAYERS, 1, lm.CHUNK, 1, 96),
+        use_mla=True,
+        chunk_size=lm.CHUNK,
+    )
+    stack = {
+        "unique_id": f"lmc-{uuid.uuid4().hex[:12]}",
+        "tiers": [{"type": "posix", "path": str(tmp_path)}],
+    }
+    backend = _construct(lm.config(stack), meta)
+    try:
+        assert backend.layout.fmt == MemoryFormat.KV_MLA_FMT
+        assert backend.store.config.shards_per_block == 1
+        assert backend.store.config.tensor_size_list == [lm.LAYERS * lm.CHUNK * 96 * 2]
+        # Worker 1's key of world size 1 is shard 0, the same block as worker 0's.
+        mine = backend.ucm_key(CacheEngineKey(lm.MODEL, 1, 1, 5, lm.DTYPE))
+        assert mine == backend.ucm_key(CacheEngineKey(lm.MODEL, 1, 0, 5, lm.DTYPE))
+        assert mine[1] == 0
+    finally:
+        backend.close()
+
+
+# ---- the benchmark's path without lmcache ------------------------------------------------------
+
+
+def test_the_benchmark_without_lmcache_says_so_and_fails_under_ci(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ucm.bench import BenchOptions, lmcache_plugin
+
+    monkeypatch.setattr(lmcache_plugin, "_lmcache_available", lambda: False)
+    monkeypatch.delenv("CI", raising=False)
+    result = lmcache_plugin.BENCHMARK.run(BenchOptions(quick=True))
+    assert [figure.name for figure in result.figures] == [
+        "UCM load of LMCache-sized chunks (no LMCache)"
+    ]
+    assert all(figure.value > 0 and figure.baseline_value > 0 for figure in result.figures)
+    assert result.notes[0].startswith("lmcache is not installed, so LMCache's backends")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(RuntimeError, match="lmcache is not installed: CI installs it"):
+        lmcache_plugin.BENCHMARK.run(BenchOptions(quick=True))

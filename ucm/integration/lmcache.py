@@ -1,0 +1,698 @@
+"""UCM as an LMCache storage plugin (``lmcache==0.5.6``): ``UcmStorageBackend``.
+
+Configure LMCache with::
+
+    storage_plugins: ["ucm"]
+    extra_config:
+      storage_plugin.ucm.module_path: ucm.integration.lmcache
+      storage_plugin.ucm.class_name: UcmStorageBackend
+      storage_plugin.ucm.stack: /etc/ucm/lmcache-node.yaml   # or the stack itself, as a dict
+
+LMCache builds the plugin in every worker (and scheduler) process as
+``UcmStorageBackend(config=, dst_device=, metadata=, local_cpu_backend=, loop=)``. The plugin is a
+thin layer over the public Store API (``ucm.open``, ``lookup``, ``load_data``, ``dump_data``,
+``remove``, ``wait``, ``stats``, ``close``); docs/lmcache.md is the user's page.
+
+**Keys.** An LMCache chunk is one UCM *block*; each worker's part of it is one *shard*. The block
+id is :func:`~ucm.integration.keys.named_block_id` of the chunk hash, salted with a
+:class:`~ucm.integration.keys.KeySpace` of everything else in the :class:`CacheEngineKey` but
+the worker id (model, world size, dtype, tags) plus the chunk geometry; the shard index is the
+worker id and ``shards_per_block`` is the key's world size. So the workers of one node share one
+CacheBuffer (one ``unique_id``) and a chunk's parts live together in every tier. A chunk counts
+as present only when every worker's shard is (the workers agree on hits), and removing a chunk
+removes every worker's shard of it (a chunk missing one part is useless to all of them). With
+MLA and ``save_only_first_rank`` LMCache collapses the key's world size to 1: one shard, index 0.
+
+**Geometry.** A shard is one worker's KV of one full chunk, the bytes of the chunk's MemoryObj:
+one tensor per KV group of shape ``[kv_size, num_layers, chunk_size, hidden_dim]`` (LMCache's
+``metadata.get_shapes(chunk_size)`` and ``get_dtypes()``), so ``tensor_size_list`` holds each
+group's byte size. A stack states only ``unique_id`` and ``tiers``.
+
+**Ref counts.** ``StorageManager.batched_put`` calls ``ref_count_down()`` on every object once it
+has handed them to every backend; this plugin writes asynchronously, so it takes its own
+reference (``ref_count_up``) at submit time and drops it when UCM's dump task has finished with
+the object's memory. Retrieved objects are allocated from ``local_cpu_backend.allocate`` and
+handed to LMCache with the single reference the allocation made (a miss frees its allocation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from .. import REMOVE_CHUNK_KEYS, Store, TaskError
+from .. import open as open_store
+from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, RoleError, UcmError
+from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id
+
+if TYPE_CHECKING:
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+logger = logging.getLogger(__name__)
+
+CLASS_NAME = "UcmStorageBackend"
+MODULE_PATH = __name__
+DEFAULT_PLUGIN_NAME = "ucm"
+FLUSH_TIMEOUT_S = 600.0
+"""close() waits at most this long for puts still being written (then logs what it dropped)."""
+
+UcmKey = tuple[bytes, int]
+
+
+def plugin_name(config: LMCacheEngineConfig) -> str:
+    """The name under which ``config.storage_plugins`` lists this plugin (``ucm`` normally).
+
+    LMCache builds a plugin without telling it its name; the name is the one whose
+    ``storage_plugin.<name>.class_name`` / ``.module_path`` point at this class.
+    """
+    extra = config.extra_config or {}
+    names = list(config.storage_plugins or [])
+    ours = [
+        name
+        for name in names
+        if extra.get(f"storage_plugin.{name}.class_name") == CLASS_NAME
+        and extra.get(f"storage_plugin.{name}.module_path") == MODULE_PATH
+    ]
+    if DEFAULT_PLUGIN_NAME in ours or not ours:
+        return DEFAULT_PLUGIN_NAME
+    if len(ours) > 1:
+        raise ConfigError(
+            f"storage_plugins lists {ours}, all with class_name {CLASS_NAME!r}: LMCache does not "
+            "tell a plugin its name, so give one UCM plugin per LMCache config"
+        )
+    return str(ours[0])
+
+
+def save_only_first_rank(config: LMCacheEngineConfig, metadata: LMCacheMetadata) -> bool:
+    """LMCache's own rule (token_database.py): MLA KV is saved by the first rank only, under keys
+    whose world size is 1."""
+    return bool(
+        config.get_extra_config_value("save_only_first_rank", metadata.use_mla) and metadata.use_mla
+    )
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """What one full LMCache chunk of one worker looks like in memory."""
+
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+    fmt: MemoryFormat
+    geometry: EngineGeometry
+
+    @property
+    def shard_size(self) -> int:
+        return self.geometry.shard_size
+
+    def describe(self) -> str:
+        return _describe(self.fmt, self.shapes, self.dtypes)
+
+
+def _describe(
+    fmt: MemoryFormat, shapes: Sequence[torch.Size], dtypes: Sequence[torch.dtype]
+) -> str:
+    groups = ", ".join(f"{list(s)} {d}" for s, d in zip(shapes, dtypes, strict=True))
+    return f"{fmt.name} {groups}"
+
+
+def chunk_layout(config: LMCacheEngineConfig, metadata: LMCacheMetadata) -> ChunkLayout:
+    """The shard geometry of one full chunk, from LMCache's metadata (shapes, dtypes, chunk size)
+    and world size."""
+    if config.use_layerwise:
+        raise ConfigError(
+            f"use_layerwise: {config.use_layerwise!r} is not supported by {CLASS_NAME}: it "
+            "stores whole chunks (all layers of a chunk in one shard); set use_layerwise: false"
+        )
+    chunk_tokens = int(config.chunk_size)
+    shapes = tuple(torch.Size(shape) for shape in metadata.get_shapes(chunk_tokens))
+    dtypes = tuple(metadata.get_dtypes())
+    if len(dtypes) == 1 and len(shapes) > 1:
+        dtypes = dtypes * len(shapes)
+    fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
+    sizes = tuple(
+        int(shape.numel()) * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True)
+    )
+    shards = 1 if save_only_first_rank(config, metadata) else int(metadata.world_size)
+    description = (
+        f"one LMCache chunk of {chunk_tokens} tokens per worker, "
+        f"{_describe(fmt, shapes, dtypes)}; "
+        f"{shards} worker shard(s) per chunk"
+    )
+    return ChunkLayout(
+        shapes=shapes,
+        dtypes=dtypes,
+        fmt=fmt,
+        geometry=EngineGeometry(
+            tensor_sizes=sizes, shards_per_block=shards, description=description
+        ),
+    )
+
+
+@dataclass
+class _Put:
+    key: CacheEngineKey
+    ucm_key: UcmKey
+    obj: MemoryObj
+    future: Future[bool]
+
+
+@dataclass
+class _PutBatch:
+    task: Any
+    puts: list[_Put]
+    on_complete: Any
+
+
+class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
+    """LMCache storage plugin over a UCM stack. See the module docstring and docs/lmcache.md."""
+
+    def __init__(
+        self,
+        dst_device: str = "cpu",
+        config: LMCacheEngineConfig | None = None,
+        metadata: LMCacheMetadata | None = None,
+        local_cpu_backend: LocalCPUBackend | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(
+            dst_device=dst_device,
+            config=config,
+            metadata=metadata,
+            local_cpu_backend=local_cpu_backend,
+            loop=loop,
+        )
+        if config is None or metadata is None:
+            raise ConfigError(
+                f"{CLASS_NAME} needs LMCache's config and metadata (LMCache passes both when it "
+                "builds a storage plugin listed in storage_plugins)"
+            )
+        self.name = plugin_name(config)
+        self.stack_key = f"storage_plugin.{self.name}.stack"
+        self.layout = chunk_layout(config, metadata)
+        self.chunk_tokens = int(config.chunk_size)
+        stack = engine_stack(
+            (config.extra_config or {}).get(self.stack_key),
+            self.layout.geometry,
+            key=f"extra_config[{self.stack_key!r}]",
+            engine="LMCache",
+        )
+        self.is_scheduler = metadata.role == "scheduler"
+        device_id = -1 if self.is_scheduler else int(metadata.local_worker_id)
+        if not self.is_scheduler and local_cpu_backend is None:
+            raise ConfigError(
+                f"{CLASS_NAME} retrieves into memory from LMCache's LocalCPUBackend, and this "
+                "worker has none: set max_local_cpu_size > 0 (local_cpu may stay false: LMCache "
+                "then uses it as the allocator only)"
+            )
+        try:
+            self.store: Store = open_store(
+                stack, device_id=device_id, local_rank_size=int(metadata.local_world_size)
+            )
+        except UcmError as exc:  # e.g. a buffer larger than /dev/shm: say which key to change
+            raise ConfigError(f"extra_config[{self.stack_key!r}]: {exc}") from exc
+        self._space = (
+            f"{self.layout.describe()}; use_mla={metadata.use_mla}; "
+            f"save_only_first_rank={save_only_first_rank(config, metadata)}"
+        )
+        self._salts: dict[tuple[Any, ...], bytes] = {}
+        self._counters: Counter[str] = Counter()
+        self._counters_lock = threading.Lock()
+        # Puts: keys being written, each holding this plugin's reference on its MemoryObj.
+        self._put_lock = threading.Condition()
+        self._in_flight: dict[CacheEngineKey, MemoryObj] = {}
+        self._completions: queue.Queue[_PutBatch | None] = queue.Queue()
+        self._completer = threading.Thread(
+            target=self._complete_puts, name="ucm-lmcache-puts", daemon=True
+        )
+        self._completer.start()
+        # Pins: LMCache's lookup pins (and explicit pin()), counted per key.
+        self._pin_lock = threading.Lock()
+        self._pins: Counter[CacheEngineKey] = Counter()
+        self._lookup_pins: dict[str, list[CacheEngineKey]] = {}
+        # Async lookups and prefetches run here, off LMCache's event loop.
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ucm-lmcache")
+        self._closed = False
+        self._warned: set[str] = set()
+
+    def __str__(self) -> str:
+        return CLASS_NAME
+
+    # ---- keys ---------------------------------------------------------------------------------
+
+    def ucm_key(self, key: CacheEngineKey) -> UcmKey:
+        """The (block id, shard index) that holds ``key``'s chunk of KV for its worker."""
+        shards = self.layout.geometry.shards_per_block
+        if int(key.world_size) != shards:
+            raise InvalidArgumentError(
+                f"key {key.to_string()}: world size {key.world_size}, but this LMCache worker "
+                f"stores {shards} worker shard(s) per chunk (its metadata's world size, or 1 "
+                "with MLA's save_only_first_rank)"
+            )
+        shard = int(key.worker_id) if shards > 1 else 0
+        if not 0 <= shard < shards:
+            raise InvalidArgumentError(
+                f"key {key.to_string()}: worker id {key.worker_id} is not in [0, {shards})"
+            )
+        return named_block_id(self._salt(key), int(key.chunk_hash)), shard
+
+    def _salt(self, key: CacheEngineKey) -> bytes:
+        tags = tuple(key.tags) if key.tags else ()
+        cache_key = (key.model_name, int(key.world_size), str(key.dtype), tags)
+        salt = self._salts.get(cache_key)
+        if salt is None:
+            space = KeySpace(
+                engine="lmcache",
+                model=str(key.model_name),
+                dtype=str(key.dtype),
+                block_tokens=self.chunk_tokens,
+                kv_layout=self._space,
+                tp_size=int(key.world_size),
+            )
+            cache_salt = json.dumps([list(map(str, tag)) for tag in tags]) if tags else None
+            salt = space.salt(cache_salt)
+            self._salts[cache_key] = salt
+        return salt
+
+    # ---- lookups ------------------------------------------------------------------------------
+
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        return self._prefix([key], pin, None) == 1
+
+    def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        """How many of ``keys``, from the first, UCM holds (LMCache's prefix match)."""
+        return self._prefix(list(keys), pin, None)
+
+    async def batched_async_contains(
+        self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
+    ) -> int:
+        """``batched_contains`` off LMCache's event loop; pins taken here for ``lookup_id`` are
+        released when ``batched_get_non_blocking`` for that lookup has loaded the keys."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._prefix, list(keys), pin, lookup_id)
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        with self._put_lock:
+            return key in self._in_flight
+
+    def _prefix(self, keys: list[CacheEngineKey], pin: bool, lookup_id: str | None) -> int:
+        if not keys:
+            return 0
+        blocks = [self.ucm_key(key)[0] for key in keys]
+        hits = self.store.lookup_on_prefix(blocks) + 1
+        self._count("lookups")
+        self._count("lookup_keys", len(keys))
+        self._count("lookup_hits", hits)
+        if pin and hits:
+            with self._pin_lock:
+                self._pins.update(keys[:hits])
+                if lookup_id is not None:
+                    self._lookup_pins.setdefault(lookup_id, []).extend(keys[:hits])
+        return hits
+
+    # ---- pins ---------------------------------------------------------------------------------
+
+    def pin(self, key: CacheEngineKey) -> bool:
+        """Keeps ``key`` from ``remove``/``batched_remove`` without ``force``; False if absent."""
+        return self._prefix([key], True, None) == 1
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        """Releases one pin of ``key``; False if it had none."""
+        with self._pin_lock:
+            count = self._pins.get(key, 0)
+            if count <= 0:
+                return False
+            if count == 1:
+                del self._pins[key]
+            else:
+                self._pins[key] = count - 1
+            return True
+
+    def pinned(self, key: CacheEngineKey) -> int:
+        """How many pins ``key`` holds (0 when none)."""
+        with self._pin_lock:
+            return self._pins.get(key, 0)
+
+    # ---- puts ---------------------------------------------------------------------------------
+
+    def batched_submit_put_task(
+        self,
+        keys: Sequence[CacheEngineKey],
+        objs: list[MemoryObj],
+        transfer_spec: Any = None,
+        on_complete_callback: Any = None,
+    ) -> list[Future[bool]] | None:
+        """Starts writing the chunks to UCM; returns one future per chunk written (True once it
+        is stored, False if UCM failed it), or None when there was nothing to write.
+
+        Each object written gets a reference of its own here (ref_count_up), dropped when the
+        write is done: LMCache's batched_put drops its reference as soon as this returns."""
+        self._check_worker("put")
+        if len(keys) != len(objs):
+            raise InvalidArgumentError(
+                f"keys has {len(keys)} entries but objs has {len(objs)}: one object per key"
+            )
+        puts: list[_Put] = []
+        with self._put_lock:
+            for key, obj in zip(keys, objs, strict=True):
+                if key in self._in_flight:
+                    continue  # already being written
+                if not self._writable(obj):
+                    continue
+                ucm_key = self.ucm_key(key)
+                obj.ref_count_up()
+                self._in_flight[key] = obj
+                puts.append(_Put(key, ucm_key, obj, Future()))
+        if not puts:
+            return None
+        try:
+            present = self.store.lookup([put.ucm_key[0] for put in puts])
+            already = [put for put, hit in zip(puts, present, strict=True) if hit]
+            puts = [put for put, hit in zip(puts, present, strict=True) if not hit]
+            self._release(already, stored=None)
+            self._count("put_chunks_present", len(already))
+            if not puts:
+                return None
+            task = self.store.dump_data(
+                [put.ucm_key[0] for put in puts],
+                [put.ucm_key[1] for put in puts],
+                [self._pointers(put.obj) for put in puts],
+            )
+        except Exception:
+            self._release(puts, stored=False)
+            logger.exception("UCM could not start writing %d LMCache chunk(s)", len(puts))
+            return None
+        self._count("put_chunks_submitted", len(puts))
+        self._completions.put(_PutBatch(task=task, puts=puts, on_complete=on_complete_callback))
+        return [put.future for put in puts]
+
+    def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
+        """Blocks until every put submitted so far is written, to the stack's top tier and to
+        every ``write: through`` tier below it; False if ``timeout_s`` ran out first."""
+        deadline = time.monotonic() + timeout_s
+        with self._put_lock:
+            while self._in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._put_lock.wait(timeout=min(left, 1.0))
+        if not self.is_scheduler:
+            self.store.drain()
+        return True
+
+    def _writable(self, obj: MemoryObj) -> bool:
+        """Only full chunks in host memory fit a shard; anything else stays in LMCache's other
+        backends (a partial chunk exists only with save_unfull_chunk)."""
+        tensor = obj.raw_tensor
+        if tensor is None or tensor.device.type != "cpu":
+            self._skip("put_skipped_not_host", "a MemoryObj that is not in host memory")
+            return False
+        if int(obj.get_size()) != self.layout.shard_size:
+            self._skip(
+                "put_skipped_partial_chunks",
+                f"a MemoryObj of {obj.get_size()} bytes (a full chunk is "
+                f"{self.layout.shard_size}: {self.layout.describe()})",
+            )
+            return False
+        return True
+
+    def _pointers(self, obj: MemoryObj) -> list[int]:
+        address = int(obj.data_ptr)
+        pointers = []
+        for size in self.layout.geometry.tensor_sizes:
+            pointers.append(address)
+            address += size
+        return pointers
+
+    def _complete_puts(self) -> None:
+        while True:
+            batch = self._completions.get()
+            if batch is None:
+                return
+            failed: dict[UcmKey, Any] = {}
+            try:
+                self.store.wait(batch.task)
+            except TaskError as exc:
+                failed = dict(exc.failures)
+            except Exception as exc:
+                failed = {put.ucm_key: exc for put in batch.puts}
+            if failed:
+                cause = next(iter(failed.values()))
+                logger.warning(
+                    "UCM failed to store %d of %d LMCache chunk(s) (they stay in LMCache's "
+                    "other backends only), e.g. %s",
+                    len(failed),
+                    len(batch.puts),
+                    cause,
+                )
+            stored = [put for put in batch.puts if put.ucm_key not in failed]
+            self._count("put_chunks_stored", len(stored))
+            self._count("put_chunks_failed", len(failed))
+            if batch.on_complete is not None:  # before the release: flush() implies them
+                for put in stored:
+                    try:
+                        batch.on_complete(put.key)
+                    except Exception:
+                        logger.exception("on_complete_callback failed for %s", put.key)
+            self._release([put for put in batch.puts if put.ucm_key in failed], stored=False)
+            self._release(stored, stored=True)
+
+    def _release(self, puts: Sequence[_Put], stored: bool | None) -> None:
+        """Drops this plugin's reference on each object and forgets the put."""
+        for put in puts:
+            put.obj.ref_count_down()
+        with self._put_lock:
+            for put in puts:
+                self._in_flight.pop(put.key, None)
+            self._put_lock.notify_all()
+        for put in puts:
+            put.future.set_result(bool(stored))
+
+    # ---- gets ---------------------------------------------------------------------------------
+
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        return self._load([key], busy_loop=True)[0]
+
+    def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        """One UCM load task for all keys; None where UCM misses (or memory ran out)."""
+        return self._load(list(keys), busy_loop=True)
+
+    async def batched_get_non_blocking(
+        self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
+    ) -> list[MemoryObj]:
+        """Prefetch (LMCache's async loading): the loaded prefix of ``keys``."""
+        loop = asyncio.get_running_loop()
+        objs = await loop.run_in_executor(self._executor, self._load, list(keys), False)
+        self._release_lookup_pins(lookup_id, keys)
+        loaded: list[MemoryObj] = []
+        for obj in objs:
+            if obj is None:
+                break
+            loaded.append(obj)
+        for obj in objs[len(loaded) :]:
+            if obj is not None:
+                obj.ref_count_down()  # past a hole: LMCache uses prefixes only
+        return loaded
+
+    def _load(self, keys: list[CacheEngineKey], busy_loop: bool) -> list[MemoryObj | None]:
+        self._check_worker("get")
+        allocator = self.local_cpu_backend
+        assert allocator is not None
+        results: list[MemoryObj | None] = [None] * len(keys)
+        first: dict[UcmKey, int] = {}
+        duplicates: list[tuple[int, int]] = []
+        chosen: list[int] = []
+        chosen_keys: list[UcmKey] = []
+        chosen_objs: list[MemoryObj] = []
+        for index, key in enumerate(keys):
+            ucm_key = self.ucm_key(key)
+            if ucm_key in first:
+                duplicates.append((index, first[ucm_key]))
+                continue
+            obj = allocator.allocate(
+                list(self.layout.shapes),
+                list(self.layout.dtypes),
+                fmt=self.layout.fmt,
+                busy_loop=busy_loop,
+            )
+            if obj is None:
+                logger.warning(
+                    "LMCache's local CPU memory is full: %d of %d chunk(s) not retrieved from UCM",
+                    len(keys) - index,
+                    len(keys),
+                )
+                break
+            first[ucm_key] = index
+            results[index] = obj
+            chosen.append(index)
+            chosen_keys.append(ucm_key)
+            chosen_objs.append(obj)
+        failed: dict[UcmKey, Any] = {}
+        if chosen:
+            self._count("loads")
+            pointers = [self._pointers(obj) for obj in chosen_objs]
+            try:
+                self.store.wait(
+                    self.store.load_data(
+                        [k[0] for k in chosen_keys], [k[1] for k in chosen_keys], pointers
+                    )
+                )
+            except TaskError as exc:
+                failed = dict(exc.failures)
+            for index, ucm_key, obj in zip(chosen, chosen_keys, chosen_objs, strict=True):
+                if ucm_key in failed:
+                    obj.ref_count_down()  # frees the allocation
+                    results[index] = None
+        for index, source in duplicates:  # the same chunk twice: one object, two references
+            original = results[source]
+            if original is not None:
+                original.ref_count_up()
+                results[index] = original
+        hits = sum(1 for obj in results if obj is not None)
+        self._count("get_hits", hits)
+        self._count("get_misses", len(keys) - hits)
+        # A failure other than a miss (a corrupt or unreadable shard) is a miss to LMCache too.
+        self._count(
+            "get_errors", sum(1 for c in failed.values() if not isinstance(c, KeyMissingError))
+        )
+        return results
+
+    def _release_lookup_pins(self, lookup_id: str, keys: Sequence[CacheEngineKey]) -> None:
+        with self._pin_lock:
+            pinned = self._lookup_pins.pop(lookup_id, None)
+        if not pinned:
+            return
+        # Keys this lookup pinned but did not fetch (a tail LMCache rounded off) are unpinned
+        # by LMCache itself.
+        wanted = set(keys)
+        for key in pinned:
+            if key in wanted:
+                self.unpin(key)
+
+    # ---- removal ------------------------------------------------------------------------------
+
+    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        return self.batched_remove([key], force=force) == 1
+
+    def batched_remove(self, keys: list[CacheEngineKey], force: bool = True) -> int:
+        """Removes the keys' chunks (every worker's shard of each) from every UCM tier,
+        REMOVE_CHUNK_KEYS keys per lock acquisition (seed 003); pinned keys are kept unless
+        ``force`` (which drops their pins). Returns how many of the chunks UCM held (every
+        worker's shard present) are gone."""
+        unique = list(dict.fromkeys(keys))
+        removed = 0
+        for start in range(0, len(unique), REMOVE_CHUNK_KEYS):
+            part = unique[start : start + REMOVE_CHUNK_KEYS]
+            with self._pin_lock:
+                self._count("remove_lock_acquisitions")
+                if force:
+                    for key in part:
+                        self._pins.pop(key, None)
+                    chosen = part
+                else:
+                    chosen = [key for key in part if self._pins.get(key, 0) <= 0]
+                    self._count("remove_kept_pinned", len(part) - len(chosen))
+                if not chosen:
+                    continue
+                blocks = list(dict.fromkeys(self.ucm_key(key)[0] for key in chosen))
+                if self.layout.geometry.shards_per_block == 1:
+                    # One shard per chunk: the store's count of shards removed is the count.
+                    removed += self.store.remove(blocks, force=force)
+                    continue
+                # A chunk of several workers' shards counts when it was complete and is gone.
+                before = self.store.lookup(blocks)
+                self.store.remove(blocks, force=force)
+                after = self.store.lookup(blocks)
+                gone = {
+                    block
+                    for block, was, still in zip(blocks, before, after, strict=True)
+                    if was and not still
+                }
+                removed += sum(1 for key in chosen if self.ucm_key(key)[0] in gone)
+        self._count("removed_chunks", removed)
+        return removed
+
+    # ---- the rest of the interface ------------------------------------------------------------
+
+    def get_allocator_backend(self) -> LocalCPUBackend:
+        if self.local_cpu_backend is None:
+            raise RoleError(
+                f"{CLASS_NAME} on LMCache's scheduler has no allocator backend: the scheduler "
+                "only answers lookups"
+            )
+        return self.local_cpu_backend
+
+    def stats(self) -> dict[str, Any]:
+        """This plugin's counters (``lmcache``) beside the store's (``ucm``)."""
+        with self._counters_lock:
+            counters = dict(self._counters)
+        with self._put_lock:
+            counters["puts_in_flight"] = len(self._in_flight)
+        with self._pin_lock:
+            counters["pinned_keys"] = len(self._pins)
+        return {"lmcache": counters, "ucm": self.store.stats()}
+
+    def close(self) -> None:
+        """Finishes the puts in flight, then closes the store (which finishes its own
+        write-through work: nothing acknowledged is lost on a clean close)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.flush():
+            with self._put_lock:
+                left = len(self._in_flight)
+            logger.error("UCM: %d LMCache chunk(s) still being written at close", left)
+        self._completions.put(None)
+        self._completer.join(timeout=FLUSH_TIMEOUT_S)
+        self._executor.shutdown(wait=True)
+        self.store.close()
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _check_worker(self, what: str) -> None:
+        if self.is_scheduler:
+            raise RoleError(
+                f"{what} is not allowed on LMCache's scheduler ({CLASS_NAME} opened UCM with the "
+                "scheduler role: lookups only)"
+            )
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        if amount:
+            with self._counters_lock:
+                self._counters[name] += amount
+
+    def _skip(self, counter: str, what: str) -> None:
+        self._count(counter)
+        if counter not in self._warned:
+            self._warned.add(counter)
+            logger.warning(
+                "%s does not store %s; such chunks stay in LMCache's other backends (logged once)",
+                CLASS_NAME,
+                what,
+            )
+
+
+__all__ = [
+    "CLASS_NAME",
+    "MODULE_PATH",
+    "ChunkLayout",
+    "UcmStorageBackend",
+    "chunk_layout",
+    "plugin_name",
+    "save_only_first_rank",
+]
