@@ -379,8 +379,12 @@ def test_a_stopped_s3_endpoint_means_recompute_not_a_hang(
     unreadable = run.result("s3_unreadable")
     assert unreadable["tokens"][0] == expected and unreadable["seconds"] < 60
     metrics = run.result("s3_metrics")["metrics"]
-    assert metrics["vllm:ucm_load_failed_blocks"] == 3
-    assert metrics["vllm:ucm_loaded_blocks"] == 6  # s3_p1_again and s3_back
+    # Every planned block was loaded or failed (and then recomputed): 3 per hit, 3 hits; all 3
+    # of the unreadable step failed. (A read right after the restart may fail too, on a
+    # connection to the stopped server: it is recomputed like any other.)
+    assert metrics["vllm:ucm_hit_blocks"] == 9
+    assert metrics["vllm:ucm_loaded_blocks"] + metrics["vllm:ucm_load_failed_blocks"] == 9
+    assert metrics["vllm:ucm_load_failed_blocks"] >= 3
 
 
 def test_two_models_on_one_stack_never_serve_each_other(second: dict[str, Any]) -> None:
