@@ -4,7 +4,8 @@ The server runs in a thread of the calling process and speaks the S3 protocol ov
 tiers in any process (spawned rank processes included) reach it through s3fs exactly as they
 would reach a remote object store. It counts the requests it serves (by HTTP method, and GETs of
 object keys separately) so a test can prove that a load did *not* touch S3, and it can add a
-fixed latency to requests of chosen methods to make write-through work observably slow::
+fixed latency to requests of chosen methods to make write-through work observably slow, or
+answer them with an HTTP error (:meth:`S3Server.set_failure`)::
 
     with S3Server() as s3:
         url = s3.url("my-prefix")              # s3://ucm-test/my-prefix
@@ -57,6 +58,7 @@ class S3Server:
         self._lock = threading.Lock()
         self._requests: Counter[str] = Counter()
         self._delays: dict[str, float] = {}
+        self._failures: dict[str, int] = {}
         self._server: Any = None
         self._thread: threading.Thread | None = None
 
@@ -95,19 +97,45 @@ class S3Server:
             else:
                 self._delays.pop(method.upper(), None)
 
+    def set_failure(self, kind: str, status: int) -> None:
+        """Every later request of ``kind`` (an HTTP method, or ``GET object`` for reads of
+        object data) is answered with HTTP ``status`` and an S3 error body instead of being
+        served (0 serves them again): an object store that lists but cannot read."""
+        if status and not 400 <= status <= 599:
+            raise ValueError(f"status must be an HTTP error status (400-599) or 0, got {status!r}")
+        with self._lock:
+            if status:
+                self._failures[kind if kind == "GET object" else kind.upper()] = status
+            else:
+                self._failures.pop(kind if kind == "GET object" else kind.upper(), None)
+
     def _app(self, inner: WsgiApp) -> WsgiApp:
         def app(environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
             method = str(environ.get("REQUEST_METHOD", "")).upper()
             # Path-style addressing: /<bucket>/<key...>; a GET with a key reads an object.
             parts = str(environ.get("PATH_INFO", "")).strip("/").split("/", 1)
+            reads_object = method == "GET" and len(parts) == 2 and bool(parts[1])
             with self._lock:
                 self._requests[method] += 1
                 self._requests["total"] += 1
-                if method == "GET" and len(parts) == 2 and parts[1]:
+                if reads_object:
                     self._requests["GET object"] += 1
                 delay = self._delays.get(method, 0.0)
+                failure = self._failures.get(method, 0) or (
+                    self._failures.get("GET object", 0) if reads_object else 0
+                )
             if delay:
                 time.sleep(delay)
+            if failure:
+                body = (
+                    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>ServiceUnavailable'
+                    b"</Code><Message>failure injected by the test server</Message></Error>"
+                )
+                start_response(
+                    f"{failure} Injected Failure",
+                    [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
+                )
+                return [body]
             return inner(environ, start_response)
 
         return app
