@@ -25,6 +25,12 @@ the UCM engine (prefix caching off in both).
 ``--quick``: a tiny model and prompt, one UCM engine whose engine core and worker share the
 driver's process (recompute vs CacheBuffer hit): it proves the machinery runs; its ratios say
 nothing about the targets.
+
+Every engine's worker computes on the same OpenMP threads: the run pins
+``VLLM_CPU_OMP_THREADS_BIND`` to the CPUs this process may use (unless the caller set it).
+Left to itself, vLLM reserves one more CPU for the scheduler when any KV connector is
+configured, and on 2 CPUs that gives an engine without a connector one thread and an engine
+with one two: the recompute and prefix-cache baselines would then compute at half speed.
 """
 
 from __future__ import annotations
@@ -81,6 +87,15 @@ def _kv_bytes_per_token(model: dict[str, int]) -> int:
 def _prompt(seed: int, length: int, vocab: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def _omp_bind() -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for one TP=1 worker: the caller's, or every CPU this
+    process may run on (the same threads for every engine, connector or not)."""
+    given = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if given:
+        return given
+    return ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0)))
 
 
 def _ttft_steps(prefix: str, prompts: list[list[int]], first: bool, again: int) -> list[Any]:
@@ -171,7 +186,10 @@ class VllmTtftBenchmark:
         }
         max_len = 4096
         ucm = engine_args(model, stack=stack, max_model_len=max_len)
-        env = {"VLLM_CPU_KVCACHE_SPACE": "1" if options.quick else "2"}
+        env = {
+            "VLLM_CPU_KVCACHE_SPACE": "1" if options.quick else "2",
+            "VLLM_CPU_OMP_THREADS_BIND": _omp_bind(),
+        }
         if options.quick:
             # One process for the engine core and the worker: `import vllm` alone costs 8-15 s
             # here, and a multiprocess engine imports it three times.
@@ -187,6 +205,8 @@ class VllmTtftBenchmark:
             "medians (p25-p75 in the JSON extras)",
             "each engine is its own processes (quick: one process) and the machine is shared: "
             "compare ratios",
+            f"every engine's worker computes on the same OpenMP threads "
+            f"(VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']})",
         ]
         ucm_steps = [*_ttft_steps("ucm", prompts, True, again), {"op": "metrics", "label": "m"}]
         if options.quick:
