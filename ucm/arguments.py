@@ -52,12 +52,12 @@ def check_block_ids(block_ids: Any, name: str = "block_ids") -> list[bytes]:
 class TaskKeys:
     """A task's keys, packed for the native queue: ``ids`` (the 16-byte block ids back to back)
     and ``shards`` (``array('I')``); the ``(block id, shard index)`` list is built on first use
-    (a task that succeeds needs none)."""
+    (a task that succeeds needs none), from ``ids``: a copy made at submit, so a caller that
+    reuses its list (or its ``bytearray`` ids) after ``load``/``dump`` changes nothing."""
 
-    __slots__ = ("_keys", "blocks", "ids", "shards")
+    __slots__ = ("_keys", "ids", "shards")
 
-    def __init__(self, blocks: Sequence[bytes], ids: bytes, shards: array[int]) -> None:
-        self.blocks = blocks
+    def __init__(self, ids: bytes, shards: array[int]) -> None:
         self.ids = ids
         self.shards = shards
         self._keys: list[Key] | None = None
@@ -68,15 +68,15 @@ class TaskKeys:
     @property
     def keys(self) -> list[Key]:
         if self._keys is None:
+            ids = self.ids
             self._keys = [
-                (block if type(block) is bytes else bytes(block), shard)
-                for block, shard in zip(self.blocks, self.shards, strict=True)
+                (ids[i * BLOCK_ID_BYTES : (i + 1) * BLOCK_ID_BYTES], shard)
+                for i, shard in enumerate(self.shards)
             ]
         return self._keys
 
     def slice(self, start: int, end: int) -> TaskKeys:
         part = TaskKeys(
-            self.blocks[start:end],
             self.ids[start * BLOCK_ID_BYTES : end * BLOCK_ID_BYTES],
             self.shards[start:end],
         )
@@ -86,8 +86,7 @@ class TaskKeys:
 
     @classmethod
     def of(cls, keys: Sequence[Key]) -> TaskKeys:
-        blocks = [key[0] for key in keys]
-        packed = cls(blocks, b"".join(blocks), array("I", [key[1] for key in keys]))
+        packed = cls(b"".join(key[0] for key in keys), array("I", [key[1] for key in keys]))
         packed._keys = list(keys)
         return packed
 
@@ -131,7 +130,7 @@ def _fast_task_keys(block_ids: Any, shard_index: Any, layout: Layout) -> TaskKey
             unique = len(set(zip(block_ids, shard_index, strict=True))) == count
     except (TypeError, OverflowError, ValueError):
         return None
-    return TaskKeys(block_ids, ids, shards) if unique else None
+    return TaskKeys(ids, shards) if unique else None
 
 
 def check_shard_indexes(shard_index: Any, count: int, layout: Layout) -> list[int]:
@@ -426,7 +425,9 @@ def _fast_pointers(pointers: Any, count: int, layout: Layout) -> ShardMemory | N
         # Packed: every address of the task, key-major, in one array('Q') (the fastest form).
         if pointers.typecode != "Q" or len(pointers) != count * len(sizes):
             return None
-        flat = pointers
+        # A copy: native threads read these addresses after load()/dump() returns, and the
+        # caller may reuse or resize its array by then.
+        flat = array("Q", pointers)
         if count and min(flat) < ADDRESS_MIN:
             return None
         memory = ShardMemory(sizes)

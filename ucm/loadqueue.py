@@ -119,6 +119,10 @@ _ERRORS: dict[int, Callable[[], BaseException]] = {
     ),
     EntryResult.MISSING: lambda: KeyMissingError("not in the buffer"),
     EntryResult.CALLER_FAILED: lambda: TierError("the load from the tiers below failed"),
+    EntryResult.BACKLOG: lambda: TierError(
+        "the native queue's work ring stayed full, so the loaded shard could not be handed on "
+        "to be copied to its CUDA destination; load it again"
+    ),
 }
 
 
@@ -280,8 +284,10 @@ class BufferPath:
         except BaseException:
             with self._lock:
                 self._jobs.pop(job.tag, None)
-                if self._order and self._order[-1] is job:
-                    self._order.pop()
+                # Not only the last: another thread may have queued its job since, and a job
+                # that never started left in the order would stop every later one's reaping.
+                if job in self._order:
+                    self._order.remove(job)
             raise
         return job
 
@@ -422,6 +428,8 @@ class BufferPath:
                 f"ucm: load tasks still running after {self._settings.queue_timeout_s} s at "
                 "close; leaving the native queue running\n"
             )
+            # Its loaders were not stopped and its tasks may still complete: never free it.
+            self.queue.abandon()
             return False
         self.queue.stop()
         for loader in self._loaders:

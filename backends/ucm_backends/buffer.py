@@ -539,7 +539,9 @@ class BufferTier(Tier):
         self._stop_flusher()  # flush() was not called (a failed open, a test)
         queue = self._queue
         if queue is not None and not queue.destroyed:
-            if not queue.drain(self.cfg.queue_timeout_s):
+            # Abandoned: the load path's close gave up on running tasks and left its loaders
+            # in the queue; freeing it (or unmapping) under them would be a use after free.
+            if queue.abandoned or not queue.drain(self.cfg.queue_timeout_s):
                 return
             queue.destroy()
         self.region.close()

@@ -156,21 +156,58 @@ pub const Populater = struct {
     }
 };
 
-/// MADV_POPULATE_WRITE over a page-aligned range; on kernels before 5.14 (EINVAL) a store per
+/// MADV_POPULATE_WRITE over a page-aligned range; on kernels before 5.14 (EINVAL) a write per
 /// page instead (which can only report a shortage as SIGBUS: those kernels have no better way).
+/// That write is a compare-and-swap of a byte with itself (`touch_pages`).
 pub fn populate_range(address: usize, bytes: usize) linux.E {
     assert(address % constants.seg_page_bytes == 0);
     assert(bytes % constants.seg_page_bytes == 0);
     const rc = linux.madvise(@ptrFromInt(address), bytes, madvise_populate_write);
     const err = sys.errno(rc);
     if (err != .INVAL) return err;
+    touch_pages(address, bytes);
+    return .SUCCESS;
+}
+
+/// Write-faults every page of a range without changing a byte. Population runs after the
+/// segment is published, while other ranks write slots, so a plain load-then-store could put
+/// back a byte one of them had just written. A compare-and-swap of the byte with itself is a
+/// locked write that stores nothing new: if another rank wrote in between, it fails and that
+/// rank's write has faulted the page already. (An atomic add of zero could be lowered to a
+/// plain load, which would not fault the page for writing.) Monotonic: it orders nothing.
+pub fn touch_pages(address: usize, bytes: usize) void {
+    assert(address % constants.seg_page_bytes == 0);
+    assert(bytes % constants.seg_page_bytes == 0);
     const page_count = bytes / constants.seg_page_bytes;
     var page: usize = 0;
     while (page < page_count) : (page += 1) {
-        const byte: *volatile u8 = @ptrFromInt(address + page * constants.seg_page_bytes);
-        byte.* = byte.*;
+        const byte: *u8 = @ptrFromInt(address + page * constants.seg_page_bytes);
+        const value = @atomicLoad(u8, byte, .monotonic);
+        _ = @cmpxchgStrong(u8, byte, value, value, .monotonic, .monotonic);
     }
-    return .SUCCESS;
+}
+
+test "touch_pages (the fallback before MADV_POPULATE_WRITE) allocates every page, changes no byte" {
+    const page_count = 8;
+    const bytes = page_count * constants.seg_page_bytes;
+    const fd_rc = linux.memfd_create("ucm-touch-test", linux.MFD.CLOEXEC);
+    try std.testing.expectEqual(linux.E.SUCCESS, sys.errno(fd_rc));
+    const fd: i32 = @intCast(fd_rc);
+    defer sys.close_fd(fd);
+    try std.testing.expectEqual(linux.E.SUCCESS, sys.errno(linux.ftruncate(fd, @intCast(bytes))));
+    const map_rc = linux.mmap(null, bytes, linux.PROT.READ | linux.PROT.WRITE, .{ .TYPE = .SHARED }, fd, 0);
+    try std.testing.expectEqual(linux.E.SUCCESS, sys.errno(map_rc));
+    defer _ = linux.munmap(@ptrFromInt(map_rc), bytes);
+    const memory: [*]u8 = @ptrFromInt(map_rc);
+    memory[3 * constants.seg_page_bytes] = 0xa5; // one page already written by "another rank"
+    touch_pages(map_rc, bytes);
+    var st: linux.Stat = undefined;
+    try std.testing.expectEqual(linux.E.SUCCESS, sys.errno(linux.fstat(fd, &st)));
+    try std.testing.expectEqual(@as(i64, @intCast(bytes / 512)), st.blocks);
+    for (0..bytes) |i| {
+        const expected: u8 = if (i == 3 * constants.seg_page_bytes) 0xa5 else 0;
+        try std.testing.expectEqual(expected, memory[i]);
+    }
 }
 
 test "populater threads fault every chunk in and report progress; ensure is exact" {

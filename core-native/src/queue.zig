@@ -126,6 +126,9 @@ pub const EntryResult = enum(u8) {
     no_memory = 6,
     /// `task_flag_no_fill`: not Ready in the buffer.
     missing = 7,
+    /// A loader could not hand a caller copy on: the work ring stayed full (its consumers are
+    /// the loaders themselves, so a loader never waits on it for long).
+    backlog = 8,
     /// Transient: a loader's report of the entry is being applied.
     reported = 254,
     pending = 255,
@@ -287,6 +290,29 @@ fn Ring(comptime Item: type) type {
             ring.items[(ring.head + ring.count) % ring.items.len] = item;
             ring.count += 1;
             ring.not_empty.signal();
+        }
+
+        /// `push` for the ring's own consumers (a loader handing on work): waits at most
+        /// `timeout_ns` for room, since every consumer may be waiting here at once. False when
+        /// the ring stayed full; a stopped ring drops the item (true), like `push`.
+        fn try_push(ring: *Self, item: Item, timeout_ns: u64) bool {
+            ring.mutex.lock();
+            defer ring.mutex.unlock();
+            const deadline_ns = futex.monotonic_ns() +| timeout_ns;
+            var rounds: u64 = 0;
+            while (ring.count == ring.items.len) : (rounds += 1) {
+                assert(rounds < std.math.maxInt(u32));
+                if (ring.stopped) return true;
+                const now_ns = futex.monotonic_ns();
+                if (now_ns >= deadline_ns) return false;
+                const slice_ns = @min(deadline_ns - now_ns, constants.queue_ring_wait_slice_ns);
+                ring.not_full.timedWait(&ring.mutex, slice_ns) catch {};
+            }
+            if (ring.stopped) return true;
+            ring.items[(ring.head + ring.count) % ring.items.len] = item;
+            ring.count += 1;
+            ring.not_empty.signal();
+            return true;
         }
 
         fn stop(ring: *Self) void {
@@ -1129,7 +1155,7 @@ pub const Queue = struct {
             for (entries[piece_start..piece_end], results[piece_start..piece_end], slots[piece_start..piece_end]) |entry, result, slot| {
                 if (result != .hit) continue;
                 hits += 1;
-                queue.entry_ready(task_index, entry, slot);
+                queue.entry_ready(task_index, entry, slot, false);
             }
             piece_start = piece_end;
         }
@@ -1205,8 +1231,9 @@ pub const Queue = struct {
     }
 
     /// A Ready slot this entry holds: copied by the copy threads, by the caller (caller copy),
-    /// or, for a prefetch, simply released.
-    fn entry_ready(queue: *Queue, task_index: u32, entry: u32, slot: u32) void {
+    /// or, for a prefetch, simply released. `from_loader`: called by a loader's report, which
+    /// must not block on the work ring it drains itself.
+    fn entry_ready(queue: *Queue, task_index: u32, entry: u32, slot: u32, from_loader: bool) void {
         const task = &queue.tasks[task_index];
         if (task.kind == .prefetch) {
             queue.release_one(slot);
@@ -1215,7 +1242,13 @@ pub const Queue = struct {
         }
         if (task.entry_flags) |flags| {
             if (flags[entry] & entry_flag_caller_copy != 0) {
-                queue.push_work(.{ .task = task_index, .entry = entry, .slot = slot, .step = 0, .kind = .copy_out, .batch_end = true });
+                const item: WorkItem = .{ .task = task_index, .entry = entry, .slot = slot, .step = 0, .kind = .copy_out, .batch_end = true };
+                if (!from_loader) {
+                    queue.push_work(item);
+                } else if (!queue.try_push_work(item, constants.queue_ring_wait_slice_ns)) {
+                    queue.release_one(slot);
+                    queue.finish_entry(task_index, entry, .backlog);
+                }
                 return;
             }
         }
@@ -1255,7 +1288,7 @@ pub const Queue = struct {
             switch (out[0]) {
                 .ready => {
                     queue.set_ready(slot);
-                    queue.entry_ready(task_index, entry, slot);
+                    queue.entry_ready(task_index, entry, slot, false);
                     return true;
                 },
                 .failed, .missing => {
@@ -1313,6 +1346,14 @@ pub const Queue = struct {
         assert(queue.tasks[item.task].live);
         queue.count(.work_items, 1);
         queue.work.push(stamped);
+    }
+
+    fn try_push_work(queue: *Queue, item: WorkItem, timeout_ns: u64) bool {
+        var stamped = item;
+        stamped.generation = queue.tasks[item.task].generation;
+        assert(queue.tasks[item.task].live);
+        queue.count(.work_items, 1);
+        return queue.work.try_push(stamped, timeout_ns);
     }
 
     fn push_copy(queue: *Queue, item: CopyItem) void {
@@ -1576,7 +1617,7 @@ pub const Queue = struct {
                     // The report is applied; the entry goes on (a copy, or a caller copy
                     // whose own report claims it again).
                     @atomicStore(u8, &task.results[entry], @intFromEnum(EntryResult.pending), .monotonic);
-                    queue.entry_ready(task_index, entry, report.slot);
+                    queue.entry_ready(task_index, entry, report.slot, true);
                     return;
                 }
                 queue.release_one(report.slot);
@@ -1594,3 +1635,23 @@ pub const Queue = struct {
         }
     }
 };
+
+test "Ring.try_push: waits at most its timeout on a full ring; a stopped ring drops the item" {
+    var items: [2]u32 = undefined;
+    var ring: Ring(u32) = .{ .items = &items };
+    ring.push(1);
+    ring.push(2);
+    try std.testing.expect(!ring.try_push(3, std.time.ns_per_ms));
+    try std.testing.expectEqual(@as(usize, 2), ring.count);
+    ring.mutex.lock();
+    try std.testing.expectEqual(@as(u32, 1), ring.pop_locked());
+    ring.mutex.unlock();
+    try std.testing.expect(ring.try_push(3, std.time.ns_per_ms));
+    ring.mutex.lock();
+    try std.testing.expectEqual(@as(u32, 2), ring.pop_locked());
+    try std.testing.expectEqual(@as(u32, 3), ring.pop_locked());
+    ring.mutex.unlock();
+    ring.stop();
+    try std.testing.expect(ring.try_push(4, std.time.ns_per_ms));
+    try std.testing.expectEqual(@as(usize, 0), ring.count);
+}

@@ -295,3 +295,81 @@ def test_raw_addresses_as_lists_or_one_packed_array_and_bad_ones_named(
         with pytest.raises(InvalidArgumentError, match=r"block_ids\[1\] must be exactly 16 bytes"):
             store.load_data([blocks[0], b"short", blocks[2]], 1, addresses)
         assert held(store) == 0
+
+
+def test_threads_submitting_at_once_each_complete_their_own_task(
+    test_tiers: None, unique_id: str
+) -> None:
+    """Each submit gets its own token: ctypes drops the GIL during the native call, so tasks
+    submitted by several threads at once must never end up watching one another's task (a
+    shared out-parameter gave two jobs one token). Tokens carry a generation: every task of
+    the run has a distinct one."""
+    import sys
+    import threading
+
+    threads_n, rounds, per_task = 4, 150, 2
+    everything = [block(1000 + i) for i in range(threads_n * per_task)]
+    CONTENTS["low"] = {(b, 0): payload(b, 0, SHARD) for b in everything}
+    errors: list[str] = []
+    tokens: list[int] = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # as many thread switches around the native calls as possible
+    try:
+        with ucm.open(stack(unique_id, {"type": "recording", "space": "low"})) as store:
+            start = threading.Barrier(threads_n)
+
+            def worker(index: int) -> None:
+                mine = everything[index * per_task : (index + 1) * per_task]
+                start.wait(timeout=60)
+                for round_ in range(rounds):
+                    dst = dst_for(per_task)
+                    task = store.load(mine, 0, dst)
+                    tokens.append(task.completion.token)
+                    store.wait(task)
+                    if exact(mine, dst) != [True] * per_task:
+                        errors.append(f"thread {index} round {round_}: {exact(mine, dst)}")
+                        return
+
+            workers = [threading.Thread(target=worker, args=(i,)) for i in range(threads_n)]
+            for thread in workers:
+                thread.start()
+            for thread in workers:
+                thread.join(timeout=300)
+            assert not any(thread.is_alive() for thread in workers)
+            assert errors == []
+            assert len(tokens) == threads_n * rounds
+            assert len(set(tokens)) == len(tokens)
+            assert held(store) == 0
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_a_caller_reusing_its_lists_after_submit_changes_no_task(
+    test_tiers: None, unique_id: str
+) -> None:
+    """The queue keeps copies of block ids and raw addresses: a caller may refill or resize
+    its own list or array as soon as dump()/load_data() returned."""
+    from array import array
+
+    blocks = [block(2000 + i) for i in range(3)]
+    others = [block(2100 + i) for i in range(3)]
+    low = {"type": "recording", "space": "low", "write": "through"}
+    with ucm.open(stack(unique_id, low)) as store:
+        ids = list(blocks)
+        src = [[torch.frombuffer(bytearray(payload(b, 0, SHARD)), dtype=torch.uint8)] for b in ids]
+        task = store.dump(ids, 0, src)
+        ids[:] = others  # the write-through and any failure must still name `blocks`
+        store.wait(task)
+    # close() finished the write-through: the tier below got the keys as they were submitted.
+    assert set(CONTENTS["low"]) >= {(b, 0) for b in blocks}
+    assert not {(b, 0) for b in others} & set(CONTENTS["low"])
+    with ucm.open(stack(unique_id, {"type": "recording", "space": "low"})) as store:
+        buffers = [(ctypes.c_ubyte * SHARD)() for _ in blocks]
+        addresses = array("Q", [ctypes.addressof(b) for b in buffers])
+        task = store.load_data(blocks, 0, addresses)
+        scratch = [(ctypes.c_ubyte * SHARD)() for _ in blocks]
+        addresses[:] = array("Q", [ctypes.addressof(b) for b in scratch])
+        addresses.extend(range(4096, 4096 + 4096 * 64, 4096))  # may move its memory
+        store.wait(task)
+        assert [bytes(b) for b in buffers] == [payload(b, 0, SHARD) for b in blocks]
+        assert all(bytes(b) == bytes(SHARD) for b in scratch)

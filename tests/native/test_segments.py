@@ -305,6 +305,40 @@ def test_close_stops_background_population_promptly(unique_id: str) -> None:
     assert time.monotonic() - started < 5.0
 
 
+def test_a_forked_child_closing_the_region_neither_hangs_nor_detaches_the_parent(
+    unique_id: str,
+) -> None:
+    data_bytes = 2 << 30  # population is still running when the child closes
+    with SharedRegion.open(unique_id, CTRL_BYTES, data_bytes, 1 << 30) as region:
+        assert region.populate(2) == 2
+        ctypes.memmove(region.data_address + 7, b"parent", 6)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's populate threads do not exist here
+            region.close()
+            os.write(write, b"closed")
+            os._exit(0)
+        os.close(write)
+        deadline = time.monotonic() + 60
+        status = None
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung closing its copy of the region")
+        assert status == 0
+        assert os.read(read, 16) == b"closed"
+        os.close(read)
+        # The parent still holds its attach entry: a second open shares its bytes.
+        with SharedRegion.open(unique_id, CTRL_BYTES, data_bytes, 1 << 30) as second:
+            assert ctypes.string_at(second.data_address + 7, 6) == b"parent"
+        assert region.residency().data_bytes == data_bytes
+
+
 def test_scheduler_maps_the_control_segment_only(unique_id: str, ranks: list[Rank]) -> None:
     scheduler = Rank(unique_id, role="scheduler")
     ranks.append(scheduler)

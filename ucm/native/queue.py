@@ -89,6 +89,7 @@ class EntryResult(enum.IntEnum):
     LOCK_TIMEOUT = 5
     NO_MEMORY = 6
     MISSING = 7
+    BACKLOG = 8
     PENDING = 255
 
 
@@ -108,6 +109,7 @@ class WorkState(enum.IntEnum):
 
 
 _OK, _INVALID, _FULL, _CLOSED, _WRONG_PROCESS, _NO_MEMORY = 0, -1, -2, -3, -4, -5
+_WAIT_FOREVER_NS = 2**63
 
 
 class _Settings(ctypes.Structure):
@@ -286,13 +288,12 @@ class NativeQueue:
         self._handle = int(handle.value)
         self._stopped = False
         self._destroyed = False
+        self._abandoned = False
         # Bound once: these sit on every task's path.
         self._submit = self._native.ucm_queue_submit
         self._done = self._native.ucm_queue_done
         self._wait = self._native.ucm_queue_wait
         self._dirty_cursor = ctypes.c_uint32(0)
-        self._token = ctypes.c_uint64(0)
-        self._token_ref = ctypes.byref(self._token)
 
     @property
     def handle(self) -> int:
@@ -318,6 +319,9 @@ class NativeQueue:
         addresses per key (destinations of a load, sources of a dump; None for a prefetch),
         ``results`` one byte per key that the queue fills with :class:`EntryResult` codes."""
         n = len(shards)
+        # One out-parameter per call: ctypes releases the GIL during the call, so threads that
+        # submit at once (the runtime's and the DumpQueue's) must not share one.
+        token = ctypes.c_uint64(0)
         status = self._submit(
             self._handle,
             int(kind),
@@ -330,10 +334,10 @@ class NativeQueue:
             _address(results),
             tag,
             int(timeout_s * 1e9),
-            self._token_ref,
+            ctypes.byref(token),
         )
         if status == _OK:
-            return self._token.value
+            return token.value
         if status == _FULL:
             raise TimeoutError(
                 f"the {'dump' if kind is TaskKind.DUMP else 'load'} queue stayed full for "
@@ -353,7 +357,9 @@ class NativeQueue:
 
     def wait(self, token: int, timeout_s: float | None) -> bool:
         """Blocks (futex, GIL released) until the task completes; False on timeout."""
-        timeout_ns = 2**63 if timeout_s is None else max(0, int(timeout_s * 1e9))
+        timeout_ns = _WAIT_FOREVER_NS
+        if timeout_s is not None and timeout_s * 1e9 < _WAIT_FOREVER_NS:  # inf and NaN: forever
+            timeout_ns = max(0, int(timeout_s * 1e9))
         status = self._wait(self._handle, token, timeout_ns)
         if status < 0:
             self._raise(status, "wait")
@@ -477,9 +483,20 @@ class NativeQueue:
         self._stopped = True
         self._native.ucm_queue_stop(self._handle)
 
+    def abandon(self) -> None:
+        """Marks the queue as never to be freed: its tasks outlived the close, so native
+        threads, loaders or waiters may still use it (and the mappings it copies between).
+        :meth:`destroy` then does nothing; the process's exit reclaims it."""
+        self._abandoned = True
+
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned
+
     def destroy(self) -> None:
-        """Frees the queue. Only once no loader can call in any more (they saw None)."""
-        if self._destroyed:
+        """Frees the queue. Only once no loader can call in any more (they saw None); an
+        abandoned queue is left alone."""
+        if self._destroyed or self._abandoned:
             return
         self.stop()
         self._destroyed = True

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import errno as errno_module
 import math
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -230,6 +231,7 @@ class _Handle:
 
     def __init__(self, handle: int) -> None:
         self.handle = handle
+        self.pid = os.getpid()
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
 
@@ -245,6 +247,12 @@ class _Handle:
             if not self.handle:
                 return
             handle, self.handle = self.handle, 0
+            if os.getpid() != self.pid:
+                # A fork() child (closing, or exiting through the finalizer): the region's
+                # attach entry, serve loop and populate threads are the parent's; touching
+                # them would deregister the parent or join threads that do not exist here (a
+                # hang). The child's copy of the mappings goes with its exit.
+                return
             lib().ucm_seg_stop(handle)
             if self.thread is not None:
                 self.thread.join(_SERVE_JOIN_TIMEOUT_S)
