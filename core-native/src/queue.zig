@@ -278,30 +278,20 @@ fn Ring(comptime Item: type) type {
         /// (copies finish; loaders come back after each batch). A stopped ring drops it (the
         /// queue is being torn down; its tasks never complete).
         fn push(ring: *Self, item: Item) void {
-            ring.mutex.lock();
-            defer ring.mutex.unlock();
-            var rounds: u64 = 0;
-            while (ring.count == ring.items.len) : (rounds += 1) {
-                assert(rounds < std.math.maxInt(u64));
-                if (ring.stopped) return;
-                ring.not_full.timedWait(&ring.mutex, constants.queue_ring_wait_slice_ns) catch {};
-            }
-            if (ring.stopped) return;
-            ring.items[(ring.head + ring.count) % ring.items.len] = item;
-            ring.count += 1;
-            ring.not_empty.signal();
+            const pushed = ring.try_push(item, std.math.maxInt(u64));
+            assert(pushed); // no deadline: only a stopped ring ends the wait, and it drops
         }
 
-        /// `push` for the ring's own consumers (a loader handing on work): waits at most
-        /// `timeout_ns` for room, since every consumer may be waiting here at once. False when
-        /// the ring stayed full; a stopped ring drops the item (true), like `push`.
+        /// Appends an item, waiting at most `timeout_ns` for room (the ring's own consumers, a
+        /// loader handing on work, must not wait long: every consumer may be waiting here at
+        /// once). False when the ring stayed full; a stopped ring drops the item (true).
         fn try_push(ring: *Self, item: Item, timeout_ns: u64) bool {
             ring.mutex.lock();
             defer ring.mutex.unlock();
             const deadline_ns = futex.monotonic_ns() +| timeout_ns;
             var rounds: u64 = 0;
             while (ring.count == ring.items.len) : (rounds += 1) {
-                assert(rounds < std.math.maxInt(u32));
+                assert(rounds < std.math.maxInt(u64));
                 if (ring.stopped) return true;
                 const now_ns = futex.monotonic_ns();
                 if (now_ns >= deadline_ns) return false;
@@ -1341,11 +1331,8 @@ pub const Queue = struct {
     }
 
     fn push_work(queue: *Queue, item: WorkItem) void {
-        var stamped = item;
-        stamped.generation = queue.tasks[item.task].generation;
-        assert(queue.tasks[item.task].live);
-        queue.count(.work_items, 1);
-        queue.work.push(stamped);
+        const pushed = queue.try_push_work(item, std.math.maxInt(u64));
+        assert(pushed);
     }
 
     fn try_push_work(queue: *Queue, item: WorkItem, timeout_ns: u64) bool {
