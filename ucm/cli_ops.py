@@ -352,7 +352,9 @@ def _live_stack(path: Path) -> StackConfig:
 
     data, name = read_stack_source(path)
     tiers = data.get("tiers")
-    top = tiers[0] if isinstance(tiers, list) and tiers else None
+    if not isinstance(tiers, list) or not tiers:
+        return parse_stack(data, source=name)
+    top = tiers[0]
     unique_id = data.get("unique_id")
     if not (
         isinstance(top, Mapping) and top.get("type") == "buffer" and isinstance(unique_id, str)
