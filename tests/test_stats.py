@@ -26,7 +26,7 @@ from _live_buffer import (
     live_buffer,
 )
 
-from ucm.native.buffer import BufferCore
+from ucm.native.buffer import CTRL_LAYOUT_VERSION, BufferCore
 from ucm.native.segments import ctrl_path
 
 
@@ -233,3 +233,33 @@ def test_stats_on_a_stack_without_buffer_and_on_a_bad_stack(tmp_path: Path) -> N
     bad = ucm_cli("stats", str(stack))
     assert bad.returncode == 1
     assert bad.stderr.startswith("invalid:")
+
+
+@pytest.mark.parametrize("size", [100, 4096 + 256], ids=["too-short", "not-a-buffer"])
+def test_stats_refuses_a_control_segment_that_is_not_a_cachebuffer(
+    tmp_path: Path, size: int
+) -> None:
+    from ucm.native.segments import unlink
+
+    unique_id = f"foreign-{uuid.uuid4().hex[:12]}"
+    stack = _engine_stack(tmp_path, unique_id, "64MiB")
+    ctrl_path(unique_id).write_bytes(b"\x01" * size)
+    try:
+        shown = ucm_cli("stats", str(stack))
+    finally:
+        unlink(unique_id)
+    assert shown.returncode == 1
+    message = " ".join(shown.stderr.split())
+    if size == 100:
+        assert message == (
+            f"invalid: {stack}: unique_id '{unique_id}': {ctrl_path(unique_id)} is too short to "
+            "hold a CacheBuffer header; remove it if no UCM process uses it"
+        )
+    else:
+        assert message == (
+            f"invalid: {stack}: unique_id '{unique_id}': {ctrl_path(unique_id)} holds no "
+            "CacheBuffer this library reads (magic 0x0101010101010101, layout version 16843009; "
+            f"this library reads layout version {CTRL_LAYOUT_VERSION}): it is not a UCM "
+            "CacheBuffer, or one of another UCM version (every process of a node must run the "
+            "same UCM version)"
+        )

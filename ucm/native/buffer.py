@@ -447,8 +447,7 @@ def live_geometry(unique_id: str) -> Geometry:
         image = handle.read(SEGMENT_HEADER_BYTES + size)[SEGMENT_HEADER_BYTES:]
     if len(image) < size:
         raise InvalidArgumentError(
-            f"{path} is too short to hold a CacheBuffer header; remove it if no UCM process "
-            "uses it"
+            f"{path} is too short to hold a CacheBuffer header; remove it if no UCM process uses it"
         )
     # ucm_buffer_header reads the header through the native view: a cache-line-aligned copy.
     raw = (ctypes.c_uint8 * (size + CTRL_ALIGNMENT_BYTES))()
@@ -459,8 +458,9 @@ def live_geometry(unique_id: str) -> Geometry:
         found = _HeaderStruct.from_buffer_copy(image)
         raise InvalidArgumentError(
             f"{path} holds no CacheBuffer this library reads (magic {found.magic:#018x}, layout "
-            f"version {found.layout_version}; this library reads version {CTRL_LAYOUT_VERSION}):"
-            " every process of a node must run the same UCM version"
+            f"version {found.layout_version}; this library reads layout version "
+            f"{CTRL_LAYOUT_VERSION}): it is not a UCM CacheBuffer, or one of another UCM version "
+            "(every process of a node must run the same UCM version)"
         )
     return Geometry._from_struct(header.geometry)
 
