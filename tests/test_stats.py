@@ -20,12 +20,13 @@ from _live_buffer import (
     LOADED,
     PREALLOCATED,
     RESERVED,
+    SHARD,
     SLOTS,
     LiveBuffer,
     live_buffer,
 )
 
-from ucm.native.buffer import BufferCore
+from ucm.native.buffer import CTRL_LAYOUT_VERSION, BufferCore
 from ucm.native.segments import ctrl_path
 
 
@@ -126,24 +127,87 @@ def test_stats_watch_takes_bounded_readings(live: LiveBuffer) -> None:
     assert "per s" in live_view.stdout  # the second reading shows rates against the first
 
 
-def test_stats_refuses_a_buffer_that_is_not_running(tmp_path: Path) -> None:
-    unique_id = f"absent-{uuid.uuid4().hex[:12]}"
-    stack = tmp_path / "stack.yaml"
+def _engine_stack(tmp_path: Path, unique_id: str, capacity: int | str) -> Path:
+    """A stack as an engine (vLLM, SGLang) is given: unique_id and tiers, no geometry."""
+    stack = tmp_path / f"engine-{uuid.uuid4().hex[:8]}.yaml"
     stack.write_text(
         yaml.safe_dump(
             {
                 "unique_id": unique_id,
-                "shard_size": 4096,
-                "shards_per_block": 1,
-                "tiers": [{"type": "buffer", "capacity": 4096 * 4}],
+                "tiers": [
+                    {"type": "buffer", "capacity": capacity},
+                    {"type": "posix", "path": str(tmp_path / "nvme")},
+                ],
             }
         )
     )
+    return stack
+
+
+def test_stats_takes_the_geometry_from_the_live_buffers_header(
+    live: LiveBuffer, tmp_path: Path
+) -> None:
+    # The engine's stack states no shard_size, tensor_size_list or shards_per_block (the
+    # engine derives them), and here not even the capacity the worker opened it with: the live
+    # buffer's header says what it is.
+    for capacity in (SLOTS * SHARD, "1GiB"):
+        stack = _engine_stack(tmp_path, live.unique_id, capacity)
+        shown = ucm_cli("stats", str(stack), "--json")
+        assert shown.returncode == 0, shown.stderr
+        data: dict[str, Any] = json.loads(shown.stdout)
+        assert data["unique_id"] == live.unique_id
+        assert data["buffer"] == live.worker_view["native"]
+        assert (data["occupancy"]["capacity_slots"], data["occupancy"]["reserved_slots"]) == (
+            SLOTS,
+            RESERVED,
+        )
+        assert data["occupancy"]["resident"] == SLOTS
+        table = ucm_cli("stats", str(stack))
+        assert table.returncode == 0, table.stderr
+        assert f"{SLOTS} / {SLOTS} slots (100.0%)" in table.stdout
+
+
+def test_stats_refuses_a_stack_whose_shard_size_is_not_the_live_buffers(
+    live: LiveBuffer, tmp_path: Path
+) -> None:
+    stack = tmp_path / "wrong.yaml"
+    config = yaml.safe_load(live.stack_path.read_text())
+    config["shard_size"] = 2 * SHARD
+    stack.write_text(yaml.safe_dump(config))
+    shown = ucm_cli("stats", str(stack))
+    assert shown.returncode == 1
+    assert " ".join(shown.stderr.split()) == (
+        f"invalid: {stack}: the stack states a shard size of {2 * SHARD} bytes, but the live "
+        f"CacheBuffer '{live.unique_id}' holds shards of {SHARD} bytes (from its header); leave "
+        "shard_size and tensor_size_list out of the stack: `ucm stats` reads them from the live "
+        "buffer"
+    )
+
+
+@pytest.mark.parametrize("engine_stack", [False, True], ids=["full-stack", "engine-stack"])
+def test_stats_refuses_a_buffer_that_is_not_running(tmp_path: Path, engine_stack: bool) -> None:
+    unique_id = f"absent-{uuid.uuid4().hex[:12]}"
+    stack = tmp_path / "stack.yaml"
+    if engine_stack:
+        stack = _engine_stack(tmp_path, unique_id, "64MiB")
+    else:
+        stack.write_text(
+            yaml.safe_dump(
+                {
+                    "unique_id": unique_id,
+                    "shard_size": 4096,
+                    "shards_per_block": 1,
+                    "tiers": [{"type": "buffer", "capacity": 4096 * 4}],
+                }
+            )
+        )
     shown = ucm_cli("stats", str(stack))
     assert shown.returncode == 1
     assert " ".join(shown.stderr.split()) == (
         f"error: no live CacheBuffer for unique_id '{unique_id}': {ctrl_path(unique_id)} does "
-        "not exist; start a rank that opens this stack first"
+        "not exist; start a rank that opens this stack first (an engine with UCM attached, or "
+        "ucm.open with device_id >= 0): `ucm stats` attaches to a running buffer and never "
+        "creates one"
     )
     assert not ctrl_path(unique_id).exists()  # looking did not create one
 
@@ -169,3 +233,33 @@ def test_stats_on_a_stack_without_buffer_and_on_a_bad_stack(tmp_path: Path) -> N
     bad = ucm_cli("stats", str(stack))
     assert bad.returncode == 1
     assert bad.stderr.startswith("invalid:")
+
+
+@pytest.mark.parametrize("size", [100, 4096 + 256], ids=["too-short", "not-a-buffer"])
+def test_stats_refuses_a_control_segment_that_is_not_a_cachebuffer(
+    tmp_path: Path, size: int
+) -> None:
+    from ucm.native.segments import unlink
+
+    unique_id = f"foreign-{uuid.uuid4().hex[:12]}"
+    stack = _engine_stack(tmp_path, unique_id, "64MiB")
+    ctrl_path(unique_id).write_bytes(b"\x01" * size)
+    try:
+        shown = ucm_cli("stats", str(stack))
+    finally:
+        unlink(unique_id)
+    assert shown.returncode == 1
+    message = " ".join(shown.stderr.split())
+    if size == 100:
+        assert message == (
+            f"invalid: {stack}: unique_id '{unique_id}': {ctrl_path(unique_id)} is too short to "
+            "hold a CacheBuffer header; remove it if no UCM process uses it"
+        )
+    else:
+        assert message == (
+            f"invalid: {stack}: unique_id '{unique_id}': {ctrl_path(unique_id)} holds no "
+            "CacheBuffer this library reads (magic 0x0101010101010101, layout version 16843009; "
+            f"this library reads layout version {CTRL_LAYOUT_VERSION}): it is not a UCM "
+            "CacheBuffer, or one of another UCM version (every process of a node must run the "
+            "same UCM version)"
+        )

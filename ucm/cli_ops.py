@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -17,12 +17,13 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from .errors import ConfigError, PluginError, UcmError
+from .errors import ConfigError, InvalidArgumentError, PluginError, UcmError
 from .sizes import format_size
 
 if TYPE_CHECKING:
     from .bench import Benchmark
     from .bench._runner import BenchOutcome, SuiteReport
+    from .config import StackConfig
     from .metrics import Snapshot
 
 errors = Console(stderr=True)
@@ -296,27 +297,21 @@ def stats(
         ),
     ] = None,
 ) -> None:
-    """Attach to a live CacheBuffer as the scheduler role and show its counters."""
+    """Attach to a live CacheBuffer as the scheduler role and show its counters.
+
+    The shard geometry and capacity come from the live buffer's header, so the stack an engine
+    was given (``unique_id`` and ``tiers`` only, as for vLLM) works as it is."""
     from . import metrics
-    from .config import load_stack
-    from .native.segments import ctrl_path
     from .store import Store
 
     try:
-        config = load_stack(stack)
+        config = _live_stack(stack)
     except (ConfigError, PluginError) as exc:
         errors.print(f"[red]invalid:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
-    has_buffer = bool(config.tiers) and config.tiers[0].type == "buffer"
-    if has_buffer and not ctrl_path(config.unique_id).exists():
-        errors.print(
-            f"[red]error:[/red] no live CacheBuffer for unique_id {config.unique_id!r}: "
-            f"{ctrl_path(config.unique_id)} does not exist; start a rank that opens this stack "
-            "first",
-            highlight=False,
-            soft_wrap=True,
-        )
-        raise typer.Exit(1)
+    except _NoLiveBuffer as exc:
+        errors.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
     console = _stdout()
     with ExitStack() as cleanup:
         try:
@@ -338,6 +333,68 @@ def stats(
             errors.print(f"serving Prometheus metrics on {server.url}", highlight=False)
         readings = count if count is not None else (None if watch or serve is not None else 1)
         _stats_loop(console, store, readings, interval, json_out, watch)
+
+
+class _NoLiveBuffer(Exception):
+    """No CacheBuffer of the stack's unique_id is published on this node."""
+
+
+def _live_stack(path: Path) -> StackConfig:
+    """The stack at ``path``, with the geometry of the live CacheBuffer of its ``unique_id``
+    when its top tier is ``buffer``: the shard size and the slot counts (regular, reserved)
+    from the buffer's header. A stack for an engine states only ``unique_id`` and ``tiers``
+    (the engine derives the geometry from its KV cache); one that states a shard size other
+    than the live buffer's is refused. ``shards_per_block`` is not recorded in the buffer and
+    nothing ``ucm stats`` reads depends on it: 1 unless the stack states it."""
+    from .config import parse_stack, read_stack_source
+    from .native.buffer import live_geometry
+    from .native.segments import ctrl_path
+
+    data, name = read_stack_source(path)
+    tiers = data.get("tiers")
+    if not isinstance(tiers, list) or not tiers:
+        return parse_stack(data, source=name)
+    top = tiers[0]
+    unique_id = data.get("unique_id")
+    if not (
+        isinstance(top, Mapping) and top.get("type") == "buffer" and isinstance(unique_id, str)
+    ):
+        return parse_stack(data, source=name)
+    try:
+        control = ctrl_path(unique_id)
+    except InvalidArgumentError:
+        return parse_stack(data, source=name)  # the stack's own error names the bad unique_id
+    try:
+        geometry = live_geometry(unique_id)
+    except FileNotFoundError:
+        raise _NoLiveBuffer(
+            f"no live CacheBuffer for unique_id {unique_id!r}: {control} does not exist; start "
+            "a rank that opens this stack first (an engine with UCM attached, or ucm.open with "
+            "device_id >= 0): `ucm stats` attaches to a running buffer and never creates one"
+        ) from None
+    except InvalidArgumentError as exc:
+        raise ConfigError(f"{name}: unique_id {unique_id!r}: {exc}") from None
+    merged = dict(data)
+    if merged.get("shard_size") is None and merged.get("tensor_size_list") is None:
+        merged["shard_size"] = geometry.shard_size_bytes
+    merged.setdefault("shards_per_block", 1)
+    merged["tiers"] = [
+        {
+            **top,
+            "capacity": geometry.slot_count_regular * geometry.shard_size_bytes,
+            "reserved_slots": geometry.slot_count_reserved,
+        },
+        *tiers[1:],
+    ]
+    config = parse_stack(merged, source=name)
+    if config.resolved_shard_size != geometry.shard_size_bytes:
+        raise ConfigError(
+            f"{name}: the stack states a shard size of {config.resolved_shard_size} bytes, but "
+            f"the live CacheBuffer {unique_id!r} holds shards of {geometry.shard_size_bytes} "
+            "bytes (from its header); leave shard_size and tensor_size_list out of the stack: "
+            "`ucm stats` reads them from the live buffer"
+        )
+    return config
 
 
 def _stats_loop(

@@ -428,6 +428,43 @@ class Geometry:
         )
 
 
+SEGMENT_HEADER_BYTES = 4096
+"""The control segment file's own header page (``seg_header_bytes`` of core-native/src/
+constants.zig); the CacheBuffer's control region, which starts with its header, follows it."""
+
+
+def live_geometry(unique_id: str) -> Geometry:
+    """The geometry recorded in the header of the published CacheBuffer of ``unique_id``: read
+    from its control segment file (``/dev/shm/ucm-<unique_id>.ctrl``) without attaching to it,
+    so a process that only looks (``ucm stats``) needs not know the shard size or capacity the
+    ranks opened it with. Raises FileNotFoundError when no buffer of that id is published, and
+    InvalidArgumentError when the file is not a CacheBuffer this library reads."""
+    from .segments import ctrl_path
+
+    path = ctrl_path(unique_id)
+    size = ctypes.sizeof(_HeaderStruct)
+    with path.open("rb") as handle:
+        image = handle.read(SEGMENT_HEADER_BYTES + size)[SEGMENT_HEADER_BYTES:]
+    if len(image) < size:
+        raise InvalidArgumentError(
+            f"{path} is too short to hold a CacheBuffer header; remove it if no UCM process uses it"
+        )
+    # ucm_buffer_header reads the header through the native view: a cache-line-aligned copy.
+    raw = (ctypes.c_uint8 * (size + CTRL_ALIGNMENT_BYTES))()
+    address = -(-ctypes.addressof(raw) // CTRL_ALIGNMENT_BYTES) * CTRL_ALIGNMENT_BYTES
+    ctypes.memmove(address, image, size)
+    header = _HeaderStruct()
+    if _native().ucm_buffer_header(address, ctypes.byref(header)) != 0:
+        found = _HeaderStruct.from_buffer_copy(image)
+        raise InvalidArgumentError(
+            f"{path} holds no CacheBuffer this library reads (magic {found.magic:#018x}, layout "
+            f"version {found.layout_version}; this library reads layout version "
+            f"{CTRL_LAYOUT_VERSION}): it is not a UCM CacheBuffer, or one of another UCM version "
+            "(every process of a node must run the same UCM version)"
+        )
+    return Geometry._from_struct(header.geometry)
+
+
 def _check_int(name: str, value: object, low: int, high: int, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         advice = f"; {hint}" if hint else ""
