@@ -71,6 +71,12 @@ MODULE_PATH = __name__
 DEFAULT_PLUGIN_NAME = "ucm"
 FLUSH_TIMEOUT_S = 600.0
 """close() waits at most this long for puts still being written (then logs what it dropped)."""
+LOOKUP_PIN_TTL_S = 300.0
+"""The pins an async lookup took are released by its prefetch; when no prefetch comes for this
+long, they are released anyway (a plugin's ``lookup_pin_ttl_s``)."""
+LOOKUP_PINS_MAX = 4096
+"""Most async lookups whose pins wait for their prefetch at once; beyond it the oldest lookup's
+pins are released (a plugin's ``lookup_pins_max``)."""
 
 UcmKey = tuple[bytes, int]
 
@@ -244,7 +250,12 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         # Pins: LMCache's lookup pins (and explicit pin()), counted per key.
         self._pin_lock = threading.Lock()
         self._pins: Counter[CacheEngineKey] = Counter()
-        self._lookup_pins: dict[str, list[CacheEngineKey]] = {}
+        # lookup id -> (when it pinned, the keys): released by that lookup's prefetch, or,
+        # for a prefetch that never runs, once older than lookup_pin_ttl_s or beyond
+        # lookup_pins_max lookups (oldest first).
+        self._lookup_pins: dict[str, tuple[float, list[CacheEngineKey]]] = {}
+        self.lookup_pin_ttl_s = LOOKUP_PIN_TTL_S
+        self.lookup_pins_max = LOOKUP_PINS_MAX
         # Async lookups and prefetches run here, off LMCache's event loop.
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ucm-lmcache")
         self._closed = False
@@ -319,11 +330,40 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         self._count("lookup_keys", len(keys))
         self._count("lookup_hits", hits)
         if pin and hits:
+            expired: list[CacheEngineKey] = []
             with self._pin_lock:
                 self._pins.update(keys[:hits])
                 if lookup_id is not None:
-                    self._lookup_pins.setdefault(lookup_id, []).extend(keys[:hits])
+                    _, earlier = self._lookup_pins.pop(lookup_id, (0.0, []))
+                    self._lookup_pins[lookup_id] = (time.monotonic(), [*earlier, *keys[:hits]])
+                    expired = self._expire_lookup_pins()
+            for key in expired:
+                self.unpin(key)
         return hits
+
+    def _expire_lookup_pins(self) -> list[CacheEngineKey]:
+        """Drops the lookups whose prefetch never came (older than ``lookup_pin_ttl_s``, or
+        the oldest beyond ``lookup_pins_max``); returns their keys, to unpin. Pin lock held."""
+        deadline = time.monotonic() - self.lookup_pin_ttl_s
+        keys: list[CacheEngineKey] = []
+        expired = 0
+        for lookup_id in list(self._lookup_pins):  # oldest first (insertion order)
+            pinned_at, pinned = self._lookup_pins[lookup_id]
+            if pinned_at > deadline and len(self._lookup_pins) <= self.lookup_pins_max:
+                break
+            del self._lookup_pins[lookup_id]
+            keys.extend(pinned)
+            expired += 1
+        if expired:
+            self._count("lookup_pins_expired", expired)
+            logger.warning(
+                "UCM released the pins of %d LMCache lookup(s) whose prefetch never came "
+                "(older than %.0f s, or beyond %d lookups pinned at once)",
+                expired,
+                self.lookup_pin_ttl_s,
+                self.lookup_pins_max,
+            )
+        return keys
 
     # ---- pins ---------------------------------------------------------------------------------
 
@@ -368,19 +408,19 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 f"keys has {len(keys)} entries but objs has {len(objs)}: one object per key"
             )
         puts: list[_Put] = []
-        with self._put_lock:
-            for key, obj in zip(keys, objs, strict=True):
-                if key in self._in_flight:
-                    continue  # already being written
-                if not self._writable(obj):
-                    continue
-                ucm_key = self.ucm_key(key)
-                obj.ref_count_up()
-                self._in_flight[key] = obj
-                puts.append(_Put(key, ucm_key, obj, Future()))
-        if not puts:
-            return None
         try:
+            with self._put_lock:
+                for key, obj in zip(keys, objs, strict=True):
+                    if key in self._in_flight:
+                        continue  # already being written
+                    if not self._writable(obj):
+                        continue
+                    ucm_key = self.ucm_key(key)
+                    obj.ref_count_up()
+                    self._in_flight[key] = obj
+                    puts.append(_Put(key, ucm_key, obj, Future()))
+            if not puts:
+                return None
             present = self.store.lookup([put.ucm_key[0] for put in puts])
             already = [put for put, hit in zip(puts, present, strict=True) if hit]
             puts = [put for put, hit in zip(puts, present, strict=True) if not hit]
@@ -495,10 +535,26 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
     ) -> list[MemoryObj]:
-        """Prefetch (LMCache's async loading): the loaded prefix of ``keys``."""
-        loop = asyncio.get_running_loop()
-        objs = await loop.run_in_executor(self._executor, self._load, list(keys), False)
-        self._release_lookup_pins(lookup_id, keys)
+        """Prefetch (LMCache's async loading): the loaded prefix of ``keys``. Never raises
+        (LMCache answers the scheduler from this result): a failure is an empty prefix, and the
+        lookup's pins are released either way."""
+        try:
+            loop = asyncio.get_running_loop()
+            objs = await loop.run_in_executor(self._executor, self._load, list(keys), False)
+        except Exception as exc:  # e.g. the plugin closed under the prefetch
+            self._count("get_misses", len(keys))
+            self._count("get_errors", len(keys))
+            logger.warning(
+                "UCM could not prefetch %d LMCache chunk(s) for lookup %s, answering misses: "
+                "%s: %s",
+                len(keys),
+                lookup_id,
+                type(exc).__name__,
+                exc,
+            )
+            objs = []
+        finally:
+            self._release_lookup_pins(lookup_id, keys)
         loaded: list[MemoryObj] = []
         for obj in objs:
             if obj is None:
@@ -510,17 +566,41 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         return loaded
 
     def _load(self, keys: list[CacheEngineKey], busy_loop: bool) -> list[MemoryObj | None]:
+        """One UCM load for ``keys``: an object per hit, None per miss. Never raises once the
+        role is checked: any failure (a load queue full past ``queue_timeout_s``, a closed
+        store, an error of UCM's or of LMCache's allocator) is a miss for the keys it hit,
+        and every object allocated for them is freed (LMCache recomputes misses)."""
         self._check_worker("get")
+        allocated: list[MemoryObj] = []
+        try:
+            return self._load_into(keys, busy_loop, allocated)
+        except Exception as exc:
+            for obj in allocated:
+                obj.ref_count_down()  # frees the allocation
+            self._count("get_misses", len(keys))
+            self._count("get_errors", len(keys))
+            logger.warning(
+                "UCM could not load %d LMCache chunk(s), answering misses: %s: %s",
+                len(keys),
+                type(exc).__name__,
+                exc,
+            )
+            return [None] * len(keys)
+
+    def _load_into(
+        self, keys: list[CacheEngineKey], busy_loop: bool, allocated: list[MemoryObj]
+    ) -> list[MemoryObj | None]:
+        """The body of :meth:`_load`; each allocation is appended to ``allocated`` as soon as
+        it is made, so that the caller can free them all when anything raises."""
         allocator = self.local_cpu_backend
         assert allocator is not None
+        ucm_keys = [self.ucm_key(key) for key in keys]
         results: list[MemoryObj | None] = [None] * len(keys)
         first: dict[UcmKey, int] = {}
         duplicates: list[tuple[int, int]] = []
         chosen: list[int] = []
         chosen_keys: list[UcmKey] = []
-        chosen_objs: list[MemoryObj] = []
-        for index, key in enumerate(keys):
-            ucm_key = self.ucm_key(key)
+        for index, ucm_key in enumerate(ucm_keys):
             if ucm_key in first:
                 duplicates.append((index, first[ucm_key]))
                 continue
@@ -537,15 +617,14 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                     len(keys),
                 )
                 break
+            allocated.append(obj)
             first[ucm_key] = index
-            results[index] = obj
             chosen.append(index)
             chosen_keys.append(ucm_key)
-            chosen_objs.append(obj)
         failed: dict[UcmKey, Any] = {}
         if chosen:
             self._count("loads")
-            pointers = [self._pointers(obj) for obj in chosen_objs]
+            pointers = [self._pointers(obj) for obj in allocated]
             try:
                 self.store.wait(
                     self.store.load_data(
@@ -554,10 +633,12 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 )
             except TaskError as exc:
                 failed = dict(exc.failures)
-            for index, ucm_key, obj in zip(chosen, chosen_keys, chosen_objs, strict=True):
-                if ucm_key in failed:
-                    obj.ref_count_down()  # frees the allocation
-                    results[index] = None
+        for index, ucm_key, obj in zip(chosen, chosen_keys, allocated, strict=True):
+            if ucm_key in failed:
+                obj.ref_count_down()  # frees the allocation
+            else:
+                results[index] = obj
+        allocated.clear()  # from here on every object is the caller's (or freed above)
         for index, source in duplicates:  # the same chunk twice: one object, two references
             original = results[source]
             if original is not None:
@@ -574,7 +655,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
 
     def _release_lookup_pins(self, lookup_id: str, keys: Sequence[CacheEngineKey]) -> None:
         with self._pin_lock:
-            pinned = self._lookup_pins.pop(lookup_id, None)
+            _, pinned = self._lookup_pins.pop(lookup_id, (0.0, []))
         if not pinned:
             return
         # Keys this lookup pinned but did not fetch (a tail LMCache rounded off) are unpinned
@@ -645,6 +726,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             counters["puts_in_flight"] = len(self._in_flight)
         with self._pin_lock:
             counters["pinned_keys"] = len(self._pins)
+            counters["lookups_pinned"] = len(self._lookup_pins)
         return {"lmcache": counters, "ucm": self.store.stats()}
 
     def close(self) -> None:
