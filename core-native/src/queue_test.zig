@@ -575,6 +575,54 @@ test "queue: a dirty dump commits write-back debt; a flusher's claims share the 
     try expect_no_references(&harness);
 }
 
+test "queue: a pin holds Ready slots through eviction until unpinned; absent keys take nothing" {
+    var harness: Harness = undefined;
+    try harness.init(.{ .regular = 4, .step_keys = 8 });
+    defer harness.deinit();
+    var dump = try Call.init(&.{ 1, 2 }, 0);
+    defer dump.deinit();
+    dump.with_pattern(3);
+    try dump.run(harness.queue, .dump, 0);
+    try expect(dump.all_ok());
+    const ids = [_]BlockId{ block_id_of(1), block_id_of(2), block_id_of(9) };
+    var slots: [3]u32 = undefined;
+    try expectEqual(@as(u32, 2), harness.queue.pin(&ids, &.{ 0, 0, 0 }, &slots));
+    try expectEqual(buffer_module.slot_none, slots[2]); // absent: no slot allocated for it
+    try expect((try harness.base.find_locked(&ids[2], 0)) == null);
+    try expectEqual(@as(u32, 2), harness.queue.held_slot_count());
+    // Pressure: six other keys go through the two unpinned slots, evicting each other; the
+    // pins count against no claim budget (no wait), and the pinned shards stay, byte-exact.
+    for ([_]u32{ 10, 11, 12, 13, 14, 15 }) |block| {
+        var more = try Call.init(&.{block}, 0);
+        defer more.deinit();
+        more.with_pattern(0);
+        try more.run(harness.queue, .dump, 0);
+        try expect(more.all_ok());
+    }
+    try expectEqual(@as(u64, 0), counter(harness.queue, .wait_timeouts));
+    var load = try Call.init(&.{ 1, 2 }, 0);
+    defer load.deinit();
+    try load.run(harness.queue, .load, queue_module.task_flag_no_fill);
+    try expect(load.all_ok());
+    for (0..2) |i| try expect(load.exact(i, 3));
+    var twice = [2]u32{ slots[0], slots[0] };
+    try expect(!harness.queue.unpin(&twice)); // more uses than this process holds
+    var three = [3]u32{ slots[0], slots[1], slots[1] };
+    try expect(!harness.queue.unpin(&three)); // more than are pinned
+    try expect(harness.queue.unpin(slots[0..2]));
+    try expectEqual(@as(u32, 0), harness.queue.pinned);
+    // Unpinned: the next keys may evict them.
+    for ([_]u32{ 20, 21, 22, 23 }) |block| {
+        var more = try Call.init(&.{block}, 0);
+        defer more.deinit();
+        more.with_pattern(0);
+        try more.run(harness.queue, .dump, 0);
+    }
+    try expect((try harness.base.find_locked(&ids[0], 0)) == null);
+    try expect((try harness.base.find_locked(&ids[1], 0)) == null);
+    try expect_no_references(&harness);
+}
+
 test "queue: caller-copy entries are handed out with their Ready slot" {
     var harness: Harness = undefined;
     try harness.init(.{});
