@@ -404,6 +404,47 @@ def _close_lookup(client: Any, server: Any) -> None:
     server.close()
 
 
+# ---- pins hold in the CacheBuffer -------------------------------------------------------------
+
+
+def test_a_pinned_chunk_survives_buffer_pressure_until_unpinned(unique_id: str) -> None:
+    """Issue 24 defect 4: LMCache's lookup pin (StorageManager.batched_contains(pin=True)) holds
+    the chunk in the CacheBuffer (every worker's shard of it, node-wide), so puts of many more
+    chunks than the buffer holds evict everything else until LMCache unpins; then the chunk
+    goes like the rest. A buffer-only stack of 8 chunks, L1 off."""
+    stack = {
+        "unique_id": unique_id,
+        "tiers": [{"type": "buffer", "capacity": 8 * lm.CHUNK_BYTES}],
+    }
+    sm = lm.storage_manager(lm.config(stack, local_cpu=False), lm.metadata())
+    try:
+        backend = sm.storage_backends["ucm"]
+        kept = _store(sm, [1, 2])
+        assert sm.batched_contains(kept, pin=True) == (2, {"ucm": kept})
+        assert [backend.pinned(k) for k in kept] == [1, 1]
+        for first in range(100, 140, 4):  # 40 chunks through the 6 other slots
+            _store(sm, range(first, first + 4))
+        assert backend.stats()["ucm"]["tiers"][0]["evictions"] >= 34
+        assert backend.batched_contains(kept) == 2
+        assert [backend.held_shards(k) for k in kept] == [1, 1]
+        got = sm.batched_get(kept, location="ucm")
+        assert [lm.content(g) for g in got] == [lm.chunk_bytes(1), lm.chunk_bytes(2)]
+        for g in got:
+            g.ref_count_down()
+        sm.batched_unpin(kept)
+        assert [backend.pinned(k) for k in kept] == [0, 0]
+        assert [backend.held_shards(k) for k in kept] == [0, 0]
+        for first in range(200, 240, 4):
+            _store(sm, range(first, first + 4))
+        assert backend.batched_contains(kept) == 0
+        stats = backend.stats()
+        assert stats["lmcache"]["pinned_keys"] == 0
+        assert stats["ucm"]["pinned_shards"] == stats["ucm"]["unpinned_shards"] == 2
+        assert lm.active_allocations(sm) == 0
+    finally:
+        sm.close()
+
+
 # ---- two LMCache worker processes of one node share one CacheBuffer ------------------------------
 
 

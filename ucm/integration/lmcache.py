@@ -33,6 +33,13 @@ has handed them to every backend; this plugin writes asynchronously, so it takes
 reference (``ref_count_up``) at submit time and drops it when UCM's dump task has finished with
 the object's memory. Retrieved objects are allocated from ``local_cpu_backend.allocate`` and
 handed to LMCache with the single reference the allocation made (a miss frees its allocation).
+
+**Errors.** A get never raises on a worker: any error of a load is a miss for its batch (every
+allocation freed), and a prefetch always answers and releases its lookup's pins.
+
+**Pins.** A pin is a :meth:`~ucm.Store.pin` of the chunk's block: every worker's shard of it that
+is Ready in the CacheBuffer stays there (no eviction, node-wide) until the pin is released;
+shards below the buffer are not held. Pins of async lookups whose prefetch never comes expire.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from .. import REMOVE_CHUNK_KEYS, Store, TaskError
+from .. import REMOVE_CHUNK_KEYS, Pin, Store, TaskError
 from .. import open as open_store
 from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, RoleError, UcmError
 from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id
@@ -249,7 +256,8 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         self._completer.start()
         # Pins: LMCache's lookup pins (and explicit pin()), counted per key.
         self._pin_lock = threading.Lock()
-        self._pins: Counter[CacheEngineKey] = Counter()
+        # key -> one Store pin per pin of the key (the shards it holds in the CacheBuffer).
+        self._pins: dict[CacheEngineKey, list[Pin]] = {}
         # lookup id -> (when it pinned, the keys): released by that lookup's prefetch, or,
         # for a prefetch that never runs, once older than lookup_pin_ttl_s or beyond
         # lookup_pins_max lookups (oldest first).
@@ -325,14 +333,22 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         if not keys:
             return 0
         blocks = [self.ucm_key(key)[0] for key in keys]
-        hits = self.store.lookup_on_prefix(blocks) + 1
+        # Pinned before the look-up: what the buffer holds then cannot be evicted after it.
+        holds = self.store.pin(blocks) if pin else []
+        try:
+            hits = self.store.lookup_on_prefix(blocks) + 1
+        except BaseException:
+            self.store.unpin(holds)
+            raise
+        self.store.unpin(holds[hits:])
         self._count("lookups")
         self._count("lookup_keys", len(keys))
         self._count("lookup_hits", hits)
         if pin and hits:
             expired: list[CacheEngineKey] = []
             with self._pin_lock:
-                self._pins.update(keys[:hits])
+                for key, hold in zip(keys[:hits], holds[:hits], strict=True):
+                    self._pins.setdefault(key, []).append(hold)
                 if lookup_id is not None:
                     _, earlier = self._lookup_pins.pop(lookup_id, (0.0, []))
                     self._lookup_pins[lookup_id] = (time.monotonic(), [*earlier, *keys[:hits]])
@@ -368,25 +384,34 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
     # ---- pins ---------------------------------------------------------------------------------
 
     def pin(self, key: CacheEngineKey) -> bool:
-        """Keeps ``key`` from ``remove``/``batched_remove`` without ``force``; False if absent."""
+        """Holds ``key``'s chunk: every worker's shard of it that is in the CacheBuffer stays
+        there (no eviction, on any rank of the node) and ``remove``/``batched_remove`` without
+        ``force`` keep it, until :meth:`unpin`. False if absent."""
         return self._prefix([key], True, None) == 1
 
     def unpin(self, key: CacheEngineKey) -> bool:
         """Releases one pin of ``key``; False if it had none."""
         with self._pin_lock:
-            count = self._pins.get(key, 0)
-            if count <= 0:
+            holds = self._pins.get(key)
+            if not holds:
                 return False
-            if count == 1:
+            hold = holds.pop()
+            if not holds:
                 del self._pins[key]
-            else:
-                self._pins[key] = count - 1
-            return True
+        self.store.unpin([hold])
+        return True
 
     def pinned(self, key: CacheEngineKey) -> int:
         """How many pins ``key`` holds (0 when none)."""
         with self._pin_lock:
-            return self._pins.get(key, 0)
+            return len(self._pins.get(key, ()))
+
+    def held_shards(self, key: CacheEngineKey) -> int:
+        """How many shards of ``key``'s chunk its newest pin holds in the CacheBuffer (0 when
+        it has no pin, or the chunk is below the buffer only)."""
+        with self._pin_lock:
+            holds = self._pins.get(key)
+            return holds[-1].held if holds else 0
 
     # ---- puts ---------------------------------------------------------------------------------
 
@@ -682,11 +707,11 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             with self._pin_lock:
                 self._count("remove_lock_acquisitions")
                 if force:
-                    for key in part:
-                        self._pins.pop(key, None)
+                    dropped = [hold for key in part for hold in self._pins.pop(key, ())]
+                    self.store.unpin(dropped)
                     chosen = part
                 else:
-                    chosen = [key for key in part if self._pins.get(key, 0) <= 0]
+                    chosen = [key for key in part if key not in self._pins]
                     self._count("remove_kept_pinned", len(part) - len(chosen))
                 if not chosen:
                     continue
@@ -742,6 +767,9 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         self._completions.put(None)
         self._completer.join(timeout=FLUSH_TIMEOUT_S)
         self._executor.shutdown(wait=True)
+        with self._pin_lock:  # the store's close releases what they hold
+            self._pins.clear()
+            self._lookup_pins.clear()
         self.store.close()
 
     # ---- helpers ------------------------------------------------------------------------------
