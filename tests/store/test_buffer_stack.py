@@ -6,6 +6,7 @@ import itertools
 import multiprocessing as mp
 import time
 import uuid
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +249,7 @@ def test_a_pinned_block_survives_buffer_pressure_until_unpinned() -> None:
         pins = store.pin([*kept, block(3)])
         assert [pin.held for pin in pins] == [2, 2, 0]
         assert store.lookup([block(3)]) == [False]
+        assert store.stats()["tiers"][0]["held_slots"] == 4  # the pins' references
         pressure = [block(i) for i in range(10, 30)]
         for start in range(0, len(pressure), 2):  # 20 blocks (40 shards) through 4 free slots
             _dump_all_shards(store, pressure[start : start + 2], 2)
@@ -258,6 +260,7 @@ def test_a_pinned_block_survives_buffer_pressure_until_unpinned() -> None:
         assert [d[0].numpy().tobytes() for d in dst] == [payload(b, 1, SHARD) for b in kept]
         store.unpin(pins)
         store.unpin(pins)  # a second release is a no-op
+        assert store.stats()["tiers"][0]["held_slots"] == 0
         for start in range(0, len(pressure), 2):  # two clock sweeps and more
             _dump_all_shards(store, pressure[start : start + 2], 2)
         assert store.lookup(kept) == [False, False]
@@ -265,6 +268,15 @@ def test_a_pinned_block_survives_buffer_pressure_until_unpinned() -> None:
         assert stats["pinned_shards"] == stats["unpinned_shards"] == 4
         with pytest.raises(ucm.InvalidArgumentError, match="pins must be a list of the Pin"):
             store.unpin(pins[0])  # type: ignore[arg-type]
+        # The binding refuses what the native side would misread, and pins nothing for it.
+        queue = store.tiers[0].queue
+        with pytest.raises(ucm.InvalidArgumentError, match="ids has 15 bytes: expected 16"):
+            queue.pin(b"x" * 15, array("I", [0]))
+        slot = queue.pin(block(29), array("I", [0]))[0]  # Ready: the last pressure block
+        with pytest.raises(ucm.InvalidArgumentError, match="unpin: the native load queue refused"):
+            queue.unpin(array("I", [slot, slot]))  # more pins than taken
+        queue.unpin(array("I", [slot]))
+        assert store.stats()["tiers"][0]["held_slots"] == 0
 
 
 def test_pins_hold_nothing_without_a_buffer_and_are_released_at_close(tmp_path: Path) -> None:
