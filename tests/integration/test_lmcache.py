@@ -427,6 +427,7 @@ def test_a_pinned_chunk_survives_buffer_pressure_until_unpinned(unique_id: str) 
         assert backend.stats()["ucm"]["tiers"][0]["evictions"] >= 34
         assert backend.batched_contains(kept) == 2
         assert [backend.held_shards(k) for k in kept] == [1, 1]
+        assert backend.stats()["ucm"]["tiers"][0]["held_slots"] == 2
         got = sm.batched_get(kept, location="ucm")
         assert [lm.content(g) for g in got] == [lm.chunk_bytes(1), lm.chunk_bytes(2)]
         for g in got:
@@ -434,6 +435,7 @@ def test_a_pinned_chunk_survives_buffer_pressure_until_unpinned(unique_id: str) 
         sm.batched_unpin(kept)
         assert [backend.pinned(k) for k in kept] == [0, 0]
         assert [backend.held_shards(k) for k in kept] == [0, 0]
+        assert backend.stats()["ucm"]["tiers"][0]["held_slots"] == 0
         for first in range(200, 240, 4):
             _store(sm, range(first, first + 4))
         assert backend.batched_contains(kept) == 0
@@ -682,6 +684,9 @@ def test_a_prefetch_whose_load_raises_answers_and_releases_its_pins(
             assert counters["lookup_hits"] == 4  # the lookup itself found (and pinned) all 4
             assert counters["pinned_keys"] == 0 and counters["lookups_pinned"] == 0
             assert counters["get_misses"] == 4 and counters["get_errors"] == 4
+            ucm_counters = backend.stats()["ucm"]  # the buffer released what the pins held
+            assert ucm_counters["pinned_shards"] == ucm_counters["unpinned_shards"] == 4
+            assert ucm_counters["tiers"][0]["held_slots"] == 0
             assert lm.active_allocations(sm) == 0
             gc.collect()
         assert not [m for m in logs.messages() if "garbage collected" in m], logs.messages()
