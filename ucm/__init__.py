@@ -20,7 +20,7 @@ from .errors import (
 )
 from .hookspecs import hookimpl
 from .layout import Key, Layout
-from .store import Store, open_store
+from .store import Pin, Store, open_store
 from .task import Task
 from .tier import REMOVE_CHUNK_KEYS, Tier, TierContext
 
@@ -37,6 +37,7 @@ __all__ = [
     "Layout",
     "LowerTierConfig",
     "NativeLibraryError",
+    "Pin",
     "PluginError",
     "RoleError",
     "StackConfig",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from array import array
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -27,12 +28,33 @@ from .errors import (
 )
 from .layout import Key, Layout
 from .loadqueue import BufferPath, BufferTier, DumpQueue, LoadJob, LoadQueue, QueueSettings, _Dump
+from .native.buffer import SLOT_NONE
 from .native.queue import TaskKind
 from .plugins import tier_types
 from .task import Progress, Task
 from .tier import HOST_MEMORY_OPTION, Outcome, ShardViews, Tier, TierContext
 
 DEFAULT_WRITE_QUEUE_BYTES = 256 * 1024 * 1024
+
+
+class Pin:
+    """The shards of one block that :meth:`Store.pin` holds in the CacheBuffer, until
+    :meth:`Store.unpin`. ``held`` of them (0 .. ``shards_per_block``) were Ready in the buffer
+    and cannot be evicted meanwhile; the others (below the buffer, or absent) are not held."""
+
+    __slots__ = ("_slots", "block_id")
+
+    def __init__(self, block_id: bytes, slots: tuple[int, ...]) -> None:
+        self.block_id = block_id
+        self._slots = slots
+
+    @property
+    def held(self) -> int:
+        """How many of the block's shards this pin holds in the buffer."""
+        return len(self._slots)
+
+    def __repr__(self) -> str:
+        return f"Pin({self.block_id.hex()}, held={self.held})"
 
 
 class Store:
@@ -156,6 +178,8 @@ class Store:
         self._native_final: dict[str, int] | None = None
         self._prefetches: list[Task] = []
         self._prefetch_lock = threading.Lock()
+        self._pins: set[Pin] = set()
+        self._pins_lock = threading.Lock()
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -244,6 +268,51 @@ class Store:
         _check_task(task)
         return task.done()
 
+    def pin(self, block_ids: Sequence[bytes]) -> list[Pin]:
+        """Holds each block's shards that are Ready in the CacheBuffer there, so that no
+        eviction (of this rank or any other on the node) takes them, until :meth:`unpin`; one
+        :class:`Pin` per block, saying how many shards it holds. Shards below the buffer, or
+        absent, are not held (a pin never loads nor allocates), and a stack without a buffer,
+        or the scheduler role, holds nothing. ``remove(force=True)`` still removes a pinned
+        shard (its memory is freed at the unpin). Pins held at :meth:`close` are released."""
+        self._check_open()
+        blocks = arguments.check_block_ids(block_ids)
+        if self._native is None or not blocks:
+            return [Pin(block, ()) for block in blocks]
+        per_block = self.layout.shards_per_block
+        ids = b"".join(block for block in blocks for _ in range(per_block))
+        shards = array("I", list(range(per_block)) * len(blocks))
+        with self._pins_lock:
+            self._check_open()
+            slots = self._native.queue.pin(ids, shards)
+            pins = [
+                Pin(
+                    block,
+                    tuple(s for s in slots[i * per_block : (i + 1) * per_block] if s != SLOT_NONE),
+                )
+                for i, block in enumerate(blocks)
+            ]
+            self._pins.update(pin for pin in pins if pin.held)
+        self._count("pinned_shards", sum(pin.held for pin in pins))
+        return pins
+
+    def unpin(self, pins: Sequence[Pin]) -> None:
+        """Releases pins from :meth:`pin` (one already released, or released by close, is
+        skipped)."""
+        if not isinstance(pins, Sequence) or not all(isinstance(pin, Pin) for pin in pins):
+            raise InvalidArgumentError(
+                f"pins must be a list of the Pin objects store.pin returned, got {pins!r}"
+            )
+        with self._pins_lock:
+            slots = array("I")
+            for pin in pins:
+                if pin in self._pins:
+                    self._pins.discard(pin)
+                    slots.extend(pin._slots)
+            if slots and self._native is not None:
+                self._native.queue.unpin(slots)
+        self._count("unpinned_shards", len(slots))
+
     def touch(self, block_ids: Sequence[bytes]) -> None:
         """Renews every resident shard of the blocks in every tier."""
         self._check_open()
@@ -313,6 +382,9 @@ class Store:
         self._closed = True
         errors: list[BaseException] = []
         try:
+            with self._pins_lock:  # before the queue goes: their references are its uses
+                held = list(self._pins)
+            self.unpin(held)
             if self._dumps is not None:  # may still hand dumps to the native queue
                 self._dumps.close()
             if self._native is not None:

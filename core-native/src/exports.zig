@@ -674,6 +674,30 @@ export fn ucm_queue_take_dirty(handle: usize, cursor: *u32, capacity: u32, out_s
     });
 }
 
+/// Pins the keys that are Ready in the buffer (`Queue.pin`): `out_slots[i]` is the slot now
+/// held for key i, or slot_none (nothing held). Returns how many were pinned; release them
+/// with ucm_queue_unpin.
+export fn ucm_queue_pin(handle: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, out_slots: [*]u32) i64 {
+    const queue = switch (queue_of(handle)) {
+        .queue => |q| q,
+        .status => |code| return code,
+    };
+    if (n > constants.queue_step_keys_max) return queue_status(.invalid_argument);
+    return queue.pin(ids[0..n], shards[0..n], out_slots[0..n]);
+}
+
+/// Releases pins taken with ucm_queue_pin (the slots it returned, slot_none left out). The
+/// array is reordered (scratch).
+export fn ucm_queue_unpin(handle: usize, n: u32, slots: [*]u32) i32 {
+    const queue = switch (queue_of(handle)) {
+        .queue => |q| q,
+        .status => |code| return code,
+    };
+    if (n > constants.queue_step_keys_max) return queue_status(.invalid_argument);
+    if (!queue.unpin(slots[0..n])) return queue_status(.invalid_argument);
+    return 0;
+}
+
 /// Releases slots taken with ucm_queue_take_dirty. The array is reordered (scratch).
 export fn ucm_queue_release(handle: usize, n: u32, slots: [*]u32) i32 {
     const queue = switch (queue_of(handle)) {

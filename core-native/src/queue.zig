@@ -378,6 +378,9 @@ pub const Queue = struct {
     local_flags: []u8,
     /// Slots this process holds through the queue (uses > 0), under `refs_mutex`.
     claimed: u32 = 0,
+    /// Uses held by pins (`pin` .. `unpin`), under `refs_mutex`: not counted against the
+    /// claim budget, since they are held for as long as the caller wants.
+    pinned: u32 = 0,
     /// Futex word bumped when slots are released while a dispatcher waits for room.
     released_word: Atomic(u32) = Atomic(u32).init(0),
     room_waiters: Atomic(u32) = Atomic(u32).init(0),
@@ -836,7 +839,8 @@ pub const Queue = struct {
             // Read the word before the count: a release in between changes the word.
             const word = queue.released_word.load(.acquire);
             queue.refs_mutex.lock();
-            const fits = queue.claimed == 0 or queue.claimed + keys <= budget;
+            const active = queue.claimed -| queue.pinned;
+            const fits = active == 0 or active + keys <= budget;
             queue.refs_mutex.unlock();
             if (fits) return;
             const now_ns = futex.monotonic_ns();
@@ -910,6 +914,84 @@ pub const Queue = struct {
         }
         queue.release_slots(slots);
         return true;
+    }
+
+    /// Pins: takes this process's reference on each key that is Ready in the buffer and keeps
+    /// it, counted as a local use like a flusher's claim (so the queue's own Gets of the key
+    /// see it held), until `release_taken`. A referenced slot is never an eviction victim, so
+    /// a pinned shard stays until it is released (or force-removed). A key not Ready here gets
+    /// `slot_none` and nothing is held: a pin never allocates a slot nor starts a load.
+    /// Returns how many keys were pinned.
+    pub fn pin(queue: *Queue, ids: []const BlockId, shards: []const u32, slots: []u32) u32 {
+        assert(ids.len == shards.len and slots.len == ids.len);
+        const step = 64;
+        var pinned: u32 = 0;
+        var start: usize = 0;
+        while (start < ids.len) {
+            const end = @min(ids.len, start + step);
+            const n = end - start;
+            @memset(slots[start..end], buffer_module.slot_none);
+            var ready: [step]u8 = undefined;
+            // A bucket lock held past the timeout: nothing of this step is pinned.
+            queue.buffer.lookup(ids[start..end], shards[start..end], ready[0..n]) catch @memset(ready[0..n], 0);
+            // Claim the Ready keys only, so that no slot is allocated for an absent one.
+            var claim_ids: [step]BlockId = undefined;
+            var claim_shards: [step]u32 = undefined;
+            var position: [step]usize = undefined;
+            var k: usize = 0;
+            for (ready[0..n], start..) |present, index| {
+                if (present == 0) continue;
+                claim_ids[k] = ids[index];
+                claim_shards[k] = shards[index];
+                position[k] = index;
+                k += 1;
+            }
+            var results: [step]GetResult = undefined;
+            var claimed: [step]u32 = undefined;
+            queue.claim(claim_ids[0..k], claim_shards[0..k], results[0..k], claimed[0..k]);
+            var drop: [step]u32 = undefined;
+            var dropped: usize = 0;
+            var hits: u32 = 0;
+            for (results[0..k], claimed[0..k], position[0..k]) |result, slot, index| {
+                switch (result) {
+                    .hit => {
+                        slots[index] = slot;
+                        hits += 1;
+                    },
+                    // Evicted (and taken again) between the lookup and the claim: give it back
+                    // (an owner gives up, its waiters take over).
+                    .owner, .waiter => {
+                        drop[dropped] = slot;
+                        dropped += 1;
+                    },
+                    .held => unreachable, // Resolved by `claim`.
+                    .no_slot, .lock_timeout => {},
+                }
+            }
+            queue.release_slots(drop[0..dropped]);
+            queue.refs_mutex.lock();
+            queue.pinned += hits;
+            queue.refs_mutex.unlock();
+            pinned += hits;
+            start = end;
+        }
+        return pinned;
+    }
+
+    /// Drops pins taken with `pin` (validated like `release_taken`, and never more than are
+    /// pinned). False, and nothing released, when the list is not valid.
+    pub fn unpin(queue: *Queue, slots: []u32) bool {
+        {
+            queue.refs_mutex.lock();
+            defer queue.refs_mutex.unlock();
+            if (slots.len > queue.pinned) return false;
+            queue.pinned -= @intCast(slots.len);
+        }
+        if (queue.release_taken(slots)) return true;
+        queue.refs_mutex.lock();
+        defer queue.refs_mutex.unlock();
+        queue.pinned += @intCast(slots.len);
+        return false;
     }
 
     /// Slots this process holds through the queue (tests and the leak check at close).

@@ -575,6 +575,54 @@ test "queue: a dirty dump commits write-back debt; a flusher's claims share the 
     try expect_no_references(&harness);
 }
 
+test "queue: a pin holds Ready slots through eviction until unpinned; absent keys take nothing" {
+    var harness: Harness = undefined;
+    try harness.init(.{ .regular = 4, .step_keys = 8 });
+    defer harness.deinit();
+    var dump = try Call.init(&.{ 1, 2 }, 0);
+    defer dump.deinit();
+    dump.with_pattern(3);
+    try dump.run(harness.queue, .dump, 0);
+    try expect(dump.all_ok());
+    const ids = [_]BlockId{ block_id_of(1), block_id_of(2), block_id_of(9) };
+    var slots: [3]u32 = undefined;
+    try expectEqual(@as(u32, 2), harness.queue.pin(&ids, &.{ 0, 0, 0 }, &slots));
+    try expectEqual(buffer_module.slot_none, slots[2]); // absent: no slot allocated for it
+    try expect((try harness.base.find_locked(&ids[2], 0)) == null);
+    try expectEqual(@as(u32, 2), harness.queue.held_slot_count());
+    // Pressure: six other keys go through the two unpinned slots, evicting each other; the
+    // pins count against no claim budget (no wait), and the pinned shards stay, byte-exact.
+    for ([_]u32{ 10, 11, 12, 13, 14, 15 }) |block| {
+        var more = try Call.init(&.{block}, 0);
+        defer more.deinit();
+        more.with_pattern(0);
+        try more.run(harness.queue, .dump, 0);
+        try expect(more.all_ok());
+    }
+    try expectEqual(@as(u64, 0), counter(harness.queue, .wait_timeouts));
+    var load = try Call.init(&.{ 1, 2 }, 0);
+    defer load.deinit();
+    try load.run(harness.queue, .load, queue_module.task_flag_no_fill);
+    try expect(load.all_ok());
+    for (0..2) |i| try expect(load.exact(i, 3));
+    var twice = [2]u32{ slots[0], slots[0] };
+    try expect(!harness.queue.unpin(&twice)); // more uses than this process holds
+    var three = [3]u32{ slots[0], slots[1], slots[1] };
+    try expect(!harness.queue.unpin(&three)); // more than are pinned
+    try expect(harness.queue.unpin(slots[0..2]));
+    try expectEqual(@as(u32, 0), harness.queue.pinned);
+    // Unpinned: the next keys may evict them.
+    for ([_]u32{ 20, 21, 22, 23 }) |block| {
+        var more = try Call.init(&.{block}, 0);
+        defer more.deinit();
+        more.with_pattern(0);
+        try more.run(harness.queue, .dump, 0);
+    }
+    try expect((try harness.base.find_locked(&ids[0], 0)) == null);
+    try expect((try harness.base.find_locked(&ids[1], 0)) == null);
+    try expect_no_references(&harness);
+}
+
 test "queue: caller-copy entries are handed out with their Ready slot" {
     var harness: Harness = undefined;
     try harness.init(.{});
@@ -701,6 +749,7 @@ fn fuzz_seed(seed: u64, totals: *[queue_module.counter_count]u64) !void {
     // loader, another rank, a dump — writes the key's own pattern, so an `ok` entry must hold
     // exactly that pattern (not another key's bytes, not stale slot bytes, not zeros).
     var round: u32 = 0;
+    var pin_total: u32 = 0;
     while (round < fuzz_rounds) : (round += 1) {
         // A simulated rank: owns a few keys now; commits or dies while this rank's task runs.
         var other_slots: [3]u32 = undefined;
@@ -758,6 +807,19 @@ fn fuzz_seed(seed: u64, totals: *[queue_module.counter_count]u64) !void {
             for (call.entry_flags.?) |*flags| flags.* = if (random.boolean()) queue_module.entry_flag_caller_copy else 0;
         }
         const token = try call.submit(harness.queue, kind, if (no_fill) queue_module.task_flag_no_fill else 0);
+        // Pins taken while the task runs (this rank's other thread): up to two keys, any shard.
+        var pin_keys: [2]u32 = undefined;
+        var pin_ids: [2]BlockId = undefined;
+        var pin_shards: [2]u32 = undefined;
+        var pin_slots: [2]u32 = undefined;
+        const pin_count = random.uintLessThan(usize, 3);
+        for (0..pin_count) |i| {
+            pin_keys[i] = random.uintLessThan(u32, fuzz_blocks * 3);
+            pin_ids[i] = block_id_of(pin_keys[i] / 3);
+            pin_shards[i] = pin_keys[i] % 3;
+        }
+        const pinned = harness.queue.pin(pin_ids[0..pin_count], pin_shards[0..pin_count], pin_slots[0..pin_count]);
+        pin_total += pinned;
         // The other rank finishes its loads (or dies) while the task runs.
         // 0: dies; 1-3: commits Ready, Failed or Missing now; 4: commits only after the task
         // (a live owner slower than the waiter's timeout: the waiter loads it from below).
@@ -794,8 +856,23 @@ fn fuzz_seed(seed: u64, totals: *[queue_module.counter_count]u64) !void {
                 },
             }
         }
+        // A pinned slot was never reused: it still holds its key's bytes, and is Ready.
+        var unpin: [2]u32 = undefined;
+        var unpin_count: usize = 0;
+        for (pin_slots[0..pin_count], pin_keys[0..pin_count]) |slot, key| {
+            if (slot == buffer_module.slot_none) continue;
+            const bytes: [*]const u8 = @ptrFromInt(harness.queue.slot_address_of(slot));
+            try expect(matches_pattern(bytes[0..shard_size_bytes], &block_id_of(key / 3), key % 3, 0));
+            try expectEqual(@intFromEnum(buffer_module.State.ready), harness.base.slots[slot].state.load(.acquire));
+            unpin[unpin_count] = slot;
+            unpin_count += 1;
+        }
+        try expectEqual(@as(usize, pinned), unpin_count);
+        try expect(harness.queue.unpin(unpin[0..unpin_count]));
+        try expectEqual(@as(u32, 0), harness.queue.pinned);
         try expectEqual(@as(u32, 0), harness.queue.held_slot_count());
     }
+    try expect(pin_total > 0);
     try expect(harness.queue.drain(10 * std.time.ns_per_s));
     try expect_no_references(&harness);
     for (totals, 0..) |*total, index| total.* += harness.queue.counter_value(@enumFromInt(index));

@@ -6,6 +6,7 @@ exactly: a plugin that writes asynchronously must hold its own reference until w
 
 from __future__ import annotations
 
+import gc
 import math
 import multiprocessing as mp
 import os
@@ -403,6 +404,49 @@ def _close_lookup(client: Any, server: Any) -> None:
     server.close()
 
 
+# ---- pins hold in the CacheBuffer -------------------------------------------------------------
+
+
+def test_a_pinned_chunk_survives_buffer_pressure_until_unpinned(unique_id: str) -> None:
+    """Issue 24 defect 4: LMCache's lookup pin (StorageManager.batched_contains(pin=True)) holds
+    the chunk in the CacheBuffer (every worker's shard of it, node-wide), so puts of many more
+    chunks than the buffer holds evict everything else until LMCache unpins; then the chunk
+    goes like the rest. A buffer-only stack of 8 chunks, L1 off."""
+    stack = {
+        "unique_id": unique_id,
+        "tiers": [{"type": "buffer", "capacity": 8 * lm.CHUNK_BYTES}],
+    }
+    sm = lm.storage_manager(lm.config(stack, local_cpu=False), lm.metadata())
+    try:
+        backend = sm.storage_backends["ucm"]
+        kept = _store(sm, [1, 2])
+        assert sm.batched_contains(kept, pin=True) == (2, {"ucm": kept})
+        assert [backend.pinned(k) for k in kept] == [1, 1]
+        for first in range(100, 140, 4):  # 40 chunks through the 6 other slots
+            _store(sm, range(first, first + 4))
+        assert backend.stats()["ucm"]["tiers"][0]["evictions"] >= 34
+        assert backend.batched_contains(kept) == 2
+        assert [backend.held_shards(k) for k in kept] == [1, 1]
+        assert backend.stats()["ucm"]["tiers"][0]["held_slots"] == 2
+        got = sm.batched_get(kept, location="ucm")
+        assert [lm.content(g) for g in got] == [lm.chunk_bytes(1), lm.chunk_bytes(2)]
+        for g in got:
+            g.ref_count_down()
+        sm.batched_unpin(kept)
+        assert [backend.pinned(k) for k in kept] == [0, 0]
+        assert [backend.held_shards(k) for k in kept] == [0, 0]
+        assert backend.stats()["ucm"]["tiers"][0]["held_slots"] == 0
+        for first in range(200, 240, 4):
+            _store(sm, range(first, first + 4))
+        assert backend.batched_contains(kept) == 0
+        stats = backend.stats()
+        assert stats["lmcache"]["pinned_keys"] == 0
+        assert stats["ucm"]["pinned_shards"] == stats["ucm"]["unpinned_shards"] == 2
+        assert lm.active_allocations(sm) == 0
+    finally:
+        sm.close()
+
+
 # ---- two LMCache worker processes of one node share one CacheBuffer ------------------------------
 
 
@@ -538,6 +582,175 @@ def test_corrupt_posix_shard_is_a_miss(tmp_path: Path) -> None:
         assert backend.get_blocking(keys[0]) is None
     finally:
         sm.close()
+
+
+# ---- a get that raises anything is a miss: nothing leaks, the async path answers -------------
+
+
+def _fail_loads(backend: Any, how: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Makes every load of ``backend`` fail the way ``how`` says; returns the error's name."""
+    store = backend.store
+    if how == "closed-store":  # real: the store is closed under the plugin
+        store.close()
+        return "StoreClosedError"
+    if how == "queue-timeout":  # what a load queue full for queue_timeout_s raises
+
+        def full(*args: Any) -> Any:
+            raise TimeoutError("the load queue stayed full for 60.0 s (queue_timeout_s)")
+
+        monkeypatch.setattr(store, "load_data", full)
+        return "TimeoutError"
+
+    def broken(task: Any) -> None:  # any other error, raised while waiting
+        raise RuntimeError("injected: the wait failed")
+
+    monkeypatch.setattr(store, "wait", broken)
+    return "RuntimeError"
+
+
+@pytest.mark.parametrize("how", ["closed-store", "queue-timeout", "wait-raises"])
+def test_a_load_that_raises_is_a_miss_and_frees_every_allocation(
+    manager: Any, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24 defect 3: every error of a load (not only a TaskError) is a miss to LMCache,
+    through StorageManager.batched_get and the plugin's blocking gets, and every MemoryObj
+    allocated for the batch goes back to LMCache's pool: no leak, no garbage-collection line."""
+    backend = manager.storage_backends["ucm"]
+    keys = _store(manager, [21, 22, 23, 24])
+    assert manager.batched_remove(keys, locations=["LocalCPUBackend"]) == 4
+    baseline = lm.active_allocations(manager)
+    assert backend.batched_contains(keys) == 4
+    name = _fail_loads(backend, how, monkeypatch)
+    with lm.lmcache_logs() as logs:
+        assert manager.batched_get(keys, location="ucm") == [None] * 4
+        assert backend.get_blocking(keys[0]) is None
+        assert backend.batched_get_blocking([*keys, keys[1]]) == [None] * 5
+        assert lm.active_allocations(manager) == baseline
+        gc.collect()
+    assert not [m for m in logs.messages() if "garbage collected" in m], logs.messages()
+    counters = backend.stats()["lmcache"]
+    assert counters["get_misses"] == 10 and counters["get_errors"] == 10
+    assert counters.get("get_hits", 0) == 0
+    if how != "closed-store":  # the store still serves once the failure is gone
+        monkeypatch.undo()
+        got = backend.batched_get_blocking(keys)
+        assert [lm.content(g) for g in got] == [lm.chunk_bytes(h) for h in (21, 22, 23, 24)]
+        for g in got:
+            g.ref_count_down()
+        assert lm.active_allocations(manager) == baseline
+    assert name in {"StoreClosedError", "TimeoutError", "RuntimeError"}
+
+
+def test_a_prefetch_whose_load_raises_answers_and_releases_its_pins(
+    unique_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The async path (LMCache's real lookup client and server): a load that raises during the
+    prefetch answers the scheduler (0 tokens), releases the lookup's pins and frees the
+    prefetch's allocations."""
+    from lmcache.v1.lookup_client.lmcache_async_lookup_client import (
+        LMCacheAsyncLookupClient,
+        LMCacheAsyncLookupServer,
+    )
+
+    cfg = lm.config(
+        buffer_over_posix(unique_id, tmp_path),
+        local_cpu=False,
+        enable_async_loading=True,
+        lookup_timeout_ms=120_000,
+    )
+    meta = lm.metadata(engine_id=f"ucm-{uuid.uuid4().hex[:10]}")
+    engine = lm.engine(cfg, meta)
+    server = LMCacheAsyncLookupServer(engine, meta)
+    engine.post_init(async_lookup_server=server)
+    client = LMCacheAsyncLookupClient(cfg, meta)
+    try:
+        sm = engine.storage_manager
+        backend = sm.storage_backends["ucm"]
+        tokens = torch.arange(7000, 7000 + TOKENS)
+        src, slots = lm.paged_kv(TOKENS, SLOTS, seed=3)
+        engine.store(tokens, kvcaches=src, slot_mapping=slots)
+        assert backend.flush(timeout_s=60)
+        assert lm.active_allocations(sm) == 0
+        _fail_loads(backend, "queue-timeout", monkeypatch)
+        with lm.lmcache_logs() as logs:
+            assert client.lookup_cache("req-fail") == -1  # unknown: the scheduler then asks
+            client.lookup(tokens, "req-fail")
+            deadline = time.monotonic() + 90
+            hit = None
+            while hit is None and time.monotonic() < deadline:
+                hit = client.lookup_cache("req-fail")
+            assert hit == 0  # answered: nothing was prefetched
+            counters = backend.stats()["lmcache"]
+            assert counters["lookup_hits"] == 4  # the lookup itself found (and pinned) all 4
+            assert counters["pinned_keys"] == 0 and counters["lookups_pinned"] == 0
+            assert counters["get_misses"] == 4 and counters["get_errors"] == 4
+            ucm_counters = backend.stats()["ucm"]  # the buffer released what the pins held
+            assert ucm_counters["pinned_shards"] == ucm_counters["unpinned_shards"] == 4
+            assert ucm_counters["tiers"][0]["held_slots"] == 0
+            assert lm.active_allocations(sm) == 0
+            gc.collect()
+        assert not [m for m in logs.messages() if "garbage collected" in m], logs.messages()
+    finally:
+        monkeypatch.undo()
+        _close_lookup(client, server)
+        lm.destroy(engine)
+
+
+# ---- small leaks: lookup pins without a prefetch, a put batch that fails partway -------------
+
+
+def test_lookup_pins_without_a_prefetch_expire(manager: Any) -> None:
+    """Issue 24 defect 7: an async lookup's pins wait for its prefetch; a prefetch that never
+    comes no longer keeps them (and their lookup id) forever: beyond lookup_pins_max lookups
+    the oldest is released, and after lookup_pin_ttl_s every one is."""
+    import asyncio
+
+    backend = manager.storage_backends["ucm"]
+    keys = _store(manager, [31, 32])
+    backend.lookup_pins_max = 2
+    for n in range(3):
+        assert asyncio.run(backend.batched_async_contains(f"lk-{n}", keys, pin=True)) == 2
+    # Three lookups pinned both keys; the oldest went over the bound of 2.
+    assert [backend.pinned(k) for k in keys] == [2, 2]
+    counters = backend.stats()["lmcache"]
+    assert counters["lookups_pinned"] == 2 and counters["lookup_pins_expired"] == 1
+    backend.lookup_pin_ttl_s = 0.2
+    time.sleep(0.5)
+    assert asyncio.run(backend.batched_async_contains("lk-new", keys[:1], pin=True)) == 1
+    assert [backend.pinned(k) for k in keys] == [1, 0]  # only lk-new's pin is left
+    counters = backend.stats()["lmcache"]
+    assert counters["lookups_pinned"] == 1 and counters["lookup_pins_expired"] == 3
+    # The prefetch of an expired lookup releases nothing twice; lk-new's releases its pin.
+    loaded = asyncio.run(backend.batched_get_non_blocking("lk-0", keys))
+    assert [backend.pinned(k) for k in keys] == [1, 0]
+    for obj in loaded:
+        obj.ref_count_down()
+    loaded = asyncio.run(backend.batched_get_non_blocking("lk-new", keys[:1]))
+    assert [lm.content(o) for o in loaded] == [lm.chunk_bytes(31)]
+    loaded[0].ref_count_down()
+    counters = backend.stats()["lmcache"]
+    assert counters["pinned_keys"] == 0 and counters["lookups_pinned"] == 0
+
+
+def test_a_put_batch_that_fails_partway_leaves_nothing_in_flight(manager: Any) -> None:
+    """Issue 24 defect 7: a key the plugin refuses in the middle of a batch (another world
+    size) fails the batch's submission without keeping the earlier keys in flight or their
+    objects' references (a flush then returns at once, and the chunks can be put again)."""
+    backend = manager.storage_backends["ucm"]
+    baseline = lm.active_allocations(manager)
+    keys = [lm.key(41), lm.key(42, world_size=2), lm.key(43)]
+    objs = [lm.filled(manager, h) for h in (41, 42, 43)]
+    assert backend.batched_submit_put_task(keys, objs) is None
+    assert [backend.exists_in_put_tasks(k) for k in keys] == [False] * 3
+    assert [obj.get_ref_count() for obj in objs] == [1] * 3
+    assert backend.stats()["lmcache"]["puts_in_flight"] == 0
+    assert backend.flush(timeout_s=5)
+    futures = backend.batched_submit_put_task([keys[0], keys[2]], [objs[0], objs[2]])
+    assert futures is not None and [f.result(timeout=60) for f in futures] == [True, True]
+    for obj in objs:
+        obj.ref_count_down()
+    assert lm.active_allocations(manager) == baseline
+    assert backend.batched_contains([keys[0], keys[2]]) == 2
 
 
 # ---- bad plugin configs: errors that name the key ------------------------------------------------

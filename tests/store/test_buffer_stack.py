@@ -6,6 +6,7 @@ import itertools
 import multiprocessing as mp
 import time
 import uuid
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -219,3 +220,127 @@ def test_buffer_opens_lazily_and_reports_what_is_resident(tmp_path: Path) -> Non
         stats = store.stats()["tiers"][0]
         assert stats["resident_bytes"] == stats["data_bytes"] == 64 * SHARD
         assert stats["populate_failed"] == 0
+
+
+# ---- pins: what is Ready in the buffer stays there until unpinned ---------------------------
+
+
+def _dump_all_shards(store: ucm.Store, blocks: list[bytes], shards: int) -> None:
+    for shard in range(shards):
+        store.wait(store.dump(blocks, shard, [[shard_tensor(b, shard)] for b in blocks]))
+
+
+def _buffer_only(slots: int, shards: int) -> dict[str, Any]:
+    return {
+        "unique_id": f"t-{uuid.uuid4().hex[:12]}",
+        "shard_size": SHARD,
+        "shards_per_block": shards,
+        "tiers": [{"type": "buffer", "capacity": slots * SHARD}],
+    }
+
+
+def test_a_pinned_block_survives_buffer_pressure_until_unpinned() -> None:
+    """Store.pin holds every Ready shard of a block in the buffer: dumps of many more blocks
+    than the buffer holds evict everything else, never the pinned shards; unpinned, they go
+    like the rest. Absent blocks are pinned with nothing held, and take no slot."""
+    with ucm.open(_buffer_only(slots=8, shards=2)) as store:
+        kept = [block(1), block(2)]
+        _dump_all_shards(store, kept, 2)
+        pins = store.pin([*kept, block(3)])
+        assert [pin.held for pin in pins] == [2, 2, 0]
+        assert store.lookup([block(3)]) == [False]
+        assert store.stats()["tiers"][0]["held_slots"] == 4  # the pins' references
+        pressure = [block(i) for i in range(10, 30)]
+        for start in range(0, len(pressure), 2):  # 20 blocks (40 shards) through 4 free slots
+            _dump_all_shards(store, pressure[start : start + 2], 2)
+        assert store.stats()["tiers"][0]["evictions"] >= 36
+        assert store.lookup(kept) == [True, True]
+        dst = [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in kept]
+        store.wait(store.load(kept, 1, dst))
+        assert [d[0].numpy().tobytes() for d in dst] == [payload(b, 1, SHARD) for b in kept]
+        store.unpin(pins)
+        store.unpin(pins)  # a second release is a no-op
+        assert store.stats()["tiers"][0]["held_slots"] == 0
+        for start in range(0, len(pressure), 2):  # two clock sweeps and more
+            _dump_all_shards(store, pressure[start : start + 2], 2)
+        assert store.lookup(kept) == [False, False]
+        stats = store.stats()
+        assert stats["pinned_shards"] == stats["unpinned_shards"] == 4
+        with pytest.raises(ucm.InvalidArgumentError, match="pins must be a list of the Pin"):
+            store.unpin(pins[0])  # type: ignore[arg-type]
+        # The binding refuses what the native side would misread, and pins nothing for it.
+        queue = store.tiers[0].queue
+        with pytest.raises(ucm.InvalidArgumentError, match="ids has 15 bytes: expected 16"):
+            queue.pin(b"x" * 15, array("I", [0]))
+        slot = queue.pin(block(29), array("I", [0]))[0]  # Ready: the last pressure block
+        with pytest.raises(ucm.InvalidArgumentError, match="unpin: the native load queue refused"):
+            queue.unpin(array("I", [slot, slot]))  # more pins than taken
+        queue.unpin(array("I", [slot]))
+        assert store.stats()["tiers"][0]["held_slots"] == 0
+
+
+def test_pins_hold_nothing_without_a_buffer_and_are_released_at_close(tmp_path: Path) -> None:
+    posix_only = {
+        "unique_id": f"t-{uuid.uuid4().hex[:12]}",
+        "shard_size": SHARD,
+        "shards_per_block": 1,
+        "tiers": [{"type": "posix", "path": str(tmp_path / "nvme")}],
+    }
+    with ucm.open(posix_only) as store:
+        _dump_all_shards(store, [block(1)], 1)
+        assert [pin.held for pin in store.pin([block(1)])] == [0]
+    config = _buffer_only(slots=4, shards=1)
+    store = ucm.open(config)
+    _dump_all_shards(store, [block(1)], 1)
+    assert [pin.held for pin in store.pin([block(1)])] == [1]
+    store.close()  # releases the pin: another process's store can evict the block
+    with ucm.open(config) as again:
+        _dump_all_shards(again, [block(i) for i in range(10, 18)], 1)
+        assert again.lookup([block(1)]) == [False]
+
+
+def _pinning_rank(config: dict[str, Any], barrier: Any, out: Any) -> None:
+    try:
+        with ucm.open(config, device_id=1, local_rank_size=2) as store:
+            barrier.wait(timeout=60)  # rank 0 has dumped the blocks
+            pins = store.pin([block(1), block(2)])
+            out.put([pin.held for pin in pins])
+            barrier.wait(timeout=120)  # rank 0 applied pressure and looked
+            store.unpin(pins)
+            barrier.wait(timeout=60)  # unpinned
+            barrier.wait(timeout=120)  # rank 0 applied pressure again and looked
+    except Exception as exc:  # reported to the test
+        out.put(repr(exc))
+        barrier.abort()
+
+
+@pytest.mark.timeout(180)
+def test_a_pin_in_one_rank_holds_against_another_ranks_evictions() -> None:
+    """The pins of one process hold node-wide: rank 1 pins two blocks, and rank 0's dumps
+    (its own process, the same buffer) evict everything else until rank 1 unpins."""
+    config = _buffer_only(slots=8, shards=2)
+    context = mp.get_context("spawn")
+    barrier, out = context.Barrier(2), context.Queue()
+    other = context.Process(target=_pinning_rank, args=(config, barrier, out))
+    other.start()
+    try:
+        with ucm.open(config, device_id=0, local_rank_size=2) as store:
+            kept = [block(1), block(2)]
+            _dump_all_shards(store, kept, 2)
+            barrier.wait(timeout=120)
+            assert out.get(timeout=120) == [2, 2]
+            pressure = [block(i) for i in range(10, 30)]
+            for start in range(0, len(pressure), 2):
+                _dump_all_shards(store, pressure[start : start + 2], 2)
+            assert store.lookup(kept) == [True, True]
+            barrier.wait(timeout=60)
+            barrier.wait(timeout=60)  # rank 1 has unpinned
+            for start in range(0, len(pressure), 2):  # two clock sweeps and more
+                _dump_all_shards(store, pressure[start : start + 2], 2)
+            assert store.lookup(kept) == [False, False]
+            barrier.wait(timeout=60)
+    finally:
+        other.join(timeout=60)
+        if other.is_alive():
+            other.kill()
+    assert other.exitcode == 0

@@ -33,6 +33,13 @@ has handed them to every backend; this plugin writes asynchronously, so it takes
 reference (``ref_count_up``) at submit time and drops it when UCM's dump task has finished with
 the object's memory. Retrieved objects are allocated from ``local_cpu_backend.allocate`` and
 handed to LMCache with the single reference the allocation made (a miss frees its allocation).
+
+**Errors.** A get never raises on a worker: any error of a load is a miss for its batch (every
+allocation freed), and a prefetch always answers and releases its lookup's pins.
+
+**Pins.** A pin is a :meth:`~ucm.Store.pin` of the chunk's block: every worker's shard of it that
+is Ready in the CacheBuffer stays there (no eviction, node-wide) until the pin is released;
+shards below the buffer are not held. Pins of async lookups whose prefetch never comes expire.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from .. import REMOVE_CHUNK_KEYS, Store, TaskError
+from .. import REMOVE_CHUNK_KEYS, Pin, Store, TaskError
 from .. import open as open_store
 from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, RoleError, UcmError
 from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id
@@ -71,6 +78,12 @@ MODULE_PATH = __name__
 DEFAULT_PLUGIN_NAME = "ucm"
 FLUSH_TIMEOUT_S = 600.0
 """close() waits at most this long for puts still being written (then logs what it dropped)."""
+LOOKUP_PIN_TTL_S = 300.0
+"""The pins an async lookup took are released by its prefetch; when no prefetch comes for this
+long, they are released anyway (a plugin's ``lookup_pin_ttl_s``)."""
+LOOKUP_PINS_MAX = 4096
+"""Most async lookups whose pins wait for their prefetch at once; beyond it the oldest lookup's
+pins are released (a plugin's ``lookup_pins_max``)."""
 
 UcmKey = tuple[bytes, int]
 
@@ -243,8 +256,14 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         self._completer.start()
         # Pins: LMCache's lookup pins (and explicit pin()), counted per key.
         self._pin_lock = threading.Lock()
-        self._pins: Counter[CacheEngineKey] = Counter()
-        self._lookup_pins: dict[str, list[CacheEngineKey]] = {}
+        # key -> one Store pin per pin of the key (the shards it holds in the CacheBuffer).
+        self._pins: dict[CacheEngineKey, list[Pin]] = {}
+        # lookup id -> (when it pinned, the keys): released by that lookup's prefetch, or,
+        # for a prefetch that never runs, once older than lookup_pin_ttl_s or beyond
+        # lookup_pins_max lookups (oldest first).
+        self._lookup_pins: dict[str, tuple[float, list[CacheEngineKey]]] = {}
+        self.lookup_pin_ttl_s = LOOKUP_PIN_TTL_S
+        self.lookup_pins_max = LOOKUP_PINS_MAX
         # Async lookups and prefetches run here, off LMCache's event loop.
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ucm-lmcache")
         self._closed = False
@@ -314,39 +333,85 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         if not keys:
             return 0
         blocks = [self.ucm_key(key)[0] for key in keys]
-        hits = self.store.lookup_on_prefix(blocks) + 1
+        # Pinned before the look-up: what the buffer holds then cannot be evicted after it.
+        holds = self.store.pin(blocks) if pin else []
+        try:
+            hits = self.store.lookup_on_prefix(blocks) + 1
+        except BaseException:
+            self.store.unpin(holds)
+            raise
+        self.store.unpin(holds[hits:])
         self._count("lookups")
         self._count("lookup_keys", len(keys))
         self._count("lookup_hits", hits)
         if pin and hits:
+            expired: list[CacheEngineKey] = []
             with self._pin_lock:
-                self._pins.update(keys[:hits])
+                for key, hold in zip(keys[:hits], holds[:hits], strict=True):
+                    self._pins.setdefault(key, []).append(hold)
                 if lookup_id is not None:
-                    self._lookup_pins.setdefault(lookup_id, []).extend(keys[:hits])
+                    _, earlier = self._lookup_pins.pop(lookup_id, (0.0, []))
+                    self._lookup_pins[lookup_id] = (time.monotonic(), [*earlier, *keys[:hits]])
+                    expired = self._expire_lookup_pins()
+            for key in expired:
+                self.unpin(key)
         return hits
+
+    def _expire_lookup_pins(self) -> list[CacheEngineKey]:
+        """Drops the lookups whose prefetch never came (older than ``lookup_pin_ttl_s``, or
+        the oldest beyond ``lookup_pins_max``); returns their keys, to unpin. Pin lock held."""
+        deadline = time.monotonic() - self.lookup_pin_ttl_s
+        keys: list[CacheEngineKey] = []
+        expired = 0
+        for lookup_id in list(self._lookup_pins):  # oldest first (insertion order)
+            pinned_at, pinned = self._lookup_pins[lookup_id]
+            if pinned_at > deadline and len(self._lookup_pins) <= self.lookup_pins_max:
+                break
+            del self._lookup_pins[lookup_id]
+            keys.extend(pinned)
+            expired += 1
+        if expired:
+            self._count("lookup_pins_expired", expired)
+            logger.warning(
+                "UCM released the pins of %d LMCache lookup(s) whose prefetch never came "
+                "(older than %.0f s, or beyond %d lookups pinned at once)",
+                expired,
+                self.lookup_pin_ttl_s,
+                self.lookup_pins_max,
+            )
+        return keys
 
     # ---- pins ---------------------------------------------------------------------------------
 
     def pin(self, key: CacheEngineKey) -> bool:
-        """Keeps ``key`` from ``remove``/``batched_remove`` without ``force``; False if absent."""
+        """Holds ``key``'s chunk: every worker's shard of it that is in the CacheBuffer stays
+        there (no eviction, on any rank of the node) and ``remove``/``batched_remove`` without
+        ``force`` keep it, until :meth:`unpin`. False if absent."""
         return self._prefix([key], True, None) == 1
 
     def unpin(self, key: CacheEngineKey) -> bool:
         """Releases one pin of ``key``; False if it had none."""
         with self._pin_lock:
-            count = self._pins.get(key, 0)
-            if count <= 0:
+            holds = self._pins.get(key)
+            if not holds:
                 return False
-            if count == 1:
+            hold = holds.pop()
+            if not holds:
                 del self._pins[key]
-            else:
-                self._pins[key] = count - 1
-            return True
+        self.store.unpin([hold])
+        return True
 
     def pinned(self, key: CacheEngineKey) -> int:
         """How many pins ``key`` holds (0 when none)."""
         with self._pin_lock:
-            return self._pins.get(key, 0)
+            return len(self._pins.get(key, ()))
+
+    def held_shards(self, key: CacheEngineKey) -> int:
+        """How many shards of ``key``'s chunk its newest pin holds in the CacheBuffer (0 when
+        it has no pin, or the chunk is below the buffer only)."""
+        with self._pin_lock:
+            holds = self._pins.get(key)
+            return holds[-1].held if holds else 0
 
     # ---- puts ---------------------------------------------------------------------------------
 
@@ -368,19 +433,19 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 f"keys has {len(keys)} entries but objs has {len(objs)}: one object per key"
             )
         puts: list[_Put] = []
-        with self._put_lock:
-            for key, obj in zip(keys, objs, strict=True):
-                if key in self._in_flight:
-                    continue  # already being written
-                if not self._writable(obj):
-                    continue
-                ucm_key = self.ucm_key(key)
-                obj.ref_count_up()
-                self._in_flight[key] = obj
-                puts.append(_Put(key, ucm_key, obj, Future()))
-        if not puts:
-            return None
         try:
+            with self._put_lock:
+                for key, obj in zip(keys, objs, strict=True):
+                    if key in self._in_flight:
+                        continue  # already being written
+                    if not self._writable(obj):
+                        continue
+                    ucm_key = self.ucm_key(key)
+                    obj.ref_count_up()
+                    self._in_flight[key] = obj
+                    puts.append(_Put(key, ucm_key, obj, Future()))
+            if not puts:
+                return None
             present = self.store.lookup([put.ucm_key[0] for put in puts])
             already = [put for put, hit in zip(puts, present, strict=True) if hit]
             puts = [put for put, hit in zip(puts, present, strict=True) if not hit]
@@ -495,10 +560,26 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
     ) -> list[MemoryObj]:
-        """Prefetch (LMCache's async loading): the loaded prefix of ``keys``."""
-        loop = asyncio.get_running_loop()
-        objs = await loop.run_in_executor(self._executor, self._load, list(keys), False)
-        self._release_lookup_pins(lookup_id, keys)
+        """Prefetch (LMCache's async loading): the loaded prefix of ``keys``. Never raises
+        (LMCache answers the scheduler from this result): a failure is an empty prefix, and the
+        lookup's pins are released either way."""
+        try:
+            loop = asyncio.get_running_loop()
+            objs = await loop.run_in_executor(self._executor, self._load, list(keys), False)
+        except Exception as exc:  # e.g. the plugin closed under the prefetch
+            self._count("get_misses", len(keys))
+            self._count("get_errors", len(keys))
+            logger.warning(
+                "UCM could not prefetch %d LMCache chunk(s) for lookup %s, answering misses: "
+                "%s: %s",
+                len(keys),
+                lookup_id,
+                type(exc).__name__,
+                exc,
+            )
+            objs = []
+        finally:
+            self._release_lookup_pins(lookup_id, keys)
         loaded: list[MemoryObj] = []
         for obj in objs:
             if obj is None:
@@ -510,17 +591,41 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         return loaded
 
     def _load(self, keys: list[CacheEngineKey], busy_loop: bool) -> list[MemoryObj | None]:
+        """One UCM load for ``keys``: an object per hit, None per miss. Never raises once the
+        role is checked: any failure (a load queue full past ``queue_timeout_s``, a closed
+        store, an error of UCM's or of LMCache's allocator) is a miss for the keys it hit,
+        and every object allocated for them is freed (LMCache recomputes misses)."""
         self._check_worker("get")
+        allocated: list[MemoryObj] = []
+        try:
+            return self._load_into(keys, busy_loop, allocated)
+        except Exception as exc:
+            for obj in allocated:
+                obj.ref_count_down()  # frees the allocation
+            self._count("get_misses", len(keys))
+            self._count("get_errors", len(keys))
+            logger.warning(
+                "UCM could not load %d LMCache chunk(s), answering misses: %s: %s",
+                len(keys),
+                type(exc).__name__,
+                exc,
+            )
+            return [None] * len(keys)
+
+    def _load_into(
+        self, keys: list[CacheEngineKey], busy_loop: bool, allocated: list[MemoryObj]
+    ) -> list[MemoryObj | None]:
+        """The body of :meth:`_load`; each allocation is appended to ``allocated`` as soon as
+        it is made, so that the caller can free them all when anything raises."""
         allocator = self.local_cpu_backend
         assert allocator is not None
+        ucm_keys = [self.ucm_key(key) for key in keys]
         results: list[MemoryObj | None] = [None] * len(keys)
         first: dict[UcmKey, int] = {}
         duplicates: list[tuple[int, int]] = []
         chosen: list[int] = []
         chosen_keys: list[UcmKey] = []
-        chosen_objs: list[MemoryObj] = []
-        for index, key in enumerate(keys):
-            ucm_key = self.ucm_key(key)
+        for index, ucm_key in enumerate(ucm_keys):
             if ucm_key in first:
                 duplicates.append((index, first[ucm_key]))
                 continue
@@ -537,15 +642,14 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                     len(keys),
                 )
                 break
+            allocated.append(obj)
             first[ucm_key] = index
-            results[index] = obj
             chosen.append(index)
             chosen_keys.append(ucm_key)
-            chosen_objs.append(obj)
         failed: dict[UcmKey, Any] = {}
         if chosen:
             self._count("loads")
-            pointers = [self._pointers(obj) for obj in chosen_objs]
+            pointers = [self._pointers(obj) for obj in allocated]
             try:
                 self.store.wait(
                     self.store.load_data(
@@ -554,10 +658,12 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 )
             except TaskError as exc:
                 failed = dict(exc.failures)
-            for index, ucm_key, obj in zip(chosen, chosen_keys, chosen_objs, strict=True):
-                if ucm_key in failed:
-                    obj.ref_count_down()  # frees the allocation
-                    results[index] = None
+        for index, ucm_key, obj in zip(chosen, chosen_keys, allocated, strict=True):
+            if ucm_key in failed:
+                obj.ref_count_down()  # frees the allocation
+            else:
+                results[index] = obj
+        allocated.clear()  # from here on every object is the caller's (or freed above)
         for index, source in duplicates:  # the same chunk twice: one object, two references
             original = results[source]
             if original is not None:
@@ -574,7 +680,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
 
     def _release_lookup_pins(self, lookup_id: str, keys: Sequence[CacheEngineKey]) -> None:
         with self._pin_lock:
-            pinned = self._lookup_pins.pop(lookup_id, None)
+            _, pinned = self._lookup_pins.pop(lookup_id, (0.0, []))
         if not pinned:
             return
         # Keys this lookup pinned but did not fetch (a tail LMCache rounded off) are unpinned
@@ -601,11 +707,11 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             with self._pin_lock:
                 self._count("remove_lock_acquisitions")
                 if force:
-                    for key in part:
-                        self._pins.pop(key, None)
+                    dropped = [hold for key in part for hold in self._pins.pop(key, ())]
+                    self.store.unpin(dropped)
                     chosen = part
                 else:
-                    chosen = [key for key in part if self._pins.get(key, 0) <= 0]
+                    chosen = [key for key in part if key not in self._pins]
                     self._count("remove_kept_pinned", len(part) - len(chosen))
                 if not chosen:
                     continue
@@ -645,6 +751,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             counters["puts_in_flight"] = len(self._in_flight)
         with self._pin_lock:
             counters["pinned_keys"] = len(self._pins)
+            counters["lookups_pinned"] = len(self._lookup_pins)
         return {"lmcache": counters, "ucm": self.store.stats()}
 
     def close(self) -> None:
@@ -660,6 +767,9 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         self._completions.put(None)
         self._completer.join(timeout=FLUSH_TIMEOUT_S)
         self._executor.shutdown(wait=True)
+        with self._pin_lock:  # the store's close releases what they hold
+            self._pins.clear()
+            self._lookup_pins.clear()
         self.store.close()
 
     # ---- helpers ------------------------------------------------------------------------------

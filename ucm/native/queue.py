@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ..errors import InvalidArgumentError, StoreClosedError, UcmError
 from ..layout import BLOCK_ID_BYTES
 from . import lib
-from .buffer import BufferCore, DirtyBatch
+from .buffer import SLOT_NONE, BufferCore, DirtyBatch
 
 COUNTER_NAMES = (
     "hits",
@@ -163,6 +163,8 @@ def _declare(handle: ctypes.CDLL) -> None:
             [usize, ctypes.POINTER(u32), u32, ptr, ptr, ptr],
         ),
         "ucm_queue_release": (i32, [usize, u32, ptr]),
+        "ucm_queue_pin": (ctypes.c_int64, [usize, u32, ptr, ptr, ptr]),
+        "ucm_queue_unpin": (i32, [usize, u32, ptr]),
     }
     del u8
     for name, (restype, argtypes) in signatures.items():
@@ -464,6 +466,46 @@ class NativeQueue:
         )
         if status < 0:
             self._raise(status, "release")
+
+    # -- pins ----------------------------------------------------------------------------------
+
+    def pin(self, ids: bytes, shards: array[int]) -> array[int]:
+        """Holds this process's reference on each key Ready in the buffer (16-byte ids
+        concatenated, one shard index each), so that no eviction takes it, until
+        :meth:`unpin`. Returns one slot per key, ``SLOT_NONE`` where nothing is held (the key
+        is not Ready here: a pin never allocates a slot nor starts a load)."""
+        count = len(shards)
+        if len(ids) != BLOCK_ID_BYTES * count:
+            raise InvalidArgumentError(
+                f"ids has {len(ids)} bytes: expected {BLOCK_ID_BYTES} per key, {count} keys"
+            )
+        slots = array("I", bytes(4 * count))
+        for start in range(0, count, STEP_KEYS_MAX):
+            end = min(count, start + STEP_KEYS_MAX)
+            part = array("I", shards[start:end])
+            out = array("I", bytes(4 * (end - start)))
+            pinned = self._native.ucm_queue_pin(
+                self._handle,
+                end - start,
+                ids[start * BLOCK_ID_BYTES : end * BLOCK_ID_BYTES],
+                part.buffer_info()[0],
+                out.buffer_info()[0],
+            )
+            if pinned < 0:
+                self.unpin(array("I", [s for s in slots[:start] if s != SLOT_NONE]))
+                self._raise(pinned, "pin")
+            slots[start:end] = out
+        return slots
+
+    def unpin(self, slots: array[int]) -> None:
+        """Drops pins taken with :meth:`pin` (its slots, ``SLOT_NONE`` left out)."""
+        for start in range(0, len(slots), STEP_KEYS_MAX):
+            scratch = array("I", slots[start : start + STEP_KEYS_MAX])  # reordered natively
+            status = self._native.ucm_queue_unpin(
+                self._handle, len(scratch), scratch.buffer_info()[0]
+            )
+            if status < 0:
+                self._raise(status, "unpin")
 
     # -- lifetime ----------------------------------------------------------------------------
 
