@@ -22,6 +22,8 @@ from ucm_backends.mooncake import (
 )
 
 import ucm
+from harness.mooncake import MooncakeMaster
+from harness.s3 import free_port
 from ucm.config import parse_stack
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Layout
@@ -36,8 +38,6 @@ from ucm.testing.conformance import (
     shard_bytes,
     split,
 )
-from ucm.testing.mooncake import MooncakeMaster
-from ucm.testing.s3 import free_port
 from ucm.tier import HOST_MEMORY_OPTION, TierContext
 
 from .conftest import mooncake_tier

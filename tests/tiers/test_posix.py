@@ -3,7 +3,6 @@ several processes on one directory."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import struct
 import threading
@@ -19,6 +18,7 @@ from ucm.config import parse_stack
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key, Layout
 from ucm.native.checksum import checksum
+from ucm.ranks import RankGroup
 from ucm.testing import make_context
 from ucm.testing.conformance import (
     assert_loads_exact,
@@ -400,22 +400,13 @@ def test_second_node_sees_blocks_of_the_first(tmp_path: Path) -> None:
 
 
 def test_two_processes_write_shards_of_the_same_blocks(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("spawn")
     blocks = block_ids(12)
     rounds = 4
-    barrier = ctx.Barrier(2)
-    workers = [
-        ctx.Process(
-            target=_workers.write_shard_rounds,
-            args=(str(tmp_path), LAYOUT, blocks, shard, rounds, barrier),
-        )
-        for shard in (0, 1)
-    ]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=120)
-    assert [w.exitcode for w in workers] == [0, 0]
+    with RankGroup(parties=2, join_timeout=120) as group:
+        for shard in (0, 1):
+            args = (str(tmp_path), LAYOUT, blocks, shard, rounds, group.barrier)
+            group.spawn(_workers.write_shard_rounds, *args)
+    assert group.join() == [0, 0]
     tier = posix_tier(tmp_path, LAYOUT)
     # Without the per-block lock, a read-modify-write would drop the other process's shard.
     assert_loads_exact(tier, LAYOUT.keys_of_blocks(blocks), salt=rounds - 1)
@@ -423,11 +414,9 @@ def test_two_processes_write_shards_of_the_same_blocks(tmp_path: Path) -> None:
 
 
 def test_temp_files_of_dead_processes_are_reaped(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    dead = ctx.Process(target=int)
-    dead.start()
-    dead.join(timeout=60)
-    assert dead.pid is not None
+    with RankGroup(parties=1) as group:
+        dead = group.spawn(int)
+    assert group.join() == [0] and dead.pid is not None
     tier = posix_tier(tmp_path, LAYOUT, capacity="1MiB")
     (block,) = block_ids(1)
     directory = Path(tier.block_path(block)).parent

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import multiprocessing
 import socket
 import struct
 import time
@@ -17,9 +16,11 @@ from ucm_backends.fsspec_tier import (
     default_request_timeout,
 )
 
+from harness.s3 import free_port
 from ucm.errors import KeyMissingError, TierError
 from ucm.layout import Layout
 from ucm.native.checksum import checksum
+from ucm.ranks import RankGroup
 from ucm.testing import make_context
 from ucm.testing.conformance import (
     assert_loads_exact,
@@ -28,7 +29,6 @@ from ucm.testing.conformance import (
     load_keys,
     shard_bytes,
 )
-from ucm.testing.s3 import free_port
 
 from . import _workers
 from .conftest import S3_BUCKET, fsspec_tier
@@ -40,11 +40,9 @@ def test_second_node_in_another_process_shares_blocks(
     s3_url: str, s3_options: dict[str, Any]
 ) -> None:
     blocks = block_ids(3)
-    ctx = multiprocessing.get_context("spawn")
-    node = ctx.Process(target=_workers.dump_to_fsspec, args=(s3_url, s3_options, LAYOUT, blocks))
-    node.start()
-    node.join(timeout=120)
-    assert node.exitcode == 0
+    with RankGroup(parties=1, join_timeout=120) as group:
+        group.spawn(_workers.dump_to_fsspec, s3_url, s3_options, LAYOUT, blocks)
+    assert group.join() == [0]
     tier = FsspecTier(
         FsspecConfig(url=s3_url, storage_options=s3_options),
         make_context(LAYOUT, unique_id="this-node"),
