@@ -58,6 +58,9 @@ class Codec(enum.IntEnum):
     NONE = 0
 
 
+_CODECS = frozenset(int(codec) for codec in Codec)
+
+
 class EnvelopeError(Exception):
     """A stored shard that is not usable data (see Foreign and Corrupt)."""
 
@@ -123,7 +126,7 @@ def parse(raw: bytes | bytearray | memoryview, key: Key, length: int) -> Envelop
         if version > VERSION:
             raise Foreign(f"envelope version {version}; this UCM reads {VERSION}")
         raise Corrupt(f"bad envelope version {version}")
-    if codec not in Codec._value2member_map_ or flags:
+    if codec not in _CODECS or flags:
         raise Corrupt(f"unknown codec {codec} or flags {flags:#x}")
     if size != length:
         raise Corrupt(f"shard size {size}, expected {length}")
