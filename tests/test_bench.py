@@ -16,10 +16,13 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+import ucm
 import ucm.bench
 from ucm.bench import BenchOptions, BenchResult, Figure, Plot
 from ucm.bench._runner import QUICK_SUITE_BUDGET_S, check_result, select
 from ucm.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -309,3 +312,27 @@ def test_every_discovered_benchmark_runs_quick_with_finite_figures(tmp_path: Pat
     # a busy machine may take longer. Finishing at all, within the generous bound of the
     # subprocess timeout above, is what this test holds it to.
     assert data["seconds"] <= elapsed
+
+
+def test_a_benchmark_finds_the_harness_in_the_checkout_or_says_it_needs_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # harness/ (test servers) is not in the wheel: from a checkout it is put on the path ...
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p or ".").resolve() != ROOT])
+    real_find_spec = ucm.bench.importlib.util.find_spec
+    monkeypatch.setattr(
+        ucm.bench.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "harness" else real_find_spec(name, *a),
+    )
+    ucm.bench.need_harness("mooncake_load")
+    assert sys.path[0] == str(ROOT)
+    # ... and an installed wheel (no checkout around it) is told what is missing.
+    monkeypatch.setattr(ucm.bench, "__file__", str(tmp_path / "site" / "ucm" / "bench" / "x.py"))
+    with pytest.raises(ucm.UcmError) as info:
+        ucm.bench.need_harness("mooncake_load")
+    assert str(info.value) == (
+        "benchmark 'mooncake_load' needs the repository's test harness (harness/: test servers "
+        "and engine drivers, which the wheel does not ship); run it from a UCM checkout "
+        "(pip install -e .)"
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import ucm.testing.mooncake
+import harness.mooncake
 from ucm.bench import BenchOptions
 from ucm.bench._runner import check_result
 from ucm.bench.mooncake_load import BENCHMARK
@@ -17,7 +17,7 @@ def test_without_mooncake_it_notes_why_and_measures_the_peers(
     monkeypatch: pytest.MonkeyPatch, tmp_path: object
 ) -> None:
     monkeypatch.delenv("CI", raising=False)
-    monkeypatch.setattr(ucm.testing.mooncake, "missing_reason", lambda: REASON)
+    monkeypatch.setattr(harness.mooncake, "missing_reason", lambda: REASON)
     result = BENCHMARK.run(BenchOptions(quick=True, workdir=str(tmp_path)))
     assert check_result(BENCHMARK, result) is None
     assert f"mooncake figures skipped: {REASON}" in result.notes
@@ -29,6 +29,6 @@ def test_without_mooncake_it_notes_why_and_measures_the_peers(
 
 def test_without_mooncake_under_ci_it_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CI", "true")
-    monkeypatch.setattr(ucm.testing.mooncake, "missing_reason", lambda: REASON)
+    monkeypatch.setattr(harness.mooncake, "missing_reason", lambda: REASON)
     with pytest.raises(RuntimeError, match="CI must run the mooncake benchmark: Mooncake is not"):
         BENCHMARK.run(BenchOptions(quick=True))

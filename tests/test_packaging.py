@@ -53,6 +53,29 @@ def test_wheel_is_platform_tagged_and_ships_the_native_library(tmp_path: Path) -
     assert "ucm/py.typed" in names
     assert not any(name.startswith("backends/") for name in names)
     assert "ucm = ucm.cli:main" in console
+    # Nothing that only tests and benchmarks use: the harness (test servers, the soak) and the
+    # tests stay in the repository; ucm.testing keeps what plugin authors use.
+    assert not any(name.startswith(("harness/", "tests/")) for name in names), sorted(names)
+    for moved in HARNESS_ONLY:
+        assert moved not in names, moved
+    assert {"ucm/testing/__init__.py", "ucm/testing/conformance.py"} <= names
+    assert "ucm/envelope.py" in names and "ucm/ranks.py" in names
+
+
+HARNESS_ONLY = ("ucm/soak.py", "ucm/testing/s3.py", "ucm/testing/mooncake.py")
+"""Modules that moved to the repository's harness/ (not shipped)."""
+
+
+def test_sdist_carries_the_harness_the_tests_import(tmp_path: Path) -> None:
+    from hatchling.builders.sdist import SdistBuilder
+
+    archive = Path(next(iter(SdistBuilder(str(ROOT)).build(directory=str(tmp_path)))))
+    with tarfile.open(archive) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    assert {"harness/__init__.py", "harness/s3.py", "harness/mooncake.py", "harness/soak.py"} <= (
+        names
+    )
+    assert "tests/conftest.py" in names
 
 
 def test_missing_native_library_says_how_to_rebuild(tmp_path: Path) -> None:

@@ -15,7 +15,6 @@ from rich.table import Table
 from . import cli_ops
 from .errors import ConfigError, PluginError
 from .sizes import format_size
-from .soak import soak_command
 
 app = typer.Typer(
     name="ucm",
@@ -152,7 +151,6 @@ def demo(
 
 app.command("bench")(cli_ops.bench)
 app.command("stats")(cli_ops.stats)
-app.command("soak")(soak_command)
 
 
 def _rate(part: int, whole: int) -> str:

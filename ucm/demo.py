@@ -9,9 +9,9 @@ them. Every loaded byte is checked against its key. The command prints hit rate 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
-import multiprocessing as mp
 import os
 import queue
 import random
@@ -19,6 +19,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from .ranks import RankGroup
 
 DEFAULT_STACK_YAML = """\
 # The demo's embedded stack: the node-wide shared-memory CacheBuffer over local disk.
@@ -177,52 +179,32 @@ def run_demo(
         stack = yaml.safe_load(text)
         stack["shards_per_block"] = settings.ranks
         load_stack(stack)  # validate before starting processes
-        context = mp.get_context("spawn")
-        barrier = context.Barrier(settings.ranks)
-        progress_queue = context.Queue()
-        results = context.Queue()
-        processes = [
-            context.Process(
-                target=_rank_main,
-                args=(rank, stack, settings, barrier, progress_queue, results),
-                name=f"ucm-demo-rank{rank}",
-            )
-            for rank in range(settings.ranks)
-        ]
-        for process in processes:
-            process.start()
         total = settings.requests * settings.ranks
         reports: list[RankReport] = []
-        with Progress(transient=True) as bar:
+        with RankGroup(parties=settings.ranks) as group, Progress(transient=True) as bar:
+            progress_queue = group.queue()
+            for rank in range(settings.ranks):
+                group.spawn(
+                    _rank_main,
+                    rank,
+                    stack,
+                    settings,
+                    group.barrier,
+                    progress_queue,
+                    group.results,
+                    name=f"ucm-demo-rank{rank}",
+                )
             job = bar.add_task("serving requests", total=total)
-            deadline = time.monotonic() + 600
-            while len(reports) < settings.ranks and time.monotonic() < deadline:
-                try:
-                    progress_queue.get(timeout=0.2)
-                    bar.advance(job)
-                except queue.Empty:
-                    pass
-                try:
+
+            def advance() -> None:
+                with contextlib.suppress(queue.Empty):
                     while True:
-                        reports.append(RankReport(**results.get_nowait()))
-                except queue.Empty:
-                    pass
-                if not any(process.is_alive() for process in processes):
-                    # Every rank exited: take what they reported and stop waiting (a rank that
-                    # died before reporting is listed below as "no report").
-                    time.sleep(0.2)
-                    try:
-                        while True:
-                            reports.append(RankReport(**results.get_nowait()))
-                    except queue.Empty:
-                        break
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
-        missing = {p.name for p in processes} - {f"ucm-demo-rank{r.rank}" for r in reports}
-        for name in sorted(missing):
-            reports.append(
-                RankReport(rank=int(name.removeprefix("ucm-demo-rank")), errors=["no report"])
-            )
+                        progress_queue.get_nowait()
+                        bar.advance(job)
+
+            # A rank that died before reporting is listed below as "no report".
+            arrived = group.reports(timeout=600, partial=True, tick=advance)
+            reports = [RankReport(**report) for report in arrived]
+        missing = set(range(settings.ranks)) - {report.rank for report in reports}
+        reports += [RankReport(rank=rank, errors=["no report"]) for rank in sorted(missing)]
         return sorted(reports, key=lambda r: r.rank)

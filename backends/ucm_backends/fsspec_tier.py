@@ -2,10 +2,11 @@
 s3fs, ``gs://``, ...), typically an object store shared by many nodes.
 
 Objects are keyed by (block id, shard index) only, never by ``unique_id``, so every node reading
-the same URL sees the same blocks: ``<url>/<hex[:2]>/<hex>/<shard>``. Each object is a 20-byte
-header (magic, XXH3-64 of the shard, length) followed by the shard; a short or corrupted object
-is deleted and its load fails with a TierError saying so (not a miss, so the stack repairs it
-from below).
+the same URL sees the same blocks: ``<url>/<hex[:2]>/<hex>/<shard>``. Each object is the shard
+envelope (``ucm.envelope``: codec, length, XXH3-64 of the shard, digest of its key) followed by
+the shard; a short or corrupted object is deleted and its load fails with a TierError saying so
+(not a miss, so the stack repairs it from below). An object of the format before the envelope
+(``UCF2``/``UCMF``) is deleted too and reads as a miss.
 ``<hex>/touch`` is a marker whose modification time records the block's last touch; with
 ``capacity`` set, an eviction pass drops whole blocks whose newest object is oldest.
 
@@ -20,7 +21,6 @@ import copy
 import datetime
 import os
 import secrets
-import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -36,15 +36,13 @@ from fsspec.registry import (  # type: ignore[import-untyped]
 from pydantic import Field
 
 import ucm
+from ucm import envelope
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
-from ucm.native.checksum import checksum
 from ucm.tier import REMOVE_CHUNK_KEYS, Outcome, ShardViews, Tier, TierContext, chunks, scatter
 
-MAGIC = b"UCF2"  # "UCMF" objects carried a crc32: they read as corrupt and are replaced
-_HEADER = struct.Struct("<4sQQ")
-HEADER_BYTES = _HEADER.size
+HEADER_BYTES = envelope.HEADER_BYTES
 """Bytes before the shard in every object (capacity counts them)."""
 TOUCH_MARKER = "touch"
 
@@ -275,31 +273,32 @@ class FsspecTier(Tier):
         except Exception as exc:
             self._bump(errors=1)
             return self._error("loading", key, exc)
-        problem = self._check(data)
-        if problem:
+        try:
+            shard = envelope.open_object(data, key, self.shard_size)
+        except envelope.Foreign as exc:
+            self._bump(misses=1)
+            self._remove_unusable(path)  # lookups stop answering "present" for it
+            return KeyMissingError(
+                f"fsspec tier {self.label!r}: block {key[0].hex()} shard {key[1]} is not "
+                f"readable here ({exc}); it was removed"
+            )
+        except envelope.Corrupt as exc:
             self._bump(corrupt=1)
-            try:
-                self.fs.rm_file(path, **self._call)
-            except Exception:  # best effort: the next reader finds it corrupt again
-                self._bump(errors=1)
+            self._remove_unusable(path)
             # A failure, not a miss: the stack repairs the shard here from a tier below.
             return TierError(
                 f"fsspec tier {self.label!r}: block {key[0].hex()} shard {key[1]} is corrupt "
-                f"({problem}); it was removed"
+                f"({exc}); it was removed"
             )
-        scatter(memoryview(data)[_HEADER.size :], views)
+        scatter(shard, views)
         self._bump(hits=1, bytes_read=self.shard_size)
         return None
 
-    def _check(self, data: bytes) -> str:
-        if len(data) != _HEADER.size + self.shard_size:
-            return f"{len(data)} bytes, expected {_HEADER.size + self.shard_size}"
-        magic, digest, length = _HEADER.unpack_from(data)
-        if magic != MAGIC or length != self.shard_size:
-            return "bad header"
-        if checksum([memoryview(data)[_HEADER.size :]]) != digest:
-            return "checksum mismatch"
-        return ""
+    def _remove_unusable(self, path: str) -> None:
+        try:
+            self.fs.rm_file(path, **self._call)
+        except Exception:  # best effort: the next reader finds it unusable again
+            self._bump(errors=1)
 
     # ---------------------------------------------------------------------------------- dump
 
@@ -309,7 +308,7 @@ class FsspecTier(Tier):
         written = self.shard_size * sum(1 for o in outcomes if o is None)
         with self._stats_lock:
             self._stat["bytes_written"] += written
-            self._usage += written + _HEADER.size * sum(1 for o in outcomes if o is None)
+            self._usage += written + HEADER_BYTES * sum(1 for o in outcomes if o is None)
             self._written_since_scan += written
             capacity = self.cfg.capacity
             over = capacity is not None and (
@@ -322,7 +321,7 @@ class FsspecTier(Tier):
     def _dump_one(self, item: tuple[Key, ShardViews]) -> Outcome:
         key, views = item
         assert sum(len(v) for v in views) == self.shard_size, "source size != shard_size"
-        data = b"".join([_HEADER.pack(MAGIC, checksum(views), self.shard_size), *views])
+        data = b"".join([envelope.seal(key, views), *views])
         path = self.object_path(key)
         try:
             if self._local_fs:

@@ -21,12 +21,13 @@ registered once at open; so are this tier's small per-thread header arenas. Memo
 them (write-through snapshots, a caller's tensors in a stack without a buffer) is registered
 for the duration of one call and released after it, reference-counted across concurrent calls.
 
-Integrity. Each object is a 32-byte header (magic, version, shard size, XXH3-64 of the shard,
-XXH3-64 of the object's own name) followed by the shard; the header lands in the arena, the
-shard straight in the destination. A load checks the header and the shard's checksum: an object
-of another format, size or key, or whose bytes do not match (say a read racing a forced remove
-on another node), is removed and fails with a TierError (not a miss), so the stack serves the
-shard from below and repairs the pool. Mooncake's own protocol covers the rest: a read holds a
+Integrity. Each object is the shard envelope (``ucm.envelope``, 48 bytes: codec, shard size,
+XXH3-64 of the shard, XXH3-64 of its key) followed by the shard; the header lands in the arena,
+the shard straight in the destination. A load checks the envelope and the shard's checksum: an
+object of another size or key, or whose bytes do not match (say a read racing a forced remove on
+another node), is removed and fails with a TierError (not a miss), so the stack serves the
+shard from below and repairs the pool. An object of the format before the envelope (``UCMK``)
+is removed too and reads as a miss. Mooncake's own protocol covers the rest: a read holds a
 lease on the object (the master neither evicts nor removes it without ``force`` meanwhile) and
 fails with ``LEASE_EXPIRED`` (retried here) if the lease ran out before the transfer ended.
 
@@ -59,7 +60,6 @@ import bisect
 import mmap
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -69,10 +69,10 @@ from typing import Any, Literal
 from pydantic import Field, PositiveFloat, ValidationInfo, field_validator
 
 import ucm
+from ucm import envelope
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
-from ucm.native.checksum import checksum
 from ucm.native.pybuffer import buffer_address
 from ucm.tier import (
     HOST_MEMORY_OPTION,
@@ -88,12 +88,8 @@ MOONCAKE_EXTRA = "mooncake"
 MOONCAKE_DISTRIBUTION = "mooncake-transfer-engine-non-cuda"
 INSTALL_HINT = f"pip install 'ucm[{MOONCAKE_EXTRA}]' (it brings {MOONCAKE_DISTRIBUTION})"
 
-MAGIC = b"UCMK"
-VERSION = 1
-_HEADER = struct.Struct("<4sHHQQQ")  # magic, version, flags, shard size, XXH3(shard), XXH3(name)
-HEADER_BYTES = _HEADER.size
+HEADER_BYTES = envelope.HEADER_BYTES
 """Bytes before the shard in every object."""
-assert HEADER_BYTES == 32
 _SLOT_BYTES = 64
 """Stride of the header slots in an arena (cache-line sized)."""
 BATCH_KEYS_MAX = 512
@@ -597,10 +593,10 @@ class MooncakeTier(Tier):
     def object_name(self, key: Key) -> str:
         return f"{self.cfg.key_prefix}/{key[0].hex()}/{key[1]}"
 
-    def header(self, name: str, views: ShardViews) -> bytes:
-        return _HEADER.pack(
-            MAGIC, VERSION, 0, self.shard_size, checksum(views), checksum([name.encode()])
-        )
+    @staticmethod
+    def header(key: Key, views: ShardViews) -> bytes:
+        """The envelope stored before ``key``'s shard held in ``views``."""
+        return envelope.seal(key, views)
 
     def _arena(self) -> _Arena:
         arena: _Arena | None = getattr(self._local, "arena", None)
@@ -702,42 +698,59 @@ class MooncakeTier(Tier):
         self, arena: _Arena, index: int, key: Key, name: str, code: int, views: ShardViews
     ) -> Outcome:
         if code == self.object_bytes:
-            problem = self._verify(arena.read_header(index), name, views)
-            if not problem:
-                self._bump(hits=1, bytes_read=self.shard_size)
-                return None
-            return self._corrupt(key, name, problem)
+            try:
+                envelope.verify(
+                    envelope.parse(arena.read_header(index), key, self.shard_size), views
+                )
+            except envelope.Foreign as exc:
+                return self._foreign(key, name, str(exc))
+            except envelope.Corrupt as exc:
+                return self._corrupt(key, name, str(exc))
+            self._bump(hits=1, bytes_read=self.shard_size)
+            return None
         if code in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
             self._bump(misses=1)
             return KeyMissingError(f"{self._describe(key)} is not in the pool")
         if code >= 0:
-            return self._corrupt(key, name, f"{code} bytes, expected {self.object_bytes}")
+            return self._wrong_size(arena, index, key, name, code)
         if code in (INVALID_PARAMS, TRANSFER_FAIL):
             # What Mooncake answers when the object's size differs from the buffers'.
             size = int(self.client.get_size(name))
             if size >= 0 and size != self.object_bytes:
-                return self._corrupt(key, name, f"{size} bytes, expected {self.object_bytes}")
+                return self._wrong_size(arena, index, key, name, size)
         self._bump(errors=1)
         return TierError(f"{self._describe(key)}: loading failed: {error_name(code)}")
 
-    def _verify(self, raw: memoryview, name: str, views: ShardViews) -> str:
-        magic, version, _flags, size, digest, key_digest = _HEADER.unpack(raw)
-        if magic != MAGIC or version != VERSION:
-            return "not a UCM object: bad magic or version"
-        if size != self.shard_size:
-            return f"shard size {size}, expected {self.shard_size}"
-        if key_digest != checksum([name.encode()]):
-            return "the header names another key"
-        if checksum(views) != digest:
-            return "checksum mismatch"
-        return ""
+    def _wrong_size(self, arena: _Arena, index: int, key: Key, name: str, size: int) -> Outcome:
+        """An object of another size: one of an older format (a miss), else corrupt."""
+        head = min(size, envelope.LEGACY_PREFIX_BYTES)
+        found = self.client.get_into_ranges(
+            [arena.address],
+            [[name]],
+            [[[arena.read_offset + index * _SLOT_BYTES]]],
+            [[[0]]],
+            [[[head]]],
+        )
+        if found and int(found[0][0][0]) == head:
+            legacy = envelope.legacy_format(arena.read_header(index)[:head])
+            if legacy is not None:
+                return self._foreign(key, name, f"written in an older format, a {legacy}")
+        return self._corrupt(key, name, f"{size} bytes, expected {self.object_bytes}")
+
+    def _remove_unusable(self, name: str) -> str:
+        # Removed (force: our own read just leased it), so the stack's repair puts a good copy.
+        removed = self.client.batch_remove([name], True)
+        return "it was removed" if list(removed) == [0] else "removing it failed"
 
     def _corrupt(self, key: Key, name: str, problem: str) -> TierError:
         self._bump(corrupt=1)
-        # Removed (force: our own read just leased it), so the stack's repair puts a good copy.
-        removed = self.client.batch_remove([name], True)
-        note = "it was removed" if list(removed) == [0] else "removing it failed"
+        note = self._remove_unusable(name)
         return TierError(f"{self._describe(key)} is corrupt ({problem}); {note}")
+
+    def _foreign(self, key: Key, name: str, problem: str) -> KeyMissingError:
+        self._bump(misses=1)
+        note = self._remove_unusable(name)
+        return KeyMissingError(f"{self._describe(key)} is not readable here ({problem}); {note}")
 
     # ---- dump -------------------------------------------------------------------------------
 
@@ -758,7 +771,7 @@ class MooncakeTier(Tier):
         headers = []
         for i, views in enumerate(sources):
             assert sum(view.nbytes for view in views) == self.shard_size, keys[i]
-            headers.append(self.header(names[i], views))
+            headers.append(self.header(keys[i], views))
             arena.write_header(i, headers[i])
         ranges = [self._ranges(views) for views in sources]
         if not self.master.reachable():

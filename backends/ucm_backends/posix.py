@@ -3,13 +3,14 @@
 File format. ``<path>/<hex[:2]>/<hex>.blk`` holds shard ``s`` at byte ``shard_size * s`` and a
 footer at ``block_size``, padded to 4 KiB so O_DIRECT I/O stays aligned::
 
-    magic "UCMPOSX1" | u32 version | u32 shards_per_block | u64 shard_size
-    per shard: u32 flags (bit 0 = present, bit 1 = lost) | u64 XXH3-64 of the shard
+    magic "UCMEBLK1" | u32 version | u32 shards_per_block | u64 shard_size
+    per shard: u32 flags (bit 0 = present, bit 1 = lost) | the shard's envelope (``ucm.envelope``,
+    48 bytes: codec, length, XXH3-64 of the shard, digest of its key; zeros when absent)
     u32 crc32 of everything above
 
-(Version 1 kept a crc32 per shard; at NVMe speeds it cost as much CPU as the read, so version
-2 uses the native XXH3, ``ucm.native.checksum``. A version-1 file reads as a foreign one: a miss,
-replaced by the next dump of its block.)
+The envelope is the one every lower tier stores (one header, one checksum rule, one parser).
+Files of the formats before it (``UCMPOSX1``, versions 1 and 2) read as foreign ones: a miss,
+replaced by the next dump of their block.
 
 A shard whose checksum does not match (a torn or corrupted file) is removed and its load fails
 with a TierError saying so (not a miss: the stack then repairs it from a tier below). The removed
@@ -62,18 +63,19 @@ from typing import Any, Literal, TypeVar
 from pydantic import Field
 
 import ucm
+from ucm import envelope
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
-from ucm.native.checksum import checksum
 from ucm.tier import REMOVE_CHUNK_KEYS, Outcome, ShardViews, Tier, TierContext, chunks, scatter
 
-MAGIC = b"UCMPOSX1"
-VERSION = 2
+MAGIC = b"UCMEBLK1"
+VERSION = 1
 ALIGN = 4096
 _HEAD = struct.Struct("<8sIIQ")
-_ENTRY = struct.Struct("<IQ")
-_V1_ENTRY = struct.Struct("<II")  # flags, crc32 of the shard
+_FLAGS = struct.Struct("<I")
+_ENTRY_BYTES = _FLAGS.size + envelope.HEADER_BYTES
+_NO_ENVELOPE = bytes(envelope.HEADER_BYTES)
 _CRC = struct.Struct("<I")
 _PRESENT = 1
 _LOST = 2
@@ -124,9 +126,11 @@ class _Foreign(Exception):
 @dataclass
 class _Footer:
     present: list[bool]
-    sums: list[int]
-    """XXH3-64 of each present shard."""
+    headers: list[bytes]
+    """The envelope header of each present shard (zeros for an absent one)."""
     lost: list[bool]
+    envelopes: list[envelope.Envelope | None]
+    """``headers`` parsed (None for an absent shard)."""
 
 
 @dataclass
@@ -182,7 +186,7 @@ class PosixTier(Tier):
         self.shard_size = layout.shard_size
         self.spb = layout.shards_per_block
         self.block_size = layout.block_size
-        self.footer_len = _HEAD.size + _ENTRY.size * self.spb + _CRC.size
+        self.footer_len = _HEAD.size + _ENTRY_BYTES * self.spb + _CRC.size
         # The region also ends with a copy of the head, so a file of another geometry (whose
         # footer is elsewhere) is recognised from its last bytes instead of looking corrupt.
         self.footer_region = _round_up(self.footer_len + _HEAD.size, ALIGN)
@@ -328,50 +332,54 @@ class PosixTier(Tier):
 
     def _encode_footer(self, footer: _Footer) -> bytes:
         parts = [_HEAD.pack(MAGIC, VERSION, self.spb, self.shard_size)]
-        parts += [
-            _ENTRY.pack((_PRESENT if p else 0) | (_LOST if lost else 0), c)
-            for p, c, lost in zip(footer.present, footer.sums, footer.lost, strict=True)
-        ]
+        for present, header, lost in zip(footer.present, footer.headers, footer.lost, strict=True):
+            parts.append(_FLAGS.pack((_PRESENT if present else 0) | (_LOST if lost else 0)))
+            parts.append(header if present else _NO_ENVELOPE)
         body = b"".join(parts)
         return body + _CRC.pack(zlib.crc32(body))
 
-    def _decode_footer(self, raw: memoryview) -> _Footer:
+    def _decode_footer(self, block_id: bytes, raw: memoryview) -> _Footer:
+        legacy = envelope.legacy_format(raw)
+        if legacy is not None:
+            raise _Foreign(f"block file of an older format, a {legacy}")
         body = raw[: self.footer_len - _CRC.size]
         magic, version, spb, shard_size = _HEAD.unpack_from(body)
         if magic != MAGIC:
             raise _Corrupt("bad magic")
-        if version == 1 and spb == self.spb and self._valid_v1_footer(raw):
-            raise _Foreign(f"block file of format version 1; this tier reads {VERSION}")
         (crc,) = _CRC.unpack_from(raw, self.footer_len - _CRC.size)
         if crc != zlib.crc32(body):
             raise _Corrupt("footer checksum mismatch")
-        if spb != self.spb or shard_size != self.shard_size:
+        if spb != self.spb or shard_size != self.shard_size or version != VERSION:
             raise _Foreign(
                 f"block file of another geometry (version {version}, shards_per_block {spb}, "
                 f"shard_size {shard_size})"
             )
-        present, sums, lost = [], [], []
+        footer = _Footer([], [], [], [])
         for index in range(self.spb):
-            flags, shard_sum = _ENTRY.unpack_from(body, _HEAD.size + index * _ENTRY.size)
-            present.append(bool(flags & _PRESENT))
-            lost.append(bool(flags & _LOST) and not flags & _PRESENT)
-            sums.append(shard_sum)
-        return _Footer(present, sums, lost)
+            offset = _HEAD.size + index * _ENTRY_BYTES
+            (flags,) = _FLAGS.unpack_from(body, offset)
+            header = bytes(body[offset + _FLAGS.size : offset + _ENTRY_BYTES])
+            parsed = None
+            if flags & _PRESENT:
+                try:
+                    parsed = envelope.parse(header, (block_id, index), self.shard_size)
+                except envelope.Foreign as exc:
+                    raise _Foreign(f"shard {index}: {exc}") from None
+                except envelope.Corrupt as exc:
+                    raise _Corrupt(f"shard {index}: {exc}") from None
+            footer.present.append(bool(flags & _PRESENT))
+            footer.lost.append(bool(flags & _LOST) and not flags & _PRESENT)
+            footer.headers.append(header)
+            footer.envelopes.append(parsed)
+        return footer
 
-    def _valid_v1_footer(self, raw: memoryview) -> bool:
-        """A whole version-1 footer (8-byte entries)? Any other version is checked, and fails,
-        as a corrupt footer of this version: a flipped version byte is damage, not a format."""
-        end = _HEAD.size + _V1_ENTRY.size * self.spb
-        crc: int = _CRC.unpack_from(raw, end)[0]
-        return crc == zlib.crc32(raw[:end])
-
-    def _read_footer(self, fd: int, direct: bool) -> _Footer:
+    def _read_footer(self, block_id: bytes, fd: int, direct: bool) -> _Footer:
         try:
             if direct:
                 raw = self._pread_exact(fd, True, self.footer_region, self.block_size)
             else:
                 raw = self._pread_exact(fd, False, self.footer_len, self.block_size)
-            return self._decode_footer(raw[: self.footer_len])
+            return self._decode_footer(block_id, raw[: self.footer_len])
         except _Corrupt:
             self._check_foreign(fd, direct)
             raise
@@ -388,21 +396,24 @@ class PosixTier(Tier):
         if got < size - start:
             return
         tail = bytes(buf[size - start - _HEAD.size : size - start])
+        legacy = envelope.legacy_format(tail)
+        if legacy is not None:
+            raise _Foreign(f"block file of an older format, a {legacy}")
         magic, version, spb, shard_size = _HEAD.unpack(tail)
-        if magic == MAGIC and (spb, shard_size) != (self.spb, self.shard_size):
+        if magic == MAGIC and (spb, shard_size, version) != (self.spb, self.shard_size, VERSION):
             raise _Foreign(
                 f"block file of another geometry (version {version}, shards_per_block {spb}, "
                 f"shard_size {shard_size})"
             )
 
-    def _footer_of(self, path: str) -> _Footer | None:
-        """The footer of a block file; None when absent, unreadable or foreign."""
+    def _footer_of(self, block_id: bytes) -> _Footer | None:
+        """The footer of a block's file; None when absent, unreadable or foreign."""
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.block_path(block_id), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         try:
-            return self._read_footer(fd, False)
+            return self._read_footer(block_id, fd, False)
         except (_Corrupt, _Foreign):
             return None
         finally:
@@ -429,7 +440,7 @@ class PosixTier(Tier):
         result = [False] * len(keys)
 
         def one(item: tuple[bytes, list[int]]) -> None:
-            footer = self._footer_of(self.block_path(item[0]))
+            footer = self._footer_of(item[0])
             if footer is not None:
                 for position in item[1]:
                     result[position] = footer.present[keys[position][1]]
@@ -439,7 +450,7 @@ class PosixTier(Tier):
 
     def lookup_blocks(self, block_ids: Sequence[bytes]) -> list[bool]:
         def one(block_id: bytes) -> bool:
-            footer = self._footer_of(self.block_path(block_id))
+            footer = self._footer_of(block_id)
             return footer is not None and all(footer.present)
 
         return self._run(one, list(block_ids))
@@ -513,7 +524,9 @@ class PosixTier(Tier):
             }
             done: set[int] = set()
             try:
-                footer = self._read_runs_and_footer(fd, direct, sorted(by_shard), targets, done)
+                footer = self._read_runs_and_footer(
+                    block_id, fd, direct, sorted(by_shard), targets, done
+                )
             except _Foreign as exc:
                 for position in positions:
                     miss(position, f"is not readable here: {exc}")
@@ -548,10 +561,14 @@ class PosixTier(Tier):
                         )
                     continue
                 data = targets[shard]
-                if checksum(data) != footer.sums[shard]:
+                shard_envelope = footer.envelopes[shard]
+                assert shard_envelope is not None, "a present shard has an envelope"
+                try:
+                    envelope.verify(shard_envelope, data)
+                except envelope.Corrupt as exc:
                     bad.append(shard)
                     for position in shard_positions:
-                        corrupt(position, "checksum mismatch; it was removed")
+                        corrupt(position, f"{exc}; it was removed")
                     continue
                 for position in shard_positions:
                     views = destinations[position]
@@ -578,6 +595,7 @@ class PosixTier(Tier):
 
     def _read_runs_and_footer(
         self,
+        block_id: bytes,
         fd: int,
         direct: bool,
         shards: list[int],
@@ -612,13 +630,13 @@ class PosixTier(Tier):
                 runs.append(tail)
             if got == wanted:
                 try:
-                    footer = self._decode_footer(scratch[: self.footer_len])
+                    footer = self._decode_footer(block_id, scratch[: self.footer_len])
                 except _Corrupt:
                     self._check_foreign(fd, direct)
                     raise
                 done.update(tail)
         if footer is None:
-            footer = self._read_footer(fd, direct)
+            footer = self._read_footer(block_id, fd, direct)
         for run in runs:
             for piece in _split_present(run, footer):
                 try:
@@ -664,7 +682,12 @@ class PosixTier(Tier):
             if shards is None or footer is None:
                 # Which shards the file held is unknown: mark every one lost.
                 every = set(range(self.spb))
-                nothing = _Footer([False] * self.spb, [0] * self.spb, [False] * self.spb)
+                nothing = _Footer(
+                    [False] * self.spb,
+                    [_NO_ENVELOPE] * self.spb,
+                    [False] * self.spb,
+                    [None] * self.spb,
+                )
                 grown = self._rewrite_locked(block_id, nothing, lose=every)
             else:
                 grown = self._rewrite_locked(block_id, footer, drop=set(shards), lose=set(shards))
@@ -743,7 +766,7 @@ class PosixTier(Tier):
         path = self.block_path(block_id)
         image = self._buffer("image", self.file_size)
         present = [False] * self.spb
-        sums = [0] * self.spb
+        headers = [_NO_ENVELOPE] * self.spb
         lost = [shard in lose and shard not in new for shard in range(self.spb)]
         old_bytes = 0
         try:
@@ -755,7 +778,7 @@ class PosixTier(Tier):
                 old_bytes = os.fstat(old_fd).st_blocks * 512
                 if footer is None:
                     try:
-                        footer = self._read_footer(old_fd, False)
+                        footer = self._read_footer(block_id, old_fd, False)
                     except (_Corrupt, _Foreign):
                         footer = None  # replaced wholesale below
                 if footer is not None:
@@ -770,7 +793,7 @@ class PosixTier(Tier):
                         )
                         if got == self.shard_size:
                             present[shard] = True
-                            sums[shard] = footer.sums[shard]
+                            headers[shard] = footer.headers[shard]
             finally:
                 os.close(old_fd)
         for shard, views in new.items():
@@ -779,12 +802,12 @@ class PosixTier(Tier):
                 image[offset : offset + len(view)] = view
                 offset += len(view)
             present[shard] = True
-            sums[shard] = checksum(views)
+            headers[shard] = envelope.seal((block_id, shard), views)
         if not any(present) and not any(lost):
             with suppress(FileNotFoundError):
                 os.unlink(path)
             return -old_bytes
-        footer_bytes = self._encode_footer(_Footer(present, sums, lost))
+        footer_bytes = self._encode_footer(_Footer(present, headers, lost, []))
         image[self.block_size : self.block_size + len(footer_bytes)] = footer_bytes
         head = footer_bytes[: _HEAD.size]
         image[self.block_size + len(footer_bytes) : self.file_size - len(head)] = bytes(
@@ -886,7 +909,7 @@ class PosixTier(Tier):
         return removed
 
     def _remove_locked(self, block_id: bytes, shards: set[int]) -> int:
-        footer = self._footer_of(self.block_path(block_id))
+        footer = self._footer_of(block_id)
         if footer is None:
             return 0
         gone = {s for s in shards if footer.present[s]}
@@ -993,15 +1016,20 @@ class PosixTier(Tier):
             except FileNotFoundError:
                 continue
             try:
-                footer = self._read_footer(fd, False)
-                for shard in range(self.spb):
-                    if not footer.present[shard]:
+                footer = self._read_footer(block_id, fd, False)
+                for shard, shard_envelope in enumerate(footer.envelopes):
+                    if shard_envelope is None:
                         continue
                     data = bytearray(self.shard_size)
                     got = os.preadv(fd, [data], shard * self.shard_size)
-                    if got == self.shard_size and checksum([data]) == footer.sums[shard]:
-                        keys.append((block_id, shard))
-                        views.append([memoryview(data)])
+                    if got != self.shard_size:
+                        continue
+                    try:
+                        envelope.verify(shard_envelope, [data])
+                    except envelope.Corrupt:
+                        continue
+                    keys.append((block_id, shard))
+                    views.append([memoryview(data)])
             except (_Corrupt, _Foreign):
                 continue
             finally:
@@ -1026,7 +1054,7 @@ class PosixTier(Tier):
             return 0
         if st.st_ino != inode or st.st_mtime_ns != mtime_ns:
             return 0  # touched, loaded or rewritten since the scan: no longer a victim
-        footer = self._footer_of(path)
+        footer = self._footer_of(block_id)
         if footer is None:
             os.unlink(path)
             return 0

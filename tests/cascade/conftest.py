@@ -1,9 +1,8 @@
-"""Fixtures of the cascade tests: the test S3 server (ucm.testing.s3, shared with tests/tiers),
+"""Fixtures of the cascade tests: the test S3 server (harness.s3, shared with tests/tiers),
 a fresh S3 prefix and posix directories per test, and rank processes."""
 
 from __future__ import annotations
 
-import multiprocessing
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -11,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from ucm.testing.s3 import S3Server, shared_server
+from harness.s3 import S3Server, shared_server
+from ucm.ranks import RankGroup
 
 from ._nodes import QUEUE_TIMEOUT_S
 
@@ -49,28 +49,20 @@ def run_ranks() -> Iterator[RunRanks]:
     """``run_ranks(target, [args of rank 0, args of rank 1, ...])`` runs one spawned process
     per rank at once; ``target(*args, barrier, out)`` reports ``(device_id, report)`` on
     ``out``. Returns the reports by device id after checking every process exited cleanly."""
-    context = multiprocessing.get_context("spawn")
-    started: list[Any] = []
+    groups: list[RankGroup] = []
 
     def run(target: Callable[..., None], rank_args: list[tuple[Any, ...]]) -> dict[int, Any]:
-        barrier = context.Barrier(len(rank_args))
-        out = context.Queue()
-        processes = [
-            context.Process(target=target, args=(*args, barrier, out)) for args in rank_args
-        ]
-        started.extend(processes)
-        for process in processes:
-            process.start()
-        reports = dict(out.get(timeout=QUEUE_TIMEOUT_S) for _ in processes)
-        for process in processes:
-            process.join(timeout=QUEUE_TIMEOUT_S)
+        group = RankGroup(parties=len(rank_args), join_timeout=QUEUE_TIMEOUT_S)
+        groups.append(group)
+        for args in rank_args:
+            group.spawn(target, *args, group.barrier, group.results)
+        reports = dict(group.reports(timeout=QUEUE_TIMEOUT_S))
+        exit_codes = group.join()
         errors = [r["error"] for r in reports.values() if "error" in r]
         assert not errors, "\n".join(errors)
-        assert [p.exitcode for p in processes] == [0] * len(processes)
+        assert exit_codes == [0] * len(rank_args)
         return reports
 
     yield run
-    for process in started:
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=10)
+    for group in groups:
+        group.join()

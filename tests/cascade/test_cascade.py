@@ -16,10 +16,10 @@ from ucm_backends.fsspec_tier import FsspecConfig, FsspecTier
 from ucm_backends.posix import PosixConfig, PosixTier
 
 import ucm
+from harness.s3 import S3Server
 from ucm.errors import TaskError
 from ucm.testing import make_context
 from ucm.testing.conformance import block_ids
-from ucm.testing.s3 import S3Server
 
 from . import _nodes
 from ._nodes import BLOCK_FILE_BYTES, LAYOUT, SHARDS, drain, dump, load, stack, tier_stats

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import math
-import multiprocessing as mp
 import os
 import re
 import threading
@@ -38,6 +37,7 @@ import torch
 
 import ucm
 from ucm.layout import Key
+from ucm.ranks import RankGroup
 from ucm.tier import Outcome, ShardViews, chunks, scatter
 
 with warnings.catch_warnings():
@@ -455,18 +455,10 @@ def test_two_worker_processes_share_one_buffer(unique_id: str) -> None:
     worker w's part as shard w. A chunk is a hit once both workers stored their shard, and each
     worker reads the other's shard byte-exact: both can only come from one shared buffer."""
     stack = {"unique_id": unique_id, "tiers": [{"type": "buffer", "capacity": "2MiB"}]}
-    context = mp.get_context("spawn")
-    barrier, out = context.Barrier(2), context.Queue()
-    processes = [context.Process(target=lm.worker, args=(w, stack, barrier, out)) for w in (0, 1)]
-    for process in processes:
-        process.start()
-    try:
-        reports = sorted((out.get(timeout=180) for _ in processes), key=lambda r: r["worker"])
-    finally:
-        for process in processes:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
+    with RankGroup(parties=2, join_timeout=60) as group:
+        for w in (0, 1):
+            group.spawn(lm.worker, w, stack, group.barrier, group.results)
+        reports = sorted(group.reports(timeout=180), key=lambda r: r["worker"])
     for report in reports:
         assert "error" not in report, report.get("error")
     assert reports[0]["before_peer"] == 0  # worker 0's shards alone: no chunk is complete
@@ -478,7 +470,7 @@ def test_two_worker_processes_share_one_buffer(unique_id: str) -> None:
         assert report["leaked"] == 0
         assert report["after_remove"] == (False, 5)
     assert reports[0]["removed"] == 1 and reports[1]["removed_again"] == 0
-    assert [p.exitcode for p in processes] == [0, 0]
+    assert group.join() == [0, 0]
 
 
 # ---- seed 003: batched_remove through LMCache's plugin API --------------------------------------

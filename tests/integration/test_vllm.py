@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 import ucm
-from ucm.testing.s3 import free_port
+from harness.s3 import free_port
 from ucm.testing.vllm import PlanRun, engine_args, prompt_tokens, run_plan, write_tiny_llama
 
 BLOCK = 128

@@ -4,7 +4,6 @@ node-wide, owners are balanced, dumps are visible to all, failures reach exactly
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import torch
 
 import ucm
 from ucm.errors import KeyMissingError, TaskError, TierError
+from ucm.ranks import RankGroup
 
 from . import _ranks, _tiers
 from ._tiers import block, payload
@@ -68,24 +68,11 @@ def test_four_ranks_and_a_scheduler_share_one_buffer(
         "faulty": [b.hex() for b in faulty],
         "dumper": 2,
     }
-    context = mp.get_context("spawn")
-    barrier, out = context.Barrier(RANKS + 1), context.Queue()
-    processes = [
-        context.Process(target=_ranks.worker, args=(r, RANKS, config, plan, barrier, out))
-        for r in range(RANKS)
-    ]
-    processes.append(
-        context.Process(target=_ranks.scheduler, args=(RANKS, config, plan, barrier, out))
-    )
-    for process in processes:
-        process.start()
-    try:
-        reports = {r["rank"]: r for r in (out.get(timeout=200) for _ in processes)}
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
+    with RankGroup(parties=RANKS + 1) as group:
+        for r in range(RANKS):
+            group.spawn(_ranks.worker, r, RANKS, config, plan, group.barrier, group.results)
+        group.spawn(_ranks.scheduler, RANKS, config, plan, group.barrier, group.results)
+        reports = {r["rank"]: r for r in group.reports(timeout=200)}
     assert all("error" not in r for r in reports.values()), [
         r.get("error") for r in reports.values()
     ]
@@ -133,11 +120,8 @@ def test_the_owners_outcome_reaches_the_waiter_in_another_process(
         "shards_per_block": 1,
         "tiers": [{"type": "buffer", "capacity": 16 * SHARD}, slow],
     }
-    context = mp.get_context("spawn")
-    out = context.Queue()
-    owner = context.Process(target=_ranks.failing_owner, args=(config, key.hex(), out))
-    owner.start()
-    try:
+    with RankGroup(parties=1) as group:
+        group.spawn(_ranks.failing_owner, config, key.hex(), group.results)
         with ucm.open(config, device_id=1, local_rank_size=2) as store:
             core = store.tiers[0].core
             deadline = time.monotonic() + 60
@@ -160,14 +144,10 @@ def test_the_owners_outcome_reaches_the_waiter_in_another_process(
             stats = store.stats()
             assert stats["tiers"][1]["injected"] == 0  # this rank never asked the tier
             assert stats["tiers"][0]["waited"] == 1
-            owner_cause, owner_injected = out.get(timeout=60)
+            ((owner_cause, owner_injected),) = group.reports(timeout=60)
         if in_no_tier:
             assert owner_cause == "KeyMissingError('not found in any of the 2 tier(s)')"
             assert owner_injected == 0
         else:
             assert "injected failure in slowposix" in owner_cause
             assert owner_injected == 1
-    finally:
-        owner.join(timeout=30)
-        if owner.is_alive():
-            owner.kill()

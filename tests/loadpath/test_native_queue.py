@@ -6,7 +6,6 @@ child refused; the Python queue kept only for stacks without a buffer."""
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -21,6 +20,7 @@ from ucm import arguments
 from ucm.errors import InvalidArgumentError, KeyMissingError, TaskError, TierError, UcmError
 from ucm.loadqueue import BufferPath, LoadQueue
 from ucm.native.queue import TaskKind
+from ucm.ranks import RankGroup
 
 from . import _ranks
 from ._tiers import CONTENTS, block, payload
@@ -68,11 +68,8 @@ def test_one_task_of_hits_owners_a_waiter_and_failures(
         seed.wait(seed.dump(everything, 0, src))
     slow["fail_keys"] = [f"{broken.hex()}:0"]
     config = stack(unique_id, slow)
-    context = mp.get_context("spawn")
-    out = context.Queue()
     # Another rank (process) owns `waited` for ~3 s: this rank waits on its slot.
     other_config = stack(unique_id, {**slow, "delay_s": 3.0})
-    other = context.Process(target=_ranks.failing_owner, args=(other_config, waited.hex(), out))
     with ucm.open(config, device_id=1, local_rank_size=2) as store:
         store.wait(
             store.dump(
@@ -84,8 +81,8 @@ def test_one_task_of_hits_owners_a_waiter_and_failures(
                 ],
             )
         )
-        other.start()
-        try:
+        with RankGroup(parties=1) as group:
+            group.spawn(_ranks.failing_owner, other_config, waited.hex(), group.results)
             core = store.tiers[0].core
             deadline = time.monotonic() + 60
             while core.slot_of((waited, 0)) is None:
@@ -112,11 +109,7 @@ def test_one_task_of_hits_owners_a_waiter_and_failures(
             assert (stats["hits"], stats["misses"]) == (5, 6)
             assert stats["failed_shards"] == 2
             assert held(store) == 0  # every reference the task took is released
-            assert out.get(timeout=60) == ("loaded", 0)
-        finally:
-            other.join(timeout=30)
-            if other.is_alive():
-                other.kill()
+            assert group.reports(timeout=60) == [("loaded", 0)]
 
 
 @pytest.mark.timeout(120)
@@ -142,12 +135,9 @@ def test_an_owner_sigkilled_mid_fill_is_taken_over_and_nothing_leaks(
     slow = stack(
         unique_id, {"type": "slowposix", "path": nvme, "delay_s": 60.0}, wait_timeout_s=20.0
     )
-    context = mp.get_context("spawn")
-    ready = context.Queue()
-    owner = context.Process(target=_ranks.stuck_owner, args=(slow, key.hex(), ready))
-    owner.start()
-    try:
-        assert ready.get(timeout=60) == "loading"
+    with RankGroup(parties=1) as group:
+        owner = group.spawn(_ranks.stuck_owner, slow, key.hex(), group.results)
+        assert group.reports(timeout=60) == ["loading"]
         fast = stack(unique_id, {"type": "slowposix", "path": nvme}, wait_timeout_s=20.0)
         with ucm.open(fast, device_id=1, local_rank_size=2) as store:
             core = store.tiers[0].core
@@ -170,10 +160,6 @@ def test_an_owner_sigkilled_mid_fill_is_taken_over_and_nothing_leaks(
             store.tiers[0].core.reclaim_dead()
             slot = core.slot_of((key, 0))
             assert slot is not None and core.slot_info(slot).refcount == 0
-    finally:
-        owner.join(timeout=30)
-        if owner.is_alive():
-            owner.kill()
 
 
 class _HostCopies:

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from harness.soak import block_id_of, encode_payload
 from ucm.native import segments
-from ucm.soak import block_id_of, encode_payload
 
 SHARD = 4096
 GENERATION = 7

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 import ucm
+from harness.s3 import S3Server
+from harness.soak import block_id_of
 from ucm.errors import KeyMissingError, TaskError, TierError
-from ucm.soak import block_id_of
-from ucm.testing.s3 import S3Server
 
 from .conftest import SHARD, Shards, payload
 

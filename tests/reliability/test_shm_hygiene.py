@@ -96,7 +96,7 @@ def test_a_process_of_another_uid_cannot_open_the_buffer(unique_id: str, tmp_pat
 RANK = r"""
 import ctypes, json, sys
 import ucm
-from ucm.soak import block_id_of, encode_payload
+from harness.soak import block_id_of, encode_payload
 config = json.loads(sys.argv[1])
 rank = int(sys.argv[2])
 store = ucm.open(config, device_id=rank, local_rank_size=2)

@@ -1,16 +1,18 @@
-"""The kill soak in its short CI form (``ucm soak --seconds 600`` is the long one): 4 rank
-processes share a buffer over posix while the controller SIGKILLs them at random moments, while
-they own a half-filled slot, hold a bucket lock or hold a reference to a Ready slot."""
+"""The kill soak in its short CI form (``python -m harness.soak --seconds 600`` is the long
+one): 4 rank processes share a buffer over posix while the controller SIGKILLs them at random
+moments, while they own a half-filled slot, hold a bucket lock or hold a reference to a Ready
+slot."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from ucm.soak import (
+from harness.soak import (
     KILL_MODES,
     SoakSettings,
     block_id_of,
@@ -82,15 +84,20 @@ def test_payloads_name_their_key_and_detect_tearing() -> None:
 
 
 def test_soak_command_reports_and_writes_json(tmp_path: Path) -> None:
-    from ucm.cli import app
-
+    # A repository tool, run as the docs say: python -m harness.soak from the checkout.
     out = tmp_path / "soak.json"
-    result = CliRunner().invoke(
-        app, ["soak", "--seconds", "4", "--ranks", "2", "--seed", "3", "--json", str(out)]
+    options = ["--seconds", "4", "--ranks", "2", "--seed", "3", "--json", str(out)]
+    result = subprocess.run(
+        [sys.executable, "-m", "harness.soak", *options],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    assert result.exit_code == 0, result.output
-    assert "kills survived:" in result.output
-    assert "result: ok" in result.output
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "kills survived:" in result.stdout
+    assert "result: ok" in result.stdout
     saved = json.loads(out.read_text())
     assert saved["violations"] == []
     assert saved["settings"]["ranks"] == 2

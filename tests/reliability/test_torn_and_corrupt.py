@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 import ucm
+from harness.soak import block_id_of, check_payload
 from ucm.errors import TaskError
 from ucm.native import segments
-from ucm.soak import block_id_of, check_payload
 
 from .conftest import SHARD, Shards, blocks, payload
 
@@ -140,7 +140,7 @@ def test_corrupt_data_with_no_copy_below_fails_the_key_and_is_never_returned(
 WRITER = r"""
 import ctypes, json, sys, time
 import ucm
-from ucm.soak import block_id_of, encode_payload
+from harness.soak import block_id_of, encode_payload
 config = json.loads(sys.argv[1])
 size = config["shard_size"]
 store = ucm.open(config)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import multiprocessing as mp
 import time
 import uuid
 from array import array
@@ -16,6 +15,7 @@ import torch
 import ucm
 from ucm.arguments import ShardMemory
 from ucm.errors import ConfigError, RoleError
+from ucm.ranks import RankGroup
 
 from .conftest import block, payload
 
@@ -143,16 +143,10 @@ def test_four_ranks_cold_load_reads_each_shard_from_below_exactly_once(tmp_path:
     }
     with ucm.open(lower) as seeding:
         seeding.wait(seeding.dump(blocks, 1, [[shard_tensor(b, 1)] for b in blocks]))
-    context = mp.get_context("spawn")
-    barrier, out = context.Barrier(4), context.Queue()
-    ranks = [
-        context.Process(target=_rank, args=(r, config, blocks, barrier, out)) for r in range(4)
-    ]
-    for process in ranks:
-        process.start()
-    results = sorted(out.get(timeout=150) for _ in ranks)
-    for process in ranks:
-        process.join(timeout=30)
+    with RankGroup(parties=4) as group:
+        for r in range(4):
+            group.spawn(_rank, r, config, blocks, group.barrier, group.results)
+        results = sorted(group.reports(timeout=150))
     assert [r[1] for r in results] == [True] * 4, results
     # Node-wide, every shard came from posix exactly once; the other ranks waited on its slot.
     assert sum(r[2] for r in results) == 48

@@ -4,7 +4,6 @@ kill -9 of the last rank loses at most ``dirty_max``. Ranks are real processes."
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -20,6 +19,7 @@ import torch
 import ucm
 from ucm.errors import TaskError, TierError
 from ucm.native.segments import unlink
+from ucm.ranks import RankGroup
 
 from ._writeback_ranks import rank_main
 from .conftest import block, payload
@@ -77,13 +77,11 @@ def on_posix(tmp_path: Path, shards: int, numbers: list[int], shard: int) -> lis
 class Rank:
     """One rank process (``_writeback_ranks.rank_main``) and its command pipe."""
 
-    def __init__(self, config: dict[str, Any], device_id: int = 0, ranks: int = 1) -> None:
-        context = mp.get_context("spawn")
-        self.conn, child = context.Pipe()
-        self.process = context.Process(
-            target=rank_main, args=(config, device_id, ranks, child), daemon=True
-        )
-        self.process.start()
+    def __init__(
+        self, group: RankGroup, config: dict[str, Any], device_id: int = 0, ranks: int = 1
+    ) -> None:
+        self.conn, child = group.context.Pipe()
+        self.process = group.spawn(rank_main, config, device_id, ranks, child)
         child.close()
         self.expect("ready")
 
@@ -120,16 +118,11 @@ class Rank:
 
 @contextmanager
 def ranks(config: dict[str, Any], count: int) -> Iterator[list[Rank]]:
-    started: list[Rank] = []
     try:
-        for device_id in range(count):
-            started.append(Rank(config, device_id, count))
-        yield started
+        # Ranks still running at the end (never closed) are killed at once.
+        with RankGroup(parties=count, join_timeout=0) as group:
+            yield [Rank(group, config, device_id, count) for device_id in range(count)]
     finally:
-        for rank in started:
-            if rank.process.is_alive():
-                rank.process.kill()
-                rank.process.join(REPLY_TIMEOUT_S)
         unlink(config["unique_id"])
 
 

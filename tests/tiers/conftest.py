@@ -13,10 +13,10 @@ import pytest
 from ucm_backends.fsspec_tier import FsspecConfig, FsspecTier
 from ucm_backends.posix import PosixConfig, PosixTier
 
+from harness.mooncake import MooncakeMaster
+from harness.s3 import S3_TEST_BUCKET, S3Server, shared_server
 from ucm.layout import Layout
 from ucm.testing import make_context
-from ucm.testing.mooncake import MooncakeMaster
-from ucm.testing.s3 import S3_TEST_BUCKET, S3Server, shared_server
 from ucm.tier import EvictSink, Tier, TierContext
 
 S3_BUCKET = S3_TEST_BUCKET
@@ -31,7 +31,7 @@ _DUMMY_AWS = {
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
     """A real S3-compatible server (moto) on 127.0.0.1, with the test bucket created; one per
-    test process (ucm.testing.s3.shared_server), with dummy credentials in the environment so
+    test process (harness.s3.shared_server), with dummy credentials in the environment so
     spawned processes and option-less clients reach it too."""
     pytest.importorskip("s3fs")
     saved = {name: os.environ.get(name) for name in _DUMMY_AWS}
@@ -83,7 +83,7 @@ def s3_options(s3_server: S3Server) -> dict[str, Any]:
 TierBuilder = Callable[[Layout], Tier]
 
 
-# ---- Mooncake Store (a real mooncake_master on 127.0.0.1, ucm.testing.mooncake) ----------
+# ---- Mooncake Store (a real mooncake_master on 127.0.0.1, harness.mooncake) ----------
 
 MOONCAKE_LEASE_MS = 500
 """Read lease of the shared test master: long beside a test transfer, short enough that
@@ -93,7 +93,7 @@ tests waiting for leases to lapse (MooncakeConformance.wait_for_read_leases) sta
 @pytest.fixture(scope="session")
 def mooncake() -> None:
     """Mooncake is importable; a test needing it skips without it, except under CI."""
-    from ucm.testing.mooncake import missing_reason, on_ci
+    from harness.mooncake import missing_reason, on_ci
 
     reason = missing_reason()
     if reason is not None:

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from ucm_backends.buffer import BufferTier, BufferTierConfig
 
+from harness.mooncake import MooncakeMaster
 from ucm.layout import Key, Layout
 from ucm.testing import TierConformance, TierFactory, make_context
-from ucm.testing.mooncake import MooncakeMaster
 from ucm.tier import chunks
 
 from .conftest import MOONCAKE_LEASE_MS, fsspec_tier, mooncake_tier, posix_tier

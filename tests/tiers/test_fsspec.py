@@ -3,9 +3,11 @@ concurrency, eviction by last touch."""
 
 from __future__ import annotations
 
+import struct
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,11 +16,19 @@ from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import register_implementation
 from ucm_backends.fsspec_tier import HEADER_BYTES, FsspecConfig, FsspecTier
 
+from ucm import envelope
 from ucm.config import parse_stack
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key, Layout
+from ucm.native.checksum import checksum
 from ucm.testing import make_context
-from ucm.testing.conformance import assert_loads_exact, block_ids, dump_keys, load_keys
+from ucm.testing.conformance import (
+    assert_loads_exact,
+    block_ids,
+    dump_keys,
+    load_keys,
+    shard_bytes,
+)
 from ucm.tier import Outcome, ShardViews
 
 from .conftest import fsspec_tier
@@ -34,7 +44,7 @@ def test_objects_keyed_by_block_and_shard_only(memory_url: str) -> None:
     root = memory_url.removeprefix("memory://")
     expected = f"/{root}/{block.hex()[:2]}/{block.hex()}/1"
     assert node1.fs.find(f"/{root}") == [expected]
-    assert node1.fs.cat_file(expected)[:4] == b"UCF2"
+    assert node1.fs.cat_file(expected)[:4] == envelope.MAGIC
     assert_loads_exact(node2, [(block, 1)])  # another unique_id reads the same object
     node1.close()
     node2.close()
@@ -76,6 +86,52 @@ def test_corrupt_object_fails_and_is_removed(tmp_path: Path, damage: str) -> Non
     assert tier.lookup(keys) == [False, True]
     stats = tier.stats()
     assert (stats["corrupt"], stats["hits"], stats["misses"]) == (1, 1, 0)
+    tier.close()
+
+
+def _old_format_object(key: Key, magic: bytes) -> bytes:
+    """A whole, valid object as the fsspec tier wrote it before the shard envelope: UCF2 (XXH3
+    of the shard) or UCMF (crc32), then the length, then the shard."""
+    data = shard_bytes(key, LAYOUT)
+    digest = checksum([data]) if magic == b"UCF2" else zlib.crc32(data)
+    return struct.pack("<4sQQ", magic, digest, LAYOUT.shard_size) + data
+
+
+@pytest.mark.parametrize("magic", [b"UCF2", b"UCMF"])
+def test_object_of_an_older_format_is_a_miss_and_is_replaced(tmp_path: Path, magic: bytes) -> None:
+    tier = fsspec_tier(f"file://{tmp_path}", LAYOUT)
+    (block,) = block_ids(1)
+    keys = LAYOUT.keys_of_blocks([block])
+    dump_keys(tier, keys)
+    path = tmp_path / block.hex()[:2] / block.hex() / "0"
+    path.write_bytes(_old_format_object(keys[0], magic))
+    outcomes, buffers = load_keys(tier, keys)
+    assert isinstance(outcomes[0], KeyMissingError)
+    name = "UCF2" if magic == b"UCF2" else "UCMF"
+    assert str(outcomes[0]) == (
+        f"fsspec tier 'fsspec': block {block.hex()} shard 0 is not readable here (written in an "
+        f"older format, a fsspec object ({name})); it was removed"
+    )
+    assert buffers[0] == bytearray(LAYOUT.shard_size)  # never data
+    assert outcomes[1] is None
+    assert not path.exists()
+    assert tier.lookup(keys) == [False, True]
+    stats = tier.stats()
+    assert (stats["corrupt"], stats["hits"], stats["misses"]) == (0, 1, 1)
+    dump_keys(tier, keys[:1])
+    assert_loads_exact(tier, keys)
+    tier.close()
+
+
+def test_object_copied_onto_another_key_is_corrupt(memory_url: str) -> None:
+    tier = fsspec_tier(memory_url, LAYOUT)
+    (block,) = block_ids(1)
+    dump_keys(tier, [(block, 0)])
+    tier.fs.pipe_file(tier.object_path((block, 1)), tier.fs.cat_file(tier.object_path((block, 0))))
+    outcomes, buffers = load_keys(tier, [(block, 1)])
+    assert isinstance(outcomes[0], TierError) and not isinstance(outcomes[0], KeyMissingError)
+    assert "is corrupt (the envelope names another key); it was removed" in str(outcomes[0])
+    assert buffers[0] == bytearray(LAYOUT.shard_size)
     tier.close()
 
 

@@ -5,6 +5,7 @@ conformance suite runs in test_conformance_builtin.py; several nodes in test_moo
 from __future__ import annotations
 
 import mmap
+import struct
 import sys
 import threading
 import time
@@ -21,9 +22,12 @@ from ucm_backends.mooncake import (
 )
 
 import ucm
+from harness.mooncake import MooncakeMaster
+from harness.s3 import free_port
 from ucm.config import parse_stack
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Layout
+from ucm.native.checksum import checksum
 from ucm.native.pybuffer import buffer_address
 from ucm.testing import make_context
 from ucm.testing.conformance import (
@@ -34,8 +38,6 @@ from ucm.testing.conformance import (
     shard_bytes,
     split,
 )
-from ucm.testing.mooncake import MooncakeMaster
-from ucm.testing.s3 import free_port
 from ucm.tier import HOST_MEMORY_OPTION, TierContext
 
 from .conftest import mooncake_tier
@@ -97,15 +99,15 @@ def test_corrupt_or_foreign_objects_fail_are_removed_and_never_come_back(
         keys = [(block, 0) for block in blocks]
         dump_keys(tier, keys)
         good = shard_bytes(keys[0], LAYOUT)
-        stored_header = tier.header(tier.object_name(keys[0]), [memoryview(good)])
+        stored_header = tier.header(keys[0], [memoryview(good)])
         flipped = bytearray(good)
         flipped[4000] ^= 0x01
-        other_key_header = tier.header(tier.object_name(keys[3]), [memoryview(good)])
+        other_key_header = tier.header(keys[3], [memoryview(good)])
         cases = [
             (keys[0], stored_header + bytes(flipped), "checksum mismatch"),
             (keys[1], b"not a ucm object", f"16 bytes, expected {HEADER_BYTES + 8192}"),
-            (keys[2], other_key_header + good, "the header names another key"),
-            (keys[3], b"XXXX" + bytes(28) + good, "not a UCM object: bad magic or version"),
+            (keys[2], other_key_header + good, "the envelope names another key"),
+            (keys[3], b"XXXX" + bytes(44) + good, "not a UCM envelope: bad magic"),
         ]
         before = tier.stats()
         for key, raw, problem in cases:
@@ -121,6 +123,40 @@ def test_corrupt_or_foreign_objects_fail_are_removed_and_never_come_back(
         # A dump puts the good shard back (what the stack's repair does).
         dump_keys(tier, keys)
         assert_loads_exact(tier, keys)
+    finally:
+        tier.close()
+
+
+def test_object_of_the_older_format_is_a_miss_and_is_replaced(
+    mooncake_master: MooncakeMaster,
+) -> None:
+    # A whole, valid UCMK object (the format before the shard envelope): never data, a miss.
+    tier = mooncake_tier(mooncake_master, LAYOUT, key_prefix=prefix())
+    try:
+        (block,) = block_ids(1, seed=11)
+        key = (block, 0)
+        name = tier.object_name(key)
+        data = shard_bytes(key, LAYOUT)
+        old = struct.pack(
+            "<4sHHQQQ", b"UCMK", 1, 0, 8192, checksum([data]), checksum([name.encode()])
+        )
+        assert tier.client.put(name, old + data) == 0
+        before = tier.stats()
+        outcomes, buffers = load_keys(tier, [key])
+        assert isinstance(outcomes[0], KeyMissingError)
+        assert str(outcomes[0]) == (
+            f"mooncake tier 'mooncake': block {block.hex()} shard 0 is not readable here "
+            "(written in an older format, a mooncake object (UCMK)); it was removed"
+        )
+        assert buffers[0] == bytearray(8192)
+        assert tier.lookup([key]) == [False]
+        stats = tier.stats()
+        assert stats["misses"] - before["misses"] == 1
+        assert (stats["corrupt"], stats["hits"]) == (before["corrupt"], before["hits"])
+        assert tier.client.put(name, old + data) == 0
+        dump_keys(tier, [key])  # a dump replaces an old-format object
+        assert tier.client.get_size(name) == HEADER_BYTES + 8192
+        assert_loads_exact(tier, [key])
     finally:
         tier.close()
 

@@ -5,7 +5,6 @@ pool's own eviction. Each node is a spawned process with its own unique_id and C
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -15,9 +14,10 @@ from typing import Any
 import pytest
 
 import ucm
+from harness.mooncake import MooncakeMaster
 from ucm.layout import Layout
+from ucm.ranks import RankGroup
 from ucm.testing.conformance import block_ids
-from ucm.testing.mooncake import MooncakeMaster
 
 from . import _mooncake_nodes as nodes
 
@@ -28,11 +28,9 @@ BOUND_S = 60.0
 class Node:
     """Test-side handle of one node process."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
-        context = multiprocessing.get_context("spawn")
-        self.conn, child = context.Pipe()
-        self.process = context.Process(target=nodes.node_main, args=(config, child), daemon=True)
-        self.process.start()
+    def __init__(self, group: RankGroup, config: dict[str, Any]) -> None:
+        self.conn, child = group.context.Pipe()
+        self.process = group.spawn(nodes.node_main, config, child)
         child.close()
         assert self._reply(BOUND_S) == "ready"
 
@@ -62,21 +60,22 @@ class Node:
 @pytest.fixture
 def start_node() -> Iterator[Callable[[dict[str, Any]], Node]]:
     started: list[Node] = []
+    with RankGroup(parties=1, join_timeout=BOUND_S) as group:
 
-    def start(config: dict[str, Any]) -> Node:
-        node = Node(config)
-        started.append(node)
-        return node
+        def start(config: dict[str, Any]) -> Node:
+            node = Node(group, config)
+            started.append(node)
+            return node
 
-    yield start
-    # A clean leave: a killed node's segment would stay mounted in the master (and receive
-    # other tests' writes, which then fail) until the master's client TTL runs out.
-    for node in started:
-        if node.process.is_alive():
-            try:
-                node.exit()
-            except BaseException:
-                node.kill()
+        yield start
+        # A clean leave: a killed node's segment would stay mounted in the master (and receive
+        # other tests' writes, which then fail) until the master's client TTL runs out.
+        for node in started:
+            if node.process.is_alive():
+                try:
+                    node.exit()
+                except BaseException:
+                    node.kill()
 
 
 def run_id() -> str:

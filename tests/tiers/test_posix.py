@@ -3,7 +3,6 @@ several processes on one directory."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import struct
 import threading
@@ -18,6 +17,8 @@ from ucm_backends.posix import ALIGN, MAGIC, PosixConfig, PosixTier
 from ucm.config import parse_stack
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key, Layout
+from ucm.native.checksum import checksum
+from ucm.ranks import RankGroup
 from ucm.testing import make_context
 from ucm.testing.conformance import (
     assert_loads_exact,
@@ -210,23 +211,54 @@ def test_file_of_another_geometry_is_a_miss_and_kept(tmp_path: Path, o_direct: b
     reader.close()
 
 
-def test_file_of_an_older_format_version_is_a_miss_until_dumped_again(tmp_path: Path) -> None:
-    # Version 1 kept a crc32 per shard (a shorter footer): its checksums cannot be checked.
+def _old_format_file(tier: PosixTier, block: bytes, version: int) -> bytes:
+    """A whole, valid block file (both shards present) as the posix tier wrote it before the
+    shard envelope: footer magic UCMPOSX1, version 1 (crc32 per shard) or 2 (XXH3 per shard),
+    and a copy of the head at the end of the footer region."""
+    shards = [shard_bytes((block, s), LAYOUT) for s in range(LAYOUT.shards_per_block)]
+    head = struct.pack("<8sIIQ", b"UCMPOSX1", version, LAYOUT.shards_per_block, LAYOUT.shard_size)
+    if version == 1:
+        entries = b"".join(struct.pack("<II", 1, zlib.crc32(data)) for data in shards)
+    else:
+        entries = b"".join(struct.pack("<IQ", 1, checksum([data])) for data in shards)
+    footer = head + entries
+    footer += struct.pack("<I", zlib.crc32(footer))
+    region = ALIGN - len(footer) - len(head)
+    return b"".join(shards) + footer + bytes(region) + head
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_file_of_an_older_format_is_a_miss_until_dumped_again(tmp_path: Path, version: int) -> None:
+    # Files written before the shard envelope (UCMPOSX1) are never read as data: a miss.
     tier = posix_tier(tmp_path, LAYOUT)
     (block,) = block_ids(1)
     dump_keys(tier, [(block, 0), (block, 1)])
-    head = struct.pack("<8sIIQ", MAGIC, 1, LAYOUT.shards_per_block, LAYOUT.shard_size)
-    entries = b"".join(struct.pack("<II", 1, 0) for _ in range(LAYOUT.shards_per_block))
-    with open(tier.block_path(block), "r+b") as handle:
-        handle.seek(tier.block_size)
-        handle.write(head + entries + struct.pack("<I", zlib.crc32(head + entries)))
-    outcomes, _ = load_keys(tier, [(block, 0)])
-    assert isinstance(outcomes[0], KeyMissingError)
-    assert "block file of format version 1; this tier reads 2" in str(outcomes[0])
+    with open(tier.block_path(block), "wb") as handle:
+        handle.write(_old_format_file(tier, block, version))
+    outcomes, _ = load_keys(tier, [(block, 0), (block, 1)])
+    for outcome in outcomes:
+        assert isinstance(outcome, KeyMissingError)
+        assert "block file of an older format, a posix block file (UCMPOSX1)" in str(outcome)
     assert tier.lookup([(block, 0), (block, 1)]) == [False, False]
+    assert tier.lookup_blocks([block]) == [False]
+    assert tier.stats()["corrupt"] == 0
     dump_keys(tier, [(block, 1)])  # replaces the old file wholesale
     assert tier.lookup([(block, 0), (block, 1)]) == [False, True]
     assert_loads_exact(tier, [(block, 1)])
+    tier.close()
+
+
+def test_file_copied_onto_another_block_is_never_its_data(tmp_path: Path) -> None:
+    # The envelope binds each shard to its key: a block file renamed onto another block's
+    # path fails (corrupt, repaired from below), it is not served as that block's data.
+    tier = posix_tier(tmp_path, LAYOUT)
+    source, target = block_ids(2)
+    dump_keys(tier, LAYOUT.keys_of_blocks([source]))
+    os.replace(tier.block_path(source), tier.block_path(target))
+    outcomes, _ = load_keys(tier, [(target, 0)])
+    assert is_failure(outcomes[0])
+    assert "the envelope names another key" in str(outcomes[0])
+    assert tier.lookup([(target, 0)]) == [False]
     tier.close()
 
 
@@ -368,22 +400,13 @@ def test_second_node_sees_blocks_of_the_first(tmp_path: Path) -> None:
 
 
 def test_two_processes_write_shards_of_the_same_blocks(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("spawn")
     blocks = block_ids(12)
     rounds = 4
-    barrier = ctx.Barrier(2)
-    workers = [
-        ctx.Process(
-            target=_workers.write_shard_rounds,
-            args=(str(tmp_path), LAYOUT, blocks, shard, rounds, barrier),
-        )
-        for shard in (0, 1)
-    ]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=120)
-    assert [w.exitcode for w in workers] == [0, 0]
+    with RankGroup(parties=2, join_timeout=120) as group:
+        for shard in (0, 1):
+            args = (str(tmp_path), LAYOUT, blocks, shard, rounds, group.barrier)
+            group.spawn(_workers.write_shard_rounds, *args)
+    assert group.join() == [0, 0]
     tier = posix_tier(tmp_path, LAYOUT)
     # Without the per-block lock, a read-modify-write would drop the other process's shard.
     assert_loads_exact(tier, LAYOUT.keys_of_blocks(blocks), salt=rounds - 1)
@@ -391,11 +414,9 @@ def test_two_processes_write_shards_of_the_same_blocks(tmp_path: Path) -> None:
 
 
 def test_temp_files_of_dead_processes_are_reaped(tmp_path: Path) -> None:
-    ctx = multiprocessing.get_context("spawn")
-    dead = ctx.Process(target=int)
-    dead.start()
-    dead.join(timeout=60)
-    assert dead.pid is not None
+    with RankGroup(parties=1) as group:
+        dead = group.spawn(int)
+    assert group.join() == [0] and dead.pid is not None
     tier = posix_tier(tmp_path, LAYOUT, capacity="1MiB")
     (block,) = block_ids(1)
     directory = Path(tier.block_path(block)).parent

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-import multiprocessing
 import socket
+import struct
 import time
 from typing import Any
 
@@ -16,11 +16,19 @@ from ucm_backends.fsspec_tier import (
     default_request_timeout,
 )
 
+from harness.s3 import free_port
 from ucm.errors import KeyMissingError, TierError
 from ucm.layout import Layout
+from ucm.native.checksum import checksum
+from ucm.ranks import RankGroup
 from ucm.testing import make_context
-from ucm.testing.conformance import assert_loads_exact, block_ids, dump_keys, load_keys
-from ucm.testing.s3 import free_port
+from ucm.testing.conformance import (
+    assert_loads_exact,
+    block_ids,
+    dump_keys,
+    load_keys,
+    shard_bytes,
+)
 
 from . import _workers
 from .conftest import S3_BUCKET, fsspec_tier
@@ -32,11 +40,9 @@ def test_second_node_in_another_process_shares_blocks(
     s3_url: str, s3_options: dict[str, Any]
 ) -> None:
     blocks = block_ids(3)
-    ctx = multiprocessing.get_context("spawn")
-    node = ctx.Process(target=_workers.dump_to_fsspec, args=(s3_url, s3_options, LAYOUT, blocks))
-    node.start()
-    node.join(timeout=120)
-    assert node.exitcode == 0
+    with RankGroup(parties=1, join_timeout=120) as group:
+        group.spawn(_workers.dump_to_fsspec, s3_url, s3_options, LAYOUT, blocks)
+    assert group.join() == [0]
     tier = FsspecTier(
         FsspecConfig(url=s3_url, storage_options=s3_options),
         make_context(LAYOUT, unique_id="this-node"),
@@ -62,12 +68,29 @@ def test_corrupt_object_fails_and_is_removed(s3_url: str, s3_options: dict[str, 
     tier = fsspec_tier(s3_url, LAYOUT, storage_options=s3_options)
     (block,) = block_ids(1)
     dump_keys(tier, [(block, 0), (block, 1)])
-    tier.fs.pipe_file(tier.object_path((block, 1)), b"UCF2" + bytes(100))
+    raw = bytearray(tier.fs.cat_file(tier.object_path((block, 1))))
+    tier.fs.pipe_file(tier.object_path((block, 1)), bytes(raw[:104]))
     outcomes, _ = load_keys(tier, [(block, 0), (block, 1)])
     assert outcomes[0] is None
     assert isinstance(outcomes[1], TierError) and not isinstance(outcomes[1], KeyMissingError)
-    assert "is corrupt (104 bytes, expected 2068); it was removed" in str(outcomes[1])
+    assert "is corrupt (104 bytes, expected 2096); it was removed" in str(outcomes[1])
     assert not tier.fs.exists(tier.object_path((block, 1)))
+    tier.close()
+
+
+def test_object_of_the_older_format_is_a_miss(s3_url: str, s3_options: dict[str, Any]) -> None:
+    # A whole, valid UCF2 object (the format before the shard envelope): never data.
+    tier = fsspec_tier(s3_url, LAYOUT, storage_options=s3_options)
+    (block,) = block_ids(1)
+    data = shard_bytes((block, 0), LAYOUT)
+    old = struct.pack("<4sQQ", b"UCF2", checksum([data]), LAYOUT.shard_size) + data
+    tier.fs.pipe_file(tier.object_path((block, 0)), old)
+    assert tier.lookup([(block, 0)]) == [True]  # listed, until a load reads it
+    outcomes, buffers = load_keys(tier, [(block, 0)])
+    assert isinstance(outcomes[0], KeyMissingError)
+    assert "written in an older format, a fsspec object (UCF2)" in str(outcomes[0])
+    assert buffers[0] == bytearray(LAYOUT.shard_size)
+    assert not tier.fs.exists(tier.object_path((block, 0)))
     tier.close()
 
 

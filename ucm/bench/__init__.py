@@ -10,11 +10,16 @@ A benchmark is a module in this package exposing ``BENCHMARK``, an object with `
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import pkgutil
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
+
+from ..errors import UcmError
 
 
 @dataclass
@@ -115,3 +120,22 @@ def discover() -> list[Benchmark]:
         if benchmark is not None:
             found.append(benchmark)
     return found
+
+
+def need_harness(benchmark: str) -> None:
+    """Makes the repository's ``harness`` package (test servers, engine drivers: not in the
+    wheel) importable for ``benchmark``: already on the path (pytest, ``python -m ucm`` from the
+    checkout), or found in the checkout this ``ucm`` is installed from (editable). Raises
+    UcmError saying so when there is none."""
+    if importlib.util.find_spec("harness") is not None:
+        return
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "harness" / "__init__.py").is_file():
+        sys.path.insert(0, str(checkout))
+        importlib.invalidate_caches()
+        return
+    raise UcmError(
+        f"benchmark {benchmark!r} needs the repository's test harness (harness/: test servers "
+        "and engine drivers, which the wheel does not ship); run it from a UCM checkout "
+        "(pip install -e .)"
+    )

@@ -2,7 +2,7 @@
 ``batch_get_into`` of the same objects into the same registered memory, beside the fsspec tier
 over S3 (a moto server on 127.0.0.1) and the posix tier.
 
-A real ``mooncake_master`` runs on 127.0.0.1 (``ucm.testing.mooncake``). Two placements:
+A real ``mooncake_master`` runs on 127.0.0.1 (``harness.mooncake``). Two placements:
 
 - remote segment (the pool's reason to exist): a second process, the "pool node", mounts a
   segment and dumps the shards through its own mooncake tier; this process is a pure client
@@ -21,7 +21,6 @@ matters most at memcpy speed. Figures are medians; the target is tier/direct >= 
 from __future__ import annotations
 
 import mmap
-import multiprocessing
 import tempfile
 import time
 import uuid
@@ -31,9 +30,10 @@ from typing import Any
 from ..layout import Key, Layout
 from ..native.pybuffer import buffer_address
 from ..plugins import tier_types
+from ..ranks import RankGroup
 from ..testing import make_context
 from ..tier import HOST_MEMORY_OPTION, Tier, TierContext
-from . import BenchOptions, BenchResult, Figure, Plot
+from . import BenchOptions, BenchResult, Figure, Plot, need_harness
 
 SHARD_BYTES = 2 * 1024 * 1024
 LAYOUT = Layout(shard_size=SHARD_BYTES, shards_per_block=1, tensor_sizes=(SHARD_BYTES,))
@@ -179,7 +179,8 @@ class _Memory:
 def _mooncake_figures(
     options: BenchOptions, notes: list[str], count: int, rounds: int
 ) -> tuple[list[Figure], dict[str, float]]:
-    from ..testing.mooncake import MooncakeMaster
+    need_harness("mooncake_load")
+    from harness.mooncake import MooncakeMaster
 
     blocks = _blocks(count)
     total = count * SHARD_BYTES
@@ -189,11 +190,9 @@ def _mooncake_figures(
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     with MooncakeMaster() as master:
         options.progress("mooncake_load: the pool node dumps the shards")
-        context = multiprocessing.get_context("spawn")
-        conn, child = context.Pipe()
-        node = context.Process(target=pool_node, args=(master.address, namespace, count, child))
-        node.start()
-        try:
+        with RankGroup(parties=1, join_timeout=POOL_NODE_TIMEOUT_S) as group:
+            conn, child = group.context.Pipe()
+            group.spawn(pool_node, master.address, namespace, count, child)
             if not conn.poll(POOL_NODE_TIMEOUT_S) or conn.recv() != "ready":
                 raise RuntimeError("the pool node did not get ready")
             client = _make(
@@ -217,10 +216,6 @@ def _mooncake_figures(
             conn.send("leave")
             if not conn.poll(POOL_NODE_TIMEOUT_S) or conn.recv() != "left":
                 raise RuntimeError("the pool node did not leave")
-        finally:
-            node.join(timeout=POOL_NODE_TIMEOUT_S)
-            if node.is_alive():
-                node.kill()
         medians["remote tier"], medians["remote direct"] = (
             _median(gbs["tier"]),
             _median(gbs["direct"]),
@@ -315,7 +310,8 @@ def _peer_gbs(options: BenchOptions, notes: list[str], count: int, rounds: int) 
         finally:
             posix.close()
     try:
-        from ..testing.s3 import shared_server
+        need_harness("mooncake_load")
+        from harness.s3 import shared_server
 
         server = shared_server()
     except Exception as exc:  # an optional peer: note why and go on
@@ -345,7 +341,8 @@ class MooncakeLoadBenchmark:
     title = "mooncake tier load of 2 MiB shards vs Mooncake's batch_get_into; S3 and posix"
 
     def run(self, options: BenchOptions) -> BenchResult:
-        from ..testing.mooncake import missing_reason, on_ci
+        need_harness("mooncake_load")
+        from harness.mooncake import missing_reason, on_ci
 
         count = 16 if options.quick else 256
         rounds = 3 if options.quick else 9

@@ -8,12 +8,12 @@ The C++ UCM got 0.87x at 256 KiB shards and 0.75x at 2 MiB.
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import time
 import uuid
 from typing import Any
 
 from ..errors import UcmError
+from ..ranks import RankGroup
 from . import BenchOptions, BenchResult, Figure, Plot
 
 RANKS = 4
@@ -95,21 +95,10 @@ def _measure(size: int, total: int, rounds: int) -> tuple[float, float]:
     try:
         with ucm.open(config, device_id=0, local_rank_size=RANKS) as seed:
             seed.wait(seed.dump_data(ids, 0, [[base + i * size] for i in range(n)]))
-            context = mp.get_context("spawn")
-            barrier, out = context.Barrier(RANKS), context.Queue()
-            processes = [
-                context.Process(target=_rank, args=(r, config, rounds, barrier, out))
-                for r in range(RANKS)
-            ]
-            try:
-                for process in processes:
-                    process.start()
-                reports = [out.get(timeout=600) for _ in processes]
-            finally:
-                for process in processes:
-                    process.join(timeout=60)
-                    if process.is_alive():
-                        process.kill()
+            with RankGroup(parties=RANKS, join_timeout=60) as group:
+                for r in range(RANKS):
+                    group.spawn(_rank, r, config, rounds, group.barrier, group.results)
+                reports = group.reports(timeout=600)
     finally:
         segments.unlink(unique_id)
     errors = [r["error"] for r in reports if "error" in r]

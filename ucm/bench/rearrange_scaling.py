@@ -13,7 +13,6 @@ then find the other strides Ready.
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ from ..config import LowerTierConfig
 from ..errors import UcmError
 from ..hookspecs import hookimpl
 from ..layout import Key
+from ..ranks import RankGroup
 from ..tier import Outcome, ShardViews, Tier, TierContext, scatter
 from . import BenchOptions, BenchResult, Figure, Plot
 
@@ -154,21 +154,12 @@ def _run_ranks(ranks: int, tasks: int, workers: int) -> dict[str, float]:
         )
         for label in ("rearranged", "natural")
     ]
-    context = mp.get_context("spawn")
-    barrier, out = context.Barrier(ranks), context.Queue()
-    processes = [
-        context.Process(target=_rank, args=(r, ranks, runs, tasks, barrier, out))
-        for r in range(ranks)
-    ]
     try:
-        for process in processes:
-            process.start()
-        reports = [out.get(timeout=300) for _ in processes]
+        with RankGroup(parties=ranks) as group:
+            for r in range(ranks):
+                group.spawn(_rank, r, ranks, runs, tasks, group.barrier, group.results)
+            reports = group.reports(timeout=300)
     finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
         for _, config in runs:
             segments.unlink(config["unique_id"])
     errors = [r["error"] for r in reports if "error" in r]

@@ -251,7 +251,7 @@ class _Driver:
         self.s3: Any = None
         s3_plan = plan.get("s3")
         if s3_plan:
-            from .s3 import S3Server
+            from harness.s3 import S3Server
 
             self.s3 = S3Server(port=int(s3_plan["port"])).start()
 

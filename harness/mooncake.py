@@ -1,5 +1,5 @@
 """A real ``mooncake_master`` on 127.0.0.1 for tests and benchmarks (the way
-:mod:`ucm.testing.s3` runs a moto S3 server).
+:mod:`harness.s3` runs a moto S3 server).
 
 The master is the binary the ``mooncake-transfer-engine-non-cuda`` wheel ships, started on free
 127.0.0.1 ports with everything the tests do not need switched off (metric reporting, the HTTP

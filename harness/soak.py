@@ -16,7 +16,8 @@ lock (the native debug hook), then restarts them. Afterwards it checks that
 
 Ranks report through fixed-size record files written in place (two alternating copies, so a
 kill in the middle of a write loses at most the latest update), never through pipes that a
-killed process could leave half-written. ``ucm soak --seconds 600`` runs the long form.
+killed process could leave half-written. ``python -m harness.soak --seconds 600`` (from the
+repository root) runs the long form. This is a repository tool, not part of the wheel.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+"""The checkout this harness lives in: rank processes import ``harness`` (and ``ucm``) from it."""
+
+
+def _rank_environment() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH", "")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPOSITORY), path) if p))
+
 
 MAGIC = b"UCMSOAK1"
 _HEADER = struct.Struct("<8s16sIIQ")  # magic, block id, shard, zero, generation
@@ -156,7 +166,7 @@ class SoakSettings:
         if self.seconds_max is not None and self.seconds_max < self.seconds:
             problems.append(f"seconds_max={self.seconds_max} (expected >= seconds)")
         if problems:
-            from .errors import InvalidArgumentError
+            from ucm.errors import InvalidArgumentError
 
             raise InvalidArgumentError("soak settings not valid: " + "; ".join(problems))
 
@@ -318,7 +328,7 @@ class _Rank:
         """Waits for a task within the op bound; returns its failures."""
         import concurrent.futures
 
-        from .errors import TaskError
+        from ucm.errors import TaskError
 
         try:
             task.result(timeout=self.spec.op_timeout_s)
@@ -340,7 +350,7 @@ class _Rank:
         return blocks, shards
 
     def load(self, blocks: list[bytes], shards: list[int]) -> None:
-        from .errors import KeyMissingError
+        from ucm.errors import KeyMissingError
 
         memory = self.memory[: len(blocks)]
         for buffer in memory:
@@ -426,7 +436,7 @@ class _Rank:
     def hold_slot(self) -> None:
         """Claims a missing key's slot (native Get: OWNER), writes half of its bytes, announces
         it and waits to be killed: ranks asking for the key meanwhile wait on the slot."""
-        from .native.buffer import GetResult
+        from ucm.native.buffer import GetResult
 
         core = self.buffer.core
         region = self.buffer.region
@@ -452,7 +462,7 @@ class _Rank:
 
     def hold_reader(self) -> None:
         """Takes a reference to a Ready slot (a hit being copied out) and waits to be killed."""
-        from .native.buffer import GetResult
+        from ucm.native.buffer import GetResult
 
         core = self.buffer.core
         for _ in range(64):
@@ -499,7 +509,7 @@ class _Rank:
     def verify(self) -> None:
         """A fresh rank: every key of the key space loads byte-exact or misses; fresh keys
         dumped now load back exactly; nothing is bypassed for want of a slot."""
-        from .errors import KeyMissingError
+        from ucm.errors import KeyMissingError
 
         spb = self.layout.shards_per_block
         batch = 8
@@ -546,7 +556,7 @@ class _Requests:
 
 
 def rank_main(spec: RankSpec) -> int:
-    """Entry point of a rank process (``python -m ucm.soak rank SPEC_JSON``)."""
+    """Entry point of a rank process (``python -m harness.soak rank SPEC_JSON``)."""
     requests = _Requests()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -679,6 +689,7 @@ class _Controller:
         self.violations_path = workdir / "violations.jsonl"
 
     def spawn(self, rank: int, mode: str = "work") -> _Proc:
+        """Starts a rank process (``python -m harness.soak rank``)."""
         self.incarnations += 1
         record_path = self.workdir / f"rank{rank}-{self.incarnations}.rec"
         stderr_path = self.workdir / f"rank{rank}-{self.incarnations}.stderr"
@@ -697,7 +708,8 @@ class _Controller:
         )
         with open(stderr_path, "wb") as stderr:
             process = subprocess.Popen(
-                [sys.executable, "-m", "ucm.soak", "rank", json.dumps(asdict(spec))],
+                [sys.executable, "-m", "harness.soak", "rank", json.dumps(asdict(spec))],
+                env=_rank_environment(),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=stderr,
@@ -932,7 +944,7 @@ class _Controller:
 
 def audit_slots(core: Any, alive: Callable[[int], bool] = lambda pid: False) -> SlotAudit:
     """Classifies every slot; ``problems`` lists each held, detached or abandoned one."""
-    from .native.buffer import DETACHED, State
+    from ucm.native.buffer import DETACHED, State
 
     audit = SlotAudit(slots=core.geometry.slot_count_total)
     for slot in range(audit.slots):
@@ -1022,8 +1034,7 @@ def run_soak(
 ) -> SoakReport:
     """Runs the kill soak for ``settings.seconds`` and returns what it saw."""
     import ucm
-
-    from .native import segments
+    from ucm.native import segments
 
     settings.check()
     workdir = Path(settings.workdir or tempfile.mkdtemp(prefix="ucm-soak-"))
@@ -1119,7 +1130,7 @@ def run_soak(
     return report
 
 
-# ---- presentation (used by `ucm soak`) ---------------------------------------------------------
+# ---- presentation (python -m harness.soak) ------------------------------------------------------
 
 
 def render(report: SoakReport) -> Iterator[str]:
@@ -1224,14 +1235,22 @@ def soak_command(
         raise typer.Exit(1)
 
 
+app = typer.Typer(
+    name="python -m harness.soak", add_completion=False, pretty_exceptions_enable=False
+)
+app.command()(soak_command)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ucm.soak")
-    sub = parser.add_subparsers(dest="command", required=True)
-    rank = sub.add_parser("rank", help="internal: one rank process of the soak")
-    rank.add_argument("spec")
-    args = parser.parse_args(argv)
-    assert args.command == "rank"
-    return rank_main(RankSpec(**json.loads(args.spec)))
+    """``python -m harness.soak [--seconds ...]`` runs the soak; ``rank SPEC_JSON`` is one of its
+    rank processes (internal)."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["rank"]:
+        parser = argparse.ArgumentParser(prog="python -m harness.soak rank")
+        parser.add_argument("spec")
+        return rank_main(RankSpec(**json.loads(parser.parse_args(args[1:]).spec)))
+    app(args)
+    return 0
 
 
 if __name__ == "__main__":
