@@ -313,11 +313,9 @@ def test_a_pin_in_one_rank_holds_against_another_ranks_evictions() -> None:
     """The pins of one process hold node-wide: rank 1 pins two blocks, and rank 0's dumps
     (its own process, the same buffer) evict everything else until rank 1 unpins."""
     config = _buffer_only(slots=8, shards=2)
-    context = mp.get_context("spawn")
-    barrier, out = context.Barrier(2), context.Queue()
-    other = context.Process(target=_pinning_rank, args=(config, barrier, out))
-    other.start()
-    try:
+    with RankGroup(parties=2, join_timeout=60) as group:
+        barrier, out = group.barrier, group.results
+        other = group.spawn(_pinning_rank, config, barrier, out)
         with ucm.open(config, device_id=0, local_rank_size=2) as store:
             kept = [block(1), block(2)]
             _dump_all_shards(store, kept, 2)
@@ -333,8 +331,5 @@ def test_a_pin_in_one_rank_holds_against_another_ranks_evictions() -> None:
                 _dump_all_shards(store, pressure[start : start + 2], 2)
             assert store.lookup(kept) == [False, False]
             barrier.wait(timeout=60)
-    finally:
         other.join(timeout=60)
-        if other.is_alive():
-            other.kill()
     assert other.exitcode == 0
