@@ -282,10 +282,10 @@ def test_clear_serves_nothing_stored_before_it_on_any_tier(
         _store_pages(backend, pool, before)
         assert backend.batch_exists(before) == 3
         backend.clear()
-        assert backend.epoch == 1
         assert backend.batch_exists(before) == 0
         assert backend.batch_get_v1(before, pages_at(pool, [5, 6, 7])) == [False] * 3
         assert not backend.exists(before[0])
+        assert backend.epoch == 1
         _store_pages(backend, pool, after, seed=2)
         assert backend.batch_exists(after) == 2
     finally:
@@ -326,9 +326,9 @@ def test_tp_ranks_that_clear_agree_on_the_epoch(
         for _ in range(2):
             for rank in ranks:
                 rank.clear()
-        assert [rank.epoch for rank in ranks] == [2, 2]
-        assert ranks[0].block_id(keys[0]) == ranks[1].block_id(keys[0])
         assert [rank.batch_exists(keys) for rank in ranks] == [0, 0]
+        assert ranks[0].block_id(keys[0]) == ranks[1].block_id(keys[0])
+        assert [rank.epoch for rank in ranks] == [2, 2]
     finally:
         for rank in ranks:
             rank.close()

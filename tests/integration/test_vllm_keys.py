@@ -23,7 +23,6 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed", allow_module_level=True)
 
 from ucm.integration import vllm as connector
-from ucm.integration.salts import lora_identity
 from ucm.testing.vllm import write_tiny_llama
 
 pytestmark = pytest.mark.timeout(600)
@@ -125,6 +124,8 @@ def test_other_weights_at_the_same_path_change_the_salt(model: Path, tmp_path: P
 
 def test_a_lora_adapter_is_named_by_its_files_not_its_name(tmp_path: Path) -> None:
     from vllm.lora.request import LoRARequest
+
+    from ucm.integration.salts import lora_identity
 
     first, second = tmp_path / "a", tmp_path / "b"
     for directory, content in ((first, b"A" * 64), (second, b"B" * 96)):

@@ -67,7 +67,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 import ucm
 from ucm.errors import ConfigError, TaskError, UcmError
 
-from .keys import EngineGeometry, Epochs, KeySpace, chain_block_ids, engine_stack, write_marker
+from .keys import (
+    EngineGeometry,
+    Epochs,
+    KeySpace,
+    chain_block_ids,
+    engine_stack,
+    warn_node_local,
+    write_marker,
+)
 from .salts import lora_identity, vllm_fields
 
 if TYPE_CHECKING:
@@ -459,6 +467,8 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._epochs = Epochs(self._key_space.salt())
         self._epoch = self._epochs.current(self._store)
         self._reset_marker: bytes | None = None
+        nodes = int(getattr(vllm_config.parallel_config, "nnodes", 1) or 1)
+        warn_node_local("vLLM", nodes, self._geometry.shards_per_block, self._store.config)
         self._salts: dict[tuple[str | None, str | None], bytes] = {}
         self._requests: dict[str, _RequestState] = {}
         self._loads: dict[str, BlockTransfer] = {}
