@@ -204,3 +204,30 @@ def test_epochs_are_marker_blocks_every_process_sees(tmp_path: Path) -> None:
         scheduler.close()
     with pytest.raises(ValueError, match="epoch must be an int >= 0"):
         SPACE.salt(epoch=-1)
+
+
+def test_multi_node_tp_warns_naming_the_shared_tier_fix(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from ucm.config import parse_stack
+    from ucm.integration.keys import warn_node_local
+
+    def stack(*tiers: dict[str, object]) -> ucm.StackConfig:
+        return parse_stack(
+            {"unique_id": "w", "tensor_size_list": [64], "shards_per_block": 4, "tiers": tiers}
+        )
+
+    buffer_only = stack({"type": "buffer", "capacity": "1MiB"})
+    with_posix = stack({"type": "buffer", "capacity": "1MiB"}, {"type": "posix", "path": "/x"})
+    with caplog.at_level(logging.WARNING, logger="ucm.integration.keys"):
+        assert not warn_node_local("vLLM", 1, 4, buffer_only)  # one node
+        assert not warn_node_local("vLLM", 2, 1, buffer_only)  # one shard per block (MLA)
+        assert warn_node_local("vLLM", 2, 4, with_posix)
+    (message,) = [record.getMessage() for record in caplog.records]
+    assert message.startswith("UCM: vLLM runs tensor parallelism over 2 nodes: a block is 4 shards")
+    assert "this stack's lower tier(s) ['posix'] hit only if every node shares them" in message
+    assert message.endswith(
+        "Fix: give the stack a shared lower tier (posix on a shared filesystem, s3, mooncake)"
+    )
