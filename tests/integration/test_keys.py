@@ -172,3 +172,62 @@ def test_importing_the_integration_package_imports_no_engine() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ---- reset epochs -------------------------------------------------------------------------------
+
+
+def test_epochs_are_marker_blocks_every_process_sees(tmp_path: Path) -> None:
+    """The current epoch is the highest marker in the stack: past a window of markers, across
+    holes (resets that never wrote their marker), per writer, and from a scheduler-role store."""
+    from ucm.integration.keys import EPOCH_WINDOW, Epochs, write_marker
+
+    stack = {
+        "unique_id": "epochs",
+        "tensor_size_list": [64, 64],
+        "shards_per_block": 2,
+        "tiers": [{"type": "posix", "path": str(tmp_path)}],
+    }
+    base = SPACE.salt()
+    assert SPACE.salt(epoch=0) == base and SPACE.salt(epoch=1) != base
+    epochs, other = Epochs(base), Epochs(base, writer="tp1")
+    with ucm.open(stack, device_id=0, local_rank_size=2) as worker:
+        scheduler = ucm.open(stack, device_id=-1, local_rank_size=2)
+        assert epochs.current(scheduler) == 0
+        assert epochs.begin(worker) == 1 and epochs.current(scheduler) == 1
+        assert epochs.begin(worker, after=5) == 6  # this process was already in epoch 5
+        write_marker(worker, epochs.marker(EPOCH_WINDOW + 3))  # in the second window
+        assert epochs.current(scheduler) == EPOCH_WINDOW + 3
+        assert other.current(scheduler) == 0  # another writer's sequence
+        # Both shards of a marker are written: the block is whole in the stack.
+        assert worker.lookup([epochs.marker(1)]) == [True]
+        scheduler.close()
+    with pytest.raises(ValueError, match="epoch must be an int >= 0"):
+        SPACE.salt(epoch=-1)
+
+
+def test_multi_node_tp_warns_naming_the_shared_tier_fix(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from ucm.config import parse_stack
+    from ucm.integration.keys import warn_node_local
+
+    def stack(*tiers: dict[str, object]) -> ucm.StackConfig:
+        return parse_stack(
+            {"unique_id": "w", "tensor_size_list": [64], "shards_per_block": 4, "tiers": tiers}
+        )
+
+    buffer_only = stack({"type": "buffer", "capacity": "1MiB"})
+    with_posix = stack({"type": "buffer", "capacity": "1MiB"}, {"type": "posix", "path": "/x"})
+    with caplog.at_level(logging.WARNING, logger="ucm.integration.keys"):
+        assert not warn_node_local("vLLM", 1, 4, buffer_only)  # one node
+        assert not warn_node_local("vLLM", 2, 1, buffer_only)  # one shard per block (MLA)
+        assert warn_node_local("vLLM", 2, 4, with_posix)
+    (message,) = [record.getMessage() for record in caplog.records]
+    assert message.startswith("UCM: vLLM runs tensor parallelism over 2 nodes: a block is 4 shards")
+    assert "this stack's lower tier(s) ['posix'] hit only if every node shares them" in message
+    assert message.endswith(
+        "Fix: give the stack a shared lower tier (posix on a shared filesystem, s3, mooncake)"
+    )

@@ -475,7 +475,8 @@ def test_two_tp_ranks_of_a_node_share_one_buffer(sgl: SGLang, unique_id: Callabl
         (
             {"ucm_stak": "x.yaml"},
             {},
-            r"unknown key\(s\) \['ucm_stak'\]; the UCM backend reads \['ucm_stack'\]",
+            r"unknown key\(s\) \['ucm_stak'\]; the UCM backend reads "
+            r"\['ucm_stack', 'ucm_kv_dtype', 'ucm_weights_id'\]",
         ),
         (
             {"ucm_stack": {}},

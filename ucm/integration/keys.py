@@ -2,9 +2,19 @@
 
 **Block ids.** A block id is 16 bytes of keyed BLAKE2b. The key is a *salt*: the digest of
 everything that makes two engines' KV for the same tokens incompatible (:class:`KeySpace`: the
-engine, model, dtype, tokens per block, KV layout, TP size, and a request's ``cache_salt`` when it
-has one). Two engines whose key spaces differ in any field never compute the same block id, so
-they never serve each other's blocks even on one stack.
+engine, model, dtype, tokens per block, KV layout, TP size, the engine-specific fields of
+:mod:`ucm.integration.salts`, and the reset epoch). Two engines whose key spaces differ in any
+field never compute the same block id, so they never serve each other's blocks even on one stack.
+A request's ``cache_salt`` (and LoRA adapter) is salted by the vLLM connector, which sees each
+request; SGLang puts both in its page keys itself; LMCache 0.5.6's keys carry neither, so the
+LMCache plugin refuses a LoRA-enabled engine (docs/lmcache.md).
+
+**Reset epochs** (:class:`Epochs`): vLLM's ``reset_cache`` and SGLang's ``clear`` must stop UCM
+serving anything saved before them, on every tier and every process sharing the stack. A reset
+does not delete blocks (UCM cannot enumerate a tier's keys by key space); it moves the key space
+to a new *epoch*, which every block id carries, and persists the epoch as a marker block in the
+stack, where the lower tiers and every process opening the stack later see it. Blocks of older
+epochs stay until their tiers evict them, and are never served again.
 
 - :func:`chain_block_ids`: the id of each *full* block of a token sequence is the hash of the
   previous block's id and the block's own token ids, so block *i*'s id names the whole prefix
@@ -21,17 +31,24 @@ says what the engine's layout is.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
+import logging
 import os
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import StackConfig, parse_stack, read_stack_source
 from ..errors import ConfigError
 from ..layout import BLOCK_ID_BYTES
+
+if TYPE_CHECKING:
+    from ..store import Store
+
+logger = logging.getLogger(__name__)
 
 KEYS_VERSION = 1
 """Bumped whenever the derivation below changes: old ids then simply stop matching (misses)."""
@@ -65,8 +82,11 @@ class KeySpace:
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an int >= 1, got {self.tp_size!r}")
 
-    def salt(self, cache_salt: str | None = None) -> bytes:
-        """The 32-byte key of this key space (and of one ``cache_salt``, when given)."""
+    def salt(self, cache_salt: str | None = None, epoch: int = 0) -> bytes:
+        """The 32-byte key of this key space (and of one ``cache_salt``, when given) in reset
+        epoch ``epoch`` (0 before any reset)."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, got {epoch!r}")
         fields: list[tuple[str, Any]] = [
             ("keys_version", KEYS_VERSION),
             ("engine", self.engine),
@@ -79,6 +99,8 @@ class KeySpace:
         ]
         if cache_salt is not None:
             fields.append(("cache_salt", cache_salt))
+        if epoch:
+            fields.append(("epoch", epoch))
         encoded = json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
         return hashlib.blake2b(encoded, digest_size=32).digest()
 
@@ -123,6 +145,110 @@ def named_block_id(salt: bytes, name: bytes | str | int) -> bytes:
     else:
         data = b"b" + bytes(name)
     return hashlib.blake2b(_NAME_TAG + data, digest_size=BLOCK_ID_BYTES, key=salt).digest()
+
+
+EPOCH_WINDOW = 64
+"""Epoch markers asked for in one lookup while finding the current epoch."""
+
+
+@dataclass(frozen=True)
+class Epochs:
+    """The reset epochs of one key space, persisted as marker blocks in the stack.
+
+    Marker *n* is the block ``named_block_id(base, "ucm-epoch:<writer>:<n>")``, every shard of it
+    zeros; its presence says "epoch *n* has begun". The current epoch is the highest marker
+    present (0 when none), found by looking the markers up in windows of :data:`EPOCH_WINDOW`
+    (one lookup per window, the first window answering for the first 64 resets).
+
+    - ``base`` is the key space's salt at epoch 0, so a reset moves one key space only (one
+      model, dtype, layout...), on every tier and for every process that opens the stack later.
+    - ``writer`` names whose sequence of resets this is: one per engine instance that resets on
+      its own (an SGLang TP rank clears on its own; vLLM's scheduler resets for all its ranks).
+      All ranks of a deployment are reset together by their engine, so their sequences agree.
+    - Markers are kept young: finding the epoch touches every marker found, so a tier that evicts
+      the least recently used blocks evicts a marker only after every block older than it, that
+      is after every block of the epochs it ended. A missing marker then means a lower epoch
+      whose blocks are gone too. The safe direction holds when a marker is lost some other way
+      (a tier wiped by hand): the epoch falls back and ids of blocks saved since the reset stop
+      matching (misses, never wrong KV), unless blocks of that lower epoch survive elsewhere.
+    """
+
+    base: bytes
+    writer: str = ""
+
+    def marker(self, epoch: int) -> bytes:
+        """The id of epoch ``epoch``'s marker block."""
+        return named_block_id(self.base, f"ucm-epoch:{self.writer}:{epoch}")
+
+    def current(self, store: Store) -> int:
+        """The highest epoch whose marker ``store`` holds (0 when none)."""
+        found = 0
+        start = 1
+        while True:
+            window = range(start, start + EPOCH_WINDOW)
+            present = store.lookup([self.marker(n) for n in window])
+            hits = [n for n, hit in zip(window, present, strict=True) if hit]
+            if not hits:
+                return found
+            found = hits[-1]
+            _touch(store, [self.marker(n) for n in hits])
+            start += EPOCH_WINDOW
+
+    def begin(self, store: Store, after: int = 0) -> int:
+        """Starts a new epoch, past the stack's current one and past ``after`` (the epoch this
+        process is in): writes its marker into ``store`` (a worker store) and returns it."""
+        epoch = max(self.current(store), after) + 1
+        write_marker(store, self.marker(epoch))
+        return epoch
+
+
+def write_marker(store: Store, block_id: bytes) -> None:
+    """Writes every shard of block ``block_id`` as zeros into ``store`` (a worker store: it has a
+    data plane) and waits for it; raises the store's error when it could not."""
+    layout = store.layout
+    zeros = bytearray(layout.shard_size)
+    address = ctypes.addressof((ctypes.c_char * len(zeros)).from_buffer(zeros))
+    pointers = []
+    for size in layout.tensor_sizes:
+        pointers.append(address)
+        address += size
+    shards = layout.shards_per_block
+    task = store.dump_data([block_id] * shards, list(range(shards)), [pointers] * shards)
+    store.wait(task)
+    # Below the top tier too, now: a marker must outlive the process that wrote it.
+    store.drain()
+
+
+def warn_node_local(engine: str, nodes: int, shards: int, stack: StackConfig) -> bool:
+    """Warns (and returns True) when tensor parallelism spans ``nodes`` > 1 nodes: a block is
+    ``shards`` shards, one per TP rank, but a node's buffer holds only its own ranks' shards, so
+    a block is whole only in a tier every node writes to."""
+    if nodes <= 1 or shards <= 1:
+        return False
+    lower = [tier.type for tier in stack.tiers if tier.type != "buffer"]
+    where = (
+        "this stack has no tier below the buffer, so it never hits"
+        if not lower
+        else f"this stack's lower tier(s) {lower} hit only if every node shares them"
+    )
+    logger.warning(
+        "UCM: %s runs tensor parallelism over %d nodes: a block is %d shards (one per TP rank), "
+        "and a node's buffer holds only its own ranks' shards, so a block is complete only in a "
+        "tier shared by every node; %s. Fix: give the stack a shared lower tier (posix on a "
+        "shared filesystem, s3, mooncake)",
+        engine,
+        nodes,
+        shards,
+        where,
+    )
+    return True
+
+
+def _touch(store: Store, block_ids: Sequence[bytes]) -> None:
+    try:
+        store.touch(block_ids)
+    except Exception as exc:  # a tier that cannot touch keeps the marker's age: not fatal
+        logger.debug("UCM: touching epoch markers failed: %s", exc)
 
 
 @dataclass(frozen=True)
@@ -217,12 +343,16 @@ def _short(value: Any) -> str:
 
 
 __all__ = [
+    "EPOCH_WINDOW",
     "GEOMETRY_KEYS",
     "KEYS_VERSION",
     "EngineGeometry",
+    "Epochs",
     "KeySpace",
     "StackSource",
     "chain_block_ids",
     "engine_stack",
     "named_block_id",
+    "warn_node_local",
+    "write_marker",
 ]

@@ -16,7 +16,8 @@ thin layer over the public Store API (``ucm.open``, ``lookup``, ``load_data``, `
 **Keys.** An LMCache chunk is one UCM *block*; each worker's part of it is one *shard*. The block
 id is :func:`~ucm.integration.keys.named_block_id` of the chunk hash, salted with a
 :class:`~ucm.integration.keys.KeySpace` of everything else in the :class:`CacheEngineKey` but
-the worker id (model, world size, dtype, tags) plus the chunk geometry; the shard index is the
+the worker id (model, world size, dtype, tags) plus the chunk geometry and, for a one-byte KV cache,
+its logical format (:func:`kv_format`: LMCache says ``uint8`` for every fp8); the shard index is the
 worker id and ``shards_per_block`` is the key's world size. So the workers of one node share one
 CacheBuffer (one ``unique_id``) and a chunk's parts live together in every tier. A chunk counts
 as present only when every worker's shard is (the workers agree on hits), and removing a chunk
@@ -45,9 +46,11 @@ shards below the buffer are not held. Pins of async lookups whose prefetch never
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import Counter
@@ -64,7 +67,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from .. import REMOVE_CHUNK_KEYS, Pin, Store, TaskError
 from .. import open as open_store
 from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, RoleError, UcmError
-from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id
+from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id, warn_node_local
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig
@@ -86,6 +89,16 @@ LOOKUP_PINS_MAX = 4096
 pins are released (a plugin's ``lookup_pins_max``)."""
 
 UcmKey = tuple[bytes, int]
+
+SALTS_KEPT = 4096
+"""Distinct (model, world size, dtype, tags) salts memoised per plugin (least recently used
+first out)."""
+
+KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "int8")
+"""Values of ``storage_plugin.<name>.kv_dtype``: the logical format of a one-byte KV cache
+(vLLM's ``--kv-cache-dtype`` names; ``fp8`` is ``fp8_e4m3``)."""
+
+_FP8_ALIASES = {"fp8": "fp8_e4m3"}
 
 
 def plugin_name(config: LMCacheEngineConfig) -> str:
@@ -177,6 +190,64 @@ def chunk_layout(config: LMCacheEngineConfig, metadata: LMCacheMetadata) -> Chun
     )
 
 
+def kv_format(config: LMCacheEngineConfig, layout: ChunkLayout, name: str) -> str | None:
+    """The logical format of a one-byte KV cache (None for wider dtypes, which name themselves).
+
+    LMCache's metadata and keys give ``torch.uint8`` for both fp8 formats (vLLM's
+    ``get_kv_cache_torch_dtype``), so the format must be stated as ``storage_plugin.<name>.
+    kv_dtype``. When the plugin runs inside a vLLM process whose config is current, vLLM's
+    ``cache_dtype`` is checked against it. Also refuses a LoRA-enabled vLLM: LMCache's keys carry
+    no adapter, so adapter A's KV would be served to adapter B.
+    """
+    key = f"extra_config['storage_plugin.{name}.kv_dtype']"
+    stated = (config.extra_config or {}).get(f"storage_plugin.{name}.kv_dtype")
+    stated = _FP8_ALIASES.get(stated, stated) if isinstance(stated, str) else stated
+    if stated is not None and stated not in KV_DTYPES:
+        raise ConfigError(f"{key}={stated!r}: expected one of {list(KV_DTYPES)}")
+    vllm_config = _current_vllm_config()
+    engine: str | None = None
+    if vllm_config is not None:
+        if getattr(vllm_config, "lora_config", None) is not None:
+            raise ConfigError(
+                f"{CLASS_NAME}: vLLM runs with LoRA enabled, and LMCache 0.5.6's chunk keys carry "
+                "no LoRA adapter (LMCache #2961): one adapter's KV would be served to another. "
+                "Use UCM's own vLLM connector (ucm.integration.vllm), whose keys carry the "
+                "adapter, or serve without LoRA"
+            )
+        engine = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+        engine = _FP8_ALIASES.get(engine, engine)
+    one_byte = [
+        dtype for dtype in layout.dtypes if dtype.itemsize == 1 and not dtype.is_floating_point
+    ]
+    if not one_byte:
+        return None
+    if engine is not None and engine != "auto" and stated is not None and engine != stated:
+        raise ConfigError(
+            f"{key}={stated!r}, but vLLM runs with kv_cache_dtype {engine!r}: make them match"
+        )
+    if stated is None:
+        raise ConfigError(
+            f"{key} is missing: LMCache hands UCM this KV cache as {one_byte[0]}, the storage "
+            "dtype of every fp8 format, so chunks of fp8_e4m3 and fp8_e5m2 would share ids; "
+            f"state the format ({', '.join(repr(d) for d in KV_DTYPES)}; vLLM's "
+            "--kv-cache-dtype)"
+        )
+    return str(stated)
+
+
+def _current_vllm_config() -> Any | None:
+    """vLLM's current config when this process is a vLLM process that set one (never imports
+    vLLM)."""
+    module = sys.modules.get("vllm.config")
+    getter = getattr(module, "get_current_vllm_config_or_none", None)
+    if getter is None:
+        return None
+    try:
+        return getter()
+    except Exception:
+        return None
+
+
 @dataclass
 class _Put:
     key: CacheEngineKey
@@ -243,7 +314,10 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             f"{self.layout.describe()}; use_mla={metadata.use_mla}; "
             f"save_only_first_rank={save_only_first_rank(config, metadata)}"
         )
-        self._salts: dict[tuple[Any, ...], bytes] = {}
+        self.kv_format = kv_format(config, self.layout, self.name)
+        nodes = max(1, int(metadata.world_size) // max(1, int(metadata.local_world_size)))
+        warn_node_local("LMCache", nodes, self.layout.geometry.shards_per_block, stack)
+        self._salts = functools.lru_cache(maxsize=SALTS_KEPT)(self._compute_salt)
         self._counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()
         # Puts: keys being written, each holding this plugin's reference on its MemoryObj.
@@ -291,22 +365,23 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         return named_block_id(self._salt(key), int(key.chunk_hash)), shard
 
     def _salt(self, key: CacheEngineKey) -> bytes:
-        tags = tuple(key.tags) if key.tags else ()
-        cache_key = (key.model_name, int(key.world_size), str(key.dtype), tags)
-        salt = self._salts.get(cache_key)
-        if salt is None:
-            space = KeySpace(
-                engine="lmcache",
-                model=str(key.model_name),
-                dtype=str(key.dtype),
-                block_tokens=self.chunk_tokens,
-                kv_layout=self._space,
-                tp_size=int(key.world_size),
-            )
-            cache_salt = json.dumps([list(map(str, tag)) for tag in tags]) if tags else None
-            salt = space.salt(cache_salt)
-            self._salts[cache_key] = salt
-        return salt
+        tags = tuple(tuple(map(str, tag)) for tag in key.tags) if key.tags else ()
+        return self._salts(str(key.model_name), int(key.world_size), str(key.dtype), tags)
+
+    def _compute_salt(
+        self, model: str, world_size: int, dtype: str, tags: tuple[tuple[str, ...], ...]
+    ) -> bytes:
+        space = KeySpace(
+            engine="lmcache",
+            model=model,
+            # The logical format of a one-byte KV cache: LMCache's key says uint8 for every fp8.
+            dtype=f"{dtype}/{self.kv_format}" if self.kv_format else dtype,
+            block_tokens=self.chunk_tokens,
+            kv_layout=self._space,
+            tp_size=world_size,
+        )
+        cache_salt = json.dumps([list(tag) for tag in tags]) if tags else None
+        return space.salt(cache_salt)
 
     # ---- lookups ------------------------------------------------------------------------------
 
@@ -803,6 +878,7 @@ __all__ = [
     "ChunkLayout",
     "UcmStorageBackend",
     "chunk_layout",
+    "kv_format",
     "plugin_name",
     "save_only_first_rank",
 ]

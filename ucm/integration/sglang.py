@@ -11,9 +11,12 @@ SGLang loads it by name (see ``docs/sglang.md``)::
 hands it the host KV pool (``register_mem_pool_host``); the stack is opened there, because the
 pool fixes the geometry.
 
-- **Keys.** SGLang names a page by a hash string of its whole token prefix, the same string on
-  every TP rank. A page is one UCM block (:func:`~ucm.integration.keys.named_block_id`, salted
-  with the model, dtype, page size, host-pool layout and TP size); the shard index is the TP rank,
+- **Keys.** SGLang names a page by a hash string of its whole token prefix (seeded with the
+  request's LoRA id and ``cache_salt``), the same string on every TP rank. A page is one UCM block
+  (:func:`~ucm.integration.keys.named_block_id`, salted with the model, the *logical* KV dtype
+  (fp8 e4m3 and e5m2 both live in a ``torch.uint8`` host pool), the weights, model overrides and
+  KV-scale file when SGLang's server args are published, page size, host-pool layout, TP size
+  and the reset epoch of :meth:`UcmHiCacheStorage.clear`); the shard index is the TP rank,
   and ``shards_per_block`` is the TP size, so the TP ranks of a node fill one block of one shared
   CacheBuffer. An MLA model's KV is the same on every rank (SGLang lets rank 0 write it): one
   shard per page, read by every rank.
@@ -50,15 +53,33 @@ import ucm
 from ucm.config import parse_stack
 from ucm.errors import ConfigError, InvalidArgumentError, TaskError
 
-from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id
+from .keys import EngineGeometry, Epochs, KeySpace, engine_stack, named_block_id, warn_node_local
+from .salts import config_digest, weights_fingerprint
 
 logger = logging.getLogger(__name__)
 
 STACK_KEY = "hicache_storage_backend_extra_config['ucm_stack']"
 """Where the stack is given; every configuration error starts with it."""
 
-EXTRA_CONFIG_KEYS = ("ucm_stack",)
+EXTRA_CONFIG_KEYS = ("ucm_stack", "ucm_kv_dtype", "ucm_weights_id")
 """The ``ucm_*`` keys of the extra config this backend reads; any other ``ucm_*`` key is a typo."""
+
+KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "bf16", "bfloat16", "fp16", "float16", "fp32")
+"""Values of ``ucm_kv_dtype``: SGLang's ``--kv-cache-dtype`` names of a KV format."""
+
+ONE_BYTE_DTYPES = ("torch.uint8", "torch.int8")
+"""Host-pool dtypes SGLang stores several logical KV formats in (every fp8 format is uint8)."""
+
+
+def server_args() -> Any | None:
+    """SGLang's process-wide ``ServerArgs`` when the engine has published them (every SGLang
+    scheduler process does before it builds its cache), else None."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        return get_server_args()
+    except Exception:  # not published (a backend built outside an engine) or an older SGLang
+        return None
 
 
 @dataclass(frozen=True)
@@ -139,11 +160,35 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
                 f"{STACK_KEY} must be the path of a YAML stack or a mapping, got "
                 f"{type(source).__name__}"
             )
+        if not (isinstance(storage_config.model_name, str) and storage_config.model_name.strip()):
+            raise ConfigError(
+                f"HiCacheStorageConfig.model_name={storage_config.model_name!r}: the UCM backend "
+                "salts every page key with the model name, and an empty name would let two "
+                "models share pages; SGLang sets it from --served-model-name or --model-path"
+            )
+        kv_dtype = extra.get("ucm_kv_dtype")
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            raise ConfigError(
+                f"hicache_storage_backend_extra_config['ucm_kv_dtype']={kv_dtype!r}: expected "
+                f"one of {list(KV_DTYPES)} (SGLang's --kv-cache-dtype names)"
+            )
+        weights_id = extra.get("ucm_weights_id")
+        if weights_id is not None and (not isinstance(weights_id, str) or not weights_id):
+            raise ConfigError(
+                f"hicache_storage_backend_extra_config['ucm_weights_id']={weights_id!r}: expected "
+                "a non-empty string naming the weights"
+            )
+        self._kv_dtype: str | None = kv_dtype
+        self._weights_id: str | None = weights_id
         self.storage_config = storage_config
         self.plan = ShardPlan.of(storage_config)
         self._source: str | Mapping[str, Any] = source
         self._store: ucm.Store | None = None
         self._salt = b""
+        self._space: KeySpace | None = None
+        self._epochs: Epochs | None = None
+        self.epoch = 0
+        """The reset epoch this rank's page ids are in (see :meth:`clear`)."""
         self._page_size = 0
         self._pointers_per_page = 0
         self._flat_offsets: list[int] | None = None
@@ -178,17 +223,18 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
             data = stack.model_dump(exclude_none=True)
             data["unique_id"] = f"{stack.unique_id}{self.plan.unique_id_suffix}"
             stack = parse_stack(data, source=f"{STACK_KEY} (pipeline stage)")
+        args = server_args()
         space = KeySpace(
             engine="sglang",
-            model=self.storage_config.model_name or "",
-            dtype=str(mem_pool_host.dtype),
+            model=self.storage_config.model_name,
+            dtype=self._logical_dtype(str(mem_pool_host.dtype), args),
             block_tokens=page_size,
             kv_layout=(
                 f"{type(mem_pool_host).__name__}:{mem_pool_host.layout}:"
                 f"{mem_pool_host.layer_num} layers:{list(geometry.tensor_sizes)}"
             ),
             tp_size=self.plan.salt_tp_size,
-            extra=self.plan.salt_extra,
+            extra=self.plan.salt_extra + self._model_fields(args),
         )
         self._flat_offsets, self._flat_problem = _flat_page_offsets(
             mem_pool_host, [int(p) for p in pointers], geometry.tensor_sizes
@@ -196,11 +242,81 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         if self._store is not None:
             self._store.close()
             self._store = None
-        self._salt = space.salt()
         self._page_size = page_size
         self._pointers_per_page = len(sizes)
         self._store = ucm.open(
             stack, device_id=self.plan.device_id, local_rank_size=self.plan.local_rank_size
+        )
+        config = self.storage_config
+        self._space = space
+        self._epochs = Epochs(space.salt(), writer=f"dp{config.dp_rank}-tp{config.tp_rank}")
+        self.epoch = self._epochs.current(self._store)
+        self._salt = space.salt(epoch=self.epoch)
+        nodes = int(getattr(args, "nnodes", 1) or 1) if args is not None else 1
+        warn_node_local("SGLang", nodes, self.plan.shards_per_block, stack)
+
+    def _logical_dtype(self, host_dtype: str, args: Any | None) -> str:
+        """The KV format the pages hold: the host pool's dtype, and for a one-byte pool the fp8
+        (or fp4) format from SGLang's ``--kv-cache-dtype`` or ``ucm_kv_dtype``."""
+        engine = getattr(args, "kv_cache_dtype", None) if args is not None else None
+        engine = None if engine in (None, "auto") else str(engine)
+        stated = self._kv_dtype
+        if engine is not None and stated is not None and engine != stated:
+            raise ConfigError(
+                f"hicache_storage_backend_extra_config['ucm_kv_dtype']={stated!r}, but SGLang "
+                f"runs with --kv-cache-dtype {engine}: leave ucm_kv_dtype out or make it match"
+            )
+        logical = engine or stated
+        if host_dtype in ONE_BYTE_DTYPES and logical is None:
+            raise ConfigError(
+                f"SGLang's host KV pool stores {host_dtype}, which holds every fp8 format alike, "
+                "and SGLang's server args (--kv-cache-dtype) are not available to say which one: "
+                "state it as hicache_storage_backend_extra_config['ucm_kv_dtype'] = 'fp8_e4m3' "
+                "or 'fp8_e5m2', so that pages of two formats never share a key"
+            )
+        return f"{host_dtype}/{logical}" if logical is not None else host_dtype
+
+    def _model_fields(self, args: Any | None) -> tuple[tuple[str, str], ...]:
+        """Key-space fields naming the weights, config overrides and KV scales."""
+        fields: dict[str, str] = {}
+        if args is not None:
+            fields["model_path"] = str(args.model_path)
+            fields["revision"] = str(getattr(args, "revision", None) or "")
+            fields["model_overrides"] = config_digest(
+                getattr(args, "json_model_override_args", None) or "{}"
+            )
+            fields["quantization"] = str(getattr(args, "quantization", None) or "")
+            fields["model_dtype"] = str(getattr(args, "dtype", None) or "")
+            scales = getattr(args, "quantization_param_path", None)
+            if scales:
+                fields["kv_scales"] = weights_fingerprint(str(scales))
+        if self._weights_id is not None:
+            fields["weights"] = self._weights_id
+        elif args is not None:
+            fields["weights"] = weights_fingerprint(
+                str(args.model_path), getattr(args, "revision", None)
+            )
+        return tuple(sorted(fields.items()))
+
+    def clear(self) -> None:
+        """SGLang's ``clear_hicache_storage``: no page stored before it is served again.
+
+        Moves this rank's key space to a new reset epoch and writes the epoch's marker into the
+        stack (:class:`~ucm.integration.keys.Epochs`): every page id computed from now on differs
+        from every id stored before, on every tier, and a backend opened later on this stack
+        (a restart, another node sharing a lower tier) starts in the new epoch. Old pages are not
+        deleted: they stay until their tiers evict them. Raises if the marker cannot be written,
+        so that SGLang does not report a clear that did not happen.
+        """
+        store = self._require_store()
+        assert self._epochs is not None and self._space is not None
+        self.epoch = self._epochs.begin(store, after=self.epoch)
+        self._salt = self._space.salt(epoch=self.epoch)
+        logger.info(
+            "UCM HiCache rank %d: cleared (key space epoch %d): pages stored before are never "
+            "served; they stay in the tiers until evicted",
+            self.storage_config.tp_rank,
+            self.epoch,
         )
 
     @property

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -66,7 +67,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 import ucm
 from ucm.errors import ConfigError, TaskError, UcmError
 
-from .keys import EngineGeometry, KeySpace, chain_block_ids, engine_stack
+from .keys import (
+    EngineGeometry,
+    Epochs,
+    KeySpace,
+    chain_block_ids,
+    engine_stack,
+    warn_node_local,
+    write_marker,
+)
+from .salts import lora_identity, vllm_fields
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,6 +100,8 @@ EXTRA_KEYS = {
     "(0: a free port, logged)",
     "ucm_report_block_ids": "true: each finished request's kv_transfer_params lists the UCM ids "
     "of its full blocks (hex), for use with the UCM API",
+    "ucm_weights_id": "a string naming the weights, instead of UCM's fingerprint of the model "
+    "files (for copies of one checkpoint on several nodes; change it with the weights)",
 }
 """The ``ucm_*`` keys of ``kv_connector_extra_config``; any other ``ucm_*`` key is refused."""
 
@@ -172,11 +184,8 @@ def key_space(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KeySpa
         f"{backend}/{_layout_name(vllm_config)}/{type(spec).__name__}/layers={len(layers)}/"
         f"block=[{heads},{rows},{row_bytes}B]/head_size={getattr(spec, 'head_size', '')}"
     )
-    extra = (
-        ("revision", str(model_config.revision or "")),
-        ("quantization", str(model_config.quantization or "")),
-        ("kv_cache_dtype", str(cache_config.cache_dtype)),
-    )
+    connector_extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    extra = vllm_fields(vllm_config, connector_extra.get("ucm_weights_id"))
     return KeySpace(
         engine="vllm",
         model=str(model_config.model),
@@ -208,6 +217,12 @@ def _check_extra_config(extra: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"{_extra_key('ucm_metrics_port')}: {port!r} is not valid: expected an integer port "
             "in [0, 65535] (0: a free port)"
+        )
+    weights_id = extra.get("ucm_weights_id")
+    if weights_id is not None and (not isinstance(weights_id, str) or not weights_id):
+        raise ConfigError(
+            f"{_extra_key('ucm_weights_id')}: {weights_id!r} is not valid: expected a non-empty "
+            "string naming the weights"
         )
     report = extra.get("ucm_report_block_ids")
     if report is not None and not isinstance(report, bool):
@@ -270,6 +285,8 @@ class UcmConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     preempted: set[str] = field(default_factory=set)
     """Requests preempted this step: their blocks are freed, so pending dumps must finish
     before this step's forward pass can overwrite them."""
+    reset_marker: bytes | None = None
+    """The epoch marker of a reset_cache since the last step: TP rank 0 writes it."""
 
 
 @dataclass
@@ -447,6 +464,11 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _init_scheduler(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
         self._store = _open_store(vllm_config, self._geometry, -1, _ranks_per_node(vllm_config))
         self._key_space = key_space(vllm_config, kv_cache_config)
+        self._epochs = Epochs(self._key_space.salt())
+        self._epoch = self._epochs.current(self._store)
+        self._reset_marker: bytes | None = None
+        nodes = int(getattr(vllm_config.parallel_config, "nnodes", 1) or 1)
+        warn_node_local("vLLM", nodes, self._geometry.shards_per_block, self._store.config)
         self._salts: dict[tuple[str | None, str | None], bytes] = {}
         self._requests: dict[str, _RequestState] = {}
         self._loads: dict[str, BlockTransfer] = {}
@@ -480,18 +502,17 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         embeds = getattr(request, "prompt_embeds", None)
         if getattr(request, "mm_features", None) or embeds is not None:
             return None  # token ids alone do not name this KV: never cached
-        lora = getattr(request, "lora_request", None)
-        lora_name = str(lora.lora_name) if lora is not None else None
+        lora = lora_identity(getattr(request, "lora_request", None))
         cache_salt = getattr(request, "cache_salt", None)
-        salt = self._salts.get((cache_salt, lora_name))
+        salt = self._salts.get((cache_salt, lora))
         if salt is None:
             space = self._key_space
-            if lora_name is not None:
-                space = replace(space, extra=(*space.extra, ("lora", lora_name)))
-            salt = space.salt(cache_salt)
+            if lora is not None:
+                space = replace(space, extra=(*space.extra, ("lora", lora)))
+            salt = space.salt(cache_salt, self._epoch)
             if len(self._salts) >= SALTS_KEPT:  # per-user salts: keep the memo bounded
                 self._salts.clear()
-            self._salts[(cache_salt, lora_name)] = salt
+            self._salts[(cache_salt, lora)] = salt
         state = _RequestState(request=request, salt=salt)
         self._requests[request.request_id] = state
         return state
@@ -568,7 +589,9 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = UcmConnectorMetadata(
             loads=list(self._loads.values()),
             preempted=set(scheduler_output.preempted_req_ids or ()),
+            reset_marker=self._reset_marker,
         )
+        self._reset_marker = None
         self._loads.clear()
         computed_before: dict[str, int] = {
             new.req_id: int(new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs
@@ -608,6 +631,33 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta.saves = self._absent_only(candidates) + self._final_saves
         self._final_saves = []
         return meta
+
+    def reset_cache(self) -> bool:
+        """``reset_prefix_cache(reset_connector=True)``: UCM serves nothing saved before it.
+
+        The key space moves to a new epoch (:class:`~ucm.integration.keys.Epochs`): every id
+        computed from now on differs from every id saved before, on every tier. Requests that
+        vLLM still tracks keep a throwaway salt of their own, so what they computed before the
+        reset is neither served nor saved under the new epoch. TP rank 0 writes the epoch's
+        marker with the next step, so later engines on this stack start in the new epoch.
+        """
+        if self._role != KVConnectorRole.SCHEDULER:
+            return True
+        try:
+            stack_epoch = self._epochs.current(self._store)
+        except UcmError as exc:
+            logger.warning("UCM reset: could not read the stack's epoch (%s): going on", exc)
+            stack_epoch = 0
+        self._epoch = max(stack_epoch, self._epoch) + 1
+        self._reset_marker = self._epochs.marker(self._epoch)
+        self._salts.clear()
+        for state in self._requests.values():
+            state.salt = os.urandom(32)
+            state.ids = []
+        logger.info(
+            "UCM reset: key space epoch %d; blocks saved before are never served", self._epoch
+        )
+        return True
 
     def _present(self, ids: Sequence[bytes]) -> list[bool]:
         """Whether each block is in the store or being dumped into it right now."""
@@ -788,6 +838,11 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
+        if isinstance(meta, UcmConnectorMetadata) and meta.reset_marker and self._rank == 0:
+            try:
+                write_marker(self._store, meta.reset_marker)
+            except UcmError as exc:
+                logger.warning("UCM: could not persist a reset's epoch marker: %s", exc)
         if not isinstance(meta, UcmConnectorMetadata) or not meta.loads:
             return
         started = time.perf_counter()

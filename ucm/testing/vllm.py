@@ -20,7 +20,7 @@ Steps (``op``): ``generate`` (``prompts``, ``max_tokens``, ``cache_salt``; ``con
 label with ``take`` N: that step's prompts, each extended by its first N outputs; one
 ``LLM.generate`` call per prompt unless ``batch`` is true: the batch a request runs in changes
 its floating-point sums, so single-request calls keep outputs comparable across engines),
-``reset_prefix_cache``,
+``reset_prefix_cache`` (``reset_connector``: true resets the connector too),
 ``metrics`` (vLLM's ``vllm:ucm_*`` and prefix-cache counters), ``http_get`` (``url``), and
 ``s3`` (``action``: ``stop``, ``start``, ``fail_reads``, ``heal``) for the S3 server the driver
 runs itself when the plan has ``"s3": {"port": P}``.
@@ -345,7 +345,9 @@ class _Driver:
             result["generated_tokens"] = sum(len(tokens) for tokens in result["tokens"])
             result["prompt_tokens"] = sum(len(prompt) for prompt in prompts)
         elif op == "reset_prefix_cache":
-            result["ok"] = bool(llm.reset_prefix_cache())
+            result["ok"] = bool(
+                llm.reset_prefix_cache(reset_connector=bool(step.get("reset_connector", False)))
+            )
         elif op == "metrics":
             result["metrics"] = _metrics(llm)
         elif op == "http_get":
