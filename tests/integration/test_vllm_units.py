@@ -17,6 +17,8 @@ if importlib.util.find_spec("vllm") is None:
 
 from ucm import ConfigError
 from ucm.integration import vllm as connector
+from ucm.integration.vllm.config import _check_extra_config
+from ucm.integration.vllm.worker import _unique_key_groups
 
 
 @pytest.mark.parametrize(
@@ -41,12 +43,12 @@ from ucm.integration import vllm as connector
 )
 def test_extra_config_errors_name_the_key(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as raised:
-        connector._check_extra_config(extra)
+        _check_extra_config(extra)
     assert str(raised.value).startswith(message)
 
 
 def test_other_connectors_keys_are_left_alone() -> None:
-    connector._check_extra_config({"ucm_stack": {}, "shared_storage_path": "/x"})
+    _check_extra_config({"ucm_stack": {}, "shared_storage_path": "/x"})
 
 
 def test_stats_sum_over_ranks_and_reduce() -> None:
@@ -82,4 +84,4 @@ def test_a_step_loading_one_block_twice_splits_it_into_two_tasks() -> None:
         connector.BlockTransfer("r1", [5, 6], [a, b]),
         connector.BlockTransfer("r2", [9], [a]),  # the same block, into another vLLM block
     ]
-    assert connector._unique_key_groups(loads) == [[(a, 5), (b, 6)], [(a, 9)]]
+    assert _unique_key_groups(loads) == [[(a, 5), (b, 6)], [(a, 9)]]
