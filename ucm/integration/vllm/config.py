@@ -14,6 +14,7 @@ from ..keys import EngineGeometry, engine_stack
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from ucm.store import Store
 
@@ -57,6 +58,30 @@ def _check_extra_config(extra: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"{_extra_key('ucm_report_block_ids')}: {report!r} is not valid: expected true or false"
         )
+
+
+def _check_full_attention(kv_cache_config: KVCacheConfig) -> None:
+    """Refuses KV cache specs other than full attention. A sliding-window (or chunked-local,
+    circular, Mamba, sparse) group frees the blocks behind its window and points the block
+    table at vLLM's null block: a block id would no longer name the KV of its token prefix,
+    and UCM would load into, and save from, the shared null block."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+            raise ConfigError(
+                f"{STACK_KEY_NAME}: UCM's vLLM connector stores full-attention KV caches only; "
+                f"this model has a {type(spec).__name__} group (layers "
+                f"{', '.join(group.layer_names[:4])}{', ...' if len(group.layer_names) > 4 else ''}"
+                f"{_window(spec)}): its block table holds vLLM's null block for the blocks "
+                "outside the window, which UCM cannot store or serve"
+            )
+
+
+def _window(spec: object) -> str:
+    window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+    return f", window {window} tokens" if window else ""
 
 
 def _check_parallelism(vllm_config: VllmConfig) -> None:

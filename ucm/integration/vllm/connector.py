@@ -15,7 +15,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ucm.errors import ConfigError, UcmError
 
-from .config import STACK_KEY_NAME, _extra_key, _open_store, _ranks_per_node, logger
+from .config import (
+    STACK_KEY_NAME,
+    _check_full_attention,
+    _extra_key,
+    _open_store,
+    _ranks_per_node,
+    logger,
+)
 from .geometry import _transfer_layers, engine_geometry, key_space
 from .metadata import UcmConnectorMetadata, UcmWorkerMetadata
 from .metrics import UcmConnectorStats, UcmPromMetrics
@@ -50,6 +57,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ConfigError(f"{STACK_KEY_NAME}: vLLM gave the connector no KV cache config")
         transfer = self._kv_transfer_config
         self._extra: dict[str, Any] = dict(transfer.kv_connector_extra_config or {})
+        _check_full_attention(kv_cache_config)
         self._geometry = engine_geometry(vllm_config, kv_cache_config)
         _, self._layers = _transfer_layers(kv_cache_config)
         self._block_tokens = int(vllm_config.cache_config.block_size)
@@ -228,6 +236,19 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._connector_metadata
         return meta if isinstance(meta, UcmConnectorMetadata) else None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, UcmConnectorMetadata):
+            self._worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        # vLLM may skip wait_for_save (a step without a forward pass): the step's dumps are
+        # still submitted, so that the requests they belong to are reported finished.
+        worker = getattr(self, "_worker", None)
+        if worker is not None:
+            worker.submit_saves()
+        super().clear_connector_metadata()
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, UcmConnectorMetadata):
             self._worker.handle_preemptions(kv_connector_metadata)
@@ -250,10 +271,10 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return  # a shard holds every layer: wait_for_save dumps whole blocks after the forward
 
     def wait_for_save(self) -> None:
-        self._worker.wait_for_save(self._bound_meta())
+        self._worker.submit_saves()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.get_finished(finished_req_ids)
+        return (self._worker.get_finished() or None), None
 
     def build_connector_worker_meta(self) -> UcmWorkerMetadata | None:
         return self._worker.build_worker_meta()

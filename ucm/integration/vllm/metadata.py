@@ -28,6 +28,13 @@ class UcmConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     preempted: set[str] = field(default_factory=set)
     """Requests preempted this step: their blocks are freed, so pending dumps must finish
     before this step's forward pass can overwrite them."""
+    released: set[str] = field(default_factory=set)
+    """Finished requests whose blocks vLLM keeps for UCM (``request_finished`` answered true):
+    every save of theirs is in this step or an earlier one. A worker reports each in
+    ``get_finished`` once, when every one of those saves has completed on it."""
+    step: int = 0
+    """The scheduler's number for this step: a worker that ran its loads echoes it
+    (:attr:`UcmWorkerMetadata.loaded_steps`) with the output that carries their failures."""
 
 
 @dataclass
@@ -40,10 +47,14 @@ class UcmWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     """Block id → ranks that finished dumping their shard of it."""
     failed: set[bytes] = field(default_factory=set)
     """Blocks a rank failed to dump."""
+    loaded_steps: set[int] = field(default_factory=set)
+    """Steps whose loads this output reports: its ``invalid_block_ids`` hold every block of
+    theirs that failed, so the scheduler knows which loads held."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> UcmWorkerMetadata:
         if isinstance(other, UcmWorkerMetadata):
             for block_id, ranks in other.dumped.items():
                 self.dumped[block_id] = self.dumped.get(block_id, 0) + ranks
             self.failed |= other.failed
+            self.loaded_steps |= other.loaded_steps
         return self

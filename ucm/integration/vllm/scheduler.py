@@ -32,6 +32,16 @@ BlockTable = Callable[[Any, str], "list[int] | None"]
 
 
 @dataclass
+class _PendingLoad:
+    """A load the workers ran (or will run) in step ``step`` whose outcome the scheduler has
+    not seen yet."""
+
+    step: int
+    first_block: int
+    vllm_blocks: list[int]
+
+
+@dataclass
 class _RequestState:
     """The scheduler's bookkeeping of one request."""
 
@@ -44,11 +54,26 @@ class _RequestState:
     never dumped again by this request."""
     planned: tuple[int, int] | None = None
     """(first block, tokens) of the last answer of get_num_new_matched_tokens."""
-    loading: bool = False
-    """A load was planned for the step being built: its new blocks are saved one step later."""
+    pending: list[_PendingLoad] = field(default_factory=list)
+    """Loads whose outcome is unknown: no block from the first one's first block on is saved
+    until they are known to have held (a failed load leaves garbage that every later block of
+    the request attended to)."""
     dumping: bool = False
-    """A dump of this request's blocks was sent to the workers: they report it in get_finished
-    and vLLM keeps its blocks until then."""
+    """A dump of this request's blocks was sent to the workers: vLLM keeps its blocks, when it
+    finishes, until the workers report it in get_finished."""
+
+    def barrier(self) -> int | None:
+        return min((load.first_block for load in self.pending), default=None)
+
+
+@dataclass
+class _Finishing:
+    """A finished request with loads still unconfirmed: its last saves and its release wait
+    for their outcome."""
+
+    state: _RequestState
+    block_ids: list[int]
+    ready: int
 
 
 class SchedulerSide:
@@ -79,7 +104,13 @@ class SchedulerSide:
         self._salts: dict[tuple[str | None, str | None], bytes] = {}
         self._requests: dict[str, _RequestState] = {}
         self._loads: dict[str, BlockTransfer] = {}
+        self._load_first: dict[str, int] = {}
+        """Per planned load, the request's block index of its first block."""
         self._final_saves: list[BlockTransfer] = []
+        self._finishing: dict[str, _Finishing] = {}
+        self._release: set[str] = set()
+        """Finished requests to release to the workers with the next step."""
+        self._step = 0
         self._dumping_ids: dict[bytes, int] = {}
         """Blocks the workers were asked to dump → ranks not done yet: present for lookups."""
 
@@ -124,7 +155,9 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if not self._consumer:
+        if not self._consumer or getattr(request, "skip_reading_prefix_cache", False):
+            # prompt_logprobs (and other requests that must compute every token): no lookup,
+            # no load planned, whatever the vLLM version does with the answer.
             return 0, False
         state = self._state(request)
         if state is None:
@@ -159,6 +192,7 @@ class SchedulerSide:
         if state is None:
             return
         self._loads.pop(request.request_id, None)
+        self._load_first.pop(request.request_id, None)
         planned, state.planned = state.planned, None
         if num_external_tokens <= 0 or planned is None:
             return
@@ -172,17 +206,26 @@ class SchedulerSide:
             vllm_blocks=table[start:end],
             ucm_ids=ids[start:end],
         )
+        self._load_first[request.request_id] = start
         state.saved = max(state.saved, end)
-        state.loading = True
         self.stats.data["hit_tokens"] += num_external_tokens
         self.stats.data["hit_blocks"] += end - start
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmConnectorMetadata:
+        self._step += 1
+        step = self._step
         meta = UcmConnectorMetadata(
             loads=list(self._loads.values()),
             preempted=set(scheduler_output.preempted_req_ids or ()),
+            step=step,
         )
+        for transfer in meta.loads:
+            state = self._requests.get(transfer.req_id)
+            if state is not None:
+                first = self._load_first[transfer.req_id]
+                state.pending.append(_PendingLoad(step, first, list(transfer.vllm_blocks)))
         self._loads.clear()
+        self._load_first.clear()
         computed_before: dict[str, int] = {
             new.req_id: int(new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs
         }
@@ -202,9 +245,13 @@ class SchedulerSide:
                     # vLLM went back (a block failed to load, or the request was preempted):
                     # what it recomputes from here on is saved again.
                     state.saved = before // bs
-                valid = before if state.loading else before + int(scheduled)
-                state.loading = False
-                ready = min(valid, int(state.request.num_tokens)) // bs
+                # A block is saved in the step that computes it (its dump runs after this
+                # step's forward pass), once its tokens are known, and only while no load
+                # beneath it is unconfirmed.
+                ready = min(before + int(scheduled), int(state.request.num_tokens)) // bs
+                barrier = state.barrier()
+                if barrier is not None:
+                    ready = min(ready, barrier)
                 if ready <= state.saved:
                     continue
                 table = self._block_table(block_state, req_id)
@@ -220,6 +267,7 @@ class SchedulerSide:
                 state.saved = ready
         meta.saves = self._absent_only(candidates) + self._final_saves
         self._final_saves = []
+        meta.released, self._release = self._release, set()
         return meta
 
     def _present(self, ids: Sequence[bytes]) -> list[bool]:
@@ -240,6 +288,34 @@ class SchedulerSide:
                 self._dumping_ids.pop(block_id, None)
         for block_id in meta.failed:  # not whole in the store: ask the store from now on
             self._dumping_ids.pop(block_id, None)
+        if meta.loaded_steps:
+            invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+            self._settle_loads(meta.loaded_steps, invalid)
+
+    def _settle_loads(self, steps: set[int], invalid: set[int]) -> None:
+        """The loads of ``steps`` are done: those that hit an invalid block failed from that
+        block on (vLLM recomputes it and every block after it); the others held."""
+        by_state = {id(f.state): f for f in self._finishing.values()}
+        for state in [*self._requests.values(), *(f.state for f in self._finishing.values())]:
+            settled = [load for load in state.pending if load.step in steps]
+            if not settled:
+                continue
+            state.pending = [load for load in state.pending if load.step not in steps]
+            for load in settled:
+                bad = [i for i, block in enumerate(load.vllm_blocks) if block in invalid]
+                if bad:
+                    failed = load.first_block + bad[0]
+                    # Running: vLLM recomputes from the failed block on, and saves follow.
+                    # Finished: nothing recomputes it; no block from it on is ever saved.
+                    state.saved = min(state.saved, failed)
+                    if id(state) in by_state:
+                        by_state[id(state)].ready = min(by_state[id(state)].ready, failed)
+        for req_id, finishing in list(self._finishing.items()):
+            if not finishing.state.pending:
+                del self._finishing[req_id]
+                self._finish(
+                    req_id, finishing.state, finishing.block_ids, finishing.ready, held=True
+                )
 
     def _absent_only(
         self, candidates: Sequence[tuple[_RequestState, BlockTransfer]]
@@ -281,23 +357,39 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        self._load_first.pop(request.request_id, None)
         if state is None:
             return False, None
-        if self._producer:
-            # Blocks computed in the request's last step, when that step also loaded, wait for
-            # the step after it (see the module docstring): send them with the next step.
-            bs = self._block_tokens
-            ready = min(int(request.num_computed_tokens), int(request.num_tokens)) // bs
-            if ready > state.saved and len(block_ids) >= ready:
-                ids = self._chain(state, ready)
-                transfer = BlockTransfer(
-                    request.request_id,
-                    list(block_ids[state.saved : ready]),
-                    ids[state.saved : ready],
-                )
-                self._final_saves.extend(self._absent_only([(state, transfer)]))
         params = None
         if self._report_ids:
             full = int(request.num_computed_tokens) // self._block_tokens
             params = {"ucm_block_ids": [block_id.hex() for block_id in self._chain(state, full)]}
-        return state.dumping, params
+        ready = min(int(request.num_computed_tokens), int(request.num_tokens)) // self._block_tokens
+        if state.pending:
+            # Its last blocks were computed over loads not yet confirmed (an abort between
+            # steps, or a request that finished in the step it loaded): vLLM keeps its blocks
+            # until they are, then they are saved or dropped and the request released.
+            self._finishing[request.request_id] = _Finishing(state, list(block_ids), ready)
+            return True, params
+        return self._finish(request.request_id, state, list(block_ids), ready), params
+
+    def _finish(
+        self,
+        req_id: str,
+        state: _RequestState,
+        block_ids: list[int],
+        ready: int,
+        held: bool = False,
+    ) -> bool:
+        """Sends a finished request's last saves; whether vLLM must keep its blocks until the
+        workers report it (then it is released to them with the next step)."""
+        if self._producer and ready > state.saved and len(block_ids) >= ready:
+            ids = self._chain(state, ready)
+            transfer = BlockTransfer(
+                req_id, block_ids[state.saved : ready], ids[state.saved : ready]
+            )
+            self._final_saves.extend(self._absent_only([(state, transfer)]))
+            state.saved = ready
+        if state.dumping or held:  # held: vLLM was already told to keep the blocks
+            self._release.add(req_id)
+        return state.dumping

@@ -30,6 +30,8 @@ class _PendingSave:
     task: Task
     requests: set[str]
     ids: list[bytes]
+    vllm_blocks: list[int]
+    """The vLLM blocks the dump reads: none may be reused until it is done."""
     finished: bool = False
 
 
@@ -71,9 +73,11 @@ class WorkerSide:
         self._saves: list[_PendingSave] = []
         self._dumping: Counter[str] = Counter()
         """Per request, dump tasks in flight."""
-        self._save_requests: set[str] = set()
-        """Requests the scheduler sent dumps for: each is reported once in get_finished."""
-        self._finishing: set[str] = set()
+        self._bound: UcmConnectorMetadata | None = None
+        """The step's metadata while its saves are not submitted yet."""
+        self._released: set[str] = set()
+        """Requests the scheduler released and get_finished has not reported yet."""
+        self._loaded_steps: set[int] = set()
         self._dumped: Counter[bytes] = Counter()
         self._dump_failed: set[bytes] = set()
         """Dumps finished since the last step's worker metadata (see UcmWorkerMetadata)."""
@@ -84,6 +88,14 @@ class WorkerSide:
 
     def _block_tensors(self, vllm_block: int) -> list[torch.Tensor]:
         return [view[vllm_block] for view in self._block_views]
+
+    def bind(self, meta: UcmConnectorMetadata) -> None:
+        """A step's metadata arrived: its released requests wait for its saves, which
+        :meth:`submit_saves` submits (after the forward pass) whatever hook calls it."""
+        if self._bound is not None:  # a step whose dumps no hook submitted
+            self.submit_saves()
+        self._released |= meta.released
+        self._bound = meta if meta.saves else None
 
     def handle_preemptions(self, meta: UcmConnectorMetadata) -> None:
         preempted = meta.preempted
@@ -99,6 +111,9 @@ class WorkerSide:
     def start_load(self, meta: UcmConnectorMetadata) -> None:
         if not meta.loads:
             return
+        # This step's output carries the failures (load_errors): the scheduler learns from
+        # it which loads held.
+        self._loaded_steps.add(meta.step)
         started = time.perf_counter()
         wanted = {block_id for transfer in meta.loads for block_id in transfer.ucm_ids}
         for pending in self._saves:
@@ -152,14 +167,17 @@ class WorkerSide:
             return every
         return set()
 
-    def wait_for_save(self, meta: UcmConnectorMetadata | None) -> None:
+    def submit_saves(self) -> None:
+        """Submits the bound step's dumps, once (``wait_for_save``, or the metadata's clearing
+        when vLLM skipped ``wait_for_save``), and returns: no forward pass waits for a dump."""
         self._reap_saves()
-        if meta is None or not meta.saves:
+        meta, self._bound = self._bound, None
+        if meta is None:
             return
         requests: set[str] = set()
         seen: set[bytes] = set()
         ids: list[bytes] = []
-        sources: list[list[torch.Tensor]] = []
+        blocks: list[int] = []
         for transfer in meta.saves:
             requests.add(transfer.req_id)
             for vllm_block, block_id in zip(transfer.vllm_blocks, transfer.ucm_ids, strict=True):
@@ -167,8 +185,8 @@ class WorkerSide:
                     continue
                 seen.add(block_id)
                 ids.append(block_id)
-                sources.append(self._block_tensors(vllm_block))
-        self._save_requests.update(requests)
+                blocks.append(vllm_block)
+        sources = [self._block_tensors(vllm_block) for vllm_block in blocks]
         try:
             task = self._store.dump(ids, [self._rank] * len(ids), sources)
         except Exception as exc:
@@ -176,7 +194,7 @@ class WorkerSide:
             self.stats.data["save_failed_blocks"] += len(ids)
             self._dump_failed.update(ids)
             return
-        self._saves.append(_PendingSave(task=task, requests=requests, ids=ids))
+        self._saves.append(_PendingSave(task=task, requests=requests, ids=ids, vllm_blocks=blocks))
         self._dumping.update(requests)
 
     def _reap_saves(self) -> None:
@@ -211,20 +229,27 @@ class WorkerSide:
             if self._dumping[req_id] <= 0:
                 del self._dumping[req_id]
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self) -> set[str]:
+        """The released requests none of whose saves is unsubmitted or in flight: each is
+        returned once. vLLM's ``finished_req_ids`` are not needed: the scheduler releases a
+        request only after sending its last save."""
         self._reap_saves()
-        self._finishing.update(finished_req_ids & self._save_requests)
-        done = {req_id for req_id in self._finishing if not self._dumping.get(req_id)}
-        self._finishing -= done
-        self._save_requests -= done
-        return (done or None), None
+        waiting = {t.req_id for t in self._bound.saves} if self._bound is not None else set()
+        done = {r for r in self._released if r not in waiting and not self._dumping.get(r)}
+        self._released -= done
+        return done
 
     def build_worker_meta(self) -> UcmWorkerMetadata | None:
-        if not self._dumped and not self._dump_failed:
+        if not self._dumped and not self._dump_failed and not self._loaded_steps:
             return None
-        meta = UcmWorkerMetadata(dumped=dict(self._dumped), failed=set(self._dump_failed))
+        meta = UcmWorkerMetadata(
+            dumped=dict(self._dumped),
+            failed=set(self._dump_failed),
+            loaded_steps=set(self._loaded_steps),
+        )
         self._dumped = Counter()
         self._dump_failed = set()
+        self._loaded_steps = set()
         return meta
 
     def load_errors(self) -> set[int]:
