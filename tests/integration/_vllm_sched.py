@@ -324,7 +324,7 @@ class Harness:
         self._step += 1
         output = self.scheduler.schedule()
         for block_id in self.evict.get(self._step, []):
-            assert self.side_store().remove([block_id], force=True) == 1
+            self.side_store().remove([block_id], force=True)
         record = StepRecord(
             step=self._step,
             scheduled=dict(output.num_scheduled_tokens),
@@ -517,6 +517,13 @@ class Harness:
                 for block_id in ids:
                     out.append((req_id, state_ids.index(block_id), block_id))
         return out
+
+    def block_ids_for(self, tokens: list[int]) -> list[bytes]:
+        """The UCM ids of the full blocks of a token sequence (no cache salt)."""
+        from ucm.integration.keys import chain_block_ids
+
+        salt = self.connector._key_space.salt(None)
+        return chain_block_ids(salt, tokens[: (len(tokens) // BLOCK) * BLOCK], BLOCK)
 
     def block_ids_of(self, req_id: str, length: int) -> list[bytes]:
         from ucm.integration.keys import chain_block_ids
