@@ -20,10 +20,13 @@ plans the load into the vLLM blocks just allocated; ``build_connector_meta`` sen
 loads and saves to the workers (:class:`UcmConnectorMetadata`); ``request_finished`` keeps a
 request's blocks until the workers have dumped them.
 
-**Saves.** Every block is saved in the step that fills it (prefill chunks, and decode blocks as
-they fill), except in a step where the request also *loads*: a load that fails (on any TP rank)
-leaves garbage in the failed block, and every block computed in that step attended to it, so
-those blocks wait one step, until the scheduler knows the load held. Blocks already present in
+**Saves.** Every block is saved in the step that computes it (prefill chunks, and decode blocks
+as they fill), once its tokens are known, and only once the scheduler knows that no load
+beneath it failed: a failed load (on any TP rank) leaves garbage that every later block of the
+request attended to. Workers echo the steps whose loads they ran (``loaded_steps``) in the same
+output as vLLM's ``invalid_block_ids``; until that output is processed (one step later with
+synchronous scheduling, two with asynchronous), blocks at or after the load wait. A finished
+request with an unconfirmed load is held until its outcome is known. Blocks already present in
 the store are not dumped again (one lookup per step).
 
 **Worker processes** (``role=WORKER``, one per TP rank): a worker store (``device_id`` = the
@@ -31,9 +34,11 @@ rank on this node). ``start_load_kv`` loads the step's blocks straight into vLLM
 tensors (``store.load`` with each layer's block as a tensor view: no staging copy) and waits for
 them before the forward; blocks that fail (missing, corrupt, dead tier) are returned by
 ``get_block_ids_with_load_errors`` so that vLLM recomputes them. ``wait_for_save`` submits the
-step's dumps as a task and returns: the forward pass never waits for a dump. A finished
-request's blocks are freed when its dumps are done (``get_finished``); blocks of a preempted
-request are dumped before vLLM can reuse them (``handle_preemptions``).
+step's dumps as a task and returns: the forward pass never waits for a dump. The scheduler
+*releases* each finished request whose blocks vLLM keeps with the step that carries its last
+save; ``get_finished`` reports it once every save of it has completed, whatever order vLLM calls
+the hooks in. Blocks of a preempted request are dumped before vLLM can reuse them
+(``handle_preemptions``).
 
 **Stats**: :class:`UcmConnectorStats` through ``get_kv_connector_stats`` (vLLM's logging and
 its Prometheus metrics ``vllm:ucm_*``, :class:`UcmPromMetrics`), and, with
