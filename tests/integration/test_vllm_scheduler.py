@@ -110,6 +110,10 @@ def test_a_failed_load_never_saves_kv_computed_over_it(
     assert saves == {recompute: [table[bad], *table[5:8]]}
     assert h.stored_count("b") == 8
     if not async_scheduling:
+        # Under async scheduling the simulated runner does not reproduce how vLLM's runner
+        # recovers its input tokens after vLLM discards a step's output, so B's own tokens are
+        # compared under the synchronous scheduler only; what UCM stores, and serves to C
+        # below, is checked under both.
         assert h.outputs["b"] == Harness.expected_outputs(B, 3)
     _clean(h)
     # A later request for B's prompt is served all 8 blocks, and they are right.
