@@ -498,12 +498,13 @@ class Harness:
         self._check_no_dump_reads_a_free_block()
 
     def _check_no_dump_reads_a_free_block(self) -> None:
-        held = {b for blocks in self._held_blocks().values() for b in blocks}
+        held = self._held_blocks()
         for pending in self.worker._worker._saves:
             if self.worker._store.check(pending.task):
                 continue
+            owners = [set(held.get(req_id, ())) for req_id in pending.requests]
             for block in getattr(pending, "vllm_blocks", ()):
-                if block not in held:
+                if not any(block in blocks for blocks in owners):  # freed, maybe reused
                     self.violations.append(f"vLLM block {block} freed while a dump reads it")
 
     # ---- what the store holds -------------------------------------------------------------
