@@ -40,10 +40,12 @@ BASES = [[random.Random(seed).randrange(3, 500) for _ in range(6 * BLOCK)] for s
 
 
 class AsyncSchedulerWithUcm(RuleBasedStateMachine):
+    ORDER = "normal"
+
     def __init__(self) -> None:
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="ucm-vllm-prop-"))
-        self.h = Harness(self.root, async_scheduling=True, num_blocks=28)
+        self.h = Harness(self.root, async_scheduling=True, num_blocks=28, order=self.ORDER)
         self.count = 0
         self.live: list[str] = []
         self.aborts = 0
@@ -147,10 +149,24 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-AsyncSchedulerWithUcm.TestCase.settings = settings(
-    max_examples=int(os.environ.get("UCM_VLLM_PROPERTY_EXAMPLES", "25")),
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+class AsyncSchedulerWithUcmDeferFinalize(AsyncSchedulerWithUcm):
+    """The speculative-decoding hook order: get_finished before wait_for_save."""
+
+    ORDER = "defer_finalize"
+
+
+def _settings(examples: int) -> settings:
+    return settings(
+        max_examples=int(os.environ.get("UCM_VLLM_PROPERTY_EXAMPLES", str(examples))),
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
+AsyncSchedulerWithUcm.TestCase.settings = _settings(20)
+AsyncSchedulerWithUcmDeferFinalize.TestCase.settings = _settings(10)
 test_async_scheduler_with_ucm = pytest.mark.timeout(900)(AsyncSchedulerWithUcm.TestCase)
+test_async_scheduler_with_ucm_defer_finalize = pytest.mark.timeout(900)(
+    AsyncSchedulerWithUcmDeferFinalize.TestCase
+)
