@@ -3,11 +3,13 @@ classes, unchanged) with ``UcmConnector`` as their connector, and a simulated mo
 calls the worker-side ``UcmConnector`` hooks in vLLM's orders over real CPU KV tensors.
 
 The simulated model makes KV that names its token prefix: the KV row of position p is
-``mix(row p-1 as read from the KV cache, token p)`` (every layer, every head), so a row is right
-only if every row before it in the request's block table is right: a block that failed to load
-corrupts every later block of the request, as attention over it would. The sampled token is a
-function of the last row, so wrong KV also changes the tokens. :meth:`Harness.expected_row`
-computes the right value from the tokens alone; the invariants compare the store's blocks with it.
+``mix(digest of rows 0..p-1 as read from the KV cache through the block table, token p)``
+(every layer, every head), so a row is right only if every row before it is right: a block that
+failed to load corrupts every block computed after it, as attention over it would. A block vLLM
+frees is overwritten with garbage (another request's KV, as far as this one can tell), so a
+failed load never finds right KV left over. The sampled token is a function of the last row, so
+wrong KV also changes the tokens. :meth:`Harness.expected_rows` computes the right rows from the
+tokens alone; the invariants compare the store's blocks with them.
 
 Steps run as vLLM's engine core runs them: with the synchronous scheduler, schedule → execute →
 update_from_output; with the async one, step K+1 is scheduled (and its connector metadata
@@ -280,11 +282,20 @@ class Harness:
 
     @staticmethod
     def expected_rows(tokens: list[int]) -> list[int]:
-        rows, row = [], SEED_ROW
+        rows, context = [], SEED_ROW
         for token in tokens:
-            row = mix(row, token)
+            row = mix(context, token)
             rows.append(row)
+            context = mix(context, row)
         return rows
+
+    def _rows(self, table: list[int], count: int) -> list[int]:
+        """Rows [0, count) of a request as its block table finds them in the KV cache."""
+        if count == 0:
+            return []
+        blocks = torch.tensor(table[: (count + BLOCK - 1) // BLOCK], dtype=torch.long)
+        rows = self.kv[LAYERS[0]].view(torch.int32)[blocks, 0, :, 0].flatten()[:count]
+        return [int(value) for value in rows.tolist()]
 
     def _row(self, block: int, offset: int) -> int:
         return int(self.kv[LAYERS[0]].view(torch.int32)[block, 0, offset, 0])
@@ -405,15 +416,15 @@ class Harness:
             table = list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
             tokens = self.tokens[req_id]
             start = starts[req_id]
+            # Attention: every new row depends on every row before it, as the KV cache holds
+            # them (a block that failed to load corrupts every row computed after it).
+            context = SEED_ROW
+            for row in self._rows(table, start):
+                context = mix(context, row)
             for position in range(start, start + count):
-                previous = (
-                    SEED_ROW
-                    if position == 0
-                    else self._row(table[(position - 1) // BLOCK], (position - 1) % BLOCK)
-                )
-                self._write(
-                    table[position // BLOCK], position % BLOCK, mix(previous, tokens[position])
-                )
+                row = mix(context, tokens[position])
+                self._write(table[position // BLOCK], position % BLOCK, row)
+                context = mix(context, row)
             last = start + count - 1
             if start + count >= len(tokens):  # not a partial prefill chunk: one token sampled
                 token = sample(self._row(table[last // BLOCK], last % BLOCK))
@@ -496,6 +507,12 @@ class Harness:
             if gone:
                 record.freed[req_id] = gone
         self._check_no_dump_reads_a_free_block()
+        still_held = {b for blocks in after.values() for b in blocks}
+        for blocks in record.freed.values():
+            for block in blocks:
+                if block not in still_held:
+                    for tensor in self.kv.values():
+                        tensor.view(torch.int32)[block].fill_(GARBAGE)
 
     def _check_no_dump_reads_a_free_block(self) -> None:
         held = self._held_blocks()
