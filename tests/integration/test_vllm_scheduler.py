@@ -96,6 +96,7 @@ def test_a_failed_load_never_saves_kv_computed_over_it(
     start = len(h.records)
     h.add("b", B, 3)
     h.run()
+    assert h.wrong_stored_blocks() == []  # no block saved over the failed load
     loads = _since(h, start, "b", "loads")
     saves = _since(h, start, "b", "saves")
     freed = _since(h, start, "b", "freed")
