@@ -17,6 +17,8 @@ if importlib.util.find_spec("vllm") is None:
 
 from ucm import ConfigError
 from ucm.integration import vllm as connector
+from ucm.integration.vllm.config import _check_extra_config
+from ucm.integration.vllm.worker import _unique_key_groups
 
 
 @pytest.mark.parametrize(
@@ -41,12 +43,12 @@ from ucm.integration import vllm as connector
 )
 def test_extra_config_errors_name_the_key(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as raised:
-        connector._check_extra_config(extra)
+        _check_extra_config(extra)
     assert str(raised.value).startswith(message)
 
 
 def test_other_connectors_keys_are_left_alone() -> None:
-    connector._check_extra_config({"ucm_stack": {}, "shared_storage_path": "/x"})
+    _check_extra_config({"ucm_stack": {}, "shared_storage_path": "/x"})
 
 
 def test_stats_sum_over_ranks_and_reduce() -> None:
@@ -82,4 +84,103 @@ def test_a_step_loading_one_block_twice_splits_it_into_two_tasks() -> None:
         connector.BlockTransfer("r1", [5, 6], [a, b]),
         connector.BlockTransfer("r2", [9], [a]),  # the same block, into another vLLM block
     ]
-    assert connector._unique_key_groups(loads) == [[(a, 5), (b, 6)], [(a, 9)]]
+    assert _unique_key_groups(loads) == [[(a, 5), (b, 6)], [(a, 9)]]
+
+
+def test_the_scheduler_side_runs_without_an_engine() -> None:
+    """SchedulerSide needs a lookup function and a key space: a load planned into vLLM blocks,
+    the blocks computed over it held until the workers' output says the load held."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from ucm.integration.keys import KeySpace, chain_block_ids
+    from ucm.integration.vllm.scheduler import SchedulerSide
+
+    space = KeySpace(
+        engine="vllm", model="m", dtype="float32", block_tokens=16, kv_layout="x", tp_size=1
+    )
+    present: set[bytes] = set()
+    side = SchedulerSide(
+        lookup=lambda ids: [block_id in present for block_id in ids],
+        key_space=space,
+        block_tokens=16,
+        shards_per_block=1,
+        block_table=lambda _state, _req_id: [7, 8, 9, 10],
+    )
+    request = Request("r", list(range(3, 3 + 60)), SamplingParams(max_tokens=1), None)
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+    ids = chain_block_ids(space.salt(None), list(request.all_token_ids[:48]), 16)
+    present.update(ids[:2])
+    assert side.get_num_new_matched_tokens(request, 0) == (32, False)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([7, 8, 9, 10],))
+    side.update_state_after_alloc(request, blocks, 32)  # type: ignore[arg-type]
+
+    def step(computed_before: int, scheduled: int) -> connector.UcmConnectorMetadata:
+        new = SimpleNamespace(req_id="r", num_computed_tokens=computed_before)
+        output = SimpleNamespace(
+            preempted_req_ids=set(),
+            scheduled_new_reqs=[new],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={"r": scheduled},
+        )
+        return side.build_connector_meta(output)  # type: ignore[arg-type]
+
+    first = step(32, 28)  # loads blocks 0-1, computes block 2 (and 12 tokens)
+    assert [(t.vllm_blocks, t.ucm_ids) for t in first.loads] == [([7, 8], ids[:2])]
+    assert first.saves == []  # block 2 attended to the loads: held
+    assert step(60, 0).saves == []  # the load's outcome is not known yet
+    side.update_connector_output(
+        SimpleNamespace(
+            kv_connector_worker_meta=connector.UcmWorkerMetadata(loaded_steps={first.step}),
+            invalid_block_ids=set(),
+        )
+    )
+    third = step(60, 0)
+    assert [(t.vllm_blocks, t.ucm_ids) for t in third.saves] == [([9], [ids[2]])]
+
+
+def test_the_worker_side_runs_without_an_engine(tmp_path: object) -> None:
+    """WorkerSide needs a store and one tensor view per layer: a released request is reported
+    once, after its dump completed."""
+    import time
+    import uuid
+    from pathlib import Path
+
+    import torch
+
+    import ucm
+    from ucm.integration.vllm.worker import WorkerSide
+
+    root = Path(str(tmp_path))
+    stack = {
+        "unique_id": f"vllm-unit-{uuid.uuid4().hex[:10]}",
+        "tensor_size_list": [64],
+        "shards_per_block": 1,
+        "tiers": [{"type": "posix", "path": str(root / "p")}],
+    }
+    store = ucm.open(stack, device_id=0)
+    try:
+        worker = WorkerSide(store, rank=0, shard_size=64)
+        kv = torch.arange(4 * 16, dtype=torch.float32).view(4, 16)
+        worker.set_block_views([kv])
+        block_id = b"\x05" * 16
+        meta = connector.UcmConnectorMetadata(
+            saves=[connector.BlockTransfer("r", [2], [block_id])], released={"r"}
+        )
+        worker.bind(meta)
+        assert worker.get_finished() == set()  # its save is not submitted yet
+        worker.submit_saves()
+        deadline = time.monotonic() + 60
+        done: set[str] = set()
+        while not done:
+            assert time.monotonic() < deadline
+            done = worker.get_finished()
+        assert done == {"r"} and store.lookup([block_id]) == [True]
+        assert worker.get_finished() == set()
+        back = torch.zeros(16, dtype=torch.float32)
+        store.wait(store.load([block_id], [0], [[back]]))
+        assert torch.equal(back, kv[2])
+    finally:
+        store.close()

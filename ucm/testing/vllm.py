@@ -16,7 +16,8 @@ one after the other, each with a list of steps — in one driver subprocess
 Every engine is a new vLLM engine (new engine-core and worker processes); each is shut down
 before the next starts. Prompts are token ids (``skip_tokenizer_init``), generation is greedy.
 
-Steps (``op``): ``generate`` (``prompts``, ``max_tokens``, ``cache_salt``; ``continue_from`` a
+Steps (``op``): ``generate`` (``prompts``, ``max_tokens``, ``cache_salt``;
+``prompt_logprobs`` N: the result lists each prompt token's logprob; ``continue_from`` a
 label with ``take`` N: that step's prompts, each extended by its first N outputs; one
 ``LLM.generate`` call per prompt unless ``batch`` is true: the batch a request runs in changes
 its floating-point sums, so single-request calls keep outputs comparable across engines),
@@ -311,7 +312,10 @@ class _Driver:
         result: dict[str, Any] = {"label": label, "op": op}
         if op == "generate":
             params = SamplingParams(
-                temperature=0.0, max_tokens=int(step.get("max_tokens", 8)), ignore_eos=True
+                temperature=0.0,
+                max_tokens=int(step.get("max_tokens", 8)),
+                ignore_eos=True,
+                prompt_logprobs=step.get("prompt_logprobs"),
             )
             prompts = [list(map(int, prompt)) for prompt in step.get("prompts", [])]
             if "continue_from" in step:  # the prompt of an earlier step plus its first outputs
@@ -341,6 +345,14 @@ class _Driver:
             result["tokens"] = [list(output.outputs[0].token_ids) for output in outputs]
             result["cached"] = [int(output.num_cached_tokens or 0) for output in outputs]
             result["kv_transfer_params"] = [output.kv_transfer_params for output in outputs]
+            if step.get("prompt_logprobs") is not None:  # each prompt token's logprob
+                result["prompt_logprobs"] = [
+                    [
+                        None if ranked is None else float(ranked[token].logprob)
+                        for token, ranked in zip(prompt, output.prompt_logprobs, strict=True)
+                    ]
+                    for prompt, output in zip(prompts, outputs, strict=True)
+                ]
             result["request_seconds"] = seconds
             result["generated_tokens"] = sum(len(tokens) for tokens in result["tokens"])
             result["prompt_tokens"] = sum(len(prompt) for prompt in prompts)

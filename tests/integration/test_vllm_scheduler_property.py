@@ -1,0 +1,172 @@
+"""A hypothesis state machine over vLLM 0.32's real ``AsyncScheduler`` with ``UcmConnector``
+(the harness of ``_vllm_sched.py``): random interleavings of arrivals over shared prefixes,
+steps, evictions from the store between a step's lookup and its loads (load failures on any
+block), aborts between steps, and preemptions (few vLLM blocks), until every request finished.
+
+Invariants: no dump reads a vLLM block that vLLM freed, and no request is reported finished
+twice (after every rule); at the end, every stored block holds the KV of exactly its token
+prefix with no failed load beneath it, every held request was reported exactly once and vLLM
+got every block back."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("vllm is not installed, and CI must run the vLLM tests")
+    pytest.skip("vllm is not installed", allow_module_level=True)
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from ._vllm_sched import BLOCK, Harness
+
+BASES = [[random.Random(seed).randrange(3, 500) for _ in range(6 * BLOCK)] for seed in (1, 2, 3)]
+
+
+class AsyncSchedulerWithUcm(RuleBasedStateMachine):
+    ORDER = "normal"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = Path(tempfile.mkdtemp(prefix="ucm-vllm-prop-"))
+        self.h = Harness(self.root, async_scheduling=True, num_blocks=28, order=self.ORDER)
+        self.count = 0
+        self.live: list[str] = []
+        self.aborts = 0
+
+    @initialize(base=st.integers(0, len(BASES) - 1), max_tokens=st.integers(1, 24))
+    def first_requests(self, base: int, max_tokens: int) -> None:
+        """Two requests whose stored blocks later arrivals over the same base can load."""
+        for own in (BLOCK + 3, 2 * BLOCK):
+            self.arrive(base, 4 * BLOCK, own, max_tokens, own, None)
+        for _ in range(4):
+            self.h.step()
+
+    @rule(
+        base=st.integers(0, len(BASES) - 1),
+        shared=st.integers(0, 6 * BLOCK),
+        own=st.integers(1, 2 * BLOCK),
+        max_tokens=st.integers(1, 24),
+        seed=st.integers(0, 1 << 16),
+        evict=st.none() | st.integers(0, 5),
+    )
+    def arrive(
+        self, base: int, shared: int, own: int, max_tokens: int, seed: int, evict: int | None
+    ) -> None:
+        """A request; ``evict``: that stored block of its prompt is removed after the next
+        step's lookup, before its load (the load fails there, if that step schedules it)."""
+        rng = random.Random(seed)
+        prompt = BASES[base][:shared] + [rng.randrange(3, 500) for _ in range(own)]
+        self.count += 1
+        req_id = f"r{self.count}"
+        self.h.add(req_id, prompt, max_tokens)
+        self.live.append(req_id)
+        if evict is not None:
+            ids = self.h.block_ids_for(prompt)
+            stored = [b for b, hit in zip(ids, self.h.side_store().lookup(ids), strict=True) if hit]
+            if stored:
+                self.h.evict.setdefault(self.h._step + 1, []).append(stored[evict % len(stored)])
+
+    @rule(settle=st.booleans())
+    def step(self, settle: bool) -> None:
+        self.h.step()
+        if settle:
+            self.h.settle_dumps()
+
+    @rule(picks=st.lists(st.integers(0, 1 << 16), min_size=1, max_size=3))
+    def evict_before_next_load(self, picks: list[int]) -> None:
+        """Stored blocks of waiting requests' prompts that the next step's lookups see are
+        gone when its loads run: those loads fail, on whichever block was picked."""
+        waiting = [request.all_token_ids for request in self.h.scheduler.waiting]
+        candidates = [b for tokens in waiting for b in self.h.block_ids_for(list(tokens))]
+        if candidates:
+            present = self.h.side_store().lookup(candidates)
+            candidates = [b for b, hit in zip(candidates, present, strict=True) if hit]
+        if not candidates:
+            candidates = [b for base in BASES for b in self.h.block_ids_for(base)]
+        self.h.evict[self.h._step + 1] = [candidates[p % len(candidates)] for p in picks]
+
+    @precondition(lambda self: bool(self.live))
+    @rule(pick=st.integers(0, 1 << 16))
+    def abort(self, pick: int) -> None:
+        req_id = self.live[pick % len(self.live)]
+        if req_id in self.h.scheduler.requests and req_id not in self.h.finished:
+            self.h.abort(req_id)
+            self.aborts += 1
+        self.live.remove(req_id)
+
+    @invariant()
+    def no_dump_reads_a_freed_block_and_no_double_report(self) -> None:
+        assert self.h.violations == []
+        assert all(count == 1 for count in self.h.finished_sending.values())
+
+    def teardown(self) -> None:
+        try:
+            self.h.run(max_steps=600)
+            self.h.flush()
+            if os.environ.get("UCM_VLLM_PROPERTY_REPORT"):
+                records = self.h.records
+                print(
+                    "requests",
+                    self.count,
+                    "failed loads",
+                    sum(len(r.invalid) for r in records),
+                    "preemptions",
+                    sum(len(r.preempted) for r in records),
+                    "aborts",
+                    self.aborts,
+                    "loads",
+                    sum(len(b) for r in records for b in r.loads.values()),
+                    "saves",
+                    sum(len(b) for r in records for b in r.saves.values()),
+                    "reported",
+                    len(self.h.finished_sending),
+                )
+            assert self.h.violations == []
+            assert self.h.wrong_stored_blocks() == []
+            assert all(count == 1 for count in self.h.finished_sending.values())
+            assert not self.h.scheduler.requests
+            pool = self.h.scheduler.kv_cache_manager.block_pool
+            assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+        finally:
+            self.h.close()
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+class AsyncSchedulerWithUcmDeferFinalize(AsyncSchedulerWithUcm):
+    """The speculative-decoding hook order: get_finished before wait_for_save."""
+
+    ORDER = "defer_finalize"
+
+
+def _settings(examples: int) -> settings:
+    return settings(
+        max_examples=int(os.environ.get("UCM_VLLM_PROPERTY_EXAMPLES", str(examples))),
+        stateful_step_count=40,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+
+
+AsyncSchedulerWithUcm.TestCase.settings = _settings(20)
+AsyncSchedulerWithUcmDeferFinalize.TestCase.settings = _settings(10)
+test_async_scheduler_with_ucm = pytest.mark.timeout(900)(AsyncSchedulerWithUcm.TestCase)
+test_async_scheduler_with_ucm_defer_finalize = pytest.mark.timeout(900)(
+    AsyncSchedulerWithUcmDeferFinalize.TestCase
+)

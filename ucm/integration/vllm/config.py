@@ -1,0 +1,135 @@
+"""The connector's configuration: the ``ucm_*`` keys of ``kv_connector_extra_config``, the
+parallelism UCM supports, and opening the stack."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import ucm
+from ucm.errors import ConfigError, UcmError
+
+from ..keys import EngineGeometry, engine_stack
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from ucm.store import Store
+
+logger = logging.getLogger("vllm.ucm")  # a child of vLLM's logger: printed like vLLM's own lines
+
+STACK_KEY = "ucm_stack"
+EXTRA_KEYS = {
+    STACK_KEY: "the stack: a YAML path or a dict (unique_id and tiers)",
+    "ucm_metrics_port": "serve UCM's Prometheus metrics from each worker on port + TP rank "
+    "(0: a free port, logged)",
+    "ucm_report_block_ids": "true: each finished request's kv_transfer_params lists the UCM ids "
+    "of its full blocks (hex), for use with the UCM API",
+    "ucm_weights_id": "a string naming the weights, instead of UCM's fingerprint of the model "
+    "files (for copies of one checkpoint on several nodes; change it with the weights)",
+}
+"""The ``ucm_*`` keys of ``kv_connector_extra_config``; any other ``ucm_*`` key is refused."""
+
+
+def _extra_key(name: str) -> str:
+    return f"kv_connector_extra_config[{name!r}]"
+
+
+STACK_KEY_NAME = _extra_key(STACK_KEY)
+
+
+def _check_extra_config(extra: Mapping[str, Any]) -> None:
+    unknown = sorted(key for key in extra if key.startswith("ucm_") and key not in EXTRA_KEYS)
+    if unknown:
+        valid = "; ".join(f"{key}: {meaning}" for key, meaning in EXTRA_KEYS.items())
+        raise ConfigError(
+            f"{_extra_key(unknown[0])}: unknown UCM key (misspelled?); the UCM keys are: {valid}"
+        )
+    port = extra.get("ucm_metrics_port")
+    if port is not None and (
+        isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535
+    ):
+        raise ConfigError(
+            f"{_extra_key('ucm_metrics_port')}: {port!r} is not valid: expected an integer port "
+            "in [0, 65535] (0: a free port)"
+        )
+    weights_id = extra.get("ucm_weights_id")
+    if weights_id is not None and (not isinstance(weights_id, str) or not weights_id):
+        raise ConfigError(
+            f"{_extra_key('ucm_weights_id')}: {weights_id!r} is not valid: expected a non-empty "
+            "string naming the weights"
+        )
+    report = extra.get("ucm_report_block_ids")
+    if report is not None and not isinstance(report, bool):
+        raise ConfigError(
+            f"{_extra_key('ucm_report_block_ids')}: {report!r} is not valid: expected true or false"
+        )
+
+
+def _check_full_attention(kv_cache_config: KVCacheConfig) -> None:
+    """Refuses KV cache specs other than full attention. A sliding-window (or chunked-local,
+    circular, Mamba, sparse) group frees the blocks behind its window and points the block
+    table at vLLM's null block: a block id would no longer name the KV of its token prefix,
+    and UCM would load into, and save from, the shared null block."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+            raise ConfigError(
+                f"{STACK_KEY_NAME}: UCM's vLLM connector stores full-attention KV caches only; "
+                f"this model has a {type(spec).__name__} group (layers "
+                f"{', '.join(group.layer_names[:4])}{', ...' if len(group.layer_names) > 4 else ''}"
+                f"{_window(spec)}): its block table holds vLLM's null block for the blocks "
+                "outside the window, which UCM cannot store or serve"
+            )
+
+
+def _window(spec: object) -> str:
+    window = getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None)
+    return f", window {window} tokens" if window else ""
+
+
+def _check_parallelism(vllm_config: VllmConfig) -> None:
+    parallel = vllm_config.parallel_config
+    for name in (
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "decode_context_parallel_size",
+        "prefill_context_parallel_size",
+    ):
+        value = int(getattr(parallel, name, 1) or 1)
+        if value != 1:
+            raise ConfigError(
+                f"{STACK_KEY_NAME}: UCM's vLLM connector supports tensor parallelism only; "
+                f"{name}={value} is not supported (a shard is one TP rank's part of a block "
+                "over all layers)"
+            )
+
+
+def _open_store(
+    vllm_config: VllmConfig,
+    geometry: EngineGeometry,
+    device_id: int,
+    local_rank_size: int,
+) -> Store:
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    _check_extra_config(extra)
+    _check_parallelism(vllm_config)
+    stack = engine_stack(extra.get(STACK_KEY), geometry, key=STACK_KEY_NAME, engine="vLLM")
+    try:
+        return ucm.open(stack, device_id=device_id, local_rank_size=local_rank_size)
+    except UcmError as exc:
+        raise ConfigError(f"{STACK_KEY_NAME}: {exc}") from exc
+
+
+def _ranks_per_node(vllm_config: VllmConfig) -> int:
+    """TP ranks that share this node's CacheBuffer."""
+    parallel = vllm_config.parallel_config
+    tp_size = int(parallel.tensor_parallel_size)
+    nodes = int(getattr(parallel, "nnodes", 1) or 1)
+    if nodes > 1 and tp_size % nodes == 0:
+        return tp_size // nodes
+    return tp_size

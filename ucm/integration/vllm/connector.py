@@ -1,0 +1,337 @@
+"""``UcmConnector``, the class vLLM loads: it checks the configuration, opens the store of its
+role, and hands each hook to the scheduler side (:mod:`.scheduler`) or the worker side
+(:mod:`.worker`)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ucm.errors import ConfigError, UcmError
+
+from ..keys import Epochs, warn_node_local, write_marker
+from .config import (
+    STACK_KEY_NAME,
+    _check_full_attention,
+    _extra_key,
+    _open_store,
+    _ranks_per_node,
+    logger,
+)
+from .geometry import _transfer_layers, engine_geometry, key_space
+from .metadata import UcmConnectorMetadata, UcmWorkerMetadata
+from .metrics import UcmConnectorStats, UcmPromMetrics
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+    from ucm.metrics import MetricsServer
+    from ucm.store import Store
+
+
+class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """UCM's vLLM v1 KV connector (see the package docstring and docs/vllm.md)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise ConfigError(f"{STACK_KEY_NAME}: vLLM gave the connector no KV cache config")
+        transfer = self._kv_transfer_config
+        self._extra: dict[str, Any] = dict(transfer.kv_connector_extra_config or {})
+        _check_full_attention(kv_cache_config)
+        self._geometry = engine_geometry(vllm_config, kv_cache_config)
+        _, self._layers = _transfer_layers(kv_cache_config)
+        self._block_tokens = int(vllm_config.cache_config.block_size)
+        self._stats = UcmConnectorStats()
+        self._closed = False
+        self._rank = -1
+        self._store: Store
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler(vllm_config, kv_cache_config)
+        else:
+            self._init_worker(vllm_config, kv_cache_config)
+
+    # ---- vLLM class-level hooks --------------------------------------------------------------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss, never a lost hand-off
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> UcmConnectorStats | None:
+        return UcmConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> UcmPromMetrics:
+        return UcmPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_stats(self) -> UcmConnectorStats | None:
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, UcmConnectorStats()
+        self._side_stats(self._stats)
+        return stats
+
+    def _side_stats(self, stats: UcmConnectorStats) -> None:
+        side = getattr(self, "_sched", None) or getattr(self, "_worker", None)
+        if side is not None:
+            side.stats = stats
+
+    # ---- scheduler side ------------------------------------------------------------------
+
+    def _init_scheduler(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+        self._store = _open_store(vllm_config, self._geometry, -1, _ranks_per_node(vllm_config))
+        self._key_space = key_space(vllm_config, kv_cache_config)
+        self._epochs = Epochs(self._key_space.salt())
+        self._reset_marker: bytes | None = None
+        nodes = int(getattr(vllm_config.parallel_config, "nnodes", 1) or 1)
+        warn_node_local("vLLM", nodes, self._geometry.shards_per_block, self._store.config)
+        transfer = self._kv_transfer_config
+        self._sched = SchedulerSide(
+            lookup=self._store.lookup,
+            key_space=self._key_space,
+            block_tokens=self._block_tokens,
+            shards_per_block=self._geometry.shards_per_block,
+            block_table=self._block_table,
+            consumer=bool(transfer.is_kv_consumer),
+            producer=bool(transfer.is_kv_producer),
+            report_ids=bool(self._extra.get("ucm_report_block_ids", False)),
+            stats=self._stats,
+            epoch=self._epochs.current(self._store),
+        )
+        if transfer.is_kv_consumer and transfer.kv_load_failure_policy != "recompute":
+            logger.warning(
+                "UCM: kv_load_failure_policy=%r: a block that fails to load (missing, corrupt, "
+                "dead tier) fails its request; set kv_load_failure_policy='recompute' to have "
+                "vLLM recompute it instead",
+                transfer.kv_load_failure_policy,
+            )
+        logger.info(
+            "UCM scheduler: stack %r, %s, key space %s",
+            self._store.config.unique_id,
+            self._geometry.explain(),
+            self._key_space,
+        )
+
+    def _block_table(self, block_state: Any, req_id: str) -> list[int] | None:
+        groups = None
+        if block_state is not None:
+            groups = block_state.get_block_ids(req_id)
+        if groups is None and self._kv_cache_manager is not None:
+            groups = self._kv_cache_manager.get_block_ids(req_id)
+        return list(groups[0]) if groups else None
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmConnectorMetadata:
+        meta = self._sched.build_connector_meta(scheduler_output)
+        meta.reset_marker, self._reset_marker = self._reset_marker, None
+        return meta
+
+    def reset_cache(self) -> bool:
+        """``reset_prefix_cache(reset_connector=True)``: UCM serves nothing saved before it.
+
+        The key space moves to a new epoch (:class:`~ucm.integration.keys.Epochs`): every id
+        computed from now on differs from every id saved before, on every tier. Requests that
+        vLLM still tracks keep a throwaway salt of their own (:meth:`SchedulerSide.reset`).
+        TP rank 0 writes the epoch's marker with the next step, so later engines on this stack
+        start in the new epoch.
+        """
+        if self._role != KVConnectorRole.SCHEDULER:
+            return True
+        try:
+            stack_epoch = self._epochs.current(self._store)
+        except UcmError as exc:
+            logger.warning("UCM reset: could not read the stack's epoch (%s): going on", exc)
+            stack_epoch = 0
+        epoch = max(stack_epoch, self._sched.epoch) + 1
+        self._sched.reset(epoch)
+        self._reset_marker = self._epochs.marker(epoch)
+        logger.info("UCM reset: key space epoch %d; blocks saved before are never served", epoch)
+        return True
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request, block_ids)
+
+    # ---- worker side ---------------------------------------------------------------------
+
+    def _init_worker(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self._rank = int(get_tensor_model_parallel_rank())
+        per_node = _ranks_per_node(vllm_config)
+        self._store = _open_store(vllm_config, self._geometry, self._rank % per_node, per_node)
+        self._num_blocks = int(kv_cache_config.num_blocks)
+        self._worker = WorkerSide(
+            self._store, rank=self._rank, shard_size=self._geometry.shard_size, stats=self._stats
+        )
+        self._metrics_server: MetricsServer | None = None
+        port = self._extra.get("ucm_metrics_port")
+        if port is not None:
+            from ucm import metrics
+
+            try:
+                self._metrics_server = metrics.serve(
+                    self._store, port=int(port) + self._rank if port else 0
+                )
+            except UcmError as exc:
+                self._store.close()
+                raise ConfigError(f"{_extra_key('ucm_metrics_port')}: {exc}") from exc
+            logger.info(
+                "UCM rank %d: Prometheus metrics on %s", self._rank, self._metrics_server.url
+            )
+        logger.info(
+            "UCM worker rank %d: stack %r, %s",
+            self._rank,
+            self._store.config.unique_id,
+            self._geometry.explain(),
+        )
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        views = []
+        for index, name in enumerate(self._layers):
+            kv = kv_caches.get(name)
+            if kv is None:
+                raise ConfigError(
+                    f"{STACK_KEY_NAME}: vLLM registered no KV cache for layer {name!r}"
+                )
+            views.append(self._block_view(name, kv, self._geometry.tensor_sizes[index]))
+        self._worker.set_block_views(views)
+
+    def _block_view(self, name: str, kv: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """``kv`` ([blocks, ...]) with its per-block dimensions in memory order, so that
+        ``view[b]`` is block b of the layer as one contiguous tensor."""
+        if kv.dim() < 2 or kv.shape[0] != self._num_blocks:
+            raise ConfigError(
+                f"{STACK_KEY_NAME}: vLLM's KV cache of layer {name!r} has shape "
+                f"{tuple(kv.shape)}; UCM expects {self._num_blocks} blocks in dimension 0"
+            )
+        inner = sorted(range(1, kv.dim()), key=lambda d: kv.stride(d), reverse=True)
+        view = kv.permute(0, *inner)
+        block = view[0]
+        if not block.is_contiguous() or block.nbytes != nbytes:
+            raise ConfigError(
+                f"{STACK_KEY_NAME}: vLLM's KV cache of layer {name!r} (shape {tuple(kv.shape)}, "
+                f"strides {kv.stride()}, {kv.dtype}) does not keep one block in {nbytes} "
+                "contiguous bytes, which UCM's shard layout needs; use a block-contiguous "
+                "KV cache layout (VLLM_KV_CACHE_LAYOUT, e.g. LBHNC)"
+            )
+        return view
+
+    def _bound_meta(self) -> UcmConnectorMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, UcmConnectorMetadata) else None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(connector_metadata, UcmConnectorMetadata):
+            self._worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        # vLLM may skip wait_for_save (a step without a forward pass): the step's dumps are
+        # still submitted, so that the requests they belong to are reported finished.
+        worker = getattr(self, "_worker", None)
+        if worker is not None:
+            worker.submit_saves()
+        super().clear_connector_metadata()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, UcmConnectorMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._bound_meta()
+        if meta is None:
+            return
+        if meta.reset_marker and self._rank == 0:
+            try:
+                write_marker(self._store, meta.reset_marker)
+            except UcmError as exc:
+                logger.warning("UCM: could not persist a reset's epoch marker: %s", exc)
+        self._worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv waits for its loads: a shard holds every layer of a block
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # a shard holds every layer: wait_for_save dumps whole blocks after the forward
+
+    def wait_for_save(self) -> None:
+        self._worker.submit_saves()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return (self._worker.get_finished() or None), None
+
+    def build_connector_worker_meta(self) -> UcmWorkerMetadata | None:
+        return self._worker.build_worker_meta()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors()
+
+    # ---- both ------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        server = getattr(self, "_metrics_server", None)
+        if server is not None:
+            server.close()
+        # Pending dumps and write-through work finish before the store closes.
+        started = time.perf_counter()
+        self._store.close()
+        logger.info(
+            "UCM %s closed its store in %.3f s",
+            "scheduler" if self._role == KVConnectorRole.SCHEDULER else f"rank {self._rank}",
+            time.perf_counter() - started,
+        )

@@ -1,0 +1,411 @@
+"""The scheduler side of the connector: which blocks a request is served from UCM, the loads
+planned into the vLLM blocks just allocated, the saves of each step, and the view of what is in
+the store or being dumped into it. No engine needed: it works on vLLM's request and scheduler
+output objects and asks the store through one ``lookup`` function."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from ..keys import KeySpace, chain_block_ids
+from ..salts import lora_identity
+from .metadata import BlockTransfer, UcmConnectorMetadata, UcmWorkerMetadata
+from .metrics import UcmConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.ucm")
+
+SALTS_KEPT = 4096
+"""Distinct (cache_salt, LoRA) salts the scheduler memoises."""
+
+Lookup = Callable[[Sequence[bytes]], Sequence[bool]]
+"""The store's presence check (``Store.lookup``)."""
+BlockTable = Callable[[Any, str], "list[int] | None"]
+"""A request's vLLM block ids (the first KV cache group), from the step's block state."""
+
+
+@dataclass
+class _PendingLoad:
+    """A load the workers ran (or will run) in step ``step`` whose outcome the scheduler has
+    not seen yet."""
+
+    step: int
+    first_block: int
+    vllm_blocks: list[int]
+
+
+@dataclass
+class _RequestState:
+    """The scheduler's bookkeeping of one request."""
+
+    request: Request
+    salt: bytes
+    ids: list[bytes] = field(default_factory=list)
+    """UCM ids of the request's full blocks hashed so far (the chain grows as blocks fill)."""
+    saved: int = 0
+    """Blocks [0, saved) are in UCM, being dumped, or were in vLLM's cache before the request:
+    never dumped again by this request."""
+    planned: tuple[int, int] | None = None
+    """(first block, tokens) of the last answer of get_num_new_matched_tokens."""
+    pending: list[_PendingLoad] = field(default_factory=list)
+    """Loads whose outcome is unknown: no block from the first one's first block on is saved
+    until they are known to have held (a failed load leaves garbage that every later block of
+    the request attended to)."""
+    dumping: bool = False
+    """A dump of this request's blocks was sent to the workers: vLLM keeps its blocks, when it
+    finishes, until the workers report it in get_finished."""
+
+    def barrier(self) -> int | None:
+        return min((load.first_block for load in self.pending), default=None)
+
+
+@dataclass
+class _Finishing:
+    """A finished request with loads still unconfirmed: its last saves and its release wait
+    for their outcome."""
+
+    state: _RequestState
+    block_ids: list[int]
+    ready: int
+
+
+class SchedulerSide:
+    """The connector's scheduler-role state machine (see the package docstring)."""
+
+    def __init__(
+        self,
+        *,
+        lookup: Lookup,
+        key_space: KeySpace,
+        block_tokens: int,
+        shards_per_block: int,
+        block_table: BlockTable,
+        consumer: bool = True,
+        producer: bool = True,
+        report_ids: bool = False,
+        stats: UcmConnectorStats | None = None,
+        epoch: int = 0,
+    ) -> None:
+        self._lookup = lookup
+        self.epoch = epoch
+        """The key space's reset epoch (:class:`~ucm.integration.keys.Epochs`): every salt
+        carries it."""
+        self._key_space = key_space
+        self._block_tokens = block_tokens
+        self._shards_per_block = shards_per_block
+        self._block_table = block_table
+        self._consumer = consumer
+        self._producer = producer
+        self._report_ids = report_ids
+        self.stats = stats if stats is not None else UcmConnectorStats()
+        self._salts: dict[tuple[str | None, str | None], bytes] = {}
+        self._requests: dict[str, _RequestState] = {}
+        self._loads: dict[str, BlockTransfer] = {}
+        self._load_first: dict[str, int] = {}
+        """Per planned load, the request's block index of its first block."""
+        self._final_saves: list[BlockTransfer] = []
+        self._finishing: dict[str, _Finishing] = {}
+        self._release: set[str] = set()
+        """Finished requests to release to the workers with the next step."""
+        self._step = 0
+        self._dumping_ids: dict[bytes, int] = {}
+        """Blocks the workers were asked to dump → ranks not done yet: present for lookups."""
+
+    def on_new_request(self, request: Request) -> None:
+        self._state(request)
+
+    def _state(self, request: Request) -> _RequestState | None:
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            return state
+        embeds = getattr(request, "prompt_embeds", None)
+        if getattr(request, "mm_features", None) or embeds is not None:
+            return None  # token ids alone do not name this KV: never cached
+        lora = lora_identity(getattr(request, "lora_request", None))
+        cache_salt = getattr(request, "cache_salt", None)
+        salt = self._salts.get((cache_salt, lora))
+        if salt is None:
+            space = self._key_space
+            if lora is not None:
+                space = replace(space, extra=(*space.extra, ("lora", lora)))
+            salt = space.salt(cache_salt, self.epoch)
+            if len(self._salts) >= SALTS_KEPT:  # per-user salts: keep the memo bounded
+                self._salts.clear()
+            self._salts[(cache_salt, lora)] = salt
+        state = _RequestState(request=request, salt=salt)
+        self._requests[request.request_id] = state
+        return state
+
+    def reset(self, epoch: int) -> None:
+        """Moves the key space to ``epoch``: every id computed from now on differs from every
+        id saved before. Requests already tracked (running, waiting, or finishing with loads
+        unconfirmed) get a throwaway salt of their own, so what they computed before the reset
+        is neither served nor saved under the new epoch."""
+        self.epoch = epoch
+        self._salts.clear()
+        for state in [*self._requests.values(), *(f.state for f in self._finishing.values())]:
+            state.salt = os.urandom(32)
+            state.ids = []
+
+    def _chain(self, state: _RequestState, blocks: int) -> list[bytes]:
+        """The ids of the request's first ``blocks`` full blocks (extending the chain)."""
+        have = len(state.ids)
+        if blocks > have:
+            bs = self._block_tokens
+            tokens = list(state.request.all_token_ids[: blocks * bs])
+            parent = state.ids[-1] if have else None
+            state.ids.extend(
+                chain_block_ids(state.salt, tokens, bs, parent=parent, start_block=have)
+            )
+        return state.ids[:blocks]
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not self._consumer or getattr(request, "skip_reading_prefix_cache", False):
+            # prompt_logprobs (and other requests that must compute every token): no lookup,
+            # no load planned, whatever the vLLM version does with the answer.
+            return 0, False
+        state = self._state(request)
+        if state is None:
+            return 0, False
+        state.planned = None
+        bs = self._block_tokens
+        start = num_computed_tokens // bs
+        full = int(request.num_tokens) // bs
+        if full <= start:
+            return 0, False
+        ids = self._chain(state, full)
+        self.stats.data["lookups"] += 1
+        try:
+            present = self._present(ids[start:])
+        except Exception as exc:  # a lookup never fails a request: it is a miss
+            self.stats.data["lookup_errors"] += 1
+            logger.warning("UCM lookup failed (served as a miss): %s", exc)
+            return 0, False
+        found = present.index(False) if False in present else len(present)
+        # vLLM must compute at least one token: never claim the whole prompt.
+        hit = min((start + found) * bs, int(request.num_tokens) - 1)
+        external = hit - num_computed_tokens
+        if external <= 0:
+            return 0, False
+        state.planned = (start, external)
+        return external, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        self._loads.pop(request.request_id, None)
+        self._load_first.pop(request.request_id, None)
+        planned, state.planned = state.planned, None
+        if num_external_tokens <= 0 or planned is None:
+            return
+        start = planned[0]
+        bs = self._block_tokens
+        end = math.ceil((start * bs + num_external_tokens) / bs)
+        table = list(blocks.get_block_ids()[0])
+        ids = self._chain(state, end)
+        self._loads[request.request_id] = BlockTransfer(
+            req_id=request.request_id,
+            vllm_blocks=table[start:end],
+            ucm_ids=ids[start:end],
+        )
+        self._load_first[request.request_id] = start
+        state.saved = max(state.saved, end)
+        self.stats.data["hit_tokens"] += num_external_tokens
+        self.stats.data["hit_blocks"] += end - start
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmConnectorMetadata:
+        self._step += 1
+        step = self._step
+        meta = UcmConnectorMetadata(
+            loads=list(self._loads.values()),
+            preempted=set(scheduler_output.preempted_req_ids or ()),
+            step=step,
+        )
+        for transfer in meta.loads:
+            state = self._requests.get(transfer.req_id)
+            if state is not None:
+                first = self._load_first[transfer.req_id]
+                state.pending.append(_PendingLoad(step, first, list(transfer.vllm_blocks)))
+        self._loads.clear()
+        self._load_first.clear()
+        computed_before: dict[str, int] = {
+            new.req_id: int(new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs
+        }
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            computed_before[req_id] = int(cached.num_computed_tokens[i])
+        candidates: list[tuple[_RequestState, BlockTransfer]] = []
+        if self._producer:
+            bs = self._block_tokens
+            block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+            for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+                state = self._requests.get(req_id)
+                if state is None:
+                    continue
+                before = computed_before.get(req_id, int(state.request.num_computed_tokens))
+                if math.ceil(before / bs) < state.saved:
+                    # vLLM went back (a block failed to load, or the request was preempted):
+                    # what it recomputes from here on is saved again.
+                    state.saved = before // bs
+                # A block is saved in the step that computes it (its dump runs after this
+                # step's forward pass), once its tokens are known, and only while no load
+                # beneath it is unconfirmed.
+                ready = min(before + int(scheduled), int(state.request.num_tokens)) // bs
+                barrier = state.barrier()
+                if barrier is not None:
+                    ready = min(ready, barrier)
+                if ready <= state.saved:
+                    continue
+                table = self._block_table(block_state, req_id)
+                if table is None or len(table) < ready:
+                    continue
+                ids = self._chain(state, ready)
+                candidates.append(
+                    (
+                        state,
+                        BlockTransfer(req_id, table[state.saved : ready], ids[state.saved : ready]),
+                    )
+                )
+                state.saved = ready
+        meta.saves = self._absent_only(candidates) + self._final_saves
+        self._final_saves = []
+        meta.released, self._release = self._release, set()
+        return meta
+
+    def _present(self, ids: Sequence[bytes]) -> list[bool]:
+        """Whether each block is in the store or being dumped into it right now."""
+        asked = [block_id for block_id in ids if block_id not in self._dumping_ids]
+        answers = dict(zip(asked, self._lookup(asked), strict=True)) if asked else {}
+        return [block_id in self._dumping_ids or answers[block_id] for block_id in ids]
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, UcmWorkerMetadata):
+            return
+        for block_id, ranks in meta.dumped.items():
+            left = self._dumping_ids.get(block_id, 0) - ranks
+            if left > 0:
+                self._dumping_ids[block_id] = left
+            else:
+                self._dumping_ids.pop(block_id, None)
+        for block_id in meta.failed:  # not whole in the store: ask the store from now on
+            self._dumping_ids.pop(block_id, None)
+        if meta.loaded_steps:
+            invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+            self._settle_loads(meta.loaded_steps, invalid)
+
+    def _settle_loads(self, steps: set[int], invalid: set[int]) -> None:
+        """The loads of ``steps`` are done: those that hit an invalid block failed from that
+        block on (vLLM recomputes it and every block after it); the others held."""
+        by_state = {id(f.state): f for f in self._finishing.values()}
+        for state in [*self._requests.values(), *(f.state for f in self._finishing.values())]:
+            settled = [load for load in state.pending if load.step in steps]
+            if not settled:
+                continue
+            state.pending = [load for load in state.pending if load.step not in steps]
+            for load in settled:
+                bad = [i for i, block in enumerate(load.vllm_blocks) if block in invalid]
+                if bad:
+                    failed = load.first_block + bad[0]
+                    # Running: vLLM recomputes from the failed block on, and saves follow.
+                    # Finished: nothing recomputes it; no block from it on is ever saved.
+                    state.saved = min(state.saved, failed)
+                    if id(state) in by_state:
+                        by_state[id(state)].ready = min(by_state[id(state)].ready, failed)
+        for req_id, finishing in list(self._finishing.items()):
+            if not finishing.state.pending:
+                del self._finishing[req_id]
+                self._finish(
+                    req_id, finishing.state, finishing.block_ids, finishing.ready, held=True
+                )
+
+    def _absent_only(
+        self, candidates: Sequence[tuple[_RequestState, BlockTransfer]]
+    ) -> list[BlockTransfer]:
+        """The transfers without the blocks the store already holds; marks the requests whose
+        blocks the workers will dump."""
+        if not candidates:
+            return []
+        every = list(
+            dict.fromkeys(block_id for _, transfer in candidates for block_id in transfer.ucm_ids)
+        )
+        try:
+            present = dict(zip(every, self._present(every), strict=True))
+        except Exception as exc:
+            self.stats.data["lookup_errors"] += 1
+            logger.warning("UCM lookup before saving failed (saving every block): %s", exc)
+            present = {}
+        kept: list[BlockTransfer] = []
+        for state, transfer in candidates:
+            pairs = [
+                (vllm_block, block_id)
+                for vllm_block, block_id in zip(transfer.vllm_blocks, transfer.ucm_ids, strict=True)
+                if not present.get(block_id, False)
+            ]
+            if pairs:
+                kept.append(
+                    BlockTransfer(transfer.req_id, [p[0] for p in pairs], [p[1] for p in pairs])
+                )
+                state.dumping = True
+                for _, block_id in pairs:
+                    present[block_id] = True  # a second request of this step does not dump it
+                    self._dumping_ids[block_id] = (
+                        self._dumping_ids.get(block_id, 0) + self._shards_per_block
+                    )
+        return kept
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        state = self._requests.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+        self._load_first.pop(request.request_id, None)
+        if state is None:
+            return False, None
+        params = None
+        if self._report_ids:
+            full = int(request.num_computed_tokens) // self._block_tokens
+            params = {"ucm_block_ids": [block_id.hex() for block_id in self._chain(state, full)]}
+        ready = min(int(request.num_computed_tokens), int(request.num_tokens)) // self._block_tokens
+        if state.pending:
+            # Its last blocks were computed over loads not yet confirmed (an abort between
+            # steps, or a request that finished in the step it loaded): vLLM keeps its blocks
+            # until they are, then they are saved or dropped and the request released.
+            self._finishing[request.request_id] = _Finishing(state, list(block_ids), ready)
+            return True, params
+        return self._finish(request.request_id, state, list(block_ids), ready), params
+
+    def _finish(
+        self,
+        req_id: str,
+        state: _RequestState,
+        block_ids: list[int],
+        ready: int,
+        held: bool = False,
+    ) -> bool:
+        """Sends a finished request's last saves; whether vLLM must keep its blocks until the
+        workers report it (then it is released to them with the next step)."""
+        if self._producer and ready > state.saved and len(block_ids) >= ready:
+            ids = self._chain(state, ready)
+            transfer = BlockTransfer(
+                req_id, block_ids[state.saved : ready], ids[state.saved : ready]
+            )
+            self._final_saves.extend(self._absent_only([(state, transfer)]))
+            state.saved = ready
+        if state.dumping or held:  # held: vLLM was already told to keep the blocks
+            self._release.add(req_id)
+        return state.dumping

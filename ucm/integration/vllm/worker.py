@@ -1,0 +1,257 @@
+"""The worker side of the connector (one per TP rank): loads into vLLM's KV cache tensors
+before the forward pass, dumps after it, and which requests' blocks vLLM may free. No engine
+needed: it works on a store and one block-contiguous tensor view per layer."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ucm.errors import TaskError
+
+from .metadata import BlockTransfer, UcmConnectorMetadata, UcmWorkerMetadata
+from .metrics import UcmConnectorStats
+
+if TYPE_CHECKING:
+    import torch
+
+    from ucm.store import Store
+    from ucm.task import Task
+
+logger = logging.getLogger("vllm.ucm")
+
+
+@dataclass(eq=False)
+class _PendingSave:
+    task: Task
+    requests: set[str]
+    ids: list[bytes]
+    vllm_blocks: list[int]
+    """The vLLM blocks the dump reads: none may be reused until it is done."""
+    finished: bool = False
+
+
+def _unique_key_groups(loads: Iterable[BlockTransfer]) -> list[list[tuple[bytes, int]]]:
+    """The step's (UCM id, vLLM block) pairs split into tasks without a repeated id (two
+    requests of one step may load the same block into two vLLM blocks)."""
+    groups: list[list[tuple[bytes, int]]] = []
+    seen: list[set[bytes]] = []
+    for transfer in loads:
+        for vllm_block, block_id in zip(transfer.vllm_blocks, transfer.ucm_ids, strict=True):
+            for index, ids in enumerate(seen):
+                if block_id not in ids:
+                    ids.add(block_id)
+                    groups[index].append((block_id, vllm_block))
+                    break
+            else:
+                seen.append({block_id})
+                groups.append([(block_id, vllm_block)])
+    return groups
+
+
+class WorkerSide:
+    """The connector's worker-role state machine (see the package docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        rank: int,
+        shard_size: int,
+        stats: UcmConnectorStats | None = None,
+    ) -> None:
+        self._store = store
+        self._rank = rank
+        self._shard_size = shard_size
+        self.stats = stats if stats is not None else UcmConnectorStats()
+        self._block_views: list[torch.Tensor] = []
+        self._invalid: set[int] = set()
+        self._saves: list[_PendingSave] = []
+        self._dumping: Counter[str] = Counter()
+        """Per request, dump tasks in flight."""
+        self._bound: UcmConnectorMetadata | None = None
+        """The step's metadata while its saves are not submitted yet."""
+        self._released: set[str] = set()
+        """Requests the scheduler released and get_finished has not reported yet."""
+        self._loaded_steps: set[int] = set()
+        self._dumped: Counter[bytes] = Counter()
+        self._dump_failed: set[bytes] = set()
+        """Dumps finished since the last step's worker metadata (see UcmWorkerMetadata)."""
+
+    def set_block_views(self, views: list[torch.Tensor]) -> None:
+        """One tensor per stored layer, ``view[b]`` = vLLM block b of that layer, contiguous."""
+        self._block_views = views
+
+    def _block_tensors(self, vllm_block: int) -> list[torch.Tensor]:
+        return [view[vllm_block] for view in self._block_views]
+
+    def bind(self, meta: UcmConnectorMetadata) -> None:
+        """A step's metadata arrived: its released requests wait for its saves, which
+        :meth:`submit_saves` submits (after the forward pass) whatever hook calls it."""
+        if self._bound is not None:  # a step whose dumps no hook submitted
+            self.submit_saves()
+        self._released |= meta.released
+        self._bound = meta if meta.saves else None
+
+    def handle_preemptions(self, meta: UcmConnectorMetadata) -> None:
+        preempted = meta.preempted
+        if not preempted:
+            return
+        # Their blocks are free from this step on: every dump still reading them must finish
+        # before the forward pass can write into them.
+        for pending in list(self._saves):
+            if pending.requests & preempted:
+                self._finish_save(pending)
+        self._saves = [pending for pending in self._saves if not pending.finished]
+
+    def start_load(self, meta: UcmConnectorMetadata) -> None:
+        if not meta.loads:
+            return
+        # This step's output carries the failures (load_errors): the scheduler learns from
+        # it which loads held.
+        self._loaded_steps.add(meta.step)
+        started = time.perf_counter()
+        wanted = {block_id for transfer in meta.loads for block_id in transfer.ucm_ids}
+        for pending in self._saves:
+            if not wanted.isdisjoint(pending.ids):  # a block this rank is still dumping
+                self._finish_save(pending)
+        submitted: list[tuple[Task | None, list[tuple[bytes, int]]]] = []
+        for group in _unique_key_groups(meta.loads):
+            ids = [block_id for block_id, _ in group]
+            try:
+                task = self._store.load(
+                    ids,
+                    [self._rank] * len(ids),
+                    [self._block_tensors(vllm_block) for _, vllm_block in group],
+                )
+            except Exception as exc:
+                logger.warning("UCM load of %d blocks not submitted: %s", len(ids), exc)
+                submitted.append((None, group))
+            else:
+                submitted.append((task, group))
+        # The loads finish before the forward pass: vLLM writes this step's new KV into the same
+        # blocks' free rows (a prompt whose last block was loaded), and attention reads them.
+        for pending_load, group in submitted:
+            failed = self._wait_load(pending_load, group)
+            self._invalid.update(vllm_block for block_id, vllm_block in group if block_id in failed)
+            loaded = len(group) - len([1 for block_id, _ in group if block_id in failed])
+            self.stats.data["loaded_blocks"] += loaded
+            self.stats.data["loaded_bytes"] += loaded * self._shard_size
+            self.stats.data["load_failed_blocks"] += len(group) - loaded
+        self.stats.data["load_seconds"] += time.perf_counter() - started
+
+    def _wait_load(self, task: Task | None, group: list[tuple[bytes, int]]) -> set[bytes]:
+        """The ids of the group's blocks that did not load."""
+        every = {block_id for block_id, _ in group}
+        if task is None:
+            return every
+        try:
+            self._store.wait(task)
+        except TaskError as exc:
+            failed = {block_id for block_id, _shard in exc.failures}
+            logger.warning(
+                "UCM: %d of %d blocks failed to load; vLLM recomputes them: %s",
+                len(failed),
+                len(group),
+                exc,
+            )
+            return failed
+        except Exception as exc:
+            logger.warning(
+                "UCM: a load of %d blocks failed; vLLM recomputes them: %s", len(group), exc
+            )
+            return every
+        return set()
+
+    def submit_saves(self) -> None:
+        """Submits the bound step's dumps, once (``wait_for_save``, or the metadata's clearing
+        when vLLM skipped ``wait_for_save``), and returns: no forward pass waits for a dump."""
+        self._reap_saves()
+        meta, self._bound = self._bound, None
+        if meta is None:
+            return
+        requests: set[str] = set()
+        seen: set[bytes] = set()
+        ids: list[bytes] = []
+        blocks: list[int] = []
+        for transfer in meta.saves:
+            requests.add(transfer.req_id)
+            for vllm_block, block_id in zip(transfer.vllm_blocks, transfer.ucm_ids, strict=True):
+                if block_id in seen:  # two requests of one step filled the same block
+                    continue
+                seen.add(block_id)
+                ids.append(block_id)
+                blocks.append(vllm_block)
+        sources = [self._block_tensors(vllm_block) for vllm_block in blocks]
+        try:
+            task = self._store.dump(ids, [self._rank] * len(ids), sources)
+        except Exception as exc:
+            logger.warning("UCM dump of %d blocks not submitted: %s", len(ids), exc)
+            self.stats.data["save_failed_blocks"] += len(ids)
+            self._dump_failed.update(ids)
+            return
+        self._saves.append(_PendingSave(task=task, requests=requests, ids=ids, vllm_blocks=blocks))
+        self._dumping.update(requests)
+
+    def _reap_saves(self) -> None:
+        for pending in self._saves:
+            if self._store.check(pending.task):
+                self._finish_save(pending)
+        self._saves = [pending for pending in self._saves if not pending.finished]
+
+    def _finish_save(self, pending: _PendingSave) -> None:
+        if pending.finished:
+            return
+        failed: set[bytes] = set()
+        try:
+            self._store.wait(pending.task)  # at once when reaped; blocks for a preemption
+        except TaskError as exc:
+            failed = {block_id for block_id, _shard in exc.failures}
+            logger.warning(
+                "UCM: %d of %d blocks failed to save: %s", len(failed), len(pending.ids), exc
+            )
+        except Exception as exc:
+            failed = set(pending.ids)
+            logger.warning("UCM: a dump of %d blocks failed: %s", len(pending.ids), exc)
+        pending.finished = True
+        saved = len(pending.ids) - len(failed)
+        self.stats.data["saved_blocks"] += saved
+        self.stats.data["saved_bytes"] += saved * self._shard_size
+        self.stats.data["save_failed_blocks"] += len(failed)
+        self._dumped.update(block_id for block_id in pending.ids if block_id not in failed)
+        self._dump_failed |= failed
+        self._dumping.subtract(pending.requests)
+        for req_id in pending.requests:
+            if self._dumping[req_id] <= 0:
+                del self._dumping[req_id]
+
+    def get_finished(self) -> set[str]:
+        """The released requests none of whose saves is unsubmitted or in flight: each is
+        returned once. vLLM's ``finished_req_ids`` are not needed: the scheduler releases a
+        request only after sending its last save."""
+        self._reap_saves()
+        waiting = {t.req_id for t in self._bound.saves} if self._bound is not None else set()
+        done = {r for r in self._released if r not in waiting and not self._dumping.get(r)}
+        self._released -= done
+        return done
+
+    def build_worker_meta(self) -> UcmWorkerMetadata | None:
+        if not self._dumped and not self._dump_failed and not self._loaded_steps:
+            return None
+        meta = UcmWorkerMetadata(
+            dumped=dict(self._dumped),
+            failed=set(self._dump_failed),
+            loaded_steps=set(self._loaded_steps),
+        )
+        self._dumped = Counter()
+        self._dump_failed = set()
+        self._loaded_steps = set()
+        return meta
+
+    def load_errors(self) -> set[int]:
+        invalid, self._invalid = self._invalid, set()
+        return invalid
