@@ -23,6 +23,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed", allow_module_level=True)
 
 from ucm.integration import vllm as connector
+from ucm.integration.vllm.config import check_extra_config
 from ucm.testing.vllm import write_tiny_llama
 
 pytestmark = pytest.mark.timeout(600)
@@ -147,7 +148,7 @@ def test_a_bad_weights_id_is_refused() -> None:
     from ucm import ConfigError
 
     with pytest.raises(ConfigError) as raised:
-        connector._check_extra_config({"ucm_stack": {}, "ucm_weights_id": 7})
+        check_extra_config({"ucm_stack": {}, "ucm_weights_id": 7})
     assert str(raised.value).startswith(
         "kv_connector_extra_config['ucm_weights_id']: 7 is not valid: expected a non-empty string"
     )

@@ -17,8 +17,8 @@ if importlib.util.find_spec("vllm") is None:
 
 from ucm import ConfigError
 from ucm.integration import vllm as connector
-from ucm.integration.vllm.config import _check_extra_config
-from ucm.integration.vllm.worker import _unique_key_groups
+from ucm.integration.vllm.config import check_extra_config
+from ucm.integration.vllm.worker import unique_key_groups
 
 
 @pytest.mark.parametrize(
@@ -43,12 +43,12 @@ from ucm.integration.vllm.worker import _unique_key_groups
 )
 def test_extra_config_errors_name_the_key(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as raised:
-        _check_extra_config(extra)
+        check_extra_config(extra)
     assert str(raised.value).startswith(message)
 
 
 def test_other_connectors_keys_are_left_alone() -> None:
-    _check_extra_config({"ucm_stack": {}, "shared_storage_path": "/x"})
+    check_extra_config({"ucm_stack": {}, "shared_storage_path": "/x"})
 
 
 def test_stats_sum_over_ranks_and_reduce() -> None:
@@ -84,7 +84,7 @@ def test_a_step_loading_one_block_twice_splits_it_into_two_tasks() -> None:
         connector.BlockTransfer("r1", [5, 6], [a, b]),
         connector.BlockTransfer("r2", [9], [a]),  # the same block, into another vLLM block
     ]
-    assert _unique_key_groups(loads) == [[(a, 5), (b, 6)], [(a, 9)]]
+    assert unique_key_groups(loads) == [[(a, 5), (b, 6)], [(a, 9)]]
 
 
 def test_the_scheduler_side_runs_without_an_engine() -> None:

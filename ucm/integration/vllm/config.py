@@ -33,42 +33,42 @@ EXTRA_KEYS = {
 """The ``ucm_*`` keys of ``kv_connector_extra_config``; any other ``ucm_*`` key is refused."""
 
 
-def _extra_key(name: str) -> str:
+def extra_key(name: str) -> str:
     return f"kv_connector_extra_config[{name!r}]"
 
 
-STACK_KEY_NAME = _extra_key(STACK_KEY)
+STACK_KEY_NAME = extra_key(STACK_KEY)
 
 
-def _check_extra_config(extra: Mapping[str, Any]) -> None:
+def check_extra_config(extra: Mapping[str, Any]) -> None:
     unknown = sorted(key for key in extra if key.startswith("ucm_") and key not in EXTRA_KEYS)
     if unknown:
         valid = "; ".join(f"{key}: {meaning}" for key, meaning in EXTRA_KEYS.items())
         raise ConfigError(
-            f"{_extra_key(unknown[0])}: unknown UCM key (misspelled?); the UCM keys are: {valid}"
+            f"{extra_key(unknown[0])}: unknown UCM key (misspelled?); the UCM keys are: {valid}"
         )
     port = extra.get("ucm_metrics_port")
     if port is not None and (
         isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535
     ):
         raise ConfigError(
-            f"{_extra_key('ucm_metrics_port')}: {port!r} is not valid: expected an integer port "
+            f"{extra_key('ucm_metrics_port')}: {port!r} is not valid: expected an integer port "
             "in [0, 65535] (0: a free port)"
         )
     weights_id = extra.get("ucm_weights_id")
     if weights_id is not None and (not isinstance(weights_id, str) or not weights_id):
         raise ConfigError(
-            f"{_extra_key('ucm_weights_id')}: {weights_id!r} is not valid: expected a non-empty "
+            f"{extra_key('ucm_weights_id')}: {weights_id!r} is not valid: expected a non-empty "
             "string naming the weights"
         )
     report = extra.get("ucm_report_block_ids")
     if report is not None and not isinstance(report, bool):
         raise ConfigError(
-            f"{_extra_key('ucm_report_block_ids')}: {report!r} is not valid: expected true or false"
+            f"{extra_key('ucm_report_block_ids')}: {report!r} is not valid: expected true or false"
         )
 
 
-def _check_full_attention(kv_cache_config: KVCacheConfig) -> None:
+def check_full_attention(kv_cache_config: KVCacheConfig) -> None:
     """Refuses KV cache specs other than full attention. A sliding-window (or chunked-local,
     circular, Mamba, sparse) group frees the blocks behind its window and points the block
     table at vLLM's null block: a block id would no longer name the KV of its token prefix,
@@ -109,14 +109,14 @@ def _check_parallelism(vllm_config: VllmConfig) -> None:
             )
 
 
-def _open_store(
+def open_store(
     vllm_config: VllmConfig,
     geometry: EngineGeometry,
     device_id: int,
     local_rank_size: int,
 ) -> Store:
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    _check_extra_config(extra)
+    check_extra_config(extra)
     _check_parallelism(vllm_config)
     stack = engine_stack(extra.get(STACK_KEY), geometry, key=STACK_KEY_NAME, engine="vLLM")
     try:
@@ -125,7 +125,7 @@ def _open_store(
         raise ConfigError(f"{STACK_KEY_NAME}: {exc}") from exc
 
 
-def _ranks_per_node(vllm_config: VllmConfig) -> int:
+def ranks_per_node(vllm_config: VllmConfig) -> int:
     """TP ranks that share this node's CacheBuffer."""
     parallel = vllm_config.parallel_config
     tp_size = int(parallel.tensor_parallel_size)

@@ -18,13 +18,13 @@ from ucm.errors import ConfigError, UcmError
 from ..keys import Epochs, warn_node_local, write_marker
 from .config import (
     STACK_KEY_NAME,
-    _check_full_attention,
-    _extra_key,
-    _open_store,
-    _ranks_per_node,
+    check_full_attention,
+    extra_key,
     logger,
+    open_store,
+    ranks_per_node,
 )
-from .geometry import _transfer_layers, engine_geometry, key_space
+from .geometry import engine_geometry, key_space, transfer_layers
 from .metadata import UcmConnectorMetadata, UcmWorkerMetadata
 from .metrics import UcmConnectorStats, UcmPromMetrics
 from .scheduler import SchedulerSide
@@ -58,9 +58,9 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise ConfigError(f"{STACK_KEY_NAME}: vLLM gave the connector no KV cache config")
         transfer = self._kv_transfer_config
         self._extra: dict[str, Any] = dict(transfer.kv_connector_extra_config or {})
-        _check_full_attention(kv_cache_config)
+        check_full_attention(kv_cache_config)
         self._geometry = engine_geometry(vllm_config, kv_cache_config)
-        _, self._layers = _transfer_layers(kv_cache_config)
+        _, self._layers = transfer_layers(kv_cache_config)
         self._block_tokens = int(vllm_config.cache_config.block_size)
         self._stats = UcmConnectorStats()
         self._closed = False
@@ -108,7 +108,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ---- scheduler side ------------------------------------------------------------------
 
     def _init_scheduler(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
-        self._store = _open_store(vllm_config, self._geometry, -1, _ranks_per_node(vllm_config))
+        self._store = open_store(vllm_config, self._geometry, -1, ranks_per_node(vllm_config))
         self._key_space = key_space(vllm_config, kv_cache_config)
         self._epochs = Epochs(self._key_space.salt())
         self._reset_marker: bytes | None = None
@@ -203,8 +203,8 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         self._rank = int(get_tensor_model_parallel_rank())
-        per_node = _ranks_per_node(vllm_config)
-        self._store = _open_store(vllm_config, self._geometry, self._rank % per_node, per_node)
+        per_node = ranks_per_node(vllm_config)
+        self._store = open_store(vllm_config, self._geometry, self._rank % per_node, per_node)
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._worker = WorkerSide(
             self._store, rank=self._rank, shard_size=self._geometry.shard_size, stats=self._stats
@@ -220,7 +220,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 )
             except UcmError as exc:
                 self._store.close()
-                raise ConfigError(f"{_extra_key('ucm_metrics_port')}: {exc}") from exc
+                raise ConfigError(f"{extra_key('ucm_metrics_port')}: {exc}") from exc
             logger.info(
                 "UCM rank %d: Prometheus metrics on %s", self._rank, self._metrics_server.url
             )

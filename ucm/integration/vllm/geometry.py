@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-def _transfer_layers(kv_cache_config: KVCacheConfig) -> tuple[Any, list[str]]:
+def transfer_layers(kv_cache_config: KVCacheConfig) -> tuple[Any, list[str]]:
     """The KV cache spec and the layer names whose KV UCM stores, in a fixed order: the layers
     that own KV memory (``kv_cache_tensors``), not layers reusing another layer's cache."""
     groups = list(kv_cache_config.kv_cache_groups)
@@ -37,7 +37,7 @@ def _transfer_layers(kv_cache_config: KVCacheConfig) -> tuple[Any, list[str]]:
     return group.kv_cache_spec, layers
 
 
-def _block_shape_bytes(spec: Any) -> tuple[int, int, int]:
+def block_shape_bytes(spec: Any) -> tuple[int, int, int]:
     """``(kv_heads, rows, bytes per row)`` of one layer's block of this rank."""
     from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
 
@@ -45,15 +45,15 @@ def _block_shape_bytes(spec: Any) -> tuple[int, int, int]:
     return int(heads), int(rows), int(row_bytes)
 
 
-def _layout_name(vllm_config: VllmConfig) -> str:
+def layout_name(vllm_config: VllmConfig) -> str:
     return str(vllm_config.cache_config.get_resolved_kv_cache_layout().name)
 
 
 def engine_geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> EngineGeometry:
     """The shard geometry vLLM's KV cache fixes: one tensor per layer (one vLLM block of this TP
     rank), one shard per TP rank."""
-    spec, layers = _transfer_layers(kv_cache_config)
-    heads, rows, row_bytes = _block_shape_bytes(spec)
+    spec, layers = transfer_layers(kv_cache_config)
+    heads, rows, row_bytes = block_shape_bytes(spec)
     per_layer = heads * rows * row_bytes
     tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
     return EngineGeometry(
@@ -62,7 +62,7 @@ def engine_geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
         description=(
             f"{len(layers)} layers, one tensor per layer: a {spec.block_size}-token vLLM block "
             f"of one TP rank, [{heads} kv heads, {rows} rows, {row_bytes} bytes] = {per_layer} "
-            f"bytes of {spec.dtype}, layout {_layout_name(vllm_config)}; one shard per TP rank "
+            f"bytes of {spec.dtype}, layout {layout_name(vllm_config)}; one shard per TP rank "
             f"(TP size {tp_size})"
         ),
     )
@@ -73,11 +73,11 @@ def key_space(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KeySpa
     block id the connector computes."""
     model_config = vllm_config.model_config
     cache_config = vllm_config.cache_config
-    spec, layers = _transfer_layers(kv_cache_config)
-    heads, rows, row_bytes = _block_shape_bytes(spec)
-    backend = _attention_backend(vllm_config)
+    spec, layers = transfer_layers(kv_cache_config)
+    heads, rows, row_bytes = block_shape_bytes(spec)
+    backend = attention_backend(vllm_config)
     kv_layout = (
-        f"{backend}/{_layout_name(vllm_config)}/{type(spec).__name__}/layers={len(layers)}/"
+        f"{backend}/{layout_name(vllm_config)}/{type(spec).__name__}/layers={len(layers)}/"
         f"block=[{heads},{rows},{row_bytes}B]/head_size={getattr(spec, 'head_size', '')}"
     )
     connector_extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
@@ -93,7 +93,7 @@ def key_space(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KeySpa
     )
 
 
-def _attention_backend(vllm_config: VllmConfig) -> str:
+def attention_backend(vllm_config: VllmConfig) -> str:
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backend
 
     return str(get_current_attn_backend(vllm_config).get_name())

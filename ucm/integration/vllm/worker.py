@@ -35,7 +35,7 @@ class _PendingSave:
     finished: bool = False
 
 
-def _unique_key_groups(loads: Iterable[BlockTransfer]) -> list[list[tuple[bytes, int]]]:
+def unique_key_groups(loads: Iterable[BlockTransfer]) -> list[list[tuple[bytes, int]]]:
     """The step's (UCM id, vLLM block) pairs split into tasks without a repeated id (two
     requests of one step may load the same block into two vLLM blocks)."""
     groups: list[list[tuple[bytes, int]]] = []
@@ -120,7 +120,7 @@ class WorkerSide:
             if not wanted.isdisjoint(pending.ids):  # a block this rank is still dumping
                 self._finish_save(pending)
         submitted: list[tuple[Task | None, list[tuple[bytes, int]]]] = []
-        for group in _unique_key_groups(meta.loads):
+        for group in unique_key_groups(meta.loads):
             ids = [block_id for block_id, _ in group]
             try:
                 task = self._store.load(
