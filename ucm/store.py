@@ -26,8 +26,9 @@ from .errors import (
     StoreClosedError,
 )
 from .layout import Key, Layout
-from .loadqueue import BufferPath, BufferTier, DumpQueue, LoadJob, LoadQueue, QueueSettings, _Dump
-from .native.queue import TaskKind
+from .loadqueue import BufferTier, DumpQueue, LoadPath, QueueSettings, _Dump
+from .native.queue import LOCAL_RANK_SIZE_MAX, NativeQueue, TaskKind
+from .native.queue import QueueSettings as NativeQueueSettings
 from .plugins import tier_types
 from .task import Progress, Task
 from .tier import HOST_MEMORY_OPTION, Outcome, ShardViews, Tier, TierContext
@@ -38,12 +39,12 @@ DEFAULT_WRITE_QUEUE_BYTES = 256 * 1024 * 1024
 class Store:
     """One rank's handle on a tier stack. Thread-safe; use as a context manager.
 
-    With a buffer tier, loads, prefetches and the buffer part of dumps run in the buffer's
-    native queue (:class:`~ucm.loadqueue.BufferPath`: native dispatcher and copy threads,
-    Python loader threads for the tiers below); without one, loads go through the Python
-    :class:`~ucm.loadqueue.LoadQueue`. Dumps that feed ``write: through`` tiers (or a stack
-    without a buffer) also pass through the :class:`~ucm.loadqueue.DumpQueue`. Many tasks may
-    be in flight at once.
+    Loads and prefetches run in one engine, the native queue (:class:`~ucm.loadqueue.LoadPath`:
+    native dispatcher and copy threads, Python loader threads for the tiers below): the
+    buffer's queue, or a queue over a null buffer for a stack without one. The buffer part of
+    dumps runs there too. Dumps that feed ``write: through`` tiers (or a stack without a
+    buffer) also pass through the :class:`~ucm.loadqueue.DumpQueue`. Many tasks may be in
+    flight at once.
     """
 
     def __init__(
@@ -112,33 +113,32 @@ class Store:
             for tier in self.tiers[1:]
             if isinstance(tier.config, LowerTierConfig) and tier.config.write == "through"
         ]
-        self._native: BufferPath | None = None
-        self._loads: LoadQueue | None = None
+        self._native: LoadPath | None = None
+        self._own_queue: NativeQueue | None = None
         self._dumps: DumpQueue | None = None
         self._worker = device_id >= 0
         try:
-            if self._worker and self._buffer is not None:
-                self._native = BufferPath(
+            if self._worker:
+                if self._buffer is not None:
+                    queue = self._buffer.queue
+                else:  # a null buffer: every key is loaded from the tiers (BYPASS)
+                    native_settings = _null_queue_settings(
+                        settings, device_id, local_rank_size, self.layout
+                    )
+                    queue = self._own_queue = NativeQueue(None, [], native_settings)
+                self._native = LoadPath(
+                    queue=queue,
                     buffer=self._buffer,
                     fill=self._fill_from_below,
                     count=self._count,
                     shard_size=self.layout.shard_size,
                     settings=settings,
-                    dirty_dumps=self._buffer.writes_back,
-                )
-            elif self._worker:
-                self._loads = LoadQueue(
-                    fill=self._fill_from_below,
-                    count=self._count,
-                    device_id=device_id,
-                    local_rank_size=local_rank_size,
-                    shard_size=self.layout.shard_size,
-                    settings=settings,
+                    dirty_dumps=self._buffer is not None and self._buffer.writes_back,
                 )
             # Dumps that Python follows up go through the dump thread: without a buffer, with
             # write-through tiers, or within the write-back bound.
             writes_back = self._buffer is not None and self._buffer.writes_back
-            if self._worker and (self._native is None or through or writes_back):
+            if self._worker and (self._buffer is None or through or writes_back):
                 self._dumps = DumpQueue(
                     top=top,
                     through=through,
@@ -150,6 +150,8 @@ class Store:
         except BaseException:
             if self._native is not None:
                 self._native.close()
+            if self._own_queue is not None:
+                self._own_queue.destroy()
             for tier in self.tiers:
                 tier.close()
             raise
@@ -192,14 +194,9 @@ class Store:
         missing = [key for key, hit in zip(keys, present, strict=True) if not hit]
         if not missing:
             return
-        if self._native is not None:
-            job = self._native.submit(TaskKind.PREFETCH, arguments.TaskKeys.of(missing), None)
-            task = self._native.task("prefetch", job)
-        else:
-            assert self._loads is not None
-            progress = Progress(missing)
-            task = Task("prefetch", missing, progress)
-            self._loads.submit(LoadJob(keys=missing, memory=None, progress=progress))
+        assert self._native is not None
+        job = self._native.submit(TaskKind.PREFETCH, arguments.TaskKeys.of(missing), None)
+        task = self._native.task("prefetch", job)
         with self._prefetch_lock:
             self._prefetches = [t for t in self._prefetches if not t.done()]
             self._prefetches.append(task)
@@ -282,13 +279,12 @@ class Store:
         """Store counters plus each tier's own counters under ``tiers``."""
         with self._counters_lock:
             counters: dict[str, Any] = dict(self._counters)
+        # The load engine's counters: the queue owns these names (the store never counts them).
         if self._native is not None and not self._native.queue.destroyed:
             native = self._native.queue.stats()
-            for name in _NATIVE_STORE_COUNTERS:
-                counters[name] = counters.get(name, 0) + native[name]
+            counters.update({name: native[name] for name in _NATIVE_STORE_COUNTERS})
         elif self._native_final is not None:
-            for name, value in self._native_final.items():
-                counters[name] = counters.get(name, 0) + value
+            counters.update(self._native_final)
         for name in (
             "hits",
             "misses",
@@ -317,8 +313,6 @@ class Store:
                 self._dumps.close()
             if self._native is not None:
                 self._native.close()
-            if self._loads is not None:
-                self._loads.close()
             # Top first: the buffer's write-back debt lands in the tiers below before they
             # flush. One tier's failure does not keep the others from flushing.
             for tier in self.tiers:
@@ -331,6 +325,8 @@ class Store:
             if self._native is not None and not self._native.queue.destroyed:
                 native = self._native.queue.stats()
                 self._native_final = {name: native[name] for name in _NATIVE_STORE_COUNTERS}
+            if self._own_queue is not None:  # left alone when abandoned (tasks outlived close)
+                self._own_queue.destroy()
             for tier in self.tiers:
                 tier.close()
         if errors:
@@ -373,20 +369,10 @@ class Store:
         return task_keys, memory
 
     def _submit_load(self, task_keys: arguments.TaskKeys, memory: arguments.ShardMemory) -> Task:
-        if self._native is not None and len(task_keys):  # the queue counts its load tasks
-            return self._native.task("load", self._native.submit(TaskKind.LOAD, task_keys, memory))
-        self._count("load_tasks")
-        if not len(task_keys):
+        if not len(task_keys):  # nothing to load: done at once, and not a task of the queue
             return Task("load", [], Progress([]))
-        assert self._loads is not None
-
-        def complete(_progress: Progress) -> None:
-            arguments.finish_cuda_loads(memory)
-
-        keys = task_keys.keys
-        progress = Progress(keys, on_complete=complete if memory.cuda_pairs else None)
-        self._loads.submit(LoadJob(keys=keys, memory=memory, progress=progress))
-        return Task("load", keys, progress)
+        assert self._native is not None  # the queue counts its load tasks
+        return self._native.task("load", self._native.submit(TaskKind.LOAD, task_keys, memory))
 
     def _submit_dump(self, task_keys: arguments.TaskKeys, memory: arguments.ShardMemory) -> Task:
         self._count("dump_tasks")
@@ -417,7 +403,7 @@ class Store:
         self, keys: list[Key], views: list[ShardViews]
     ) -> tuple[dict[Key, BaseException], list[int]]:
         """Loads keys through the cascade below the buffer (or from the top when there is no
-        buffer), then promotes and repairs. Used by the LoadQueue's loader threads."""
+        buffer), then promotes and repairs. Used by the load path's loader threads."""
         failures, served_by, broken = self._cascade_load(keys, views, self._start)
         self._write_up(keys, views, served_by, broken)
         return failures, served_by
@@ -547,6 +533,25 @@ _NATIVE_STORE_COUNTERS = (
     "get_keys",
 )
 """Counters of the native queue that are the store's own (its loads, dumps, prefetches)."""
+
+
+def _null_queue_settings(
+    settings: QueueSettings, device_id: int, local_rank_size: int, layout: Layout
+) -> NativeQueueSettings:
+    return NativeQueueSettings(
+        device_id=device_id,
+        local_rank_size=min(local_rank_size, LOCAL_RANK_SIZE_MAX),
+        shards_per_block=layout.shards_per_block,
+        tensor_sizes=layout.tensor_sizes,
+        step_keys=settings.step_keys,
+        copy_threads=settings.copy_threads,
+        fill_parts=settings.load_workers,
+        load_queue_depth=settings.load_queue_depth,
+        dump_queue_depth=settings.dump_queue_depth,
+        wait_timeout_s=settings.wait_timeout_s,
+        prealloc=settings.prealloc,
+        rearrange=settings.rearrange,
+    )
 
 
 def _check_rank(device_id: Any, local_rank_size: Any) -> None:

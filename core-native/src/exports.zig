@@ -452,21 +452,28 @@ fn queue_of(handle: usize) union(enum) { queue: *queue_module.Queue, status: i32
 /// Creates the queue of this process over the control region at `ctrl` (holder `holder`, which
 /// must be registered to the caller) and the data segments at `segment_bases`. `region` is the
 /// ucm_seg handle whose populater faults slot pages in before they are written (0: none).
+/// `ctrl` 0: a null buffer, for a stack without one (no holder, segments or region; every key
+/// is BYPASS work, and the queue takes no dumps).
 export fn ucm_queue_create(
     ctrl: usize,
     holder: u32,
     region: usize,
-    segment_bases: [*]const u64,
+    segment_bases: ?[*]const u64,
     segment_count: u32,
     settings: *const queue_module.Settings,
     tensor_sizes: [*]const u64,
     out_handle: *usize,
 ) i32 {
-    const view = switch (buffer_open_holder(ctrl, holder)) {
-        .view => |v| v,
-        .status => |code| return code,
-    };
-    if (segment_count != view.header.segment_count) return queue_status(.invalid_argument);
+    var view: ?buffer.Buffer = null;
+    if (ctrl != 0) {
+        view = switch (buffer_open_holder(ctrl, holder)) {
+            .view => |v| v,
+            .status => |code| return code,
+        };
+        if (segment_count != view.?.header.segment_count) return queue_status(.invalid_argument);
+    } else if (segment_count != 0 or region != 0) {
+        return queue_status(.invalid_argument);
+    }
     if (!queue_module.Queue.validate_settings(settings.*, view)) return queue_status(.invalid_argument);
     var total: u64 = 0;
     for (tensor_sizes[0..settings.tensor_count]) |size| {
@@ -474,7 +481,8 @@ export fn ucm_queue_create(
         total +|= size;
     }
     if (total != settings.shard_size_bytes) return queue_status(.invalid_argument);
-    for (segment_bases[0..segment_count]) |base| {
+    const bases_raw: []const u64 = if (segment_count == 0) &.{} else (segment_bases orelse return queue_status(.invalid_argument))[0..segment_count];
+    for (bases_raw) |base| {
         if (base == 0) return queue_status(.invalid_argument);
     }
     var populater: ?*const populate_module.Populater = null;
@@ -483,7 +491,7 @@ export fn ucm_queue_create(
         if (seg.mapping.base == 0) return queue_status(.invalid_argument);
         populater = &seg.populater;
     }
-    const bases: []const usize = @ptrCast(segment_bases[0..segment_count]);
+    const bases: []const usize = @ptrCast(bases_raw);
     const queue = queue_module.Queue.create(std.heap.page_allocator, view, settings.*, tensor_sizes[0..settings.tensor_count], bases, populater) catch |err| {
         return queue_status(switch (err) {
             error.OutOfMemory, error.SystemResources => .out_of_memory,
@@ -694,6 +702,31 @@ export fn ucm_queue_stats(handle: usize, out: [*]u64, capacity: u32, out_held: *
     }
     out_held.* = queue.held_slot_count();
     return queue_module.counter_count;
+}
+/// RearrangeIndex (queue.zig `walk_order`): writes the order in which a rank's dispatcher
+/// walks a task of `n` entries (a permutation of 0..n) into `out` (n entries). `rearrange` 0:
+/// natural order, the benchmarks' baseline. Returns n, or invalid_argument.
+export fn ucm_queue_walk_order(n: u32, device_id: u32, local_rank_size: u32, rearrange: u32, out: ?[*]u32) i32 {
+    if (local_rank_size == 0 or local_rank_size > constants.queue_local_rank_size_max) return queue_status(.invalid_argument);
+    if (rearrange > 1 or n > constants.queue_task_keys_max) return queue_status(.invalid_argument);
+    if (n == 0) return 0;
+    const positions = out orelse return queue_status(.invalid_argument);
+    const walk = queue_module.walk_order(n, device_id, local_rank_size, rearrange == 1);
+    const written = queue_module.walk_positions(walk, positions[0..n]);
+    std.debug.assert(written == n);
+    return @intCast(written);
+}
+
+/// A stack without a buffer: counts the dumps Python wrote into its top tier in the queue's
+/// counters (`dumped_shards`, `failed_shards`), the stack's one set. Refused on a buffer's queue.
+export fn ucm_queue_count_dumps(handle: usize, dumped: u64, failed: u64) i32 {
+    const queue = switch (queue_of(handle)) {
+        .queue => |q| q,
+        .status => |code| return code,
+    };
+    if (queue.buffer != null) return queue_status(.invalid_argument);
+    queue.count_dumps(dumped, failed);
+    return 0;
 }
 // ---- end native load queue ----
 

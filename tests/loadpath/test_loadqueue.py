@@ -313,7 +313,7 @@ def test_cuda_destinations_copy_from_registered_buffer_memory(
                 d[0].cpu().numpy().tobytes() == payload(b, 2, SHARD)
                 for b, d in zip(blocks, dst, strict=True)
             )
-        assert store._loads is not None and store._loads._cuda is not None
+        assert store._native is not None and store._native._cuda is not None
         assert store.stats().get("cuda_register_failures", 0) == 0
 
 

@@ -1,6 +1,8 @@
 """Typed binding to the native per-rank load queue (``core-native/src/queue.zig``).
 
-One :class:`NativeQueue` per worker process and buffer. A task goes in with one call
+One :class:`NativeQueue` per worker process and stack: over the stack's buffer, or over a *null
+buffer* for a stack without one (every key is BYPASS work: a loader loads it from the tiers
+into its destination; no dumps). A task goes in with one call
 (:meth:`NativeQueue.submit`); native threads then do the per-shard work: batched Get in
 RearrangeIndex order, copies of hits on ``copy_threads`` threads (the C library's memcpy, GIL
 released), futex waits on slots other ranks fill, releases, Prealloc in the idle window, and the
@@ -57,6 +59,7 @@ COPY_THREADS_MAX = 16
 STEP_KEYS_MAX = 1 << 15
 FILL_PARTS_MAX = 256
 TASKS_MAX = 1024
+TASK_KEYS_MAX = 1 << 24
 TENSORS_MAX = 1 << 12
 LOCAL_RANK_SIZE_MAX = 64
 WORK_BATCH_MAX = 256
@@ -106,6 +109,8 @@ class WorkState(enum.IntEnum):
     READY = 1
     FAILED = 2
     MISSING = 3
+    HIT = 4
+    """Null buffer, BYPASS only: loaded, served by the top tier (a hit; READY is a miss)."""
 
 
 _OK, _INVALID, _FULL, _CLOSED, _WRONG_PROCESS, _NO_MEMORY = 0, -1, -2, -3, -4, -5
@@ -163,6 +168,8 @@ def _declare(handle: ctypes.CDLL) -> None:
             [usize, ctypes.POINTER(u32), u32, ptr, ptr, ptr],
         ),
         "ucm_queue_release": (i32, [usize, u32, ptr]),
+        "ucm_queue_walk_order": (i32, [u32, u32, u32, u32, ptr]),
+        "ucm_queue_count_dumps": (i32, [usize, u64, u64]),
     }
     del u8
     for name, (restype, argtypes) in signatures.items():
@@ -223,23 +230,26 @@ class WorkBatch:
 
 
 class NativeQueue:
-    """The native load queue of this process over one buffer (see the module docstring)."""
+    """The native load queue of this process over one buffer, or over none (``core`` None: a
+    stack without a buffer; see the module docstring)."""
 
     def __init__(
         self,
-        core: BufferCore,
+        core: BufferCore | None,
         segment_bases: Sequence[int],
         settings: QueueSettings,
         region_handle: int = 0,
         keepalive: object = None,
     ) -> None:
         _check_settings(settings)
-        if len(segment_bases) != core.geometry.segment_count or not all(segment_bases):
+        self.buffered = core is not None
+        segment_count = core.geometry.segment_count if core is not None else 0
+        if len(segment_bases) != segment_count or not all(segment_bases):
             raise InvalidArgumentError(
                 f"segment_bases has {len(segment_bases)} entries: expected the "
-                f"{core.geometry.segment_count} non-zero segment addresses of a worker's mapping"
+                f"{segment_count} non-zero segment addresses of a worker's mapping"
             )
-        if sum(settings.tensor_sizes) != core.geometry.shard_size_bytes:
+        if core is not None and sum(settings.tensor_sizes) != core.geometry.shard_size_bytes:
             raise InvalidArgumentError(
                 f"tensor_sizes={list(settings.tensor_sizes)} sum to "
                 f"{sum(settings.tensor_sizes)} bytes, not shard_size_bytes="
@@ -255,7 +265,7 @@ class NativeQueue:
             _SETTINGS_FLAG_REARRANGE if settings.rearrange else 0
         )
         raw = _Settings(
-            core.geometry.shard_size_bytes,
+            sum(settings.tensor_sizes),
             int(settings.wait_timeout_s * 1e9),
             settings.device_id,
             settings.local_rank_size,
@@ -272,10 +282,10 @@ class NativeQueue:
         sizes = array("Q", settings.tensor_sizes)
         handle = ctypes.c_size_t(0)
         status = self._native.ucm_queue_create(
-            core.ctrl_address,
-            core.holder,
+            core.ctrl_address if core is not None else 0,
+            core.holder if core is not None else 0,
             region_handle,
-            bases.buffer_info()[0],
+            bases.buffer_info()[0] if len(bases) else None,
             len(bases),
             ctypes.byref(raw),
             sizes.buffer_info()[0],
@@ -426,6 +436,13 @@ class NativeQueue:
             self._raise(applied, "work_done")
         return applied
 
+    def count_dumps(self, dumped: int, failed: int) -> None:
+        """A stack without a buffer: counts the dumps written into its top tier (Python does
+        that) in the queue's counters, the stack's one set."""
+        status = self._native.ucm_queue_count_dumps(self._handle, dumped, failed)
+        if status < 0:
+            self._raise(status, "count_dumps")
+
     # -- write-back flushers ------------------------------------------------------------------
 
     def take_dirty(self, capacity: int) -> DirtyBatch:
@@ -527,6 +544,37 @@ class NativeQueue:
         raise InvalidArgumentError(f"{operation}: the native load queue refused the call")
 
 
+def walk_order(n: int, device_id: int, local_rank_size: int, rearrange: bool = True) -> list[int]:
+    """The order in which a rank's dispatcher walks a task of ``n`` entries: RearrangeIndex
+    (seed 3.1; ``device_id % local_rank_size``'s stride first, then the others in rotation),
+    or natural order with ``rearrange=False`` (the benchmarks' baseline). Asked of the native
+    queue, which holds the one implementation (``walk_order`` in queue.zig)."""
+    for name, value, low, high in (
+        ("n", n, 0, TASK_KEYS_MAX),
+        ("local_rank_size", local_rank_size, 1, LOCAL_RANK_SIZE_MAX),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise InvalidArgumentError(
+                f"{name}={value!r} is not valid: expected an integer in [{low}, {high}]"
+            )
+    if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
+        raise InvalidArgumentError(
+            f"device_id={device_id!r} is not valid: expected an integer >= 0"
+        )
+    out = array("I", bytes(4 * n))
+    # The stride start depends on device_id % local_rank_size only: reduce it to fit a u32.
+    count = lib().ucm_queue_walk_order(
+        n,
+        device_id % local_rank_size,
+        local_rank_size,
+        int(rearrange),
+        out.buffer_info()[0] if n else None,
+    )
+    if count != n:
+        raise InvalidArgumentError(f"the native queue refused walk_order({n}, ...) ({count})")
+    return out.tolist()
+
+
 def _check_settings(settings: QueueSettings) -> None:
     bounds: tuple[tuple[str, int, int, int], ...] = (
         ("device_id", settings.device_id, 0, 2**31 - 1),
@@ -569,4 +617,5 @@ __all__ = [
     "WorkBatch",
     "WorkKind",
     "WorkState",
+    "walk_order",
 ]
