@@ -298,8 +298,8 @@ def stats(
 ) -> None:
     """Attach to a live CacheBuffer as the scheduler role and show its counters."""
     from . import metrics
-    from .config import load_stack
     from .native.segments import ctrl_path
+    from .stack import load_stack
     from .store import Store
 
     try:

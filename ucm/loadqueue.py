@@ -536,12 +536,12 @@ class DumpQueue:
         self._count = count
         self._settings = settings
         self.writer = WriteQueue(settings.write_queue_bytes, count)
-        self._pending: queue.Queue[_Dump | None] = queue.Queue(settings.dump_queue_depth)
+        self._pending: queue.Queue[DumpItem | None] = queue.Queue(settings.dump_queue_depth)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="ucm-dump", daemon=True)
         self._thread.start()
 
-    def submit(self, dump: _Dump) -> None:
+    def submit(self, dump: DumpItem) -> None:
         if self._closed:
             raise StoreClosedError("the store is closed; open a new one with ucm.open()")
         _put(self._pending, dump, self._settings.queue_timeout_s, "dump")
@@ -549,7 +549,9 @@ class DumpQueue:
     def drain(self) -> None:
         """Waits for every queued dump, then for the write-through backlog."""
         marker = Progress([(b"\0" * 16, 0)])  # finished by the dump thread when it gets here
-        self._pending.put(_Dump(arguments.TaskKeys.of([]), arguments.ShardMemory(views=[]), marker))
+        self._pending.put(
+            DumpItem(arguments.TaskKeys.of([]), arguments.ShardMemory(views=[]), marker)
+        )
         marker.future.result(timeout=self._settings.queue_timeout_s)
         self.writer.drain()
 
@@ -574,7 +576,7 @@ class DumpQueue:
             except BaseException as exc:
                 item.progress.finish(item.progress.unfinished(), _as_error(exc))
 
-    def _dump(self, item: _Dump) -> None:
+    def _dump(self, item: DumpItem) -> None:
         keys, memory, progress = item.task_keys.keys, item.memory, item.progress
         if self._buffer is not None:  # the buffer part, natively, straight from the addresses
             native, buffer = self._native, self._buffer
@@ -605,7 +607,7 @@ class DumpQueue:
 
 
 @dataclass(eq=False)
-class _Dump:
+class DumpItem:
     task_keys: arguments.TaskKeys
     memory: arguments.ShardMemory
     progress: Progress

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from . import arguments
-from .config import LowerTierConfig, StackConfig, load_stack
+from .config import LowerTierConfig
 from .errors import (
     ConfigError,
     InvalidArgumentError,
@@ -26,10 +26,11 @@ from .errors import (
     StoreClosedError,
 )
 from .layout import Key, Layout
-from .loadqueue import BufferTier, DumpQueue, LoadPath, QueueSettings, _Dump
+from .loadqueue import BufferTier, DumpItem, DumpQueue, LoadPath, QueueSettings
 from .native.queue import LOCAL_RANK_SIZE_MAX, NativeQueue, TaskKind
 from .native.queue import QueueSettings as NativeQueueSettings
 from .plugins import tier_types
+from .stack import StackConfig, load_stack
 from .task import Progress, Task
 from .tier import HOST_MEMORY_OPTION, Outcome, ShardViews, Tier, TierContext
 
@@ -382,7 +383,7 @@ class Store:
             assert self._native is not None
             return self._native.task("dump", self._native.submit(TaskKind.DUMP, task_keys, memory))
         progress = Progress(task_keys.keys)
-        self._dumps.submit(_Dump(task_keys, memory, progress))
+        self._dumps.submit(DumpItem(task_keys, memory, progress))
         return Task("dump", task_keys, progress)
 
     def _lookup_keys(self, keys: list[Key], stop_early: bool = True) -> list[bool]:

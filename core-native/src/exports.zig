@@ -424,6 +424,12 @@ export fn ucm_buffer_debug_drop_lock(ctrl: usize, bucket_index: u32) i32 {
 export fn ucm_buffer_debug_set_wait_pause_ns(pause_ns: u64) void {
     buffer.debug_wait_pause_ns = pause_ns;
 }
+/// Slot counts by where the slots are (buffer.zig `Occupancy`), for the metrics gauges.
+export fn ucm_buffer_occupancy(ctrl: usize, out: *buffer.Occupancy) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    out.* = view.occupancy();
+    return 0;
+}
 // ---- end CacheBuffer ----
 
 // ---- The native load queue ----

@@ -14,9 +14,9 @@ from fsspec.implementations.memory import MemoryFileSystem
 from fsspec.registry import register_implementation
 from ucm_backends.fsspec_tier import HEADER_BYTES, FsspecConfig, FsspecTier
 
-from ucm.config import parse_stack
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key, Layout
+from ucm.stack import parse_stack
 from ucm.testing import make_context
 from ucm.testing.conformance import assert_loads_exact, block_ids, dump_keys, load_keys
 from ucm.tier import Outcome, ShardViews

@@ -29,9 +29,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import StackConfig, parse_stack, read_stack_source
 from ..errors import ConfigError
 from ..layout import BLOCK_ID_BYTES
+from ..stack import StackConfig, parse_stack, read_stack_source
 
 KEYS_VERSION = 1
 """Bumped whenever the derivation below changes: old ids then simply stop matching (misses)."""

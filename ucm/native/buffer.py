@@ -37,6 +37,18 @@ from . import lib
 SLOT_NONE = 0xFFFF_FFFF
 """Slot index reported for a key that got no slot (NO_SLOT / LOCK_TIMEOUT)."""
 
+OCCUPANCY_NAMES = (
+    "resident",
+    "filling",
+    "preallocated",
+    "in_use",
+    "waiters",
+    "free",
+    "detached",
+    "resident_reserved",
+)
+"""Field order of ``ucm_buffer_occupancy`` (``Occupancy`` in buffer.zig)."""
+
 COUNTER_NAMES = (
     "hits",
     "misses",
@@ -270,6 +282,7 @@ def _native() -> ctypes.CDLL:
         "ucm_buffer_remove": (i64, [usize, u32, ids, u32p, ctypes.c_bool]),
         "ucm_buffer_remove_blocks": (i64, [usize, u32, ids, ctypes.c_bool]),
         "ucm_buffer_stats": (i32, [usize, u64p, u32]),
+        "ucm_buffer_occupancy": (i32, [usize, u64p]),
         "ucm_buffer_slot_locations": (i32, [usize, u32, u32p, u32p, u64p]),
         "ucm_buffer_slot_addresses": (i32, [usize, u32, u32p, u64p, u32, u64p]),
         "ucm_buffer_debug_slot": (i32, [usize, u32, ctypes.POINTER(_SlotStruct)]),
@@ -1003,6 +1016,13 @@ class BufferCore:
         self._check(min(count, 0), "stats")
         assert count == len(COUNTER_NAMES), count
         return dict(zip(COUNTER_NAMES, out, strict=True))
+
+    def occupancy(self) -> dict[str, int]:
+        """Slot counts by where the slots are (``OCCUPANCY_NAMES``), counted natively from the
+        shared slot table without locks (``Buffer.occupancy`` in buffer.zig): a gauge."""
+        out = array("Q", bytes(8 * len(OCCUPANCY_NAMES)))
+        self._check(self._native.ucm_buffer_occupancy(self._ctrl, _address(out)), "occupancy")
+        return dict(zip(OCCUPANCY_NAMES, out, strict=True))
 
     def slot_locations(self, slots: Sequence[int] | array[int]) -> list[tuple[int, int]]:
         """``(segment, offset_bytes)`` of each slot's bytes."""
