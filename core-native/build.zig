@@ -1,6 +1,6 @@
 //! Builds libucm_core.so (the C ABI used by the Python package), runs the unit tests and the
-//! seeded model-based fuzzers with `zig build test`, and the long-run CacheBuffer fuzzer with
-//! `zig build fuzz -- --seed N --steps M`.
+//! seeded model-based fuzzers with `zig build test`, and the long run of a fuzzer picked by
+//! name with `zig build fuzz -- buffer|queue --seed N --steps M`.
 const std = @import("std");
 
 pub fn build(b: *std.Build) void {
@@ -41,7 +41,7 @@ pub fn build(b: *std.Build) void {
         test_step.dependOn(&run_tests.step);
     }
 
-    // The long form of the CacheBuffer fuzzer. ReleaseSafe unless asked otherwise: every
+    // The long form of the fuzzers (fuzz_main.zig picks one by name). ReleaseSafe unless asked otherwise: every
     // assertion stays armed, and a long run goes several times faster than in Debug.
     const fuzz_optimize = b.option(
         std.builtin.OptimizeMode,
@@ -52,10 +52,11 @@ pub fn build(b: *std.Build) void {
         .root_source_file = b.path("src/fuzz_main.zig"),
         .target = target,
         .optimize = fuzz_optimize,
+        .link_libc = true, // the queue fuzzer runs the queue's pthreads and memcpy
     });
-    const fuzz_exe = b.addExecutable(.{ .name = "buffer-fuzz", .root_module = fuzz_module });
+    const fuzz_exe = b.addExecutable(.{ .name = "ucm-fuzz", .root_module = fuzz_module });
     const run_fuzz = b.addRunArtifact(fuzz_exe);
     if (b.args) |args| run_fuzz.addArgs(args);
-    const fuzz_step = b.step("fuzz", "Run the CacheBuffer fuzzer: zig build fuzz -- --seed N --steps M");
+    const fuzz_step = b.step("fuzz", "Run a fuzzer: zig build fuzz -- buffer|queue --seed N --steps M");
     fuzz_step.dependOn(&run_fuzz.step);
 }
