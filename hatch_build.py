@@ -1,4 +1,5 @@
-"""Hatchling build hook: compiles the Zig core into ``ucm/native/libucm_core.so``.
+"""Hatchling build hook: compiles the Zig core into ``ucm/native/libucm_core.so`` and writes
+``ucm/native/_abi.py``, the Python mirror of its C ABI, from the Zig sources (``zig build abi``).
 
 The Zig toolchain comes from the pinned ``ziglang`` build requirement, so a user never installs
 Zig by hand. The library is written into the source tree (where an editable install finds it) and
@@ -18,6 +19,17 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 LIBRARY_NAME = "libucm_core.so"
+ABI_MODULE = "_abi.py"
+
+
+def generate_abi(source: Path, target: Path, env: dict[str, str] | None = None) -> None:
+    """Writes the generated ABI mirror (``core-native/src/abi_gen.zig``) to ``target``; the
+    file is replaced atomically. By hand: ``python hatch_build.py`` (or ``cd core-native &&
+    python -m ziglang build abi -- ../ucm/native/_abi.py``)."""
+    staged = target.with_suffix(".py.tmp")
+    command = [sys.executable, "-m", "ziglang", "build", "abi", "--", str(staged.resolve())]
+    subprocess.run(command, cwd=source, env=env, check=True)
+    os.replace(staged, target)
 
 
 class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
@@ -46,6 +58,10 @@ class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
                     f"building core-native/ with Zig failed ({exc}); the build needs the "
                     "'ziglang==0.15.1' package, which pip installs as a build requirement"
                 ) from exc
+            try:
+                generate_abi(source, target.with_name(ABI_MODULE), env)
+            except (OSError, subprocess.CalledProcessError) as exc:
+                raise RuntimeError(f"generating ucm/native/{ABI_MODULE} failed ({exc})") from exc
             built = Path(prefix) / "lib" / LIBRARY_NAME
             # Replace, never overwrite in place: a process that has the old library mapped
             # (a test run, a live rank) would crash if its pages changed under it.
@@ -58,3 +74,8 @@ class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
             # An editable install finds the library in the source tree; force-including it there
             # would create a `ucm` directory in site-packages that shadows the source package.
             build_data["force_include"][str(target)] = f"ucm/native/{LIBRARY_NAME}"
+
+
+if __name__ == "__main__":  # regenerate ucm/native/_abi.py by hand
+    here = Path(__file__).resolve().parent
+    generate_abi(here / "core-native", here / "ucm" / "native" / ABI_MODULE)

@@ -59,4 +59,17 @@ pub fn build(b: *std.Build) void {
     if (b.args) |args| run_fuzz.addArgs(args);
     const fuzz_step = b.step("fuzz", "Run a fuzzer: zig build fuzz -- buffer|queue --seed N --steps M");
     fuzz_step.dependOn(&run_fuzz.step);
+
+    // `zig build abi -- PATH`: writes the Python mirror of the C ABI (ucm/native/_abi.py).
+    const abi_module = b.createModule(.{
+        .root_source_file = b.path("src/abi_gen.zig"),
+        .target = target,
+        .optimize = .Debug,
+        .link_libc = true,
+    });
+    const abi_exe = b.addExecutable(.{ .name = "ucm-abi-gen", .root_module = abi_module });
+    const run_abi = b.addRunArtifact(abi_exe);
+    if (b.args) |args| run_abi.addArgs(args);
+    const abi_step = b.step("abi", "Write the Python mirror of the C ABI: zig build abi -- PATH");
+    abi_step.dependOn(&run_abi.step);
 }

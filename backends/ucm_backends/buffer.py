@@ -48,6 +48,7 @@ from ucm.errors import (
     TierError,
 )
 from ucm.layout import Key
+from ucm.native import _abi
 from ucm.native import buffer as native_buffer
 from ucm.native.buffer import BufferCore, Geometry
 from ucm.native.queue import (
@@ -63,7 +64,7 @@ from ucm.tier import EvictSink, Outcome, ShardViews, Tier, TierContext
 
 SEGMENT_TARGET_BYTES = 1 << 30
 """Data segments of at most ~1 GiB: small enough to create quickly, large enough to be few."""
-SEGMENTS_MAX = 256
+SEGMENTS_MAX = _abi.SEG_SEGMENTS_MAX
 """Data segments per buffer the native segment layer accepts (constants.seg_segments_max)."""
 
 BUFFER_CTRL_LAYOUT_VERSION: int = getattr(native_buffer, "CTRL_LAYOUT_VERSION", 1)
@@ -550,7 +551,7 @@ class BufferTier(Tier):
 _QUEUE_TIER_COUNTERS = ("hits", "misses", "owned", "waited", "bypassed", "held_slots")
 """Queue counters reported as the tier's own (its loads' hits and misses, how they resolved)."""
 
-_LOCAL_RANK_SIZE_MAX = 64
+_LOCAL_RANK_SIZE_MAX = _abi.QUEUE_LOCAL_RANK_SIZE_MAX
 """The native queue's bound on ``local_rank_size`` (one holder per process)."""
 
 

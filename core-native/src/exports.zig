@@ -590,7 +590,7 @@ export fn ucm_queue_next_work(
         .status => |code| return code,
     };
     if (capacity == 0 or capacity > constants.queue_step_keys_max) return queue_status(.invalid_argument);
-    var items: [256]queue_module.WorkItem = undefined;
+    var items: [constants.queue_work_batch_max]queue_module.WorkItem = undefined;
     const taken = queue.next_work(timeout_ns, items[0..@min(capacity, items.len)]) orelse
         return queue_status(.closed);
     for (items[0..taken], 0..) |item, i| {

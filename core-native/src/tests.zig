@@ -9,6 +9,7 @@ comptime {
     _ = @import("queue.zig"); // native load queue
     _ = @import("queue_test.zig"); // its tests
     _ = @import("queue_fuzz.zig"); // its model-based fuzzer
+    _ = @import("abi_gen.zig"); // `zig build abi`: the generated Python mirror of the ABI
     _ = @import("fuzz_main.zig"); // `zig build fuzz`: its argument parsing
     _ = @import("seg_sys.zig");
     _ = @import("shm.zig");

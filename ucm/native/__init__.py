@@ -11,9 +11,10 @@ from functools import cache
 from pathlib import Path
 
 from ..errors import NativeLibraryError
+from . import _abi
 
 LIBRARY_NAME = "libucm_core.so"
-ABI_VERSION = 6
+ABI_VERSION = _abi.ABI_VERSION
 _REBUILD_HINT = (
     "reinstall the package to rebuild it (`pip install -e .` or `pip install .` from the "
     "repository; the pinned ziglang build requirement compiles core-native/)"

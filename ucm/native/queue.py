@@ -19,122 +19,55 @@ written by native threads until the task completes: the caller keeps them alive 
 from __future__ import annotations
 
 import ctypes
-import enum
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError, StoreClosedError, UcmError
 from ..layout import BLOCK_ID_BYTES
-from . import lib
+from . import _abi, lib
 from .buffer import BufferCore, DirtyBatch
 
-COUNTER_NAMES = (
-    "hits",
-    "misses",
-    "loaded_shards",
-    "dumped_shards",
-    "failed_shards",
-    "prefetched_shards",
-    "owned",
-    "waited",
-    "bypassed",
-    "takeovers",
-    "prewarmed",
-    "get_ns",
-    "get_keys",
-    "copy_bytes",
-    "copy_ns",
-    "load_tasks",
-    "dump_tasks",
-    "work_items",
-    "no_memory",
-    "release_failures",
-    "wait_timeouts",
-    "wait_ns_max",
-)
+COUNTER_NAMES = _abi.QUEUE_COUNTER_NAMES
 """Counter order of ``ucm_queue_stats`` (``queue.counter_names`` in queue.zig)."""
 
-COPY_THREADS_MAX = 16
-STEP_KEYS_MAX = 1 << 15
-FILL_PARTS_MAX = 256
-TASKS_MAX = 1024
-TASK_KEYS_MAX = 1 << 24
-TENSORS_MAX = 1 << 12
-LOCAL_RANK_SIZE_MAX = 64
-WORK_BATCH_MAX = 256
-"""Most items one ``next_work`` call returns (the native side's per-call buffer)."""
+# Limits, enums and flags: generated from the Zig sources (``_abi.py``), never copied by hand.
+COPY_THREADS_MAX = _abi.QUEUE_COPY_THREADS_MAX
+STEP_KEYS_MAX = _abi.QUEUE_STEP_KEYS_MAX
+FILL_PARTS_MAX = _abi.QUEUE_FILL_PARTS_MAX
+TASKS_MAX = _abi.QUEUE_TASKS_MAX
+TASK_KEYS_MAX = _abi.QUEUE_TASK_KEYS_MAX
+TENSORS_MAX = _abi.QUEUE_TENSORS_MAX
+LOCAL_RANK_SIZE_MAX = _abi.QUEUE_LOCAL_RANK_SIZE_MAX
+WORK_BATCH_MAX = _abi.QUEUE_WORK_BATCH_MAX
+"""Most items one ``next_work`` call returns (the export's per-call buffer)."""
 
+TaskKind = _abi.TaskKind
+EntryResult = _abi.EntryResult
+"""Final per-entry code (``CALLER_FAILED``: a loader reported a failure; the caller recorded
+why)."""
+WorkKind = _abi.WorkKind
+"""``FILL``: fill the slot owned here from the tiers below; ``BYPASS``: load the entry from the
+tiers straight into its destination (no slot); ``COPY_OUT``: copy the Ready slot into the
+entry's destination (a caller copy)."""
+WorkState = _abi.WorkState
+"""A loader's report; ``HIT`` (null buffer, BYPASS only): served by the top tier."""
 
-class TaskKind(enum.IntEnum):
-    LOAD = 0
-    PREFETCH = 1
-    DUMP = 2
-
-
-TASK_FLAG_DIRTY = 1 << 0
+TASK_FLAG_DIRTY = _abi.TASK_FLAG_DIRTY
 """Dump: commit the slots dirty (write-back debt)."""
-TASK_FLAG_NO_FILL = 1 << 1
+TASK_FLAG_NO_FILL = _abi.TASK_FLAG_NO_FILL
 """Load: nothing below the buffer; a key not Ready here is a miss."""
-ENTRY_FLAG_CALLER_COPY = 1 << 0
+ENTRY_FLAG_CALLER_COPY = _abi.ENTRY_FLAG_CALLER_COPY
 """The entry's destination is copied by the caller (a CUDA tensor): ``COPY_OUT`` work."""
-_SETTINGS_FLAG_PREALLOC = 1 << 0
-_SETTINGS_FLAG_REARRANGE = 1 << 1
+_SETTINGS_FLAG_PREALLOC = _abi.SETTINGS_FLAG_PREALLOC
+_SETTINGS_FLAG_REARRANGE = _abi.SETTINGS_FLAG_REARRANGE
 
-
-class EntryResult(enum.IntEnum):
-    OK = 0
-    CALLER_FAILED = 1
-    """A loader reported a failure (the caller recorded why)."""
-    OWNER_FAILED = 2
-    OWNER_MISSING = 3
-    NO_SLOT = 4
-    LOCK_TIMEOUT = 5
-    NO_MEMORY = 6
-    MISSING = 7
-    BACKLOG = 8
-    PENDING = 255
-
-
-class WorkKind(enum.IntEnum):
-    FILL = 0
-    """Fill the slot (owned by this process) from the tiers below."""
-    BYPASS = 1
-    """Load the entry from the tiers below straight into its destination (no slot)."""
-    COPY_OUT = 2
-    """Copy the Ready slot into the entry's destination (a caller copy)."""
-
-
-class WorkState(enum.IntEnum):
-    READY = 1
-    FAILED = 2
-    MISSING = 3
-    HIT = 4
-    """Null buffer, BYPASS only: loaded, served by the top tier (a hit; READY is a miss)."""
-
-
-_OK, _INVALID, _FULL, _CLOSED, _WRONG_PROCESS, _NO_MEMORY = 0, -1, -2, -3, -4, -5
+_Status = _abi.QueueStatus
+_OK, _INVALID, _FULL = _Status.OK, _Status.INVALID_ARGUMENT, _Status.FULL
+_CLOSED, _WRONG_PROCESS, _NO_MEMORY = _Status.CLOSED, _Status.WRONG_PROCESS, _Status.OUT_OF_MEMORY
 _WAIT_FOREVER_NS = 2**63
 
-
-class _Settings(ctypes.Structure):
-    _fields_ = (
-        ("shard_size_bytes", ctypes.c_uint64),
-        ("wait_timeout_ns", ctypes.c_uint64),
-        ("device_id", ctypes.c_uint32),
-        ("local_rank_size", ctypes.c_uint32),
-        ("shards_per_block", ctypes.c_uint32),
-        ("tensor_count", ctypes.c_uint32),
-        ("step_keys", ctypes.c_uint32),
-        ("copy_threads", ctypes.c_uint32),
-        ("fill_parts", ctypes.c_uint32),
-        ("load_queue_depth", ctypes.c_uint32),
-        ("dump_queue_depth", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-    )
-
-
-assert ctypes.sizeof(_Settings) == 56
+_Settings = _abi.Settings
 
 
 def _declare(handle: ctypes.CDLL) -> None:
