@@ -1,21 +1,18 @@
-"""Tier configuration: the base models every tier's pydantic model derives from, and ``Size``.
+"""Tier configuration: the base models every tier's pydantic model derives from, ``Size``, and
+``LoadSettings``, the one model of the load path's settings.
 
-A leaf module (of ``ucm`` it imports ``sizes`` only): the tier interface,
-the plugins and third-party tiers import it. The stack itself (``StackConfig``, YAML loading,
-the JSON Schema) is ``ucm.stack``, above the plugins, whose tier types it dispatches on.
+A leaf module (of ``ucm`` it imports ``sizes`` and the generated ABI's limits only): the tier
+interface, the plugins and third-party tiers import it. The stack itself (``StackConfig``, YAML
+loading, the JSON Schema) is ``ucm.stack``, above the plugins, whose tier types it dispatches on.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-)
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PositiveFloat
 
+from .native import _abi
 from .sizes import parse_size
 
 Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
@@ -53,3 +50,73 @@ class LowerTierConfig(TierConfig):
         default=False,
         description="Also store keys that were loaded from a tier below this one.",
     )
+
+
+class LoadSettings(BaseModel):
+    """The load path's settings: queue depths, concurrency, step size, timeouts. One model,
+    valid with or without a buffer: the ``buffer`` tier's config is one (its keys of these
+    names), and a stack without a buffer takes one in its ``load:`` section. The bounds are
+    the native queue's limits (``constants.zig``, through the generated ``ucm.native._abi``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    load_queue_depth: int = Field(
+        default=64,
+        ge=1,
+        le=_abi.QUEUE_TASKS_MAX // 2,
+        description="Load tasks queued for the dispatcher before load() blocks.",
+    )
+    dump_queue_depth: int = Field(
+        default=64,
+        ge=1,
+        le=_abi.QUEUE_TASKS_MAX // 2,
+        description="Dump tasks queued for the dump dispatcher before dump() blocks.",
+    )
+    queue_timeout_s: PositiveFloat = Field(
+        default=60.0,
+        description="Longest load()/dump() blocks on a full queue before raising TimeoutError.",
+    )
+    load_workers: int = Field(
+        default=4,
+        ge=1,
+        le=_abi.QUEUE_FILL_PARTS_MAX,
+        description="Concurrent loads from the tiers below, per rank (loader threads; a step's "
+        "keys are cut into this many batches).",
+    )
+    step_keys: int = Field(
+        default=1024,
+        ge=1,
+        le=_abi.QUEUE_STEP_KEYS_MAX,
+        description="Most keys one dispatcher step claims (one batched Get).",
+    )
+    copy_threads: int = Field(
+        default=4,
+        ge=1,
+        le=_abi.QUEUE_COPY_THREADS_MAX,
+        description="Native threads copying shard bytes between buffer slots and caller memory.",
+    )
+    rearrange: bool = Field(
+        default=True,
+        description="Walk each load task in RearrangeIndex order (false: natural order, kept "
+        "only to measure what the rotation buys).",
+    )
+    prealloc: bool = Field(
+        default=True,
+        description="Prewarm (block, index + 1) of each loaded block in the dispatcher's idle "
+        "window (seed 3.4; with a buffer only).",
+    )
+    wait_timeout_s: PositiveFloat = Field(
+        default=30.0,
+        description="Longest a rank waits for another rank's load before loading it itself.",
+    )
+    write_queue_bytes: Size = Field(
+        default=256 * 1024 * 1024,
+        description="Bytes of dumped shards waiting for write-through before dump tasks block.",
+    )
+
+    def load_settings(self) -> LoadSettings:
+        """These settings as a plain ``LoadSettings`` (a model that extends it, such as the
+        buffer tier's config, keeps only the load path's keys)."""
+        if type(self) is LoadSettings:
+            return self
+        return LoadSettings.model_validate(self.model_dump(include=set(LoadSettings.model_fields)))

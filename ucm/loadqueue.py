@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from . import arguments
+from .config import LoadSettings
 from .errors import KeyMissingError, NoBufferSlotError, StoreClosedError, TierError
 from .layout import Key
 from .native.queue import (
@@ -71,27 +72,6 @@ Fill = Callable[[list[Key], list[ShardViews]], tuple[dict[Key, BaseException], l
 of the tier that served it (-1 if none)."""
 
 Count = Callable[[str, int], None]
-
-
-@dataclass(frozen=True)
-class QueueSettings:
-    """Queue depths, concurrency and timeouts (the buffer tier's keys of the same names)."""
-
-    load_queue_depth: int = 64
-    dump_queue_depth: int = 64
-    queue_timeout_s: float = 60.0
-    load_workers: int = 4
-    step_keys: int = 1024
-    prealloc: bool = True
-    rearrange: bool = True
-    wait_timeout_s: float = 30.0
-    write_queue_bytes: int = 256 * 1024 * 1024
-    copy_threads: int = 4
-
-    @classmethod
-    def from_tier_config(cls, config: Any) -> QueueSettings:
-        names = cls.__dataclass_fields__
-        return cls(**{name: getattr(config, name) for name in names if hasattr(config, name)})
 
 
 LOADER_IDLE_S = 3600.0
@@ -221,7 +201,7 @@ class LoadPath:
         fill: Fill,
         count: Count,
         shard_size: int,
-        settings: QueueSettings,
+        settings: LoadSettings,
         dirty_dumps: bool,
     ) -> None:
         self._buffer = buffer
@@ -525,7 +505,7 @@ class DumpQueue:
         top: Tier,
         through: list[Tier],
         count: Count,
-        settings: QueueSettings,
+        settings: LoadSettings,
         native: LoadPath | None = None,
         buffer: BufferTier | None = None,
     ) -> None:
@@ -684,6 +664,5 @@ __all__ = [
     "Fill",
     "LoadPath",
     "NativeJob",
-    "QueueSettings",
     "WriteQueue",
 ]

@@ -29,7 +29,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from .config import Size, TierConfig
+from .config import LoadSettings, Size, TierConfig
 from .errors import ConfigError
 from .plugins import tier_types
 
@@ -75,6 +75,11 @@ class StackConfig(BaseModel):
     )
     shards_per_block: PositiveInt = Field(description="Shards (e.g. TP ranks) per block.")
     tiers: list[TierEntry] = Field(min_length=1, description="Tiers, fastest first.")
+    load: LoadSettings | None = Field(
+        default=None,
+        description="The load path's settings (queue depths, load_workers, step_keys, ...) of "
+        "a stack without a buffer tier; with one, they are keys of the buffer tier.",
+    )
 
     @model_validator(mode="after")
     def _check_geometry(self) -> StackConfig:
@@ -96,7 +101,22 @@ class StackConfig(BaseModel):
                 )
         elif self.shard_size == 0:
             raise PydanticCustomError("geometry_zero", "shard_size must be at least 1 byte")
+        if self.load is not None and isinstance(self.tiers[0], LoadSettings):
+            raise PydanticCustomError(
+                "load_with_buffer",
+                "load: a stack with a buffer tier takes the load path's settings as keys of "
+                "the buffer tier (tiers[0]); remove the load section or move its keys there",
+            )
         return self
+
+    @property
+    def load_settings(self) -> LoadSettings:
+        """The load path's settings: the buffer tier's (its config is a ``LoadSettings``), or
+        the ``load:`` section's, or the defaults."""
+        top = self.tiers[0]
+        if isinstance(top, LoadSettings):
+            return top.load_settings()
+        return self.load or LoadSettings()
 
     @property
     def resolved_shard_size(self) -> int:

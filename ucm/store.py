@@ -26,9 +26,8 @@ from .errors import (
     StoreClosedError,
 )
 from .layout import Key, Layout
-from .loadqueue import BufferTier, DumpItem, DumpQueue, LoadPath, QueueSettings
+from .loadqueue import BufferTier, DumpItem, DumpQueue, LoadPath
 from .native.queue import LOCAL_RANK_SIZE_MAX, NativeQueue, TaskKind
-from .native.queue import QueueSettings as NativeQueueSettings
 from .plugins import tier_types
 from .stack import StackConfig, load_stack
 from .task import Progress, Task
@@ -102,11 +101,10 @@ class Store:
         self._buffer: BufferTier | None = (
             cast(BufferTier, top) if hasattr(type(top), "queue") else None
         )
-        settings = QueueSettings.from_tier_config(top.config) if self._buffer else QueueSettings()
+        # One settings model with or without a buffer (the buffer tier's config is one).
+        settings = config.load_settings
         if write_queue_bytes is not None:
-            settings = QueueSettings(
-                **{**settings.__dict__, "write_queue_bytes": write_queue_bytes}
-            )
+            settings = settings.model_copy(update={"write_queue_bytes": write_queue_bytes})
         self.settings = settings
         self._start = 1 if self._buffer is not None else 0
         through = [
@@ -123,10 +121,15 @@ class Store:
                 if self._buffer is not None:
                     queue = self._buffer.queue
                 else:  # a null buffer: every key is loaded from the tiers (BYPASS)
-                    native_settings = _null_queue_settings(
-                        settings, device_id, local_rank_size, self.layout
+                    queue = self._own_queue = NativeQueue(
+                        None,
+                        [],
+                        settings,
+                        device_id=device_id,
+                        local_rank_size=min(local_rank_size, LOCAL_RANK_SIZE_MAX),
+                        shards_per_block=self.layout.shards_per_block,
+                        tensor_sizes=self.layout.tensor_sizes,
                     )
-                    queue = self._own_queue = NativeQueue(None, [], native_settings)
                 self._native = LoadPath(
                     queue=queue,
                     buffer=self._buffer,
@@ -534,25 +537,6 @@ _NATIVE_STORE_COUNTERS = (
     "get_keys",
 )
 """Counters of the native queue that are the store's own (its loads, dumps, prefetches)."""
-
-
-def _null_queue_settings(
-    settings: QueueSettings, device_id: int, local_rank_size: int, layout: Layout
-) -> NativeQueueSettings:
-    return NativeQueueSettings(
-        device_id=device_id,
-        local_rank_size=min(local_rank_size, LOCAL_RANK_SIZE_MAX),
-        shards_per_block=layout.shards_per_block,
-        tensor_sizes=layout.tensor_sizes,
-        step_keys=settings.step_keys,
-        copy_threads=settings.copy_threads,
-        fill_parts=settings.load_workers,
-        load_queue_depth=settings.load_queue_depth,
-        dump_queue_depth=settings.dump_queue_depth,
-        wait_timeout_s=settings.wait_timeout_s,
-        prealloc=settings.prealloc,
-        rearrange=settings.rearrange,
-    )
 
 
 def _check_rank(device_id: Any, local_rank_size: Any) -> None:

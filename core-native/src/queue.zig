@@ -1205,12 +1205,18 @@ pub const Queue = struct {
             lane.shards[i] = task.shards[entry];
         }
         if (queue.buffer == null) {
-            // Null buffer: no slot to claim, every key is loaded from below by a loader.
+            // Null buffer: no slot to claim, every key is loaded from below by a loader. The
+            // step ends when they are loaded (or wait_timeout passed), as a buffer's step ends
+            // when its owned keys are filled: the lane's depth then bounds the tasks in flight.
             const step = begin_step(lane);
-            const parts = @min(queue.settings.fill_parts, @as(u32, @intCast(k)));
+            const started_ns = futex.monotonic_ns();
+            const keys: u32 = @intCast(k);
+            add_outstanding(lane, step, keys);
+            const parts = @min(queue.settings.fill_parts, keys);
             for (entries, 0..) |entry, i| {
-                queue.bypass(task_index, entry, step, part_ends(@intCast(i + 1), @intCast(k), parts));
+                queue.bypass(task_index, entry, step, part_ends(@intCast(i + 1), keys, parts));
             }
+            queue.wait_step(lane, started_ns +| queue.settings.wait_timeout_ns);
             return;
         }
         const results = lane.results[0..k];
@@ -1701,6 +1707,8 @@ pub const Queue = struct {
             .bypass => {
                 const loaded = report.state == .ready or report.state == .hit;
                 if (queue.buffer == null) {
+                    // Every key of a null buffer's step is outstanding until its report.
+                    fill_returned(&queue.lanes[load_lane], report.step);
                     // The step counted nothing: the loader's report says which tier served it.
                     if (task.kind == .load) {
                         queue.count(if (report.state == .hit) .hits else .misses, 1);

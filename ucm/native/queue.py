@@ -23,6 +23,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..config import LoadSettings
 from ..errors import InvalidArgumentError, StoreClosedError, UcmError
 from ..layout import BLOCK_ID_BYTES
 from . import _abi, lib
@@ -126,24 +127,6 @@ def _address(values: array[int] | bytearray | bytes | None) -> int | None:
     return ctypes.addressof(ctypes.c_char.from_buffer(values))
 
 
-@dataclass(frozen=True)
-class QueueSettings:
-    """What a native queue is created with (the buffer tier's keys of the same names)."""
-
-    device_id: int
-    local_rank_size: int
-    shards_per_block: int
-    tensor_sizes: tuple[int, ...]
-    step_keys: int = 1024
-    copy_threads: int = 4
-    fill_parts: int = 4
-    load_queue_depth: int = 64
-    dump_queue_depth: int = 64
-    wait_timeout_s: float = 30.0
-    prealloc: bool = True
-    rearrange: bool = True
-
-
 @dataclass
 class WorkBatch:
     """Items of one task and kind a loader took (echoed back to :meth:`work_done`)."""
@@ -170,11 +153,17 @@ class NativeQueue:
         self,
         core: BufferCore | None,
         segment_bases: Sequence[int],
-        settings: QueueSettings,
+        settings: LoadSettings,
+        *,
+        device_id: int,
+        local_rank_size: int,
+        shards_per_block: int,
+        tensor_sizes: Sequence[int],
         region_handle: int = 0,
         keepalive: object = None,
     ) -> None:
-        _check_settings(settings)
+        tensor_sizes = tuple(tensor_sizes)
+        _check_rank(device_id, local_rank_size, shards_per_block, tensor_sizes, settings)
         self.buffered = core is not None
         segment_count = core.geometry.segment_count if core is not None else 0
         if len(segment_bases) != segment_count or not all(segment_bases):
@@ -182,37 +171,37 @@ class NativeQueue:
                 f"segment_bases has {len(segment_bases)} entries: expected the "
                 f"{segment_count} non-zero segment addresses of a worker's mapping"
             )
-        if core is not None and sum(settings.tensor_sizes) != core.geometry.shard_size_bytes:
+        if core is not None and sum(tensor_sizes) != core.geometry.shard_size_bytes:
             raise InvalidArgumentError(
-                f"tensor_sizes={list(settings.tensor_sizes)} sum to "
-                f"{sum(settings.tensor_sizes)} bytes, not shard_size_bytes="
+                f"tensor_sizes={list(tensor_sizes)} sum to "
+                f"{sum(tensor_sizes)} bytes, not shard_size_bytes="
                 f"{core.geometry.shard_size_bytes}"
             )
         self.settings = settings
         # The mappings the native threads touch (the SharedRegion): never finalized (unmapped)
         # before this queue, whatever order the garbage collector picks.
         self._keepalive = keepalive
-        self.tensor_count = len(settings.tensor_sizes)
+        self.tensor_count = len(tensor_sizes)
         self._native = lib()
         flags = (_SETTINGS_FLAG_PREALLOC if settings.prealloc else 0) | (
             _SETTINGS_FLAG_REARRANGE if settings.rearrange else 0
         )
         raw = _Settings(
-            sum(settings.tensor_sizes),
+            sum(tensor_sizes),
             int(settings.wait_timeout_s * 1e9),
-            settings.device_id,
-            settings.local_rank_size,
-            settings.shards_per_block,
+            device_id,
+            local_rank_size,
+            shards_per_block,
             self.tensor_count,
             settings.step_keys,
             settings.copy_threads,
-            settings.fill_parts,
+            settings.load_workers,
             settings.load_queue_depth,
             settings.dump_queue_depth,
             flags,
         )
         bases = array("Q", segment_bases)
-        sizes = array("Q", settings.tensor_sizes)
+        sizes = array("Q", tensor_sizes)
         handle = ctypes.c_size_t(0)
         status = self._native.ucm_queue_create(
             core.ctrl_address if core is not None else 0,
@@ -508,16 +497,19 @@ def walk_order(n: int, device_id: int, local_rank_size: int, rearrange: bool = T
     return out.tolist()
 
 
-def _check_settings(settings: QueueSettings) -> None:
+def _check_rank(
+    device_id: int,
+    local_rank_size: int,
+    shards_per_block: int,
+    tensor_sizes: tuple[int, ...],
+    settings: LoadSettings,
+) -> None:
+    """The rank and geometry a queue runs with (the tunables are ``LoadSettings``, validated by
+    pydantic against the same limits)."""
     bounds: tuple[tuple[str, int, int, int], ...] = (
-        ("device_id", settings.device_id, 0, 2**31 - 1),
-        ("local_rank_size", settings.local_rank_size, 1, LOCAL_RANK_SIZE_MAX),
-        ("shards_per_block", settings.shards_per_block, 1, 2**32 - 1),
-        ("step_keys", settings.step_keys, 1, STEP_KEYS_MAX),
-        ("copy_threads", settings.copy_threads, 1, COPY_THREADS_MAX),
-        ("fill_parts", settings.fill_parts, 1, FILL_PARTS_MAX),
-        ("load_queue_depth", settings.load_queue_depth, 1, TASKS_MAX),
-        ("dump_queue_depth", settings.dump_queue_depth, 1, TASKS_MAX),
+        ("device_id", device_id, 0, 2**31 - 1),
+        ("local_rank_size", local_rank_size, 1, LOCAL_RANK_SIZE_MAX),
+        ("shards_per_block", shards_per_block, 1, 2**32 - 1),
     )
     for name, value, low, high in bounds:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -529,13 +521,9 @@ def _check_settings(settings: QueueSettings) -> None:
             f"load_queue_depth + dump_queue_depth={settings.load_queue_depth} + "
             f"{settings.dump_queue_depth} is not valid: at most {TASKS_MAX} tasks in flight"
         )
-    if not 1 <= len(settings.tensor_sizes) <= TENSORS_MAX:
+    if not 1 <= len(tensor_sizes) <= TENSORS_MAX or not all(size > 0 for size in tensor_sizes):
         raise InvalidArgumentError(
-            f"tensor_sizes has {len(settings.tensor_sizes)} entries: expected 1 to {TENSORS_MAX}"
-        )
-    if not settings.wait_timeout_s > 0:
-        raise InvalidArgumentError(
-            f"wait_timeout_s={settings.wait_timeout_s!r} is not valid: expected seconds > 0"
+            f"tensor_sizes has {len(tensor_sizes)} entries: expected 1 to {TENSORS_MAX} sizes > 0"
         )
 
 
@@ -545,7 +533,6 @@ __all__ = [
     "TASK_FLAG_NO_FILL",
     "EntryResult",
     "NativeQueue",
-    "QueueSettings",
     "TaskKind",
     "WorkBatch",
     "WorkKind",
