@@ -298,6 +298,7 @@ def stats(
 ) -> None:
     """Attach to a live CacheBuffer as the scheduler role and show its counters."""
     from . import metrics
+    from .buffer import BufferTierConfig
     from .native.segments import ctrl_path
     from .stack import load_stack
     from .store import Store
@@ -307,7 +308,7 @@ def stats(
     except (ConfigError, PluginError) as exc:
         errors.print(f"[red]invalid:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
-    has_buffer = bool(config.tiers) and config.tiers[0].type == "buffer"
+    has_buffer = isinstance(config.tiers[0], BufferTierConfig)
     if has_buffer and not ctrl_path(config.unique_id).exists():
         errors.print(
             f"[red]error:[/red] no live CacheBuffer for unique_id {config.unique_id!r}: "
@@ -324,7 +325,7 @@ def stats(
         except UcmError as exc:
             errors.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
-        region = getattr(store.tiers[0], "region", None)
+        region = store.buffer.region if store.buffer is not None else None
         if region is not None and (region.created or region.replaced_stale):
             errors.print(
                 f"[red]error:[/red] no live CacheBuffer for unique_id {config.unique_id!r}: "

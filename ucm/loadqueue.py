@@ -30,9 +30,10 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from . import arguments
+from .buffer import BufferTier
 from .config import LoadSettings
 from .errors import KeyMissingError, NoBufferSlotError, StoreClosedError, TierError
 from .layout import Key
@@ -48,24 +49,6 @@ from .native.queue import (
 )
 from .task import Progress, Task
 from .tier import Outcome, ShardViews, Tier
-
-
-class BufferTier(Protocol):
-    """What the load path needs of the ``buffer`` tier (``ucm_backends.buffer.BufferTier``)."""
-
-    queue: NativeQueue
-    bases: list[int]
-    segment_bytes: int
-    writes_back: bool
-
-    def lookup(self, keys: Sequence[Key]) -> list[bool]: ...
-    def dump_with(
-        self,
-        keys: Sequence[Key],
-        run: Callable[[int, int], list[Outcome]],
-        views_of: Callable[[int], ShardViews],
-    ) -> list[Outcome]: ...
-
 
 Fill = Callable[[list[Key], list[ShardViews]], tuple[dict[Key, BaseException], list[int]]]
 """Loads keys from the tiers below into the views; returns failures and, per key, the position

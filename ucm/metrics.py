@@ -140,10 +140,9 @@ def snapshot(store: Store) -> Snapshot:
     buffer_counters: dict[str, int] | None = None
     occupancy: Occupancy | None = None
     attached_pids: list[int] | None = None
-    top = store.tiers[0]
-    core = getattr(top, "core", None)
-    region = getattr(top, "region", None)
-    if isinstance(core, BufferCore) and region is not None:
+    buffer = store.buffer
+    if buffer is not None:
+        core = buffer.core
         buffer_counters = core.stats()
         occupancy = buffer_occupancy(core)
         attached_pids = _attached_pids(core)
@@ -222,8 +221,9 @@ class StoreCollector:
                 "CacheBuffer slots by state (node-wide).",
                 labels=[*uid, "state"],
             )
+            counts = asdict(occupancy)
             for state in _OCCUPANCY_STATES:
-                slots.add_metric([*uid_value, state], getattr(occupancy, state))
+                slots.add_metric([*uid_value, state], counts[state])
             yield slots
             for name, help_text, number in (
                 ("capacity_slots", "Regular slots of the CacheBuffer", occupancy.capacity_slots),

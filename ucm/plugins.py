@@ -16,7 +16,7 @@ from .tier import Tier
 
 ENTRY_POINT_GROUP = "ucm.backends"
 DEFAULT_PLUGINS = (
-    "ucm_backends.buffer",
+    "ucm.buffer",  # the CacheBuffer: part of the core package, registered like the others
     "ucm_backends.posix",
     "ucm_backends.fsspec_tier",
     "ucm_backends.mooncake",  # imports mooncake.store only when a mooncake tier opens

@@ -14,9 +14,10 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 from . import arguments
+from .buffer import BufferTier, BufferTierConfig
 from .config import LowerTierConfig
 from .errors import (
     ConfigError,
@@ -26,7 +27,7 @@ from .errors import (
     StoreClosedError,
 )
 from .layout import Key, Layout
-from .loadqueue import BufferTier, DumpItem, DumpQueue, LoadPath
+from .loadqueue import DumpItem, DumpQueue, LoadPath
 from .native.queue import LOCAL_RANK_SIZE_MAX, NativeQueue, TaskKind
 from .plugins import tier_types
 from .stack import StackConfig, load_stack
@@ -81,7 +82,7 @@ class Store:
                     evict_sink=self._evict_sink_for(position),
                     options={HOST_MEMORY_OPTION: host_memory} if host_memory else {},
                 )
-                if tier_config.type == "buffer" and position > 0:
+                if isinstance(tier_config, BufferTierConfig) and position > 0:
                     raise ConfigError(
                         f"tiers[{position}].type: the buffer tier must be the first tier (the "
                         "node-wide host-memory cache sits above every other tier)"
@@ -90,17 +91,16 @@ class Store:
                     self.tiers.append(installed[tier_config.type](tier_config, context))
                 except InvalidArgumentError as exc:
                     raise ConfigError(f"tiers[{position}] ({tier_config.type}): {exc}") from exc
-                # Memory this tier keeps mapped (the buffer's slots), for the tiers below.
-                host_memory += tuple(getattr(self.tiers[-1], "host_memory", ()))
+                # Memory the buffer keeps mapped (its slots), for the tiers below.
+                if isinstance(self.tiers[-1], BufferTier):
+                    host_memory += self.tiers[-1].host_memory
         except BaseException:
             for tier in self.tiers:
                 tier.close()
             raise
         top = self.tiers[0]
-        # The shared CacheBuffer (native core) brings the native load queue.
-        self._buffer: BufferTier | None = (
-            cast(BufferTier, top) if hasattr(type(top), "queue") else None
-        )
+        # The shared CacheBuffer (native core), typed: it brings the native load queue.
+        self._buffer: BufferTier | None = top if isinstance(top, BufferTier) else None
         # One settings model with or without a buffer (the buffer tier's config is one).
         settings = config.load_settings
         if write_queue_bytes is not None:
@@ -162,6 +162,11 @@ class Store:
         self._native_final: dict[str, int] | None = None
         self._prefetches: list[Task] = []
         self._prefetch_lock = threading.Lock()
+
+    @property
+    def buffer(self) -> BufferTier | None:
+        """The stack's CacheBuffer (its top tier), or None for a stack without one."""
+        return self._buffer
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -469,7 +474,9 @@ class Store:
             writable = not (
                 isinstance(tier_config, LowerTierConfig) and tier_config.write == "none"
             )
-            promote = position == 0 or bool(getattr(tier_config, "promote", False))
+            promote = position == 0 or (
+                isinstance(tier_config, LowerTierConfig) and tier_config.promote
+            )
             repair = [
                 i
                 for i, served in enumerate(served_by)

@@ -1,4 +1,6 @@
-"""The ``buffer`` tier: the node-wide shared-memory CacheBuffer (native core).
+"""The ``buffer`` tier: the node-wide shared-memory CacheBuffer (native core), part of the core
+package (not a plugin): the Store holds it as a typed :class:`BufferTier` and runs its native
+queue; it registers its ``type: buffer`` through the same hook as the other built-in tiers.
 
 Every rank of a node that opens the same ``unique_id`` maps the same control segment and data
 segments (``ucm.native.segments``); the slot logic (owner/waiter, CLOCK, Touch, Prealloc,
@@ -38,28 +40,28 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat
 
-import ucm
-from ucm.config import LoadSettings, Size, TierConfig
-from ucm.errors import (
+from .config import LoadSettings, Size, TierConfig
+from .errors import (
     InvalidArgumentError,
     KeyMissingError,
     NoBufferSlotError,
     RoleError,
     TierError,
 )
-from ucm.layout import Key
-from ucm.native import _abi
-from ucm.native import buffer as native_buffer
-from ucm.native.buffer import BufferCore, Geometry
-from ucm.native.queue import (
+from .hookspecs import hookimpl
+from .layout import Key
+from .native import _abi
+from .native import buffer as native_buffer
+from .native.buffer import BufferCore, Geometry
+from .native.queue import (
     TASK_FLAG_DIRTY,
     TASK_FLAG_NO_FILL,
     EntryResult,
     NativeQueue,
     TaskKind,
 )
-from ucm.native.segments import SharedRegion
-from ucm.tier import EvictSink, Outcome, ShardViews, Tier, TierContext
+from .native.segments import SharedRegion
+from .tier import EvictSink, Outcome, ShardViews, Tier, TierContext
 
 SEGMENT_TARGET_BYTES = 1 << 30
 """Data segments of at most ~1 GiB: small enough to create quickly, large enough to be few."""
@@ -574,6 +576,6 @@ def _gather(views: ShardViews, staging: bytearray) -> None:
         offset += data.nbytes
 
 
-@ucm.hookimpl
+@hookimpl
 def register_tiers(register: Callable[[type[Tier]], None]) -> None:
     register(BufferTier)
