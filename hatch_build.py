@@ -19,7 +19,21 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 LIBRARY_NAME = "libucm_core.so"
+TEST_LIBRARY_NAME = "libucm_core_test.so"
+"""The test build (``-Ddebug-hooks=true``: the release library plus the ``*_debug_*`` hooks),
+built beside the release one for the test suite and the soak; never shipped in a wheel."""
 ABI_MODULE = "_abi.py"
+
+
+def build_test_library(source: Path, target: Path, env: dict[str, str] | None = None) -> None:
+    """Builds the test variant of the core into ``target`` (replaced atomically)."""
+    with tempfile.TemporaryDirectory(prefix="ucm-zig-test-") as prefix:
+        command = [sys.executable, "-m", "ziglang", "build", "--prefix", prefix]
+        command += ["--release=safe", "-Ddebug-hooks=true"]
+        subprocess.run(command, cwd=source, env=env, check=True)
+        staged = target.with_suffix(".so.tmp")
+        shutil.copyfile(Path(prefix) / "lib" / TEST_LIBRARY_NAME, staged)
+        os.replace(staged, target)
 
 
 def generate_abi(source: Path, target: Path, env: dict[str, str] | None = None) -> None:
@@ -60,8 +74,12 @@ class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
                 ) from exc
             try:
                 generate_abi(source, target.with_name(ABI_MODULE), env)
+                build_test_library(source, target.with_name(TEST_LIBRARY_NAME), env)
             except (OSError, subprocess.CalledProcessError) as exc:
-                raise RuntimeError(f"generating ucm/native/{ABI_MODULE} failed ({exc})") from exc
+                raise RuntimeError(
+                    f"generating ucm/native/{ABI_MODULE} or building {TEST_LIBRARY_NAME} failed "
+                    f"({exc})"
+                ) from exc
             built = Path(prefix) / "lib" / LIBRARY_NAME
             # Replace, never overwrite in place: a process that has the old library mapped
             # (a test run, a live rank) would crash if its pages changed under it.
@@ -76,6 +94,11 @@ class CustomBuildHook(BuildHookInterface):  # type: ignore[type-arg]
             build_data["force_include"][str(target)] = f"ucm/native/{LIBRARY_NAME}"
 
 
-if __name__ == "__main__":  # regenerate ucm/native/_abi.py by hand
+if (
+    __name__ == "__main__"
+):  # by hand: regenerate ucm/native/_abi.py (--test-library: the test build)
     here = Path(__file__).resolve().parent
-    generate_abi(here / "core-native", here / "ucm" / "native" / ABI_MODULE)
+    if "--test-library" in sys.argv[1:]:
+        build_test_library(here / "core-native", here / "ucm" / "native" / TEST_LIBRARY_NAME)
+    else:
+        generate_abi(here / "core-native", here / "ucm" / "native" / ABI_MODULE)

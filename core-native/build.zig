@@ -18,8 +18,15 @@ pub fn build(b: *std.Build) void {
         // the C library's memcpy, tuned per CPU.
         .link_libc = true,
     });
+    // The `*_debug_*` exports (fault injection, slot introspection) exist only in a test
+    // build of the library, `zig build -Ddebug-hooks=true` (`libucm_core_test.so`), never in
+    // the release one.
+    const debug_hooks = b.option(bool, "debug-hooks", "Export the *_debug_* test hooks (test build only)") orelse false;
+    const lib_options = b.addOptions();
+    lib_options.addOption(bool, "debug_hooks", debug_hooks);
+    lib_module.addOptions("build_options", lib_options);
     const lib = b.addLibrary(.{
-        .name = "ucm_core",
+        .name = if (debug_hooks) "ucm_core_test" else "ucm_core",
         .linkage = .dynamic,
         .root_module = lib_module,
     });
@@ -34,6 +41,9 @@ pub fn build(b: *std.Build) void {
             .optimize = .Debug,
             .link_libc = true,
         });
+        const test_options = b.addOptions();
+        test_options.addOption(bool, "debug_hooks", true);
+        test_module.addOptions("build_options", test_options);
         // LLVM: the self-hosted x86_64 backend of Debug builds cannot assemble the queue's
         // non-temporal copy (inline assembly with memory operands).
         const unit_tests = b.addTest(.{ .root_module = test_module, .use_llvm = true });

@@ -170,7 +170,7 @@ export fn ucm_buffer_scan_holders(ctrl: usize, out_mask: *u64) i32 {
 }
 
 /// Test hook: records another start time for holder `index`, as if its pid had been reused.
-export fn ucm_buffer_debug_set_holder_start_time(ctrl: usize, index: u32, start_time: u64) i32 {
+fn ucm_buffer_debug_set_holder_start_time(ctrl: usize, index: u32, start_time: u64) callconv(.c) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (index >= view.holder_table.entries.len) return buffer_status(.invalid_argument);
     view.debug_set_start_time(index, start_time);
@@ -377,7 +377,7 @@ export fn ucm_buffer_slot_addresses(ctrl: usize, n: u32, slots: [*]const u32, se
     return 0;
 }
 
-export fn ucm_buffer_debug_slot(ctrl: usize, slot: u32, out: *buffer.Slot) i32 {
+fn ucm_buffer_debug_slot(ctrl: usize, slot: u32, out: *buffer.Slot) callconv(.c) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (slot >= view.slots.len) return buffer_status(.invalid_argument);
     out.* = view.slots[slot];
@@ -385,33 +385,33 @@ export fn ucm_buffer_debug_slot(ctrl: usize, slot: u32, out: *buffer.Slot) i32 {
 }
 
 /// The slot holding a key (any state), or -1.
-export fn ucm_buffer_debug_find(ctrl: usize, id: *const buffer.BlockId, shard: u32) i64 {
+fn ucm_buffer_debug_find(ctrl: usize, id: *const buffer.BlockId, shard: u32) callconv(.c) i64 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     const found = view.find_locked(id, shard) catch return buffer_status(.lock_timeout);
     return if (found) |slot| slot else -1;
 }
 
 /// CLOCK cursor position of pool 0 (regular) or 1 (reserved).
-export fn ucm_buffer_debug_cursor(ctrl: usize, pool: u32) i64 {
+fn ucm_buffer_debug_cursor(ctrl: usize, pool: u32) callconv(.c) i64 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (pool > 1) return buffer_status(.invalid_argument);
     return view.cursor_position(if (pool == 0) .regular else .reserved);
 }
 
-export fn ucm_buffer_debug_bucket_of(ctrl: usize, id: *const buffer.BlockId) i64 {
+fn ucm_buffer_debug_bucket_of(ctrl: usize, id: *const buffer.BlockId) callconv(.c) i64 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     return view.bucket_of(id);
 }
 
 /// Test hook: take a bucket lock and keep it (the caller is then killed to test recovery).
-export fn ucm_buffer_debug_hold_lock(ctrl: usize, bucket_index: u32) i32 {
+fn ucm_buffer_debug_hold_lock(ctrl: usize, bucket_index: u32) callconv(.c) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (bucket_index >= view.buckets.len) return buffer_status(.invalid_argument);
     view.debug_hold_lock(bucket_index) catch return buffer_status(.lock_timeout);
     return 0;
 }
 
-export fn ucm_buffer_debug_drop_lock(ctrl: usize, bucket_index: u32) i32 {
+fn ucm_buffer_debug_drop_lock(ctrl: usize, bucket_index: u32) callconv(.c) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (bucket_index >= view.buckets.len) return buffer_status(.invalid_argument);
     const holder = view.buckets[bucket_index].lock.load(.monotonic) & 0x7FFF_FFFF;
@@ -421,7 +421,7 @@ export fn ucm_buffer_debug_drop_lock(ctrl: usize, bucket_index: u32) i32 {
 }
 
 /// Test hook (this process only): pause between reading version+state and blocking in wait.
-export fn ucm_buffer_debug_set_wait_pause_ns(pause_ns: u64) void {
+fn ucm_buffer_debug_set_wait_pause_ns(pause_ns: u64) callconv(.c) void {
     buffer.debug_wait_pause_ns = pause_ns;
 }
 /// Slot counts by where the slots are (buffer.zig `Occupancy`), for the metrics gauges.
@@ -865,10 +865,29 @@ export fn ucm_seg_unlink(unique_id_ptr: [*]const u8, unique_id_len: usize) i32 {
 
 /// Test hook: makes this process's fd server expect another peer uid, so the SO_PEERCRED
 /// refusal path can be exercised without a second user.
-export fn ucm_seg_debug_set_peer_uid(handle: usize, uid: u32) i32 {
+fn ucm_seg_debug_set_peer_uid(handle: usize, uid: u32) callconv(.c) i32 {
     const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
     if (!region.server.started()) return @intFromEnum(Error.invalid_argument);
     // Monotonic: a standalone setting, see fdpass.Server.expected_uid.
     region.server.expected_uid.store(uid, .monotonic);
     return 0;
+}
+
+// ---- Test hooks ----
+// The `*_debug_*` functions above are exported only by a test build of the library
+// (`zig build -Ddebug-hooks=true`, libucm_core_test.so): fault injection and introspection
+// that the tests and the soak use, never part of the release library.
+const build_options = @import("build_options");
+comptime {
+    if (build_options.debug_hooks) {
+        @export(&ucm_buffer_debug_set_holder_start_time, .{ .name = "ucm_buffer_debug_set_holder_start_time" });
+        @export(&ucm_buffer_debug_slot, .{ .name = "ucm_buffer_debug_slot" });
+        @export(&ucm_buffer_debug_find, .{ .name = "ucm_buffer_debug_find" });
+        @export(&ucm_buffer_debug_cursor, .{ .name = "ucm_buffer_debug_cursor" });
+        @export(&ucm_buffer_debug_bucket_of, .{ .name = "ucm_buffer_debug_bucket_of" });
+        @export(&ucm_buffer_debug_hold_lock, .{ .name = "ucm_buffer_debug_hold_lock" });
+        @export(&ucm_buffer_debug_drop_lock, .{ .name = "ucm_buffer_debug_drop_lock" });
+        @export(&ucm_buffer_debug_set_wait_pause_ns, .{ .name = "ucm_buffer_debug_set_wait_pause_ns" });
+        @export(&ucm_seg_debug_set_peer_uid, .{ .name = "ucm_seg_debug_set_peer_uid" });
+    }
 }

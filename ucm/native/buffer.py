@@ -30,9 +30,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
-from ..errors import InvalidArgumentError, NativeLibraryError
+from ..errors import InvalidArgumentError
 from ..layout import BLOCK_ID_BYTES, Key
-from . import _abi, lib
+from . import _abi, declare, lib
 
 SLOT_NONE = _abi.SLOT_NONE
 """Slot index reported for a key that got no slot (NO_SLOT / LOCK_TIMEOUT)."""
@@ -153,15 +153,7 @@ def _native() -> ctypes.CDLL:
         "ucm_buffer_debug_drop_lock": (i32, [usize, u32]),
         "ucm_buffer_debug_set_wait_pause_ns": (None, [u64]),
     }
-    for name, (restype, argtypes) in signatures.items():
-        try:
-            function = getattr(handle, name)
-        except AttributeError:
-            raise NativeLibraryError(
-                f"the UCM native core lacks {name}; rebuild it (`pip install -e .`)"
-            ) from None
-        function.restype = restype
-        function.argtypes = argtypes
+    declare(handle, signatures)
     return handle
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import InvalidArgumentError, UcmError
-from . import _abi, lib
+from . import _abi, declare, lib
 
 Role = Literal["worker", "scheduler"]
 HugetlbPolicy = Literal["auto", "off", "try"]
@@ -168,10 +168,7 @@ def _declare(handle: ctypes.CDLL) -> None:
         "ucm_seg_populate": (i32, [usize, u32]),
         "ucm_seg_residency": (i32, [usize, ctypes.POINTER(_Residency), usize]),
     }
-    for name, (restype, argtypes) in signatures.items():
-        function = getattr(handle, name)
-        function.restype = restype
-        function.argtypes = argtypes
+    declare(handle, signatures)
 
 
 _declare(lib())
