@@ -1,6 +1,6 @@
 //! Builds libucm_core.so (the C ABI used by the Python package), runs the unit tests and the
-//! seeded model-based fuzzers with `zig build test`, and the long-run CacheBuffer fuzzer with
-//! `zig build fuzz -- --seed N --steps M`.
+//! seeded model-based fuzzers with `zig build test`, and the long run of a fuzzer picked by
+//! name with `zig build fuzz -- buffer|queue --seed N --steps M`.
 const std = @import("std");
 
 pub fn build(b: *std.Build) void {
@@ -18,8 +18,15 @@ pub fn build(b: *std.Build) void {
         // the C library's memcpy, tuned per CPU.
         .link_libc = true,
     });
+    // The `*_debug_*` exports (fault injection, slot introspection) exist only in a test
+    // build of the library, `zig build -Ddebug-hooks=true` (`libucm_core_test.so`), never in
+    // the release one.
+    const debug_hooks = b.option(bool, "debug-hooks", "Export the *_debug_* test hooks (test build only)") orelse false;
+    const lib_options = b.addOptions();
+    lib_options.addOption(bool, "debug_hooks", debug_hooks);
+    lib_module.addOptions("build_options", lib_options);
     const lib = b.addLibrary(.{
-        .name = "ucm_core",
+        .name = if (debug_hooks) "ucm_core_test" else "ucm_core",
         .linkage = .dynamic,
         .root_module = lib_module,
     });
@@ -34,6 +41,9 @@ pub fn build(b: *std.Build) void {
             .optimize = .Debug,
             .link_libc = true,
         });
+        const test_options = b.addOptions();
+        test_options.addOption(bool, "debug_hooks", true);
+        test_module.addOptions("build_options", test_options);
         // LLVM: the self-hosted x86_64 backend of Debug builds cannot assemble the queue's
         // non-temporal copy (inline assembly with memory operands).
         const unit_tests = b.addTest(.{ .root_module = test_module, .use_llvm = true });
@@ -41,7 +51,7 @@ pub fn build(b: *std.Build) void {
         test_step.dependOn(&run_tests.step);
     }
 
-    // The long form of the CacheBuffer fuzzer. ReleaseSafe unless asked otherwise: every
+    // The long form of the fuzzers (fuzz_main.zig picks one by name). ReleaseSafe unless asked otherwise: every
     // assertion stays armed, and a long run goes several times faster than in Debug.
     const fuzz_optimize = b.option(
         std.builtin.OptimizeMode,
@@ -52,10 +62,24 @@ pub fn build(b: *std.Build) void {
         .root_source_file = b.path("src/fuzz_main.zig"),
         .target = target,
         .optimize = fuzz_optimize,
+        .link_libc = true, // the queue fuzzer runs the queue's pthreads and memcpy
     });
-    const fuzz_exe = b.addExecutable(.{ .name = "buffer-fuzz", .root_module = fuzz_module });
+    const fuzz_exe = b.addExecutable(.{ .name = "ucm-fuzz", .root_module = fuzz_module });
     const run_fuzz = b.addRunArtifact(fuzz_exe);
     if (b.args) |args| run_fuzz.addArgs(args);
-    const fuzz_step = b.step("fuzz", "Run the CacheBuffer fuzzer: zig build fuzz -- --seed N --steps M");
+    const fuzz_step = b.step("fuzz", "Run a fuzzer: zig build fuzz -- buffer|queue --seed N --steps M");
     fuzz_step.dependOn(&run_fuzz.step);
+
+    // `zig build abi -- PATH`: writes the Python mirror of the C ABI (ucm/native/_abi.py).
+    const abi_module = b.createModule(.{
+        .root_source_file = b.path("src/abi_gen.zig"),
+        .target = target,
+        .optimize = .Debug,
+        .link_libc = true,
+    });
+    const abi_exe = b.addExecutable(.{ .name = "ucm-abi-gen", .root_module = abi_module });
+    const run_abi = b.addRunArtifact(abi_exe);
+    if (b.args) |args| run_abi.addArgs(args);
+    const abi_step = b.step("abi", "Write the Python mirror of the C ABI: zig build abi -- PATH");
+    abi_step.dependOn(&run_abi.step);
 }

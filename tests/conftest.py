@@ -6,18 +6,46 @@ is marked ``cuda``."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Literal
 
 import pytest
 from pydantic import Field
 
-import ucm
-from ucm import plugins
-from ucm.config import Size
-from ucm.layout import Key
-from ucm.tier import Outcome, ShardViews, chunks, scatter
+_ROOT = Path(__file__).resolve().parents[1]
+_TEST_LIBRARY = _ROOT / "ucm" / "native" / "libucm_core_test.so"
+
+
+def _use_the_test_build() -> None:
+    """The tests (and the ranks and soak processes they spawn, which inherit the environment)
+    load the test build of the core: the release library plus the ``*_debug_*`` hooks. Built
+    here when it is missing or older than the Zig sources (``python hatch_build.py
+    --test-library``); ``UCM_NATIVE_LIB`` set by the caller wins."""
+    if "UCM_NATIVE_LIB" in os.environ:
+        return
+    sources = [*(_ROOT / "core-native" / "src").glob("*.zig"), _ROOT / "core-native" / "build.zig"]
+    newest = max(path.stat().st_mtime for path in sources)
+    if not _TEST_LIBRARY.exists() or _TEST_LIBRARY.stat().st_mtime < newest:
+        subprocess.run(
+            [sys.executable, str(_ROOT / "hatch_build.py"), "--test-library"],
+            cwd=_ROOT,
+            check=True,
+            timeout=900,
+        )
+    os.environ["UCM_NATIVE_LIB"] = str(_TEST_LIBRARY)
+
+
+_use_the_test_build()
+
+import ucm  # noqa: E402  (imported once the environment names the test build)
+from ucm import plugins  # noqa: E402
+from ucm.config import Size  # noqa: E402
+from ucm.layout import Key  # noqa: E402
+from ucm.tier import Outcome, ShardViews, chunks, scatter  # noqa: E402
 
 
 class ScratchTierConfig(ucm.LowerTierConfig):

@@ -13,16 +13,16 @@ from hypothesis import strategies as st
 
 import ucm
 from ucm import plugins
-from ucm.config import (
-    LowerTierConfig,
+from ucm.config import LowerTierConfig
+from ucm.errors import ConfigError, UcmError
+from ucm.sizes import VALID_SIZE_HINT
+from ucm.stack import (
     StackConfig,
     format_location,
     load_stack,
     parse_stack,
     stack_json_schema,
 )
-from ucm.errors import ConfigError, UcmError
-from ucm.sizes import VALID_SIZE_HINT
 
 BASE: dict[str, Any] = {"unique_id": "llama3-70b", "shard_size": 262144, "shards_per_block": 8}
 UNIQUE_ID_PATTERN = "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"

@@ -49,6 +49,8 @@ def test_wheel_is_platform_tagged_and_ships_the_native_library(tmp_path: Path) -
         entry_points = next(n for n in names if n.endswith("entry_points.txt"))
         console = archive.read(entry_points).decode()
     assert "ucm/native/libucm_core.so" in names
+    assert "ucm/native/_abi.py" in names  # generated from the Zig sources at build time
+    assert "ucm/native/libucm_core_test.so" not in names  # the test build never ships
     assert "ucm_backends/__init__.py" in names
     assert "ucm/py.typed" in names
     assert not any(name.startswith("backends/") for name in names)

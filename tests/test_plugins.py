@@ -20,8 +20,8 @@ import pytest
 
 import ucm
 from ucm import hookspecs, plugins
-from ucm.config import parse_stack
 from ucm.errors import ConfigError, PluginError
+from ucm.stack import parse_stack
 
 REPO = Path(__file__).resolve().parents[1]
 STACK = {"unique_id": "plugin-test", "shard_size": 4096, "shards_per_block": 2}

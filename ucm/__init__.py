@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from .config import LowerTierConfig, StackConfig, TierConfig, load_stack
+from .config import LowerTierConfig, TierConfig
 from .errors import (
     ConfigError,
     InvalidArgumentError,
@@ -20,6 +20,7 @@ from .errors import (
 )
 from .hookspecs import hookimpl
 from .layout import Key, Layout
+from .stack import StackConfig, load_stack
 from .store import Pin, Store, open_store
 from .task import Task
 from .tier import REMOVE_CHUNK_KEYS, Tier, TierContext

@@ -32,7 +32,7 @@ def validate(
     file: Annotated[Path, typer.Argument(help="YAML stack file to check.")],
 ) -> None:
     """Check a stack file; print its tiers, or each problem with its YAML path (exit 1)."""
-    from .config import load_stack
+    from .stack import load_stack
 
     try:
         stack = load_stack(file)
@@ -58,7 +58,7 @@ def validate(
 @app.command()
 def schema() -> None:
     """Print the JSON Schema of a stack (only JSON on stdout)."""
-    from .config import stack_json_schema
+    from .stack import stack_json_schema
 
     sys.stdout.write(json.dumps(stack_json_schema(), indent=2) + "\n")
 

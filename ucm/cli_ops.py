@@ -23,8 +23,8 @@ from .sizes import format_size
 if TYPE_CHECKING:
     from .bench import Benchmark
     from .bench._runner import BenchOutcome, SuiteReport
-    from .config import StackConfig
     from .metrics import Snapshot
+    from .stack import StackConfig
 
 errors = Console(stderr=True)
 
@@ -319,7 +319,7 @@ def stats(
         except UcmError as exc:
             errors.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
-        region = getattr(store.tiers[0], "region", None)
+        region = store.buffer.region if store.buffer is not None else None
         if region is not None and (region.created or region.replaced_stale):
             errors.print(
                 f"[red]error:[/red] no live CacheBuffer for unique_id {config.unique_id!r}: "
@@ -346,9 +346,9 @@ def _live_stack(path: Path) -> StackConfig:
     (the engine derives the geometry from its KV cache); one that states a shard size other
     than the live buffer's is refused. ``shards_per_block`` is not recorded in the buffer and
     nothing ``ucm stats`` reads depends on it: 1 unless the stack states it."""
-    from .config import parse_stack, read_stack_source
     from .native.buffer import live_geometry
     from .native.segments import ctrl_path
+    from .stack import parse_stack, read_stack_source
 
     data, name = read_stack_source(path)
     tiers = data.get("tiers")

@@ -1,33 +1,18 @@
-"""Stack configuration: pydantic v2 models, YAML loading, errors that name the YAML path.
+"""Tier configuration: the base models every tier's pydantic model derives from, ``Size``, and
+``LoadSettings``, the one model of the load path's settings.
 
-A stack is ``unique_id`` + shard geometry + an ordered list of tiers (top first). Each tier type
-has its own model (``extra="forbid"``) selected by its ``type`` field; plugin tiers join through
-the ``register_tiers`` hook, so the set of valid types is whatever is installed.
+A leaf module (of ``ucm`` it imports ``sizes`` and the generated ABI's limits only): the tier
+interface, the plugins and third-party tiers import it. The stack itself (``StackConfig``, YAML
+loading, the JSON Schema) is ``ucm.stack``, above the plugins, whose tier types it dispatches on.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Literal
 
-import yaml
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    PositiveInt,
-    SerializeAsAny,
-    ValidationError,
-    ValidatorFunctionWrapHandler,
-    WrapValidator,
-    model_validator,
-)
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PositiveFloat
 
-from .errors import ConfigError
+from .native import _abi
 from .sizes import parse_size
 
 Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
@@ -67,176 +52,71 @@ class LowerTierConfig(TierConfig):
     )
 
 
-def _dispatch_tier(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-    if isinstance(value, TierConfig):
-        return value
-    if not isinstance(value, Mapping):
-        raise PydanticCustomError("tier_not_mapping", "a tier must be a mapping with a 'type' key")
-    from .plugins import tier_types  # late import: plugins import this module
-
-    installed = tier_types()
-    type_name = value.get("type")
-    if type_name is None:
-        raise PydanticCustomError(
-            "tier_type_missing",
-            "missing 'type'; installed tier types: {installed}",
-            {"installed": ", ".join(sorted(installed))},
-        )
-    tier_class = installed.get(type_name) if isinstance(type_name, str) else None
-    if tier_class is None:
-        raise PydanticCustomError(
-            "tier_type_unknown",
-            "unknown tier type {type}; installed tier types: {installed}",
-            {"type": repr(type_name), "installed": ", ".join(sorted(installed))},
-        )
-    return tier_class.config_model.model_validate(dict(value))
-
-
-TierEntry = Annotated[SerializeAsAny[TierConfig], WrapValidator(_dispatch_tier)]
-
-
-class StackConfig(BaseModel):
-    """A tier stack. ``shard_size`` or ``tensor_size_list`` gives the shard geometry."""
+class LoadSettings(BaseModel):
+    """The load path's settings: queue depths, concurrency, step size, timeouts. One model,
+    valid with or without a buffer: the ``buffer`` tier's config is one (its keys of these
+    names), and a stack without a buffer takes one in its ``load:`` section. The bounds are
+    the native queue's limits (``constants.zig``, through the generated ``ucm.native._abi``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    unique_id: str = Field(
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
-        description="Names the node-wide shared segments: one CacheBuffer per unique_id.",
+    load_queue_depth: int = Field(
+        default=64,
+        ge=1,
+        le=_abi.QUEUE_TASKS_MAX // 2,
+        description="Load tasks queued for the dispatcher before load() blocks.",
     )
-    shard_size: Size | None = Field(default=None, description="Bytes per shard.")
-    tensor_size_list: list[PositiveInt] | None = Field(
-        default=None, description="Byte sizes of the tensors a shard is made of, in order."
+    dump_queue_depth: int = Field(
+        default=64,
+        ge=1,
+        le=_abi.QUEUE_TASKS_MAX // 2,
+        description="Dump tasks queued for the dump dispatcher before dump() blocks.",
     )
-    shards_per_block: PositiveInt = Field(description="Shards (e.g. TP ranks) per block.")
-    tiers: list[TierEntry] = Field(min_length=1, description="Tiers, fastest first.")
-
-    @model_validator(mode="after")
-    def _check_geometry(self) -> StackConfig:
-        if self.shard_size is None and self.tensor_size_list is None:
-            raise PydanticCustomError(
-                "geometry_missing", "give shard_size (bytes per shard) or tensor_size_list"
-            )
-        if self.tensor_size_list is not None:
-            if len(self.tensor_size_list) == 0:
-                raise PydanticCustomError(
-                    "geometry_empty", "tensor_size_list must list at least one tensor size"
-                )
-            total = sum(self.tensor_size_list)
-            if self.shard_size is not None and self.shard_size != total:
-                raise PydanticCustomError(
-                    "geometry_mismatch",
-                    "shard_size {shard_size} differs from sum(tensor_size_list) = {total}",
-                    {"shard_size": self.shard_size, "total": total},
-                )
-        elif self.shard_size == 0:
-            raise PydanticCustomError("geometry_zero", "shard_size must be at least 1 byte")
-        return self
-
-    @property
-    def resolved_shard_size(self) -> int:
-        if self.tensor_size_list is not None:
-            return sum(self.tensor_size_list)
-        assert self.shard_size is not None
-        return self.shard_size
-
-    @property
-    def resolved_tensor_sizes(self) -> tuple[int, ...]:
-        if self.tensor_size_list is not None:
-            return tuple(self.tensor_size_list)
-        return (self.resolved_shard_size,)
-
-
-def format_location(loc: tuple[int | str, ...]) -> str:
-    """``('tiers', 1, 'capacity')`` → ``tiers[1].capacity``."""
-    text = ""
-    for part in loc:
-        if isinstance(part, int):
-            text += f"[{part}]"
-        else:
-            text += f".{part}" if text else str(part)
-    return text or "(top level)"
-
-
-def _problems(error: ValidationError) -> list[str]:
-    problems = []
-    for item in error.errors(include_url=False):
-        location = format_location(_strip_validator_tags(item["loc"]))
-        message = item["msg"]
-        if item["type"] == "extra_forbidden":
-            message = "unknown key (misspelled?); not allowed here"
-        elif item["type"].startswith("tier_type") and not location.endswith(".type"):
-            location += ".type"
-        problems.append(f"{location}: {message} (got {_short(item.get('input'))})")
-    return problems
-
-
-def _strip_validator_tags(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
-    # Wrap validators and SerializeAsAny add synthetic segments such as 'function-wrap[...]'.
-    return tuple(p for p in loc if not (isinstance(p, str) and "[" in p and "(" in p))
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def parse_stack(data: Mapping[str, Any] | StackConfig, source: str = "stack") -> StackConfig:
-    """Validates a mapping into a StackConfig; raises ConfigError naming each bad YAML path."""
-    if isinstance(data, StackConfig):
-        return data
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{source}: a stack must be a mapping, got {type(data).__name__}")
-    try:
-        return StackConfig.model_validate(dict(data))
-    except ValidationError as exc:
-        problems = _problems(exc)
-        message = f"{source}: invalid stack:\n  " + "\n  ".join(problems)
-        raise ConfigError(message, problems) from None
-
-
-def read_stack_source(
-    source: str | os.PathLike[str] | Mapping[str, Any],
-) -> tuple[Mapping[str, Any], str]:
-    """The raw mapping of a stack (a YAML file's contents, or the mapping itself) and the name
-    errors use for it. Raises ConfigError for an unreadable file, bad YAML or a non-mapping."""
-    if isinstance(source, Mapping):
-        return source, "stack"
-    path = Path(source)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read stack file {str(path)!r}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: YAML nested too deeply to be a stack") from None
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: a stack must be a mapping, got {type(data).__name__}")
-    return data, str(path)
-
-
-def load_stack(source: str | os.PathLike[str] | Mapping[str, Any] | StackConfig) -> StackConfig:
-    """Loads a stack from a YAML file path, a mapping, or returns a StackConfig unchanged."""
-    if isinstance(source, StackConfig):
-        return source
-    data, name = read_stack_source(source)
-    return parse_stack(data, source=name)
-
-
-def stack_json_schema() -> dict[str, Any]:
-    """JSON Schema of a stack with the tier union of every installed tier type."""
-    from pydantic import create_model
-
-    from .plugins import tier_types
-
-    models = tuple(cls.config_model for cls in tier_types().values())
-    union: Any = Annotated[Union[models], Field(discriminator="type")]  # noqa: UP007
-    schema_model = create_model(
-        "StackConfig",
-        __base__=StackConfig,
-        tiers=(list[union], Field(min_length=1, description="Tiers, fastest first.")),
+    queue_timeout_s: PositiveFloat = Field(
+        default=60.0,
+        description="Longest load()/dump() blocks on a full queue before raising TimeoutError.",
     )
-    return schema_model.model_json_schema()
+    load_workers: int = Field(
+        default=4,
+        ge=1,
+        le=_abi.QUEUE_FILL_PARTS_MAX,
+        description="Concurrent loads from the tiers below, per rank (loader threads; a step's "
+        "keys are cut into this many batches).",
+    )
+    step_keys: int = Field(
+        default=1024,
+        ge=1,
+        le=_abi.QUEUE_STEP_KEYS_MAX,
+        description="Most keys one dispatcher step claims (one batched Get).",
+    )
+    copy_threads: int = Field(
+        default=4,
+        ge=1,
+        le=_abi.QUEUE_COPY_THREADS_MAX,
+        description="Native threads copying shard bytes between buffer slots and caller memory.",
+    )
+    rearrange: bool = Field(
+        default=True,
+        description="Walk each load task in RearrangeIndex order (false: natural order, kept "
+        "only to measure what the rotation buys).",
+    )
+    prealloc: bool = Field(
+        default=True,
+        description="Prewarm (block, index + 1) of each loaded block in the dispatcher's idle "
+        "window (seed 3.4; with a buffer only).",
+    )
+    wait_timeout_s: PositiveFloat = Field(
+        default=30.0,
+        description="Longest a rank waits for another rank's load before loading it itself.",
+    )
+    write_queue_bytes: Size = Field(
+        default=256 * 1024 * 1024,
+        description="Bytes of dumped shards waiting for write-through before dump tasks block.",
+    )
+
+    def load_settings(self) -> LoadSettings:
+        """These settings as a plain ``LoadSettings`` (a model that extends it, such as the
+        buffer tier's config, keeps only the load path's keys)."""
+        if type(self) is LoadSettings:
+            return self
+        return LoadSettings.model_validate(self.model_dump(include=set(LoadSettings.model_fields)))

@@ -168,7 +168,7 @@ def run_demo(
     import yaml
     from rich.progress import Progress
 
-    from .config import load_stack
+    from .stack import load_stack
 
     with tempfile.TemporaryDirectory(prefix="ucm-demo-", dir=workdir) as cold_dir:
         text = stack_yaml or DEFAULT_STACK_YAML.format(

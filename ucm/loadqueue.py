@@ -1,18 +1,19 @@
 """The per-rank load and dump paths.
 
-**With a buffer tier** (the usual stack) the per-shard work runs in the native queue of the
-buffer tier (``ucm.native.queue``, ``core-native/src/queue.zig``): one call hands a task over,
-and native threads do the batched Get in RearrangeIndex order, the copies (``copy_threads``
-threads), the futex waits on slots other ranks fill, the releases and the idle-window Prealloc,
-while the runtime's thread holds the GIL. :class:`BufferPath` is its Python side: it builds each
-task's arrays, runs the *loader* threads that serve the keys this rank owns from the tiers below
-(those stay Python plugins), and completes :class:`~ucm.task.Task` objects by waiting on the
-task's futex word (GIL released) — never by polling. CUDA destinations are copied by the loader
-threads from the registered buffer memory (``COPY_OUT`` work), or through pinned staging
-tensors when registration is unavailable.
+Every load and prefetch runs in one engine, the native queue (``ucm.native.queue``,
+``core-native/src/queue.zig``): one call hands a task over, and native threads walk it in
+RearrangeIndex order, one step at a time. **With a buffer tier** (the usual stack) a step is
+a batched Get: the copies (``copy_threads`` threads), the futex waits on slots other ranks
+fill, the releases and the idle-window Prealloc are native, while the runtime's thread holds
+the GIL. **Without one** the queue runs on a null buffer: every key of a step is BYPASS work,
+loaded from the tiers straight into its destination.
 
-**Without a buffer tier** there are no shared slots to claim: :class:`LoadQueue`'s dispatcher
-hands each RearrangeIndex step to loader threads that load straight into the destinations.
+:class:`LoadPath` is the queue's Python side: it builds each task's arrays, runs the *loader*
+threads that serve the keys this rank owns (or bypasses) from the tiers below (those stay
+Python plugins), and completes :class:`~ucm.task.Task` objects by waiting on the task's futex
+word (GIL released) — never by polling. CUDA destinations are copied by the loader threads from
+the registered buffer memory (``COPY_OUT`` work), or through pinned staging tensors when
+registration is unavailable (or there is no buffer).
 
 The **DumpQueue** runs dumps that Python must follow up: stacks without a buffer (into the top
 tier) and stacks with ``write: through`` tiers (the buffer part through the native queue, then
@@ -28,12 +29,12 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from . import arguments
+from .buffer import BufferTier
+from .config import LoadSettings
 from .errors import KeyMissingError, NoBufferSlotError, StoreClosedError, TierError
 from .layout import Key
 from .native.queue import (
@@ -46,54 +47,14 @@ from .native.queue import (
     WorkKind,
     WorkState,
 )
-from .rearrange import rearrange_strides
 from .task import Progress, Task
 from .tier import Outcome, ShardViews, Tier
-
-
-class BufferTier(Protocol):
-    """What the load path needs of the ``buffer`` tier (``ucm_backends.buffer.BufferTier``)."""
-
-    queue: NativeQueue
-    bases: list[int]
-    segment_bytes: int
-    writes_back: bool
-
-    def lookup(self, keys: Sequence[Key]) -> list[bool]: ...
-    def dump_with(
-        self,
-        keys: Sequence[Key],
-        run: Callable[[int, int], list[Outcome]],
-        views_of: Callable[[int], ShardViews],
-    ) -> list[Outcome]: ...
-
 
 Fill = Callable[[list[Key], list[ShardViews]], tuple[dict[Key, BaseException], list[int]]]
 """Loads keys from the tiers below into the views; returns failures and, per key, the position
 of the tier that served it (-1 if none)."""
 
 Count = Callable[[str, int], None]
-
-
-@dataclass(frozen=True)
-class QueueSettings:
-    """Queue depths, concurrency and timeouts (the buffer tier's keys of the same names)."""
-
-    load_queue_depth: int = 64
-    dump_queue_depth: int = 64
-    queue_timeout_s: float = 60.0
-    load_workers: int = 4
-    step_keys: int = 1024
-    prealloc: bool = True
-    rearrange: bool = True
-    wait_timeout_s: float = 30.0
-    write_queue_bytes: int = 256 * 1024 * 1024
-    copy_threads: int = 4
-
-    @classmethod
-    def from_tier_config(cls, config: Any) -> QueueSettings:
-        names = cls.__dataclass_fields__
-        return cls(**{name: getattr(config, name) for name in names if hasattr(config, name)})
 
 
 LOADER_IDLE_S = 3600.0
@@ -148,7 +109,7 @@ class NativeJob:
 
     def __init__(
         self,
-        path: BufferPath,
+        path: LoadPath,
         kind: TaskKind,
         task_keys: arguments.TaskKeys,
         memory: arguments.ShardMemory | None,
@@ -211,21 +172,23 @@ class NativeJob:
         return self._final is not None
 
 
-class BufferPath:
-    """The Python side of the native queue: submits tasks, serves the loaders, completes."""
+class LoadPath:
+    """The Python side of the native queue: submits tasks, serves the loaders, completes.
+    ``queue`` runs over ``buffer``, or over a null buffer when ``buffer`` is None."""
 
     def __init__(
         self,
         *,
-        buffer: BufferTier,
+        queue: NativeQueue,
+        buffer: BufferTier | None,
         fill: Fill,
         count: Count,
         shard_size: int,
-        settings: QueueSettings,
+        settings: LoadSettings,
         dirty_dumps: bool,
     ) -> None:
         self._buffer = buffer
-        self.queue = buffer.queue
+        self.queue = queue
         self._fill = fill
         self._count = count
         self._shard_size = shard_size
@@ -351,9 +314,11 @@ class BufferPath:
         keys = [job.keys[e] for e in entries]
         if batch.kind is WorkKind.COPY_OUT:
             return self._copy_out(job, entries, batch.addresses)
+        size = self._shard_size
         if batch.kind is WorkKind.FILL:
-            size = self._shard_size
             views: list[ShardViews] = [[_view_at(address, size)] for address in batch.addresses]
+        elif job.memory is None:  # a prefetch without a buffer: promoted into the top tier
+            views = [[memoryview(bytearray(size))] for _ in entries]
         else:
             assert job.memory is not None
             views = [job.memory.views[e] for e in entries]
@@ -364,7 +329,9 @@ class BufferPath:
         states = []
         for entry, key, position in zip(entries, keys, served, strict=True):
             if position >= 0:
-                states.append(WorkState.READY)
+                # Served by the top tier: a hit of a stack without a buffer (with one, the
+                # loaders start below it and never see position 0).
+                states.append(WorkState.HIT if position == 0 else WorkState.READY)
                 continue
             cause = failures.get(key) or KeyMissingError("not found in any tier")
             job.failures_seen[entry] = cause
@@ -408,6 +375,8 @@ class BufferPath:
         if self._cuda_checked:
             return
         self._cuda_checked = True
+        if self._buffer is None:  # no buffer memory to copy from: the staging tensors
+            return
         try:
             self._cuda = _CudaDirect(self._buffer.bases, self._buffer.segment_bytes)
         except Exception as exc:  # the staging fallback (arguments.py) still works
@@ -447,110 +416,6 @@ class BufferPath:
 
 def _view_at(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
-
-
-class LoadQueue:
-    """The load path of a stack without a buffer tier: a dispatcher thread walks each task in
-    RearrangeIndex order and hands every step to the loader threads, which load straight into
-    the destinations (no shared slots to claim). Thread-safe ``submit``; ``close`` drains it."""
-
-    def __init__(
-        self,
-        *,
-        fill: Fill,
-        count: Count,
-        device_id: int,
-        local_rank_size: int,
-        shard_size: int,
-        settings: QueueSettings,
-    ) -> None:
-        self._shard_size = shard_size
-        self._fill = fill
-        self._count = count
-        self._device_id = device_id
-        self._local_rank_size = local_rank_size
-        self._settings = settings
-        self._pending: queue.Queue[LoadJob | None] = queue.Queue(settings.load_queue_depth)
-        self._loaders = ThreadPoolExecutor(settings.load_workers, thread_name_prefix="ucm-loader")
-        self._closed = False
-        self._dispatcher = threading.Thread(
-            target=self._dispatch_loop, name="ucm-dispatcher", daemon=True
-        )
-        self._dispatcher.start()
-
-    def submit(self, job: LoadJob) -> None:
-        if self._closed:
-            raise StoreClosedError("the store is closed; open a new one with ucm.open()")
-        _put(self._pending, job, self._settings.queue_timeout_s, "load")
-
-    def close(self) -> None:
-        """Finishes every queued task, then stops the threads."""
-        if self._closed:
-            return
-        self._closed = True
-        self._pending.put(None)
-        self._dispatcher.join()
-        self._loaders.shutdown(wait=True)
-
-    def _dispatch_loop(self) -> None:
-        while True:
-            job = self._pending.get()
-            if job is None:
-                return
-            try:
-                self._dispatch(job)
-            except BaseException as exc:  # never leave a task hanging
-                job.progress.finish(job.progress.unfinished(), _as_error(exc))
-
-    def _dispatch(self, job: LoadJob) -> None:
-        futures = []
-        n = len(job.keys)
-        if self._settings.rearrange:
-            strides = rearrange_strides(n, self._device_id, self._local_rank_size)
-        else:  # natural order, in steps of the same size (for comparison)
-            width = -(-n // self._local_rank_size)
-            strides = [list(range(start, min(n, start + width))) for start in range(0, n, width)]
-        limit = self._settings.step_keys
-        for stride in strides:
-            for start in range(0, len(stride), limit):
-                step = stride[start : start + limit]
-                for part in _split(step, self._settings.load_workers):
-                    futures.append(self._loaders.submit(self._load, job, part))
-        wait_futures(futures, timeout=self._settings.queue_timeout_s)
-
-    def _load(self, job: LoadJob, entries: list[int]) -> None:
-        """Loads entries from the cascade straight into their destinations."""
-        if job.memory is None:  # a prefetch: the cascade promotes into the top tier
-            size = self._shard_size
-            scratch: list[ShardViews] = [[memoryview(bytearray(size))] for _ in entries]
-            _, served = self._fill([job.keys[i] for i in entries], scratch)
-            self._count("prefetched_shards", sum(1 for p in served if p > 0))
-            job.progress.finish(entries)
-            return
-        keys = [job.keys[i] for i in entries]
-        try:
-            failures, served = self._fill(keys, [job.memory.views[i] for i in entries])
-        except BaseException as exc:
-            failures, served = {key: _as_error(exc) for key in keys}, [-1] * len(keys)
-        hits = sum(1 for position in served if position == 0)
-        self._count("hits", hits)
-        self._count("misses", len(entries) - hits)
-        loaded = [entries[k] for k, position in enumerate(served) if position >= 0]
-        self._count("loaded_shards", len(loaded))
-        self._count("failed_shards", len(entries) - len(loaded))
-        job.progress.finish(loaded)
-        job.progress.fail(
-            {i: failures[key] for i, key, p in zip(entries, keys, served, strict=True) if p < 0}
-        )
-
-
-@dataclass(eq=False)
-class LoadJob:
-    """One load (or prefetch, when ``memory`` is None) task of a stack without a buffer."""
-
-    keys: list[Key]
-    memory: arguments.ShardMemory | None
-    progress: Progress
 
 
 def _put(target: queue.Queue[Any], item: Any, timeout_s: float, what: str) -> None:
@@ -623,8 +488,8 @@ class DumpQueue:
         top: Tier,
         through: list[Tier],
         count: Count,
-        settings: QueueSettings,
-        native: BufferPath | None = None,
+        settings: LoadSettings,
+        native: LoadPath | None = None,
         buffer: BufferTier | None = None,
     ) -> None:
         self._top = top
@@ -634,12 +499,12 @@ class DumpQueue:
         self._count = count
         self._settings = settings
         self.writer = WriteQueue(settings.write_queue_bytes, count)
-        self._pending: queue.Queue[_Dump | None] = queue.Queue(settings.dump_queue_depth)
+        self._pending: queue.Queue[DumpItem | None] = queue.Queue(settings.dump_queue_depth)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="ucm-dump", daemon=True)
         self._thread.start()
 
-    def submit(self, dump: _Dump) -> None:
+    def submit(self, dump: DumpItem) -> None:
         if self._closed:
             raise StoreClosedError("the store is closed; open a new one with ucm.open()")
         _put(self._pending, dump, self._settings.queue_timeout_s, "dump")
@@ -647,7 +512,9 @@ class DumpQueue:
     def drain(self) -> None:
         """Waits for every queued dump, then for the write-through backlog."""
         marker = Progress([(b"\0" * 16, 0)])  # finished by the dump thread when it gets here
-        self._pending.put(_Dump(arguments.TaskKeys.of([]), arguments.ShardMemory(views=[]), marker))
+        self._pending.put(
+            DumpItem(arguments.TaskKeys.of([]), arguments.ShardMemory(views=[]), marker)
+        )
         marker.future.result(timeout=self._settings.queue_timeout_s)
         self.writer.drain()
 
@@ -672,11 +539,11 @@ class DumpQueue:
             except BaseException as exc:
                 item.progress.finish(item.progress.unfinished(), _as_error(exc))
 
-    def _dump(self, item: _Dump) -> None:
+    def _dump(self, item: DumpItem) -> None:
         keys, memory, progress = item.task_keys.keys, item.memory, item.progress
-        if self._native is not None:  # the buffer part, natively, straight from the addresses
+        if self._buffer is not None:  # the buffer part, natively, straight from the addresses
             native, buffer = self._native, self._buffer
-            assert buffer is not None
+            assert native is not None
 
             def run(start: int, end: int) -> list[Outcome]:
                 job = native.submit(
@@ -695,15 +562,15 @@ class DumpQueue:
             self.writer.put(self._through, keys, snapshot)
             outcomes = [None] * len(keys)
         failed = {i: o for i, o in enumerate(outcomes) if o is not None}
-        if self._native is None:
-            self._count("dumped_shards", len(keys) - len(failed))
-            self._count("failed_shards", len(failed))
+        if self._buffer is None and self._native is not None:
+            # Into a top tier that is not the buffer: counted with the queue's counters.
+            self._native.queue.count_dumps(len(keys) - len(failed), len(failed))
         progress.finish(i for i in range(len(keys)) if i not in failed)
         progress.fail(failed)
 
 
 @dataclass(eq=False)
-class _Dump:
+class DumpItem:
     task_keys: arguments.TaskKeys
     memory: arguments.ShardMemory
     progress: Progress
@@ -771,31 +638,14 @@ WRITE_WAIT_ROUNDS_MAX = 600
 """One-second rounds a dump waits for write-through room (or ``drain`` for the backlog)."""
 
 
-def _split(items: list[int], parts: int) -> list[list[int]]:
-    """``items`` in at most ``parts`` contiguous, non-empty, near-equal pieces."""
-    if not items:
-        return []
-    parts = max(1, min(parts, len(items)))
-    size, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for k in range(parts):
-        end = start + size + (1 if k < extra else 0)
-        out.append(items[start:end])
-        start = end
-    return out
-
-
 def _as_error(exc: BaseException) -> BaseException:
     return exc if isinstance(exc, Exception) else TierError(f"interrupted: {exc!r}")
 
 
 __all__ = [
-    "BufferPath",
     "DumpQueue",
     "Fill",
-    "LoadJob",
-    "LoadQueue",
+    "LoadPath",
     "NativeJob",
-    "QueueSettings",
     "WriteQueue",
 ]

@@ -15,7 +15,6 @@ families on every scrape; :func:`serve` exposes them over HTTP on the loopback i
 
 from __future__ import annotations
 
-import ctypes
 import ipaddress
 import math
 import os
@@ -27,15 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidArgumentError
-from .native.buffer import (
-    COUNTER_NAMES,
-    GAUGE_NAMES,
-    SLOT_NONE,
-    BufferCore,
-    State,
-    _HeaderStruct,
-    _SlotStruct,
-)
+from .native.buffer import COUNTER_NAMES, GAUGE_NAMES, BufferCore
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -48,14 +39,11 @@ NODE_WIDE_COUNTERS: tuple[str, ...] = COUNTER_NAMES
 NODE_WIDE_GAUGES: tuple[str, ...] = GAUGE_NAMES
 """Of those, the gauges (exported as Prometheus gauges, without ``_total``)."""
 
-_SLOT_BYTES = ctypes.sizeof(_SlotStruct)
-_DETACHED_BUCKET = SLOT_NONE - 1
-_FLAG_PREALLOCATED = 2
-
 
 @dataclass(frozen=True)
 class Occupancy:
-    """Where the buffer's slots are, read from the shared slot table (node-wide).
+    """Where the buffer's slots are, counted by the native core from the shared slot table
+    (node-wide).
 
     Read without locks while ranks work: each slot is read once, so the counts are a consistent
     picture of each slot but the sum may mix instants; it is a gauge, not an audit.
@@ -93,63 +81,14 @@ class Occupancy:
         return self.resident / self.capacity_slots if self.capacity_slots else 0.0
 
 
-def _references(raw: ctypes.Array[ctypes.c_uint64]) -> list[int]:
-    """References held on each slot: one per holder process, a bit in the slot's bitmap."""
-    offset = _SlotStruct.holders.offset // 8
-    bitmaps: list[int] = memoryview(raw).cast("B").cast("Q")[offset :: _SLOT_BYTES // 8].tolist()
-    return [bitmap.bit_count() for bitmap in bitmaps]
-
-
-def buffer_occupancy(core: BufferCore, ctrl_address: int) -> Occupancy:
-    """Counts the slots of the buffer whose control region is mapped at ``ctrl_address``.
-
-    Reads the slot table directly (a few list operations per field, no per-slot native call), so
-    it takes milliseconds even for a million slots.
-    """
-    header = _HeaderStruct.from_address(ctrl_address)
+def buffer_occupancy(core: BufferCore) -> Occupancy:
+    """Counts the slots of the buffer (``BufferCore.occupancy``: the native core reads the
+    shared slot table, whose layout it owns)."""
     geometry = core.geometry
-    total = geometry.slot_count_total
-    raw = (ctypes.c_uint64 * (total * _SLOT_BYTES // 8)).from_address(
-        ctrl_address + header.slots_offset_bytes
-    )
-    words = memoryview(raw).cast("B").cast("I")
-
-    def column(name: str) -> list[int]:
-        offset = getattr(_SlotStruct, name).offset // 4
-        values: list[int] = words[offset :: _SLOT_BYTES // 4].tolist()
-        return values
-
-    buckets = column("bucket")
-    states = column("state")
-    flags = column("flags")
-    references = _references(raw)
-    regular = geometry.slot_count_regular
-    on_chain = [bucket < _DETACHED_BUCKET for bucket in buckets]
-    ready = int(State.READY)
-    resident_slots = [
-        i
-        for i, (chained, state) in enumerate(zip(on_chain, states, strict=True))
-        if chained and state == ready
-    ]
-    filling = preallocated = waiters = 0
-    for chained, state, held, flag in zip(on_chain, states, references, flags, strict=True):
-        if chained and state != ready:
-            if held:
-                filling += 1
-                waiters += held - 1
-            elif flag & _FLAG_PREALLOCATED:
-                preallocated += 1
     return Occupancy(
-        capacity_slots=regular,
+        capacity_slots=geometry.slot_count_regular,
         reserved_slots=geometry.slot_count_reserved,
-        resident=len(resident_slots),
-        filling=filling,
-        preallocated=preallocated,
-        in_use=total - references.count(0),
-        waiters=waiters,
-        free=buckets.count(SLOT_NONE),
-        detached=buckets.count(_DETACHED_BUCKET),
-        resident_reserved=sum(1 for slot in resident_slots if slot >= regular),
+        **core.occupancy(),
     )
 
 
@@ -201,12 +140,11 @@ def snapshot(store: Store) -> Snapshot:
     buffer_counters: dict[str, int] | None = None
     occupancy: Occupancy | None = None
     attached_pids: list[int] | None = None
-    top = store.tiers[0]
-    core = getattr(top, "core", None)
-    region = getattr(top, "region", None)
-    if isinstance(core, BufferCore) and region is not None:
+    buffer = store.buffer
+    if buffer is not None:
+        core = buffer.core
         buffer_counters = core.stats()
-        occupancy = buffer_occupancy(core, region.ctrl_address)
+        occupancy = buffer_occupancy(core)
         attached_pids = _attached_pids(core)
         tier_stats[0] = {
             name: value for name, value in tier_stats[0].items() if name not in NODE_WIDE_COUNTERS
@@ -283,8 +221,9 @@ class StoreCollector:
                 "CacheBuffer slots by state (node-wide).",
                 labels=[*uid, "state"],
             )
+            counts = asdict(occupancy)
             for state in _OCCUPANCY_STATES:
-                slots.add_metric([*uid_value, state], getattr(occupancy, state))
+                slots.add_metric([*uid_value, state], counts[state])
             yield slots
             for name, help_text, number in (
                 ("capacity_slots", "Regular slots of the CacheBuffer", occupancy.capacity_slots),

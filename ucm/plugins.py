@@ -10,11 +10,13 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
+from .config import TierConfig
 from .errors import PluginError
+from .tier import Tier
 
 ENTRY_POINT_GROUP = "ucm.backends"
 DEFAULT_PLUGINS = (
-    "ucm_backends.buffer",
+    "ucm.buffer",  # the CacheBuffer: part of the core package, registered like the others
     "ucm_backends.posix",
     "ucm_backends.fsspec_tier",
     "ucm_backends.mooncake",  # imports mooncake.store only when a mooncake tier opens
@@ -65,8 +67,6 @@ def load_plugins() -> None:
 
 def tier_types() -> dict[str, Any]:
     """``{type_name: TierClass}`` of every installed tier type."""
-    from .tier import Tier
-
     load_plugins()
     found: dict[str, type[Tier]] = {}
     # Registration order (built-ins first), so a duplicate type always blames the later plugin.
@@ -95,9 +95,6 @@ def tier_types() -> dict[str, Any]:
 
 
 def _check_tier_class(tier_class: Any, plugin: str) -> None:
-    from .config import TierConfig
-    from .tier import Tier
-
     if not (isinstance(tier_class, type) and issubclass(tier_class, Tier)):
         raise PluginError(f"plugin {plugin!r} registered {tier_class!r}, which is not a ucm.Tier")
     type_name = getattr(tier_class, "type_name", None)

@@ -15,10 +15,11 @@ import threading
 from array import array
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 from . import arguments
-from .config import LowerTierConfig, StackConfig, load_stack
+from .buffer import BufferTier, BufferTierConfig
+from .config import LowerTierConfig
 from .errors import (
     ConfigError,
     InvalidArgumentError,
@@ -27,10 +28,11 @@ from .errors import (
     StoreClosedError,
 )
 from .layout import Key, Layout
-from .loadqueue import BufferPath, BufferTier, DumpQueue, LoadJob, LoadQueue, QueueSettings, _Dump
+from .loadqueue import DumpItem, DumpQueue, LoadPath
 from .native.buffer import SLOT_NONE
-from .native.queue import TaskKind
+from .native.queue import LOCAL_RANK_SIZE_MAX, NativeQueue, TaskKind
 from .plugins import tier_types
+from .stack import StackConfig, load_stack
 from .task import Progress, Task
 from .tier import HOST_MEMORY_OPTION, Outcome, ShardViews, Tier, TierContext
 
@@ -60,12 +62,12 @@ class Pin:
 class Store:
     """One rank's handle on a tier stack. Thread-safe; use as a context manager.
 
-    With a buffer tier, loads, prefetches and the buffer part of dumps run in the buffer's
-    native queue (:class:`~ucm.loadqueue.BufferPath`: native dispatcher and copy threads,
-    Python loader threads for the tiers below); without one, loads go through the Python
-    :class:`~ucm.loadqueue.LoadQueue`. Dumps that feed ``write: through`` tiers (or a stack
-    without a buffer) also pass through the :class:`~ucm.loadqueue.DumpQueue`. Many tasks may
-    be in flight at once.
+    Loads and prefetches run in one engine, the native queue (:class:`~ucm.loadqueue.LoadPath`:
+    native dispatcher and copy threads, Python loader threads for the tiers below): the
+    buffer's queue, or a queue over a null buffer for a stack without one. The buffer part of
+    dumps runs there too. Dumps that feed ``write: through`` tiers (or a stack without a
+    buffer) also pass through the :class:`~ucm.loadqueue.DumpQueue`. Many tasks may be in
+    flight at once.
     """
 
     def __init__(
@@ -102,7 +104,7 @@ class Store:
                     evict_sink=self._evict_sink_for(position),
                     options={HOST_MEMORY_OPTION: host_memory} if host_memory else {},
                 )
-                if tier_config.type == "buffer" and position > 0:
+                if isinstance(tier_config, BufferTierConfig) and position > 0:
                     raise ConfigError(
                         f"tiers[{position}].type: the buffer tier must be the first tier (the "
                         "node-wide host-memory cache sits above every other tier)"
@@ -111,22 +113,20 @@ class Store:
                     self.tiers.append(installed[tier_config.type](tier_config, context))
                 except InvalidArgumentError as exc:
                     raise ConfigError(f"tiers[{position}] ({tier_config.type}): {exc}") from exc
-                # Memory this tier keeps mapped (the buffer's slots), for the tiers below.
-                host_memory += tuple(getattr(self.tiers[-1], "host_memory", ()))
+                # Memory the buffer keeps mapped (its slots), for the tiers below.
+                if isinstance(self.tiers[-1], BufferTier):
+                    host_memory += self.tiers[-1].host_memory
         except BaseException:
             for tier in self.tiers:
                 tier.close()
             raise
         top = self.tiers[0]
-        # The shared CacheBuffer (native core) brings the native load queue.
-        self._buffer: BufferTier | None = (
-            cast(BufferTier, top) if hasattr(type(top), "queue") else None
-        )
-        settings = QueueSettings.from_tier_config(top.config) if self._buffer else QueueSettings()
+        # The shared CacheBuffer (native core), typed: it brings the native load queue.
+        self._buffer: BufferTier | None = top if isinstance(top, BufferTier) else None
+        # One settings model with or without a buffer (the buffer tier's config is one).
+        settings = config.load_settings
         if write_queue_bytes is not None:
-            settings = QueueSettings(
-                **{**settings.__dict__, "write_queue_bytes": write_queue_bytes}
-            )
+            settings = settings.model_copy(update={"write_queue_bytes": write_queue_bytes})
         self.settings = settings
         self._start = 1 if self._buffer is not None else 0
         through = [
@@ -134,33 +134,37 @@ class Store:
             for tier in self.tiers[1:]
             if isinstance(tier.config, LowerTierConfig) and tier.config.write == "through"
         ]
-        self._native: BufferPath | None = None
-        self._loads: LoadQueue | None = None
+        self._native: LoadPath | None = None
+        self._own_queue: NativeQueue | None = None
         self._dumps: DumpQueue | None = None
         self._worker = device_id >= 0
         try:
-            if self._worker and self._buffer is not None:
-                self._native = BufferPath(
+            if self._worker:
+                if self._buffer is not None:
+                    queue = self._buffer.queue
+                else:  # a null buffer: every key is loaded from the tiers (BYPASS)
+                    queue = self._own_queue = NativeQueue(
+                        None,
+                        [],
+                        settings,
+                        device_id=device_id,
+                        local_rank_size=min(local_rank_size, LOCAL_RANK_SIZE_MAX),
+                        shards_per_block=self.layout.shards_per_block,
+                        tensor_sizes=self.layout.tensor_sizes,
+                    )
+                self._native = LoadPath(
+                    queue=queue,
                     buffer=self._buffer,
                     fill=self._fill_from_below,
                     count=self._count,
                     shard_size=self.layout.shard_size,
                     settings=settings,
-                    dirty_dumps=self._buffer.writes_back,
-                )
-            elif self._worker:
-                self._loads = LoadQueue(
-                    fill=self._fill_from_below,
-                    count=self._count,
-                    device_id=device_id,
-                    local_rank_size=local_rank_size,
-                    shard_size=self.layout.shard_size,
-                    settings=settings,
+                    dirty_dumps=self._buffer is not None and self._buffer.writes_back,
                 )
             # Dumps that Python follows up go through the dump thread: without a buffer, with
             # write-through tiers, or within the write-back bound.
             writes_back = self._buffer is not None and self._buffer.writes_back
-            if self._worker and (self._native is None or through or writes_back):
+            if self._worker and (self._buffer is None or through or writes_back):
                 self._dumps = DumpQueue(
                     top=top,
                     through=through,
@@ -172,6 +176,8 @@ class Store:
         except BaseException:
             if self._native is not None:
                 self._native.close()
+            if self._own_queue is not None:
+                self._own_queue.destroy()
             for tier in self.tiers:
                 tier.close()
             raise
@@ -180,6 +186,11 @@ class Store:
         self._prefetch_lock = threading.Lock()
         self._pins: set[Pin] = set()
         self._pins_lock = threading.Lock()
+
+    @property
+    def buffer(self) -> BufferTier | None:
+        """The stack's CacheBuffer (its top tier), or None for a stack without one."""
+        return self._buffer
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -216,14 +227,9 @@ class Store:
         missing = [key for key, hit in zip(keys, present, strict=True) if not hit]
         if not missing:
             return
-        if self._native is not None:
-            job = self._native.submit(TaskKind.PREFETCH, arguments.TaskKeys.of(missing), None)
-            task = self._native.task("prefetch", job)
-        else:
-            assert self._loads is not None
-            progress = Progress(missing)
-            task = Task("prefetch", missing, progress)
-            self._loads.submit(LoadJob(keys=missing, memory=None, progress=progress))
+        assert self._native is not None
+        job = self._native.submit(TaskKind.PREFETCH, arguments.TaskKeys.of(missing), None)
+        task = self._native.task("prefetch", job)
         with self._prefetch_lock:
             self._prefetches = [t for t in self._prefetches if not t.done()]
             self._prefetches.append(task)
@@ -277,7 +283,7 @@ class Store:
         shard (its memory is freed at the unpin). Pins held at :meth:`close` are released."""
         self._check_open()
         blocks = arguments.check_block_ids(block_ids)
-        if self._native is None or not blocks:
+        if self._native is None or self._buffer is None or not blocks:
             return [Pin(block, ()) for block in blocks]
         per_block = self.layout.shards_per_block
         ids = b"".join(block for block in blocks for _ in range(per_block))
@@ -351,13 +357,12 @@ class Store:
         """Store counters plus each tier's own counters under ``tiers``."""
         with self._counters_lock:
             counters: dict[str, Any] = dict(self._counters)
+        # The load engine's counters: the queue owns these names (the store never counts them).
         if self._native is not None and not self._native.queue.destroyed:
             native = self._native.queue.stats()
-            for name in _NATIVE_STORE_COUNTERS:
-                counters[name] = counters.get(name, 0) + native[name]
+            counters.update({name: native[name] for name in _NATIVE_STORE_COUNTERS})
         elif self._native_final is not None:
-            for name, value in self._native_final.items():
-                counters[name] = counters.get(name, 0) + value
+            counters.update(self._native_final)
         for name in (
             "hits",
             "misses",
@@ -389,8 +394,6 @@ class Store:
                 self._dumps.close()
             if self._native is not None:
                 self._native.close()
-            if self._loads is not None:
-                self._loads.close()
             # Top first: the buffer's write-back debt lands in the tiers below before they
             # flush. One tier's failure does not keep the others from flushing.
             for tier in self.tiers:
@@ -403,6 +406,8 @@ class Store:
             if self._native is not None and not self._native.queue.destroyed:
                 native = self._native.queue.stats()
                 self._native_final = {name: native[name] for name in _NATIVE_STORE_COUNTERS}
+            if self._own_queue is not None:  # left alone when abandoned (tasks outlived close)
+                self._own_queue.destroy()
             for tier in self.tiers:
                 tier.close()
         if errors:
@@ -445,20 +450,10 @@ class Store:
         return task_keys, memory
 
     def _submit_load(self, task_keys: arguments.TaskKeys, memory: arguments.ShardMemory) -> Task:
-        if self._native is not None and len(task_keys):  # the queue counts its load tasks
-            return self._native.task("load", self._native.submit(TaskKind.LOAD, task_keys, memory))
-        self._count("load_tasks")
-        if not len(task_keys):
+        if not len(task_keys):  # nothing to load: done at once, and not a task of the queue
             return Task("load", [], Progress([]))
-        assert self._loads is not None
-
-        def complete(_progress: Progress) -> None:
-            arguments.finish_cuda_loads(memory)
-
-        keys = task_keys.keys
-        progress = Progress(keys, on_complete=complete if memory.cuda_pairs else None)
-        self._loads.submit(LoadJob(keys=keys, memory=memory, progress=progress))
-        return Task("load", keys, progress)
+        assert self._native is not None  # the queue counts its load tasks
+        return self._native.task("load", self._native.submit(TaskKind.LOAD, task_keys, memory))
 
     def _submit_dump(self, task_keys: arguments.TaskKeys, memory: arguments.ShardMemory) -> Task:
         self._count("dump_tasks")
@@ -468,7 +463,7 @@ class Store:
             assert self._native is not None
             return self._native.task("dump", self._native.submit(TaskKind.DUMP, task_keys, memory))
         progress = Progress(task_keys.keys)
-        self._dumps.submit(_Dump(task_keys, memory, progress))
+        self._dumps.submit(DumpItem(task_keys, memory, progress))
         return Task("dump", task_keys, progress)
 
     def _lookup_keys(self, keys: list[Key], stop_early: bool = True) -> list[bool]:
@@ -489,7 +484,7 @@ class Store:
         self, keys: list[Key], views: list[ShardViews]
     ) -> tuple[dict[Key, BaseException], list[int]]:
         """Loads keys through the cascade below the buffer (or from the top when there is no
-        buffer), then promotes and repairs. Used by the LoadQueue's loader threads."""
+        buffer), then promotes and repairs. Used by the load path's loader threads."""
         failures, served_by, broken = self._cascade_load(keys, views, self._start)
         self._write_up(keys, views, served_by, broken)
         return failures, served_by
@@ -551,7 +546,9 @@ class Store:
             writable = not (
                 isinstance(tier_config, LowerTierConfig) and tier_config.write == "none"
             )
-            promote = position == 0 or bool(getattr(tier_config, "promote", False))
+            promote = position == 0 or (
+                isinstance(tier_config, LowerTierConfig) and tier_config.promote
+            )
             repair = [
                 i
                 for i, served in enumerate(served_by)

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 from .config import TierConfig
 from .layout import Key, Layout
+from .native import _abi
 
 ShardViews = Sequence[memoryview]
 """One shard in caller memory: memoryviews (format 'B') whose sizes sum to shard_size."""
@@ -36,7 +37,7 @@ read into it and write-back/promotion dumps come from it, so a tier that must re
 with its transport (RDMA, Mooncake Store) registers these ranges once at open instead of on
 every call. A tier exposes such memory as a ``host_memory`` attribute of the same shape."""
 
-REMOVE_CHUNK_KEYS = 1024
+REMOVE_CHUNK_KEYS = _abi.BUFFER_REMOVE_CHUNK_KEYS
 """batched_remove takes a tier's lock once per chunk of at most this many keys (seed 003): one
 acquisition per chunk instead of one per key, yet never held long enough to starve readers."""
 

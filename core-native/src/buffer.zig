@@ -178,6 +178,22 @@ pub const Bucket = extern struct {
     head: u32,
 };
 
+/// Slot counts by where the slots are (`Buffer.occupancy`); the C ABI's `ucm_buffer_occupancy`.
+pub const Occupancy = extern struct {
+    resident: u64 = 0,
+    filling: u64 = 0,
+    preallocated: u64 = 0,
+    in_use: u64 = 0,
+    waiters: u64 = 0,
+    free: u64 = 0,
+    detached: u64 = 0,
+    resident_reserved: u64 = 0,
+};
+
+comptime {
+    assert(@sizeOf(Occupancy) == 8 * 8);
+}
+
 pub const Slot = extern struct {
     block_id: BlockId,
     shard_index: u32,
@@ -550,6 +566,38 @@ pub const Buffer = struct {
     pub const Location = struct { segment: u32, offset_bytes: u64 };
 
     /// Where slot `slot_index`'s bytes live: shift+mask for a power-of-two slots_per_segment.
+    /// Where the slots are (the metrics' occupancy gauges), read without locks while ranks
+    /// work: each slot is read once, so every slot is counted consistently but the sums may
+    /// mix instants; a gauge, not an audit. The one reader of the slot table's layout besides
+    /// the operations themselves (Python asks for this instead of walking the table).
+    pub fn occupancy(buffer: Buffer) Occupancy {
+        var out = Occupancy{};
+        const regular = buffer.geometry.slot_count_regular;
+        for (buffer.slots, 0..) |*slot, index| {
+            // Monotonic: a gauge; nothing is ordered by these reads.
+            const bucket = slot.bucket.load(.monotonic);
+            const state = slot.state.load(.monotonic);
+            const flags = slot.flags.load(.monotonic);
+            const held: u64 = @popCount(slot.holders.load(.monotonic));
+            if (held > 0) out.in_use += 1;
+            if (bucket == slot_none) {
+                out.free += 1;
+            } else if (bucket == bucket_detached) {
+                out.detached += 1;
+            } else if (state == @intFromEnum(State.ready)) {
+                out.resident += 1;
+                if (index >= regular) out.resident_reserved += 1;
+            } else if (held > 0) {
+                out.filling += 1;
+                out.waiters += held - 1;
+            } else if (flags & slot_flag_preallocated != 0) {
+                out.preallocated += 1;
+            }
+        }
+        assert(out.free + out.detached + out.resident <= buffer.slots.len);
+        return out;
+    }
+
     pub fn slot_location(buffer: Buffer, slot_index: u32) Location {
         assert(slot_index < buffer.slots.len);
         const shift = buffer.header.slots_per_segment_shift;

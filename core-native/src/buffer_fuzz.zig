@@ -1685,7 +1685,7 @@ fn report_failure(seed: u64, steps: u64, step_index: u64, epoch: u64, world: *co
     });
     world.log.dump();
     world.dump_slots();
-    std.debug.print("buffer fuzz failed: seed {d}, steps {d}; reproduce: zig build fuzz -- --seed {d} --steps {d}\n", .{ seed, steps, seed, steps });
+    std.debug.print("buffer fuzz failed: seed {d}, steps {d}; reproduce: zig build fuzz -- buffer --seed {d} --steps {d}\n", .{ seed, steps, seed, steps });
     return err;
 }
 

@@ -4,7 +4,7 @@
 const std = @import("std");
 
 /// Bumped whenever the C ABI changes; the Python binding refuses a library with another value.
-pub const abi_version: u32 = 6;
+pub const abi_version: u32 = 7;
 
 /// Futex words are 32-bit on Linux, and they must be naturally aligned.
 pub const futex_word_size_bytes: usize = 4;
@@ -44,6 +44,8 @@ pub const queue_copy_threads_max: u32 = 16;
 /// Work batches a step's owned keys are cut into (the loaders' concurrency).
 pub const queue_fill_parts_max: u32 = 256;
 pub const queue_local_rank_size_max: u32 = buffer_holders_max;
+/// Work items one `ucm_queue_next_work` call hands a loader at most (its stack buffer).
+pub const queue_work_batch_max: u32 = 256;
 /// Items each of the work ring (to the loaders) and the copy ring holds before producers wait.
 pub const queue_ring_items: usize = 1 << 16;
 /// A copy thread takes this many bytes of copies at once (at least one shard), at most
@@ -65,6 +67,7 @@ comptime {
     std.debug.assert(queue_step_keys_max <= queue_task_keys_max);
     std.debug.assert(queue_ring_items >= 2 * queue_step_keys_max);
     std.debug.assert(queue_copy_batch_items > 0);
+    std.debug.assert(queue_work_batch_max > 0 and queue_work_batch_max <= queue_step_keys_max);
     std.debug.assert(queue_ring_wait_slice_ns <= futex_wait_slice_ns);
 }
 

@@ -170,7 +170,7 @@ export fn ucm_buffer_scan_holders(ctrl: usize, out_mask: *u64) i32 {
 }
 
 /// Test hook: records another start time for holder `index`, as if its pid had been reused.
-export fn ucm_buffer_debug_set_holder_start_time(ctrl: usize, index: u32, start_time: u64) i32 {
+fn ucm_buffer_debug_set_holder_start_time(ctrl: usize, index: u32, start_time: u64) callconv(.c) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (index >= view.holder_table.entries.len) return buffer_status(.invalid_argument);
     view.debug_set_start_time(index, start_time);
@@ -377,7 +377,7 @@ export fn ucm_buffer_slot_addresses(ctrl: usize, n: u32, slots: [*]const u32, se
     return 0;
 }
 
-export fn ucm_buffer_debug_slot(ctrl: usize, slot: u32, out: *buffer.Slot) i32 {
+fn ucm_buffer_debug_slot(ctrl: usize, slot: u32, out: *buffer.Slot) callconv(.c) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (slot >= view.slots.len) return buffer_status(.invalid_argument);
     out.* = view.slots[slot];
@@ -385,33 +385,33 @@ export fn ucm_buffer_debug_slot(ctrl: usize, slot: u32, out: *buffer.Slot) i32 {
 }
 
 /// The slot holding a key (any state), or -1.
-export fn ucm_buffer_debug_find(ctrl: usize, id: *const buffer.BlockId, shard: u32) i64 {
+fn ucm_buffer_debug_find(ctrl: usize, id: *const buffer.BlockId, shard: u32) callconv(.c) i64 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     const found = view.find_locked(id, shard) catch return buffer_status(.lock_timeout);
     return if (found) |slot| slot else -1;
 }
 
 /// CLOCK cursor position of pool 0 (regular) or 1 (reserved).
-export fn ucm_buffer_debug_cursor(ctrl: usize, pool: u32) i64 {
+fn ucm_buffer_debug_cursor(ctrl: usize, pool: u32) callconv(.c) i64 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (pool > 1) return buffer_status(.invalid_argument);
     return view.cursor_position(if (pool == 0) .regular else .reserved);
 }
 
-export fn ucm_buffer_debug_bucket_of(ctrl: usize, id: *const buffer.BlockId) i64 {
+fn ucm_buffer_debug_bucket_of(ctrl: usize, id: *const buffer.BlockId) callconv(.c) i64 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     return view.bucket_of(id);
 }
 
 /// Test hook: take a bucket lock and keep it (the caller is then killed to test recovery).
-export fn ucm_buffer_debug_hold_lock(ctrl: usize, bucket_index: u32) i32 {
+fn ucm_buffer_debug_hold_lock(ctrl: usize, bucket_index: u32) callconv(.c) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (bucket_index >= view.buckets.len) return buffer_status(.invalid_argument);
     view.debug_hold_lock(bucket_index) catch return buffer_status(.lock_timeout);
     return 0;
 }
 
-export fn ucm_buffer_debug_drop_lock(ctrl: usize, bucket_index: u32) i32 {
+fn ucm_buffer_debug_drop_lock(ctrl: usize, bucket_index: u32) callconv(.c) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (bucket_index >= view.buckets.len) return buffer_status(.invalid_argument);
     const holder = view.buckets[bucket_index].lock.load(.monotonic) & 0x7FFF_FFFF;
@@ -421,8 +421,14 @@ export fn ucm_buffer_debug_drop_lock(ctrl: usize, bucket_index: u32) i32 {
 }
 
 /// Test hook (this process only): pause between reading version+state and blocking in wait.
-export fn ucm_buffer_debug_set_wait_pause_ns(pause_ns: u64) void {
+fn ucm_buffer_debug_set_wait_pause_ns(pause_ns: u64) callconv(.c) void {
     buffer.debug_wait_pause_ns = pause_ns;
+}
+/// Slot counts by where the slots are (buffer.zig `Occupancy`), for the metrics gauges.
+export fn ucm_buffer_occupancy(ctrl: usize, out: *buffer.Occupancy) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    out.* = view.occupancy();
+    return 0;
 }
 // ---- end CacheBuffer ----
 
@@ -452,21 +458,28 @@ fn queue_of(handle: usize) union(enum) { queue: *queue_module.Queue, status: i32
 /// Creates the queue of this process over the control region at `ctrl` (holder `holder`, which
 /// must be registered to the caller) and the data segments at `segment_bases`. `region` is the
 /// ucm_seg handle whose populater faults slot pages in before they are written (0: none).
+/// `ctrl` 0: a null buffer, for a stack without one (no holder, segments or region; every key
+/// is BYPASS work, and the queue takes no dumps).
 export fn ucm_queue_create(
     ctrl: usize,
     holder: u32,
     region: usize,
-    segment_bases: [*]const u64,
+    segment_bases: ?[*]const u64,
     segment_count: u32,
     settings: *const queue_module.Settings,
     tensor_sizes: [*]const u64,
     out_handle: *usize,
 ) i32 {
-    const view = switch (buffer_open_holder(ctrl, holder)) {
-        .view => |v| v,
-        .status => |code| return code,
-    };
-    if (segment_count != view.header.segment_count) return queue_status(.invalid_argument);
+    var view: ?buffer.Buffer = null;
+    if (ctrl != 0) {
+        view = switch (buffer_open_holder(ctrl, holder)) {
+            .view => |v| v,
+            .status => |code| return code,
+        };
+        if (segment_count != view.?.header.segment_count) return queue_status(.invalid_argument);
+    } else if (segment_count != 0 or region != 0) {
+        return queue_status(.invalid_argument);
+    }
     if (!queue_module.Queue.validate_settings(settings.*, view)) return queue_status(.invalid_argument);
     var total: u64 = 0;
     for (tensor_sizes[0..settings.tensor_count]) |size| {
@@ -474,7 +487,8 @@ export fn ucm_queue_create(
         total +|= size;
     }
     if (total != settings.shard_size_bytes) return queue_status(.invalid_argument);
-    for (segment_bases[0..segment_count]) |base| {
+    const bases_raw: []const u64 = if (segment_count == 0) &.{} else (segment_bases orelse return queue_status(.invalid_argument))[0..segment_count];
+    for (bases_raw) |base| {
         if (base == 0) return queue_status(.invalid_argument);
     }
     var populater: ?*const populate_module.Populater = null;
@@ -483,7 +497,7 @@ export fn ucm_queue_create(
         if (seg.mapping.base == 0) return queue_status(.invalid_argument);
         populater = &seg.populater;
     }
-    const bases: []const usize = @ptrCast(segment_bases[0..segment_count]);
+    const bases: []const usize = @ptrCast(bases_raw);
     const queue = queue_module.Queue.create(std.heap.page_allocator, view, settings.*, tensor_sizes[0..settings.tensor_count], bases, populater) catch |err| {
         return queue_status(switch (err) {
             error.OutOfMemory, error.SystemResources => .out_of_memory,
@@ -576,7 +590,7 @@ export fn ucm_queue_next_work(
         .status => |code| return code,
     };
     if (capacity == 0 or capacity > constants.queue_step_keys_max) return queue_status(.invalid_argument);
-    var items: [256]queue_module.WorkItem = undefined;
+    var items: [constants.queue_work_batch_max]queue_module.WorkItem = undefined;
     const taken = queue.next_work(timeout_ns, items[0..@min(capacity, items.len)]) orelse
         return queue_status(.closed);
     for (items[0..taken], 0..) |item, i| {
@@ -719,6 +733,31 @@ export fn ucm_queue_stats(handle: usize, out: [*]u64, capacity: u32, out_held: *
     out_held.* = queue.held_slot_count();
     return queue_module.counter_count;
 }
+/// RearrangeIndex (queue.zig `walk_order`): writes the order in which a rank's dispatcher
+/// walks a task of `n` entries (a permutation of 0..n) into `out` (n entries). `rearrange` 0:
+/// natural order, the benchmarks' baseline. Returns n, or invalid_argument.
+export fn ucm_queue_walk_order(n: u32, device_id: u32, local_rank_size: u32, rearrange: u32, out: ?[*]u32) i32 {
+    if (local_rank_size == 0 or local_rank_size > constants.queue_local_rank_size_max) return queue_status(.invalid_argument);
+    if (rearrange > 1 or n > constants.queue_task_keys_max) return queue_status(.invalid_argument);
+    if (n == 0) return 0;
+    const positions = out orelse return queue_status(.invalid_argument);
+    const walk = queue_module.walk_order(n, device_id, local_rank_size, rearrange == 1);
+    const written = queue_module.walk_positions(walk, positions[0..n]);
+    std.debug.assert(written == n);
+    return @intCast(written);
+}
+
+/// A stack without a buffer: counts the dumps Python wrote into its top tier in the queue's
+/// counters (`dumped_shards`, `failed_shards`), the stack's one set. Refused on a buffer's queue.
+export fn ucm_queue_count_dumps(handle: usize, dumped: u64, failed: u64) i32 {
+    const queue = switch (queue_of(handle)) {
+        .queue => |q| q,
+        .status => |code| return code,
+    };
+    if (queue.buffer != null) return queue_status(.invalid_argument);
+    queue.count_dumps(dumped, failed);
+    return 0;
+}
 // ---- end native load queue ----
 
 // ---- Segments ----
@@ -850,10 +889,29 @@ export fn ucm_seg_unlink(unique_id_ptr: [*]const u8, unique_id_len: usize) i32 {
 
 /// Test hook: makes this process's fd server expect another peer uid, so the SO_PEERCRED
 /// refusal path can be exercised without a second user.
-export fn ucm_seg_debug_set_peer_uid(handle: usize, uid: u32) i32 {
+fn ucm_seg_debug_set_peer_uid(handle: usize, uid: u32) callconv(.c) i32 {
     const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
     if (!region.server.started()) return @intFromEnum(Error.invalid_argument);
     // Monotonic: a standalone setting, see fdpass.Server.expected_uid.
     region.server.expected_uid.store(uid, .monotonic);
     return 0;
+}
+
+// ---- Test hooks ----
+// The `*_debug_*` functions above are exported only by a test build of the library
+// (`zig build -Ddebug-hooks=true`, libucm_core_test.so): fault injection and introspection
+// that the tests and the soak use, never part of the release library.
+const build_options = @import("build_options");
+comptime {
+    if (build_options.debug_hooks) {
+        @export(&ucm_buffer_debug_set_holder_start_time, .{ .name = "ucm_buffer_debug_set_holder_start_time" });
+        @export(&ucm_buffer_debug_slot, .{ .name = "ucm_buffer_debug_slot" });
+        @export(&ucm_buffer_debug_find, .{ .name = "ucm_buffer_debug_find" });
+        @export(&ucm_buffer_debug_cursor, .{ .name = "ucm_buffer_debug_cursor" });
+        @export(&ucm_buffer_debug_bucket_of, .{ .name = "ucm_buffer_debug_bucket_of" });
+        @export(&ucm_buffer_debug_hold_lock, .{ .name = "ucm_buffer_debug_hold_lock" });
+        @export(&ucm_buffer_debug_drop_lock, .{ .name = "ucm_buffer_debug_drop_lock" });
+        @export(&ucm_buffer_debug_set_wait_pause_ns, .{ .name = "ucm_buffer_debug_set_wait_pause_ns" });
+        @export(&ucm_seg_debug_set_peer_uid, .{ .name = "ucm_seg_debug_set_peer_uid" });
+    }
 }

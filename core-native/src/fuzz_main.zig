@@ -1,22 +1,36 @@
-//! `zig build fuzz -- --seed N --steps M`: the long form of the CacheBuffer fuzzer
-//! (`buffer_fuzz.zig`), the same model and operations as `zig build test` runs, for as many
-//! steps as asked. A failure prints the seed, the step and the last operations; the same
-//! arguments replay it exactly.
+//! `zig build fuzz -- FUZZER --seed N --steps M`: the long form of a fuzzer, picked by name
+//! (as TigerBeetle's fuzz_tests.zig does), the same model and operations as `zig build test`
+//! runs, for as many steps as asked:
+//! - `buffer`: the CacheBuffer control plane (`buffer_fuzz.zig`); M steps.
+//! - `queue`: the native load queue over a buffer and over a null buffer (`queue_fuzz.zig`);
+//!   M rounds (tasks).
+//! A failure prints the seed (and for `buffer` the step and the last operations); the same
+//! arguments replay it.
 const std = @import("std");
 const buffer_fuzz = @import("buffer_fuzz.zig");
+const queue_fuzz = @import("queue_fuzz.zig");
 
-const usage = "usage: zig build fuzz -- --seed N --steps M   (N, M: unsigned decimal integers, M >= 1)";
+const usage = "usage: zig build fuzz -- buffer|queue --seed N --steps M   (N, M: unsigned decimal integers, M >= 1)";
 
-pub const Arguments = struct { seed: u64, steps: u64 };
+pub const Fuzzer = enum { buffer, queue };
+
+pub const Arguments = struct { fuzzer: Fuzzer, seed: u64, steps: u64 };
 
 pub const ParseError = error{InvalidArguments};
 
-/// Parses `--seed N --steps M` (either order, `--name=value` too). On an error writes a
-/// message naming the argument and the value into `message` and returns InvalidArguments.
+/// Parses `FUZZER --seed N --steps M` (the fuzzer's name first; the options in either order,
+/// `--name=value` too). On an error writes a message naming the argument and the value into
+/// `message` and returns InvalidArguments.
 pub fn parse_arguments(arguments: []const []const u8, message: *[256]u8, message_len: *usize) ParseError!Arguments {
+    if (arguments.len == 0 or std.mem.startsWith(u8, arguments[0], "--")) {
+        return fail(message, message_len, "name the fuzzer first (buffer or queue); {s}", .{usage});
+    }
+    const fuzzer = std.meta.stringToEnum(Fuzzer, arguments[0]) orelse {
+        return fail(message, message_len, "unknown fuzzer '{s}': expected buffer or queue; {s}", .{ arguments[0], usage });
+    };
     var seed: ?u64 = null;
     var steps: ?u64 = null;
-    var index: usize = 0;
+    var index: usize = 1;
     while (index < arguments.len) : (index += 1) {
         const argument = arguments[index];
         var name = argument;
@@ -49,7 +63,7 @@ pub fn parse_arguments(arguments: []const []const u8, message: *[256]u8, message
     }
     if (seed == null) return fail(message, message_len, "--seed is missing; {s}", .{usage});
     if (steps == null) return fail(message, message_len, "--steps is missing; {s}", .{usage});
-    return .{ .seed = seed.?, .steps = steps.? };
+    return .{ .fuzzer = fuzzer, .seed = seed.?, .steps = steps.? };
 }
 
 fn fail(message: *[256]u8, message_len: *usize, comptime format: []const u8, args: anytype) ParseError {
@@ -77,14 +91,30 @@ pub fn main() !u8 {
         std.debug.print("{s}\n", .{message[0..message_len]});
         return 2;
     };
-    std.debug.print("buffer fuzz: seed {d}, steps {d}\n", .{ arguments.seed, arguments.steps });
     const start_ns = std.time.nanoTimestamp();
-    const summary = buffer_fuzz.run(arguments.seed, arguments.steps) catch return 1;
-    const elapsed_ns: u64 = @intCast(std.time.nanoTimestamp() - start_ns);
-    std.debug.print("buffer fuzz: passed: seed {d}, {d} steps in {d} epochs, {d} ms\n", .{
-        arguments.seed, summary.steps, summary.epochs, elapsed_ns / std.time.ns_per_ms,
-    });
-    buffer_fuzz.print_coverage(&summary);
+    switch (arguments.fuzzer) {
+        .buffer => {
+            std.debug.print("buffer fuzz: seed {d}, steps {d}\n", .{ arguments.seed, arguments.steps });
+            const summary = buffer_fuzz.run(arguments.seed, arguments.steps) catch return 1;
+            const elapsed_ns: u64 = @intCast(std.time.nanoTimestamp() - start_ns);
+            std.debug.print("buffer fuzz: passed: seed {d}, {d} steps in {d} epochs, {d} ms\n", .{
+                arguments.seed, summary.steps, summary.epochs, elapsed_ns / std.time.ns_per_ms,
+            });
+            buffer_fuzz.print_coverage(&summary);
+        },
+        .queue => {
+            std.debug.print("queue fuzz: seed {d}, rounds {d}\n", .{ arguments.seed, arguments.steps });
+            const summary = queue_fuzz.run(arguments.seed, arguments.steps) catch |err| {
+                std.debug.print("queue fuzz: FAILED: seed {d}: {s}\n", .{ arguments.seed, @errorName(err) });
+                return 1;
+            };
+            const elapsed_ns: u64 = @intCast(std.time.nanoTimestamp() - start_ns);
+            std.debug.print("queue fuzz: passed: seed {d}, {d} rounds, {d} ms\n", .{
+                arguments.seed, summary.rounds, elapsed_ns / std.time.ns_per_ms,
+            });
+            queue_fuzz.print_summary(&summary);
+        },
+    }
     return 0;
 }
 
@@ -95,22 +125,25 @@ fn expect_error(arguments: []const []const u8, expected_message: []const u8) !vo
     try std.testing.expect(std.mem.startsWith(u8, message[0..message_len], expected_message));
 }
 
-test "fuzz arguments: --seed and --steps in either order and with '='" {
+test "fuzz arguments: the fuzzer by name, --seed and --steps in either order and with '='" {
     var message: [256]u8 = undefined;
     var message_len: usize = 0;
-    const parsed = try parse_arguments(&.{ "--steps", "2000000", "--seed", "7" }, &message, &message_len);
-    try std.testing.expectEqual(Arguments{ .seed = 7, .steps = 2_000_000 }, parsed);
-    const with_equals = try parse_arguments(&.{ "--seed=18446744073709551615", "--steps=1" }, &message, &message_len);
-    try std.testing.expectEqual(Arguments{ .seed = std.math.maxInt(u64), .steps = 1 }, with_equals);
+    const parsed = try parse_arguments(&.{ "buffer", "--steps", "2000000", "--seed", "7" }, &message, &message_len);
+    try std.testing.expectEqual(Arguments{ .fuzzer = .buffer, .seed = 7, .steps = 2_000_000 }, parsed);
+    const with_equals = try parse_arguments(&.{ "queue", "--seed=18446744073709551615", "--steps=1" }, &message, &message_len);
+    try std.testing.expectEqual(Arguments{ .fuzzer = .queue, .seed = std.math.maxInt(u64), .steps = 1 }, with_equals);
 }
 
 test "fuzz arguments: errors name the argument and the value" {
-    try expect_error(&.{ "--seed", "7" }, "--steps is missing; usage: zig build fuzz -- --seed N --steps M");
-    try expect_error(&.{ "--steps", "9" }, "--seed is missing");
-    try expect_error(&.{ "--seed", "x7", "--steps", "9" }, "--seed 'x7' is not an unsigned 64-bit decimal integer");
-    try expect_error(&.{ "--seed", "-1", "--steps", "9" }, "--seed '-1' is not an unsigned 64-bit decimal integer");
-    try expect_error(&.{ "--seed", "1", "--steps", "0" }, "--steps 0 runs nothing: give at least 1");
-    try expect_error(&.{ "--seed", "1", "--steps" }, "--steps needs a value");
-    try expect_error(&.{ "--seed", "1", "--seed", "2", "--steps", "3" }, "--seed given twice");
-    try expect_error(&.{ "--sed", "1" }, "unknown argument '--sed'");
+    try expect_error(&.{ "buffer", "--seed", "7" }, "--steps is missing; usage: zig build fuzz -- buffer|queue --seed N --steps M");
+    try expect_error(&.{ "queue", "--steps", "9" }, "--seed is missing");
+    try expect_error(&.{ "buffer", "--seed", "x7", "--steps", "9" }, "--seed 'x7' is not an unsigned 64-bit decimal integer");
+    try expect_error(&.{ "buffer", "--seed", "-1", "--steps", "9" }, "--seed '-1' is not an unsigned 64-bit decimal integer");
+    try expect_error(&.{ "queue", "--seed", "1", "--steps", "0" }, "--steps 0 runs nothing: give at least 1");
+    try expect_error(&.{ "buffer", "--seed", "1", "--steps" }, "--steps needs a value");
+    try expect_error(&.{ "buffer", "--seed", "1", "--seed", "2", "--steps", "3" }, "--seed given twice");
+    try expect_error(&.{ "buffer", "--sed", "1" }, "unknown argument '--sed'");
+    try expect_error(&.{ "--seed", "1", "--steps", "2" }, "name the fuzzer first (buffer or queue)");
+    try expect_error(&.{}, "name the fuzzer first (buffer or queue)");
+    try expect_error(&.{ "queues", "--seed", "1" }, "unknown fuzzer 'queues': expected buffer or queue");
 }

@@ -14,6 +14,13 @@
 //! - `copy_threads` **copy threads** move bytes between slots and caller memory with the C
 //!   library's memcpy, then release the slots and finish the entries.
 //!
+//! **Without a buffer** (a stack whose top tier is not the CacheBuffer) the queue runs on a
+//! *null buffer*: there are no slots to claim, so every key of a load or prefetch step is
+//! BYPASS work, loaded by a loader from the tiers below straight into its destination (a
+//! prefetch into the top tier), and there are no dump tasks (the top tier takes dumps). The
+//! queue is then the stack's only load engine all the same: RearrangeIndex order, steps,
+//! `fill_parts` batches, queue depths, completion, counters.
+//!
 //! References: the CacheBuffer records one reference per *process* and slot (buffer.zig), so the
 //! threads of this process share it through a local use count per slot (`uses`), changed under
 //! `refs_mutex` together with the native Get/release that takes or drops the process's one
@@ -143,8 +150,16 @@ pub const WorkKind = enum(u8) {
     copy_out = 2,
 };
 
-/// What a loader reports per work item (`fill` uses all three; the others ready or failed).
-pub const WorkState = enum(u8) { ready = 1, failed = 2, missing = 3 };
+/// What a loader reports per work item (`fill` uses ready, failed and missing; `copy_out`
+/// ready or failed; `bypass` ready or failed, or `hit` on a null buffer).
+pub const WorkState = enum(u8) {
+    ready = 1,
+    failed = 2,
+    missing = 3,
+    /// Null buffer only: loaded, and served by the top tier (the stack's cache), so the load
+    /// counts a hit; `ready` there means served from further below (a miss).
+    hit = 4,
+};
 
 pub const Status = enum(i32) {
     ok = 0,
@@ -362,9 +377,77 @@ const Lane = struct {
     step_wake: Atomic(u32) = Atomic(u32).init(0),
 };
 
+/// The walk order of a task as at most `local_rank_size` pieces, each `start, start +
+/// stride, ... < end`. RearrangeIndex (seed 3.1): this rank's stride (start `device_id % L`,
+/// stride L) first, then the others in rotation (Scenario A). Natural order (kept to measure
+/// what the rotation buys): L contiguous pieces, so every rank claims the same piece at once.
+/// The one implementation of RearrangeIndex: the dispatcher walks tasks in it, and
+/// `ucm_queue_walk_order` hands it to tests and benchmarks.
+pub const Piece = struct { start: u32, stride: u32, end: u32 };
+pub const Walk = struct {
+    pieces: [constants.queue_local_rank_size_max]Piece,
+    piece_count: u32,
+};
+
+pub fn walk_order(n: u32, device_id: u32, ranks: u32, rearrange: bool) Walk {
+    var walk = Walk{ .pieces = undefined, .piece_count = 0 };
+    assert(ranks >= 1 and ranks <= constants.queue_local_rank_size_max);
+    if (n == 0) return walk;
+    if (rearrange) {
+        const first = device_id % ranks;
+        for (0..ranks) |k| {
+            const start: u32 = @intCast((first + k) % ranks);
+            if (start >= n) continue;
+            walk.pieces[walk.piece_count] = .{ .start = start, .stride = ranks, .end = n };
+            walk.piece_count += 1;
+        }
+    } else {
+        const width = std.math.divCeil(u32, n, ranks) catch unreachable;
+        var start: u32 = 0;
+        while (start < n) : (start += width) {
+            assert(walk.piece_count < ranks);
+            walk.pieces[walk.piece_count] = .{ .start = start, .stride = 1, .end = @min(n, start + width) };
+            walk.piece_count += 1;
+        }
+    }
+    assert(walk.piece_count >= 1);
+    return walk;
+}
+
+/// Writes the walk of `n` entries into `out` (a permutation of 0..n): the dispatcher's order.
+pub fn walk_positions(walk: Walk, out: []u32) usize {
+    var written: usize = 0;
+    for (walk.pieces[0..walk.piece_count]) |piece| {
+        var position = piece.start;
+        while (position < piece.end) : (position += piece.stride) {
+            assert(written < out.len);
+            out[written] = position;
+            written += 1;
+        }
+    }
+    return written;
+}
+
+test "walk_order: Scenario A (4 ranks, 12 shards) and natural order" {
+    var out: [12]u32 = undefined;
+    const expected = [4][12]u32{
+        .{ 0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11 },
+        .{ 1, 5, 9, 2, 6, 10, 3, 7, 11, 0, 4, 8 },
+        .{ 2, 6, 10, 3, 7, 11, 0, 4, 8, 1, 5, 9 },
+        .{ 3, 7, 11, 0, 4, 8, 1, 5, 9, 2, 6, 10 },
+    };
+    for (expected, 0..) |order, rank| {
+        try std.testing.expectEqual(@as(usize, 12), walk_positions(walk_order(12, @intCast(rank), 4, true), &out));
+        try std.testing.expectEqualSlices(u32, &order, &out);
+    }
+    try std.testing.expectEqual(@as(usize, 12), walk_positions(walk_order(12, 2, 4, false), &out));
+    for (out, 0..) |position, i| try std.testing.expectEqual(@as(u32, @intCast(i)), position);
+}
+
 pub const Queue = struct {
     allocator: std.mem.Allocator,
-    buffer: Buffer,
+    /// The CacheBuffer, or null: no slots, every key is BYPASS (see the file's doc).
+    buffer: ?Buffer,
     pid: u32,
     settings: Settings,
     tensor_sizes: []u64,
@@ -408,8 +491,11 @@ pub const Queue = struct {
     const load_lane = 0;
     const dump_lane = 1;
 
-    pub fn validate_settings(settings: Settings, buffer: Buffer) bool {
-        if (settings.shard_size_bytes != buffer.geometry.shard_size_bytes) return false;
+    pub fn validate_settings(settings: Settings, buffer: ?Buffer) bool {
+        if (settings.shard_size_bytes == 0) return false;
+        if (buffer) |view| {
+            if (settings.shard_size_bytes != view.geometry.shard_size_bytes) return false;
+        }
         if (settings.local_rank_size == 0 or settings.local_rank_size > constants.queue_local_rank_size_max) return false;
         if (settings.shards_per_block == 0) return false;
         if (settings.tensor_count == 0 or settings.tensor_count > constants.queue_tensors_max) return false;
@@ -422,22 +508,29 @@ pub const Queue = struct {
         return true;
     }
 
-    /// Creates the queue and starts its threads. `buffer` acts as this process's holder.
+    /// Creates the queue and starts its threads. `buffer` acts as this process's holder; null
+    /// for a stack without a buffer (no segments, no populater).
     pub fn create(
         allocator: std.mem.Allocator,
-        buffer: Buffer,
+        buffer: ?Buffer,
         settings: Settings,
         tensor_sizes: []const u64,
         segment_bases: []const usize,
         populater: ?*const populate.Populater,
     ) error{ OutOfMemory, SystemResources }!*Queue {
         assert(validate_settings(settings, buffer));
-        assert(buffer.holder < constants.buffer_holders_max);
         assert(tensor_sizes.len == settings.tensor_count);
-        assert(segment_bases.len == buffer.header.segment_count);
+        var slot_count: usize = 0;
+        if (buffer) |view| {
+            assert(view.holder < constants.buffer_holders_max);
+            assert(segment_bases.len == view.header.segment_count);
+            slot_count = view.slots.len;
+        } else {
+            assert(segment_bases.len == 0);
+            assert(populater == null);
+        }
         const queue = try allocator.create(Queue);
         errdefer allocator.destroy(queue);
-        const slot_count = buffer.slots.len;
         queue.* = .{
             .allocator = allocator,
             .buffer = buffer,
@@ -586,6 +679,9 @@ pub const Queue = struct {
         if (submission.flags & ~task_flags_valid != 0) return false;
         if (submission.kind != .dump and submission.flags & task_flag_dirty != 0) return false;
         if (submission.kind == .dump and submission.flags & task_flag_no_fill != 0) return false;
+        // A null buffer has no slots to dump into (the top tier takes dumps).
+        if (submission.kind == .dump and queue.buffer == null) return false;
+        if (submission.flags & task_flag_no_fill != 0 and queue.buffer == null) return false;
         for (submission.shards) |shard| {
             if (shard >= queue.settings.shards_per_block) return false;
         }
@@ -758,7 +854,7 @@ pub const Queue = struct {
         const started_ns = futex.monotonic_ns();
         queue.refs_mutex.lock();
         defer queue.refs_mutex.unlock();
-        queue.buffer.get(ids, shards, .{ .results = results, .slots = slots });
+        queue.buffer.?.get(ids, shards, .{ .results = results, .slots = slots });
         for (results, slots) |*result, slot| {
             switch (result.*) {
                 .hit, .owner, .waiter => {
@@ -779,7 +875,7 @@ pub const Queue = struct {
                         result.* = .hit;
                     } else if (flags & local_flag_owned != 0) {
                         result.* = .waiter;
-                    } else if (queue.buffer.slots[slot].state.load(.acquire) == @intFromEnum(State.ready)) {
+                    } else if (queue.buffer.?.slots[slot].state.load(.acquire) == @intFromEnum(State.ready)) {
                         queue.local_flags[slot] = local_flag_ready;
                         result.* = .hit;
                     } else {
@@ -809,7 +905,7 @@ pub const Queue = struct {
                 last += 1;
             }
         }
-        const released = queue.buffer.release(slots[0..last]);
+        const released = queue.buffer.?.release(slots[0..last]);
         queue.count(.release_failures, last - released);
         assert(queue.claimed >= last);
         queue.claimed -= @intCast(last);
@@ -824,7 +920,7 @@ pub const Queue = struct {
     /// step can still run while the next claims, and a task larger than the buffer (or the
     /// two lanes together) never claims every slot and starves itself into NO_SLOT.
     fn claim_budget(queue: *const Queue) u32 {
-        return @max(1, queue.buffer.geometry.slot_count_regular / 2);
+        return @max(1, queue.buffer.?.geometry.slot_count_regular / 2);
     }
 
     /// Waits until `keys` more slots fit the budget (the copies of earlier steps release
@@ -862,7 +958,7 @@ pub const Queue = struct {
         var out = [1]buffer_module.CommitResult{.ok};
         var code: u8 = @intCast(@intFromEnum(state));
         if (dirty and state == .ready) code |= buffer_module.commit_dirty_bit;
-        queue.buffer.commit(&.{slot}, &.{code}, &out);
+        queue.buffer.?.commit(&.{slot}, &.{code}, &out);
         queue.refs_mutex.lock();
         defer queue.refs_mutex.unlock();
         assert(queue.uses[slot] > 0);
@@ -886,9 +982,10 @@ pub const Queue = struct {
     /// A flusher's claim of dirty slots (`Buffer.take_dirty`), counted as this process's uses
     /// like any other reference, so the queue's Gets of the same keys see them held.
     pub fn take_dirty(queue: *Queue, cursor: *u32, out: Buffer.DirtyOutput) u32 {
+        if (queue.buffer == null) return 0; // no slots, no debt
         queue.refs_mutex.lock();
         defer queue.refs_mutex.unlock();
-        const taken = queue.buffer.take_dirty(cursor, out);
+        const taken = queue.buffer.?.take_dirty(cursor, out);
         for (out.slots[0..taken]) |slot| {
             // take_dirty skips slots this holder references: no local use yet.
             assert(queue.uses[slot] == 0);
@@ -924,6 +1021,11 @@ pub const Queue = struct {
     /// Returns how many keys were pinned.
     pub fn pin(queue: *Queue, ids: []const BlockId, shards: []const u32, slots: []u32) u32 {
         assert(ids.len == shards.len and slots.len == ids.len);
+        if (queue.buffer == null) {
+            // A null buffer holds no slot: nothing can be pinned.
+            @memset(slots, buffer_module.slot_none);
+            return 0;
+        }
         const step = 64;
         var pinned: u32 = 0;
         var start: usize = 0;
@@ -933,7 +1035,7 @@ pub const Queue = struct {
             @memset(slots[start..end], buffer_module.slot_none);
             var ready: [step]u8 = undefined;
             // A bucket lock held past the timeout: nothing of this step is pinned.
-            queue.buffer.lookup(ids[start..end], shards[start..end], ready[0..n]) catch @memset(ready[0..n], 0);
+            queue.buffer.?.lookup(ids[start..end], shards[start..end], ready[0..n]) catch @memset(ready[0..n], 0);
             // Claim the Ready keys only, so that no slot is allocated for an absent one.
             var claim_ids: [step]BlockId = undefined;
             var claim_shards: [step]u32 = undefined;
@@ -1005,12 +1107,12 @@ pub const Queue = struct {
     }
 
     pub fn slot_address_of(queue: *const Queue, slot: u32) usize {
-        assert(slot < queue.buffer.slots.len);
+        assert(slot < queue.buffer.?.slots.len);
         return queue.slot_address(slot);
     }
 
     fn slot_address(queue: *const Queue, slot: u32) usize {
-        const location = queue.buffer.slot_location(slot);
+        const location = queue.buffer.?.slot_location(slot);
         const base = queue.segment_bases[location.segment];
         assert(base != 0);
         return base + @as(usize, @intCast(location.offset_bytes));
@@ -1064,40 +1166,17 @@ pub const Queue = struct {
         return lane.count == 0;
     }
 
-    /// The walk order of a task as at most `local_rank_size` pieces, each `start, start +
-    /// stride, ... < end`. RearrangeIndex: this rank's stride (start `device_id % L`, stride L)
-    /// first, then the others in rotation (Scenario A). Natural order (kept to measure what
-    /// the rotation buys): L contiguous pieces, so every rank claims the same piece at once.
-    const Piece = struct { start: u32, stride: u32, end: u32 };
-    const Walk = struct {
-        pieces: [constants.queue_local_rank_size_max]Piece,
-        piece_count: u32,
-    };
-
     fn walk_of(queue: *const Queue, n: u32) Walk {
-        var walk = Walk{ .pieces = undefined, .piece_count = 0 };
-        const ranks = queue.settings.local_rank_size;
-        assert(ranks >= 1 and ranks <= constants.queue_local_rank_size_max);
-        if (n == 0) return walk;
-        if (queue.settings.flags & settings_flag_rearrange != 0) {
-            const first = queue.settings.device_id % ranks;
-            for (0..ranks) |k| {
-                const start: u32 = @intCast((first + k) % ranks);
-                if (start >= n) continue;
-                walk.pieces[walk.piece_count] = .{ .start = start, .stride = ranks, .end = n };
-                walk.piece_count += 1;
-            }
-        } else {
-            const width = std.math.divCeil(u32, n, ranks) catch unreachable;
-            var start: u32 = 0;
-            while (start < n) : (start += width) {
-                assert(walk.piece_count < ranks);
-                walk.pieces[walk.piece_count] = .{ .start = start, .stride = 1, .end = @min(n, start + width) };
-                walk.piece_count += 1;
-            }
-        }
-        assert(walk.piece_count >= 1);
-        return walk;
+        const rearrange = queue.settings.flags & settings_flag_rearrange != 0;
+        return walk_order(n, queue.settings.device_id, queue.settings.local_rank_size, rearrange);
+    }
+
+    /// Top-tier dumps of a stack without a buffer (Python writes them into the top tier),
+    /// counted here so that the queue's counters are the stack's one set of load/dump counters.
+    pub fn count_dumps(queue: *Queue, dumped: u64, failed: u64) void {
+        assert(queue.buffer == null);
+        queue.count(.dumped_shards, dumped);
+        queue.count(.failed_shards, failed);
     }
 
     fn dispatch_load(queue: *Queue, lane: *Lane, task_index: u32) void {
@@ -1123,7 +1202,7 @@ pub const Queue = struct {
         // task waits. The keys are copied first: the task may complete as soon as the
         // dispatcher lets go of it, and its arrays are the caller's.
         var prewarm_count: u32 = 0;
-        if (task.kind == .load and queue.settings.flags & settings_flag_prealloc != 0) {
+        if (task.kind == .load and queue.buffer != null and queue.settings.flags & settings_flag_prealloc != 0) {
             var entry: u32 = 0;
             while (entry < n and prewarm_count < lane.ids.len) : (entry += 1) {
                 const next = task.shards[entry] + 1;
@@ -1136,7 +1215,7 @@ pub const Queue = struct {
         queue.release_task(task_index);
         if (prewarm_count > 0 and queue.lane_idle(lane)) {
             const outcomes: []buffer_module.PreallocResult = @ptrCast(lane.results[0..prewarm_count]);
-            queue.buffer.prealloc(lane.ids[0..prewarm_count], lane.shards[0..prewarm_count], outcomes);
+            queue.buffer.?.prealloc(lane.ids[0..prewarm_count], lane.shards[0..prewarm_count], outcomes);
             var allocated: u64 = 0;
             for (outcomes) |outcome| allocated += @intFromBool(outcome == .allocated);
             queue.count(.prewarmed, allocated);
@@ -1146,7 +1225,8 @@ pub const Queue = struct {
     /// A step holds a reference on every slot it claims: half the regular pool at most, so a
     /// task larger than the buffer still finds free slots.
     fn step_limit(queue: *const Queue) u32 {
-        const half = @max(1, queue.buffer.geometry.slot_count_regular / 2);
+        const buffer = queue.buffer orelse return queue.settings.step_keys;
+        const half = @max(1, buffer.geometry.slot_count_regular / 2);
         return @max(1, @min(queue.settings.step_keys, half));
     }
 
@@ -1210,6 +1290,21 @@ pub const Queue = struct {
         for (entries, 0..) |entry, i| {
             lane.ids[i] = task.ids[entry];
             lane.shards[i] = task.shards[entry];
+        }
+        if (queue.buffer == null) {
+            // Null buffer: no slot to claim, every key is loaded from below by a loader. The
+            // step ends when they are loaded (or wait_timeout passed), as a buffer's step ends
+            // when its owned keys are filled: the lane's depth then bounds the tasks in flight.
+            const step = begin_step(lane);
+            const started_ns = futex.monotonic_ns();
+            const keys: u32 = @intCast(k);
+            add_outstanding(lane, step, keys);
+            const parts = @min(queue.settings.fill_parts, keys);
+            for (entries, 0..) |entry, i| {
+                queue.bypass(task_index, entry, step, part_ends(@intCast(i + 1), keys, parts));
+            }
+            queue.wait_step(lane, started_ns +| queue.settings.wait_timeout_ns);
+            return;
         }
         const results = lane.results[0..k];
         const slots = lane.slots[0..k];
@@ -1332,7 +1427,7 @@ pub const Queue = struct {
         queue.count(.bypassed, 1);
         if (task.flags & task_flag_no_fill != 0) {
             queue.finish_entry(task_index, entry, .missing);
-        } else if (task.kind == .prefetch) {
+        } else if (task.kind == .prefetch and queue.buffer != null) {
             // Without a slot a prefetch has nowhere to put the bytes.
             queue.finish_entry(task_index, entry, .ok);
         } else {
@@ -1355,7 +1450,7 @@ pub const Queue = struct {
             // In slices, so that teardown never waits out a whole wait_timeout.
             const remaining_ns = step_deadline_ns -| now_ns;
             const slice_ns = @min(remaining_ns, constants.futex_wait_slice_ns);
-            queue.buffer.wait(&.{slot}, slice_ns, &out);
+            queue.buffer.?.wait(&.{slot}, slice_ns, &out);
             if (out[0] == .idle and slice_ns < remaining_ns and !queue.stop_requested()) continue;
             switch (out[0]) {
                 .ready => {
@@ -1485,7 +1580,7 @@ pub const Queue = struct {
             lane.ids[i] = task.ids[entry];
             lane.shards[i] = task.shards[entry];
         }
-        _ = queue.buffer.remove(lane.ids[0..again], lane.shards[0..again], false) catch 0;
+        _ = queue.buffer.?.remove(lane.ids[0..again], lane.shards[0..again], false) catch 0;
         queue.wait_room(again);
         queue.claim(lane.ids[0..again], lane.shards[0..again], lane.results[0..again], lane.slots[0..again]);
         for (lane.again[0..again], lane.results[0..again], lane.slots[0..again]) |entry, result, slot| {
@@ -1646,11 +1741,14 @@ pub const Queue = struct {
         queue.mutex.unlock();
         if (!live) return false;
         if (report.entry >= task.entry_count) return false;
+        // `hit` is a null buffer's bypass only: it says which tier served the key.
+        if (report.state == .hit and (report.kind != .bypass or queue.buffer != null)) return false;
         switch (report.kind) {
             .bypass => if (report.slot != buffer_module.slot_none) return false,
             .fill, .copy_out => {
-                if (report.slot >= queue.buffer.slots.len) return false;
-                const slot = &queue.buffer.slots[report.slot];
+                if (queue.buffer == null) return false;
+                if (report.slot >= queue.buffer.?.slots.len) return false;
+                const slot = &queue.buffer.?.slots[report.slot];
                 if (slot.shard_index != task.shards[report.entry]) return false;
                 if (!std.mem.eql(u8, &slot.block_id, &task.ids[report.entry])) return false;
                 queue.refs_mutex.lock();
@@ -1677,6 +1775,7 @@ pub const Queue = struct {
                     .ready => .ready,
                     .failed => .failed,
                     .missing => .missing,
+                    .hit => unreachable, // refused by `accept_report`
                 };
                 const committed = queue.commit(report.slot, state, false);
                 // The step may end now: the owned key is published (or given up).
@@ -1693,8 +1792,19 @@ pub const Queue = struct {
                 queue.finish_entry(task_index, entry, if (committed) .caller_failed else .lock_timeout);
             },
             .bypass => {
-                if (report.state == .ready) queue.count(.loaded_shards, 1);
-                queue.finish_entry(task_index, entry, if (report.state == .ready) .ok else .caller_failed);
+                const loaded = report.state == .ready or report.state == .hit;
+                if (queue.buffer == null) {
+                    // Every key of a null buffer's step is outstanding until its report.
+                    fill_returned(&queue.lanes[load_lane], report.step);
+                    // The step counted nothing: the loader's report says which tier served it.
+                    if (task.kind == .load) {
+                        queue.count(if (report.state == .hit) .hits else .misses, 1);
+                    } else if (report.state == .ready) {
+                        queue.count(.prefetched_shards, 1); // brought up into the top tier
+                    }
+                }
+                if (loaded and task.kind == .load) queue.count(.loaded_shards, 1);
+                queue.finish_entry(task_index, entry, if (loaded) .ok else .caller_failed);
             },
             .copy_out => {
                 queue.release_one(report.slot);

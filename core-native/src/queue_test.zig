@@ -1,8 +1,9 @@
 //! Tests of the native load queue (queue.zig) over an in-memory CacheBuffer: hits, owners
 //! filled by a loader thread, waiters on another (simulated) process's load, failures, a dead
 //! owner taken over, no-fill loads, prefetch, Prealloc, dumps, caller copies, drain and stop;
-//! then a seeded model-based fuzzer of the queue's state machine.
+//! its model-based fuzzer is queue_fuzz.zig, over the same harness.
 const std = @import("std");
+const builtin = @import("builtin");
 const constants = @import("constants.zig");
 const buffer_module = @import("buffer.zig");
 const queue_module = @import("queue.zig");
@@ -16,26 +17,30 @@ const assert = std.debug.assert;
 const expect = std.testing.expect;
 const expectEqual = std.testing.expectEqual;
 
-const tensor_sizes = [_]u64{ 96, 160 };
-const shard_size_bytes: u64 = 256;
+/// The testing allocator (leak checks) under `zig build test`; the page allocator in the
+/// long-run fuzzer binary (`zig build fuzz -- queue ...`), which shares this harness.
+pub const allocator = if (builtin.is_test) std.testing.allocator else std.heap.page_allocator;
 
-fn block_id_of(block: u32) BlockId {
+pub const tensor_sizes = [_]u64{ 96, 160 };
+pub const shard_size_bytes: u64 = 256;
+
+pub fn block_id_of(block: u32) BlockId {
     var id: BlockId = @splat(0);
     std.mem.writeInt(u32, id[0..4], block + 1, .little);
     id[15] = 0xA7;
     return id;
 }
 
-fn pattern_byte(id: *const BlockId, shard: u32, offset: usize, salt: u8) u8 {
+pub fn pattern_byte(id: *const BlockId, shard: u32, offset: usize, salt: u8) u8 {
     const block = std.mem.readInt(u32, id[0..4], .little);
     return @truncate(block *% 31 +% shard *% 7 +% offset +% salt);
 }
 
-fn fill_pattern(target: [*]u8, id: *const BlockId, shard: u32, salt: u8) void {
+pub fn fill_pattern(target: [*]u8, id: *const BlockId, shard: u32, salt: u8) void {
     for (0..shard_size_bytes) |offset| target[offset] = pattern_byte(id, shard, offset, salt);
 }
 
-fn matches_pattern(source: []const u8, id: *const BlockId, shard: u32, salt: u8) bool {
+pub fn matches_pattern(source: []const u8, id: *const BlockId, shard: u32, salt: u8) bool {
     for (source, 0..) |byte, offset| {
         if (byte != pattern_byte(id, shard, offset, salt)) return false;
     }
@@ -44,17 +49,17 @@ fn matches_pattern(source: []const u8, id: *const BlockId, shard: u32, salt: u8)
 
 /// Simulated other processes (other ranks): liveness by this table, the real process (the
 /// queue's own holder) is always alive.
-const FakeProcess = struct { pid: u32, start_time: u64, alive: bool };
-var fake_processes: [2]FakeProcess = undefined;
+pub const FakeProcess = struct { pid: u32, start_time: u64, alive: bool };
+pub var fake_processes: [2]FakeProcess = undefined;
 
-fn fake_identity_alive(pid: u32, start_time: u64) bool {
+pub fn fake_identity_alive(pid: u32, start_time: u64) bool {
     for (fake_processes) |process| {
         if (process.pid == pid and process.start_time == start_time) return process.alive;
     }
     return true;
 }
 
-const Harness = struct {
+pub const Harness = struct {
     ctrl: []align(64) u8,
     data: []align(4096) u8,
     base: Buffer,
@@ -70,8 +75,9 @@ const Harness = struct {
     fills: std.ArrayList(u64),
     loader_delay_ns: u64 = 0,
     salt: u8 = 0,
+    null_buffer: bool = false,
 
-    const Options = struct {
+    pub const Options = struct {
         regular: u32 = 32,
         reserved: u32 = 0,
         slots_per_segment: u32 = 8,
@@ -84,10 +90,11 @@ const Harness = struct {
         prealloc: bool = false,
         rearrange: bool = true,
         shards_per_block: u32 = 4,
+        /// The queue runs on a null buffer (a stack without one): every key is BYPASS work.
+        null_buffer: bool = false,
     };
 
-    fn init(harness: *Harness, options: Options) !void {
-        const allocator = std.testing.allocator;
+    pub fn init(harness: *Harness, options: Options) !void {
         const geometry = buffer_module.Geometry{
             .shard_size_bytes = shard_size_bytes,
             .slot_count_regular = options.regular,
@@ -134,19 +141,21 @@ const Harness = struct {
             .dump_queue_depth = 16,
             .flags = flags,
         };
-        try expect(Queue.validate_settings(settings, harness.own));
+        harness.null_buffer = options.null_buffer;
+        const view: ?Buffer = if (options.null_buffer) null else harness.own;
+        try expect(Queue.validate_settings(settings, view));
         harness.fail_keys = std.AutoHashMap(u64, void).init(allocator);
         harness.missing_keys = std.AutoHashMap(u64, void).init(allocator);
         harness.fills = .empty;
         harness.lock = .{};
         harness.loader_delay_ns = 0;
         harness.salt = 0;
-        harness.queue = try Queue.create(allocator, harness.own, settings, &tensor_sizes, bases[0..segments], null);
+        const queue_bases = if (options.null_buffer) bases[0..0] else bases[0..segments];
+        harness.queue = try Queue.create(allocator, view, settings, &tensor_sizes, queue_bases, null);
         harness.loader = try std.Thread.spawn(.{}, loader_loop, .{harness});
     }
 
-    fn deinit(harness: *Harness) void {
-        const allocator = std.testing.allocator;
+    pub fn deinit(harness: *Harness) void {
         harness.queue.stop_and_join();
         harness.loader.join();
         harness.queue.destroy();
@@ -158,7 +167,7 @@ const Harness = struct {
         buffer_module.debug_identity_alive = null;
     }
 
-    fn key_code(id: *const BlockId, shard: u32) u64 {
+    pub fn key_code(id: *const BlockId, shard: u32) u64 {
         return @as(u64, std.mem.readInt(u32, id[0..4], .little)) << 8 | shard;
     }
 
@@ -183,7 +192,7 @@ const Harness = struct {
         harness.lock.lock();
         const fails = harness.fail_keys.contains(code);
         const missing = harness.missing_keys.contains(code);
-        if (item.kind != .copy_out) harness.fills.append(std.testing.allocator, code) catch unreachable;
+        if (item.kind != .copy_out) harness.fills.append(allocator, code) catch unreachable;
         const salt = harness.salt;
         harness.lock.unlock();
         var state: queue_module.WorkState = if (fails) .failed else if (missing) .missing else .ready;
@@ -192,7 +201,10 @@ const Harness = struct {
             .bypass => if (state == .ready) {
                 var scratch: [shard_size_bytes]u8 = undefined;
                 fill_pattern(&scratch, id, shard, salt);
-                scatter(task, item.entry, &scratch);
+                // A null buffer's prefetch has no destination: it goes into the top tier.
+                if (task.addresses != null) scatter(task, item.entry, &scratch);
+                // A null buffer's loader says which tier served the key: even blocks "top".
+                if (harness.null_buffer and std.mem.readInt(u32, id[0..4], .little) % 2 == 0) state = .hit;
             } else {
                 state = .failed;
             },
@@ -226,7 +238,7 @@ const Harness = struct {
 };
 
 /// One task's caller memory: keys, destinations (or sources), results.
-const Call = struct {
+pub const Call = struct {
     ids: []BlockId,
     shards: []u32,
     memory: []u8,
@@ -234,8 +246,7 @@ const Call = struct {
     results: []u8,
     entry_flags: ?[]u8 = null,
 
-    fn init(blocks: []const u32, shard: u32) !Call {
-        const allocator = std.testing.allocator;
+    pub fn init(blocks: []const u32, shard: u32) !Call {
         const n = blocks.len;
         var call = Call{
             .ids = try allocator.alloc(BlockId, n),
@@ -257,14 +268,13 @@ const Call = struct {
         return call;
     }
 
-    fn with_pattern(call: *Call, salt: u8) void {
+    pub fn with_pattern(call: *Call, salt: u8) void {
         for (call.ids, call.shards, 0..) |*id, shard, i| {
             fill_pattern(call.memory[i * shard_size_bytes ..].ptr, id, shard, salt);
         }
     }
 
-    fn deinit(call: *Call) void {
-        const allocator = std.testing.allocator;
+    pub fn deinit(call: *Call) void {
         allocator.free(call.ids);
         allocator.free(call.shards);
         allocator.free(call.memory);
@@ -273,7 +283,7 @@ const Call = struct {
         if (call.entry_flags) |flags| allocator.free(flags);
     }
 
-    fn submit(call: *Call, queue: *Queue, kind: queue_module.TaskKind, flags: u32) !u64 {
+    pub fn submit(call: *Call, queue: *Queue, kind: queue_module.TaskKind, flags: u32) !u64 {
         const submission = Queue.Submission{
             .kind = kind,
             .flags = flags,
@@ -288,17 +298,17 @@ const Call = struct {
         return queue.submit(submission, std.time.ns_per_s);
     }
 
-    fn run(call: *Call, queue: *Queue, kind: queue_module.TaskKind, flags: u32) !void {
+    pub fn run(call: *Call, queue: *Queue, kind: queue_module.TaskKind, flags: u32) !void {
         const token = try call.submit(queue, kind, flags);
         try expectEqual(@as(?bool, true), queue.wait(token, 20 * std.time.ns_per_s));
         try expectEqual(@as(?bool, true), queue.done(token));
     }
 
-    fn exact(call: *const Call, index: usize, salt: u8) bool {
+    pub fn exact(call: *const Call, index: usize, salt: u8) bool {
         return matches_pattern(call.memory[index * shard_size_bytes ..][0..shard_size_bytes], &call.ids[index], call.shards[index], salt);
     }
 
-    fn all_ok(call: *const Call) bool {
+    pub fn all_ok(call: *const Call) bool {
         for (call.results) |result| {
             if (result != @intFromEnum(EntryResult.ok)) return false;
         }
@@ -306,12 +316,13 @@ const Call = struct {
     }
 };
 
-fn counter(queue: *Queue, which: queue_module.Counter) u64 {
+pub fn counter(queue: *Queue, which: queue_module.Counter) u64 {
     return queue.counter_value(which);
 }
 
-fn expect_no_references(harness: *Harness) !void {
+pub fn expect_no_references(harness: *Harness) !void {
     try expectEqual(@as(u32, 0), harness.queue.held_slot_count());
+    if (harness.null_buffer) return;
     const mine = buffer_module.holder_bit(harness.own.holder);
     for (harness.base.slots) |*slot| try expectEqual(@as(u64, 0), slot.holders.load(.monotonic) & mine);
 }
@@ -629,7 +640,7 @@ test "queue: caller-copy entries are handed out with their Ready slot" {
     defer harness.deinit();
     var call = try Call.init(&.{ 1, 2, 3 }, 0);
     defer call.deinit();
-    call.entry_flags = try std.testing.allocator.alloc(u8, 3);
+    call.entry_flags = try allocator.alloc(u8, 3);
     @memcpy(call.entry_flags.?, &[_]u8{ 0, queue_module.entry_flag_caller_copy, 0 });
     try call.run(harness.queue, .load, 0);
     try expect(call.all_ok());
@@ -682,198 +693,52 @@ test "copy_bytes: every length and misalignment lands exactly, non-temporal or n
     }
 }
 
-// ---- Model-based fuzzer ----
-//
-// Random tasks (loads, prefetches, dumps, no-fill loads) from this process, interleaved with
-// simulated other ranks that own keys and commit them Ready, Failed or Missing, or die while
-// owning them; a loader that fails some keys. The model: the latest bytes dumped per key
-// (pattern salt), and which keys the loader fails. Checked for every task: it completes
-// within its bound; every entry has a final code; an `ok` load entry holds exactly the bytes
-// its key has (the loader's pattern or the last dump's); failure codes are those the
-// injected faults can produce. At the end: this process holds no slot (no leak).
-
-const fuzz_seeds = [_]u64{ 1, 7, 42, 1234 };
-const fuzz_rounds = 60;
-const fuzz_blocks: u32 = 12;
-
-test "queue fuzzer: tasks always complete, ok entries are byte-exact, no slot leaks" {
-    var totals: [queue_module.counter_count]u64 = @splat(0);
-    for (fuzz_seeds) |seed| try fuzz_seed(seed, &totals);
-    // Every path of the state machine ran: hits, owners, waiters, takeovers of dead owners,
-    // bypasses past a live owner, failures, dumps, prefetches, Prealloc.
-    const exercised = [_]queue_module.Counter{ .hits, .owned, .waited, .takeovers, .bypassed, .failed_shards, .dumped_shards, .prefetched_shards, .prewarmed };
-    for (exercised) |which| {
-        if (totals[@intFromEnum(which)] == 0) std.debug.print("fuzzer never exercised {s}\n", .{@tagName(which)});
-        try expect(totals[@intFromEnum(which)] > 0);
-    }
-}
-
-/// The simulated rank publishes what it owns: 1 Ready (with the key's bytes), 2 Failed,
-/// 3 Missing; 0 does nothing (it is about to die).
-fn finish_other(harness: *Harness, rank: usize, ending: u8, slots: []const u32, keys: []const u32) !void {
-    if (ending == 0) return;
-    for (slots, keys) |slot, key| {
-        const state: buffer_module.State = switch (ending) {
-            1 => .ready,
-            2 => .failed,
-            else => .missing,
-        };
-        if (state == .ready) fill_pattern(@ptrFromInt(harness.queue.slot_address_of(slot)), &block_id_of(key / 3), key % 3, 0);
-        var out = [1]buffer_module.CommitResult{.ok};
-        harness.others[rank].commit(&.{slot}, &.{@as(u8, @intCast(@intFromEnum(state)))}, &out);
-        try expectEqual(buffer_module.CommitResult.ok, out[0]);
-        _ = harness.others[rank].release(&.{slot});
-    }
-}
-
-fn fuzz_seed(seed: u64, totals: *[queue_module.counter_count]u64) !void {
-    var prng = std.Random.DefaultPrng.init(seed);
-    const random = prng.random();
+test "queue: a null buffer bypasses every key; the loader's report counts hits and misses" {
     var harness: Harness = undefined;
-    try harness.init(.{
-        .regular = random.intRangeAtMost(u32, 4, 24),
-        .reserved = random.intRangeAtMost(u32, 0, 4),
-        .slots_per_segment = random.intRangeAtMost(u32, 1, 8),
-        .local_rank_size = random.intRangeAtMost(u32, 1, 4),
-        .device_id = random.intRangeAtMost(u32, 0, 7),
-        .step_keys = random.intRangeAtMost(u32, 1, 8),
-        .copy_threads = random.intRangeAtMost(u32, 1, 4),
-        .fill_parts = random.intRangeAtMost(u32, 1, 3),
-        .wait_timeout_ns = 40 * std.time.ns_per_ms,
-        .prealloc = random.boolean(),
-        .rearrange = random.boolean(),
-        .shards_per_block = 3,
-    });
+    try harness.init(.{ .null_buffer = true, .local_rank_size = 2, .device_id = 1, .fill_parts = 3 });
     defer harness.deinit();
-    // A key's bytes never change (a KV block id names its content): every writer — the
-    // loader, another rank, a dump — writes the key's own pattern, so an `ok` entry must hold
-    // exactly that pattern (not another key's bytes, not stale slot bytes, not zeros).
-    var round: u32 = 0;
-    var pin_total: u32 = 0;
-    while (round < fuzz_rounds) : (round += 1) {
-        // A simulated rank: owns a few keys now; commits or dies while this rank's task runs.
-        var other_slots: [3]u32 = undefined;
-        var other_keys: [3]u32 = undefined;
-        var other_count: usize = 0;
-        const rank = random.uintLessThan(usize, 2);
-        fake_processes[rank].alive = true;
-        for (0..random.uintLessThan(usize, 4)) |_| {
-            const key = random.uintLessThan(u32, fuzz_blocks * 3);
-            var result = [1]buffer_module.GetResult{.hit};
-            var slot = [1]u32{0};
-            harness.others[rank].get(&.{block_id_of(key / 3)}, &.{key % 3}, .{ .results = &result, .slots = &slot });
-            if (result[0] == .owner) {
-                other_slots[other_count] = slot[0];
-                other_keys[other_count] = key;
-                other_count += 1;
-            } else if (result[0] != .no_slot and result[0] != .lock_timeout and result[0] != .held) {
-                _ = harness.others[rank].release(&slot);
-            }
-        }
-        // Loader faults for this round.
-        harness.lock.lock();
-        harness.fail_keys.clearRetainingCapacity();
-        if (random.boolean()) {
-            const key = random.uintLessThan(u32, fuzz_blocks * 3);
-            try harness.fail_keys.put(Harness.key_code(&block_id_of(key / 3), key % 3), {});
-        }
-        harness.lock.unlock();
-        // This rank's task: distinct keys of one shard index.
-        const shard = random.uintLessThan(u32, 3);
-        var blocks: [fuzz_blocks]u32 = undefined;
-        var count: usize = 0;
-        for (0..fuzz_blocks) |block| {
-            if (random.uintLessThan(u8, 3) == 0) {
-                blocks[count] = @intCast(block);
-                count += 1;
-            }
-        }
-        if (count == 0) {
-            blocks[0] = 0;
-            count = 1;
-        }
-        var call = try Call.init(blocks[0..count], shard);
-        defer call.deinit();
-        const kind: queue_module.TaskKind = switch (random.uintLessThan(u8, 6)) {
-            0 => .dump,
-            1 => .prefetch,
-            else => .load,
-        };
-        const no_fill = kind == .load and random.uintLessThan(u8, 4) == 0;
-        if (kind == .dump) call.with_pattern(0);
-        if (kind == .load and random.uintLessThan(u8, 3) == 0) {
-            // Some destinations copied by the caller (CUDA): handed out with their Ready slot.
-            call.entry_flags = try std.testing.allocator.alloc(u8, count);
-            for (call.entry_flags.?) |*flags| flags.* = if (random.boolean()) queue_module.entry_flag_caller_copy else 0;
-        }
-        const token = try call.submit(harness.queue, kind, if (no_fill) queue_module.task_flag_no_fill else 0);
-        // Pins taken while the task runs (this rank's other thread): up to two keys, any shard.
-        var pin_keys: [2]u32 = undefined;
-        var pin_ids: [2]BlockId = undefined;
-        var pin_shards: [2]u32 = undefined;
-        var pin_slots: [2]u32 = undefined;
-        const pin_count = random.uintLessThan(usize, 3);
-        for (0..pin_count) |i| {
-            pin_keys[i] = random.uintLessThan(u32, fuzz_blocks * 3);
-            pin_ids[i] = block_id_of(pin_keys[i] / 3);
-            pin_shards[i] = pin_keys[i] % 3;
-        }
-        const pinned = harness.queue.pin(pin_ids[0..pin_count], pin_shards[0..pin_count], pin_slots[0..pin_count]);
-        pin_total += pinned;
-        // The other rank finishes its loads (or dies) while the task runs.
-        // 0: dies; 1-3: commits Ready, Failed or Missing now; 4: commits only after the task
-        // (a live owner slower than the waiter's timeout: the waiter loads it from below).
-        const ending = random.uintLessThan(u8, 5);
-        std.Thread.sleep(random.uintLessThan(u64, 3) * std.time.ns_per_ms);
-        if (ending != 4) try finish_other(&harness, rank, ending, other_slots[0..other_count], other_keys[0..other_count]);
-        if (ending == 0) fake_processes[rank].alive = false;
-        try expectEqual(@as(?bool, true), harness.queue.wait(token, 30 * std.time.ns_per_s));
-        if (ending == 4) try finish_other(&harness, rank, 1, other_slots[0..other_count], other_keys[0..other_count]);
-        if (ending == 0) {
-            _ = try harness.base.reclaim_dead();
-            // The dead rank's entry is freed: register a new identity for that slot of the table.
-            fake_processes[rank].start_time += 1;
-            fake_processes[rank].alive = true;
-            var view = harness.base;
-            view.pid = fake_processes[rank].pid;
-            view.holder = try harness.base.register_identity(view.pid, fake_processes[rank].start_time);
-            harness.others[rank] = view;
-        }
-        for (call.results, 0..) |code, i| {
-            const result: EntryResult = @enumFromInt(code);
-            try expect(result != .pending and result != .reported);
-            switch (kind) {
-                .dump => try expect(result == .ok or result == .no_slot),
-                .prefetch => try expect(result == .ok or result == .caller_failed),
-                .load => {
-                    if (result == .ok) {
-                        try expect(call.exact(i, 0));
-                    } else if (no_fill) {
-                        try expect(result == .missing or result == .owner_failed or result == .owner_missing);
-                    } else {
-                        try expect(result == .caller_failed or result == .owner_failed or result == .owner_missing);
-                    }
-                },
-            }
-        }
-        // A pinned slot was never reused: it still holds its key's bytes, and is Ready.
-        var unpin: [2]u32 = undefined;
-        var unpin_count: usize = 0;
-        for (pin_slots[0..pin_count], pin_keys[0..pin_count]) |slot, key| {
-            if (slot == buffer_module.slot_none) continue;
-            const bytes: [*]const u8 = @ptrFromInt(harness.queue.slot_address_of(slot));
-            try expect(matches_pattern(bytes[0..shard_size_bytes], &block_id_of(key / 3), key % 3, 0));
-            try expectEqual(@intFromEnum(buffer_module.State.ready), harness.base.slots[slot].state.load(.acquire));
-            unpin[unpin_count] = slot;
-            unpin_count += 1;
-        }
-        try expectEqual(@as(usize, pinned), unpin_count);
-        try expect(harness.queue.unpin(unpin[0..unpin_count]));
-        try expectEqual(@as(u32, 0), harness.queue.pinned);
-        try expectEqual(@as(u32, 0), harness.queue.held_slot_count());
-    }
-    try expect(pin_total > 0);
-    try expect(harness.queue.drain(10 * std.time.ns_per_s));
-    try expect_no_references(&harness);
-    for (totals, 0..) |*total, index| total.* += harness.queue.counter_value(@enumFromInt(index));
+    const queue = harness.queue;
+    try expect(queue.buffer == null);
+    // Blocks 0..5 (ids 1..6): even ids are served by the top tier (hits), odd ones from below.
+    var call = try Call.init(&.{ 0, 1, 2, 3, 4, 5 }, 2);
+    defer call.deinit();
+    try call.run(queue, .load, 0);
+    try expect(call.all_ok());
+    for (0..6) |i| try expect(call.exact(i, 0));
+    try expectEqual(@as(u64, 6), counter(queue, .bypassed));
+    try expectEqual(@as(u64, 3), counter(queue, .hits));
+    try expectEqual(@as(u64, 3), counter(queue, .misses));
+    try expectEqual(@as(u64, 6), counter(queue, .loaded_shards));
+    try expectEqual(@as(u64, 0), counter(queue, .owned));
+    // RearrangeIndex: rank 1 of 2 walks its own stride first.
+    harness.lock.lock();
+    const fills = harness.fills.items;
+    try expectEqual(@as(usize, 6), fills.len);
+    harness.lock.unlock();
+    // A failing key fails alone; a prefetch goes to the loaders (into the top tier).
+    harness.lock.lock();
+    try harness.fail_keys.put(Harness.key_code(&block_id_of(4), 2), {});
+    harness.lock.unlock();
+    var again = try Call.init(&.{ 3, 4 }, 2);
+    defer again.deinit();
+    try again.run(queue, .load, 0);
+    try expectEqual(@as(u8, @intFromEnum(EntryResult.ok)), again.results[0]);
+    try expectEqual(@as(u8, @intFromEnum(EntryResult.caller_failed)), again.results[1]);
+    try expectEqual(@as(u64, 1), counter(queue, .failed_shards));
+    var prefetch = try Call.init(&.{ 7, 8 }, 1);
+    defer prefetch.deinit();
+    try prefetch.run(queue, .prefetch, 0);
+    try expect(prefetch.all_ok());
+    // Block 7 (id 8) is "in the top tier": a hit, nothing brought up; block 8 (id 9) is.
+    try expectEqual(@as(u64, 1), counter(queue, .prefetched_shards));
+    // No slots: no dumps, no no-fill loads.
+    var dump = try Call.init(&.{9}, 0);
+    defer dump.deinit();
+    const refused = Queue.Submission{ .kind = .dump, .flags = 0, .ids = dump.ids, .shards = dump.shards, .addresses = dump.addresses, .entry_flags = null, .results = dump.results, .tag = 1 };
+    try expect(!queue.validate(refused));
+    var no_fill = refused;
+    no_fill.kind = .load;
+    no_fill.flags = queue_module.task_flag_no_fill;
+    try expect(!queue.validate(no_fill));
+    try expectEqual(@as(u32, 0), queue.held_slot_count());
 }

@@ -7,7 +7,9 @@ comptime {
     _ = @import("buffer.zig"); // CacheBuffer
     _ = @import("buffer_fuzz.zig"); // CacheBuffer model-based fuzzer
     _ = @import("queue.zig"); // native load queue
-    _ = @import("queue_test.zig"); // its tests and model-based fuzzer
+    _ = @import("queue_test.zig"); // its tests
+    _ = @import("queue_fuzz.zig"); // its model-based fuzzer
+    _ = @import("abi_gen.zig"); // `zig build abi`: the generated Python mirror of the ABI
     _ = @import("fuzz_main.zig"); // `zig build fuzz`: its argument parsing
     _ = @import("seg_sys.zig");
     _ = @import("shm.zig");

@@ -211,8 +211,8 @@ def test_multi_node_tp_warns_naming_the_shared_tier_fix(
 ) -> None:
     import logging
 
-    from ucm.config import parse_stack
     from ucm.integration.keys import warn_node_local
+    from ucm.stack import parse_stack
 
     def stack(*tiers: dict[str, object]) -> ucm.StackConfig:
         return parse_stack(

@@ -69,6 +69,69 @@ def test_dispatcher_claims_in_rearrange_index_order(test_tiers: None, unique_id:
     assert order == [2, 6, 10, 3, 7, 11, 0, 4, 8, 1, 5, 9]
 
 
+def plain_stack(unique_id: str, *tiers: dict[str, Any], **load: Any) -> dict[str, Any]:
+    """A stack without a buffer: the same load engine on a null buffer, tuned by ``load:``."""
+    return {
+        "unique_id": unique_id,
+        "shard_size": SHARD,
+        "shards_per_block": 4,
+        "tiers": list(tiers),
+        "load": load,
+    }
+
+
+def test_without_a_buffer_the_loader_sees_rearrange_index_order(
+    test_tiers: None, unique_id: str
+) -> None:
+    blocks = [block(i) for i in range(12)]
+    fill_space("low", blocks, range(4))
+    config = plain_stack(unique_id, {"type": "recording", "space": "low"}, load_workers=1)
+    with ucm.open(config, device_id=6, local_rank_size=4) as store:  # 6 % 4 = 2
+        dst = dst_for(12)
+        store.wait(store.load(blocks, 1, dst))
+        assert exact(blocks, 1, dst)
+        assert (store.stats()["hits"], store.stats()["misses"]) == (12, 0)  # the top tier's
+    order = [int.from_bytes(b, "big") for b, _ in RECORDED["low"]]
+    assert order == [2, 6, 10, 3, 7, 11, 0, 4, 8, 1, 5, 9]
+    # Natural order, the baseline: asked of the same queue.
+    RECORDED["low"].clear()
+    natural = plain_stack(unique_id, {"type": "recording", "space": "low"}, load_workers=1)
+    natural["load"]["rearrange"] = False
+    with ucm.open(natural, device_id=6, local_rank_size=4) as store:
+        store.wait(store.load(blocks, 1, dst_for(12)))
+    assert [int.from_bytes(b, "big") for b, _ in RECORDED["low"]] == list(range(12))
+
+
+def test_with_and_without_a_buffer_the_stack_takes_the_same_settings_model(
+    test_tiers: None, unique_id: str
+) -> None:
+    from ucm.config import LoadSettings
+
+    lower = {"type": "recording", "space": "low"}
+    tuned = {"load_workers": 3, "step_keys": 7, "copy_threads": 2, "load_queue_depth": 5}
+    with ucm.open(stack(unique_id, lower, **tuned)) as buffered:
+        assert type(buffered.settings) is LoadSettings
+        assert isinstance(buffered.tiers[0].config, LoadSettings)  # the buffer tier's keys
+        with_buffer = buffered.settings.model_dump()
+        assert {name: with_buffer[name] for name in tuned} == tuned
+        assert buffered.tiers[0].queue.settings == buffered.settings
+    with ucm.open(plain_stack(unique_id, lower, **tuned)) as plain:
+        assert type(plain.settings) is LoadSettings
+        assert plain.settings.model_dump() == with_buffer
+        assert plain._native is not None and plain._native.queue.settings is plain.settings
+    # The bounds are the native queue's limits, with or without a buffer.
+    for config in (
+        stack(unique_id, lower, step_keys=1 << 16),
+        plain_stack(unique_id, lower, step_keys=1 << 16),
+    ):
+        with pytest.raises(
+            ucm.ConfigError, match=r"step_keys: Input should be less than or equal to 32768"
+        ):
+            ucm.open(config)
+    with pytest.raises(ucm.ConfigError, match=r"load: a stack with a buffer tier takes"):
+        ucm.open({**stack(unique_id, lower), "load": {"load_workers": 2}})
+
+
 def bounded(call: Callable[[], Any], what: str) -> Any:
     """``call()`` in another thread, failing the test (not hanging it) past BOUND_S."""
     with ThreadPoolExecutor(1) as pool:
@@ -282,6 +345,25 @@ def test_a_full_load_queue_times_out_naming_the_knob(test_tiers: None, unique_id
             store.wait(task)
 
 
+def test_a_full_load_queue_without_a_buffer_times_out_naming_the_knob(
+    test_tiers: None, unique_id: str
+) -> None:
+    blocks = [block(i) for i in range(4)]
+    fill_space("low", blocks, range(4))
+    lower = {"type": "recording", "space": "low", "gated": True}
+    gate = GATES.setdefault("low", threading.Event())
+    config = plain_stack(unique_id, lower, load_queue_depth=1, queue_timeout_s=0.1, load_workers=1)
+    with ucm.open(config) as store:
+        tasks = [store.load([blocks[0]], 0, dst_for(1))]
+        assert ENTERED.setdefault("low", threading.Event()).wait(BOUND_S)
+        tasks.append(store.load([blocks[1]], 0, dst_for(1)))  # fills the queue
+        with pytest.raises(TimeoutError, match="raise load_queue_depth / queue_timeout_s"):
+            store.load([blocks[2]], 0, dst_for(1))
+        gate.set()
+        for task in tasks:
+            store.wait(task)
+
+
 def test_raw_pointer_load_through_the_buffer(test_tiers: None, unique_id: str) -> None:
     import ctypes
 
@@ -313,7 +395,7 @@ def test_cuda_destinations_copy_from_registered_buffer_memory(
                 d[0].cpu().numpy().tobytes() == payload(b, 2, SHARD)
                 for b, d in zip(blocks, dst, strict=True)
             )
-        assert store._loads is not None and store._loads._cuda is not None
+        assert store._native is not None and store._native._cuda is not None
         assert store.stats().get("cuda_register_failures", 0) == 0
 
 

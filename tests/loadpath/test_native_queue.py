@@ -1,7 +1,7 @@
 """The native load queue through the Store: one task mixing hits, owners, a waiter on another
 process's load and failures; an owner SIGKILLed mid-fill whose key this process takes over;
 caller copies (the CUDA path's hand-off); check without blocking; no slot left held; a forked
-child refused; the Python queue kept only for stacks without a buffer."""
+child refused; a stack without a buffer runs the same queue on a null buffer."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import ucm
 from ucm import arguments
 from ucm.errors import InvalidArgumentError, KeyMissingError, TaskError, TierError, UcmError
-from ucm.loadqueue import BufferPath, LoadQueue
+from ucm.loadqueue import LoadPath
 from ucm.native.queue import TaskKind
 from ucm.ranks import RankGroup
 
@@ -189,7 +189,7 @@ def test_caller_copies_get_the_ready_slot_and_release_it(test_tiers: None, uniqu
     CONTENTS["low"] = {(b, 0): payload(b, 0, SHARD) for b in blocks}
     with ucm.open(stack(unique_id, {"type": "recording", "space": "low"})) as store:
         path = store._native
-        assert isinstance(path, BufferPath)
+        assert isinstance(path, LoadPath)
         copier = _HostCopies()
         path._cuda, path._cuda_checked = copier, True  # type: ignore[assignment]
         for _ in range(2):  # cold (owned, then handed out), then hits
@@ -234,19 +234,34 @@ def test_a_forked_child_cannot_use_the_parents_queue(test_tiers: None, unique_id
         assert exact([block(1)], dst) == [True]
 
 
-def test_only_a_stack_without_a_buffer_uses_the_python_queue(
+def test_a_stack_without_a_buffer_runs_the_same_queue_on_a_null_buffer(
     test_tiers: None, unique_id: str
 ) -> None:
     CONTENTS["low"] = {(block(1), 0): payload(block(1), 0, SHARD)}
     lower = {"type": "recording", "space": "low"}
     with ucm.open(stack(unique_id, lower)) as store:
-        assert isinstance(store._native, BufferPath) and store._loads is None
+        assert isinstance(store._native, LoadPath) and store._native.queue.buffered
     plain = {"unique_id": unique_id, "shard_size": SHARD, "shards_per_block": 2, "tiers": [lower]}
     with ucm.open(plain) as store:
-        assert store._native is None and isinstance(store._loads, LoadQueue)
+        assert isinstance(store._native, LoadPath) and not store._native.queue.buffered
         dst = dst_for(1)
         store.wait(store.load([block(1)], 0, dst))
         assert exact([block(1)], dst) == [True]
+        # Every key of a null buffer's step is BYPASS work: loaded from the tier by a loader.
+        native = store._native.queue.stats()
+        assert (native["bypassed"], native["owned"], native["held_slots"]) == (1, 0, 0)
+        stats = store.stats()
+        assert (stats["load_tasks"], stats["hits"], stats["loaded_shards"]) == (1, 1, 1)
+        # The null buffer takes no dumps (the top tier does, through the DumpQueue).
+        from array import array
+
+        source = (ctypes.c_ubyte * SHARD)()
+        keys = arguments.TaskKeys.of([(block(2), 0)])
+        addresses = array("Q", [ctypes.addressof(source)])
+        with pytest.raises(InvalidArgumentError, match="refused the call"):
+            store._native.queue.submit(
+                TaskKind.DUMP, keys.ids, keys.shards, addresses, bytearray(1)
+            )
 
 
 def test_raw_addresses_as_lists_or_one_packed_array_and_bad_ones_named(

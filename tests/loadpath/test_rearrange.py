@@ -1,4 +1,5 @@
-"""RearrangeIndex (seed 000 §3.1, Scenario A): a pure permutation per rank."""
+"""RearrangeIndex (seed 000 §3.1, Scenario A): a pure permutation per rank, asked of the native
+queue, which holds the one implementation (``walk_order`` in queue.zig)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ucm.errors import InvalidArgumentError
-from ucm.rearrange import rearrange_index, rearrange_strides, stride_starts
+from ucm.native.queue import walk_order
 
 
 def test_scenario_a_four_ranks_twelve_shards() -> None:
-    orders = {rank: rearrange_index(12, rank, 4) for rank in range(4)}
+    orders = {rank: walk_order(12, rank, 4) for rank in range(4)}
     # Each rank sweeps its own stride first, then rotates to the next rank's stride.
     assert orders[0] == [0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11]
     assert orders[1] == [1, 5, 9, 2, 6, 10, 3, 7, 11, 0, 4, 8]
@@ -33,12 +34,17 @@ def test_scenario_a_four_ranks_twelve_shards() -> None:
     assert all(len({natural[step] for _ in range(4)}) == 1 for step in range(12))
 
 
-def test_strides_are_the_steps() -> None:
-    assert rearrange_strides(12, 1, 4) == [[1, 5, 9], [2, 6, 10], [3, 7, 11], [0, 4, 8]]
-    assert rearrange_strides(3, 0, 4) == [[0], [1], [2]]  # empty strides are dropped
-    assert rearrange_strides(0, 3, 4) == []
-    assert rearrange_index(5, 7, 1) == [0, 1, 2, 3, 4]
-    assert stride_starts(6, 4) == [2, 3, 0, 1]
+def test_small_tasks_and_one_rank() -> None:
+    assert walk_order(12, 1, 4) == [1, 5, 9, 2, 6, 10, 3, 7, 11, 0, 4, 8]
+    assert walk_order(3, 0, 4) == [0, 1, 2]  # strides with no entry are skipped
+    assert walk_order(0, 3, 4) == []
+    assert walk_order(5, 7, 1) == [0, 1, 2, 3, 4]
+    assert walk_order(8, 6, 4) == [2, 6, 3, 7, 0, 4, 1, 5]  # 6 % 4 = 2 starts
+
+
+def test_natural_order_is_the_baseline() -> None:
+    assert walk_order(12, 2, 4, rearrange=False) == list(range(12))
+    assert walk_order(0, 2, 4, rearrange=False) == []
 
 
 @given(
@@ -47,21 +53,23 @@ def test_strides_are_the_steps() -> None:
     local_rank_size=st.integers(min_value=1, max_value=64),
 )
 def test_rearrange_index_is_a_permutation(n: int, device_id: int, local_rank_size: int) -> None:
-    order = rearrange_index(n, device_id, local_rank_size)
+    order = walk_order(n, device_id, local_rank_size)
     assert sorted(order) == list(range(n))
+    # Own stride first, then each following stride in rotation.
     start = device_id % local_rank_size
-    own = list(range(start, n, local_rank_size))
-    assert order[: len(own)] == own
-    assert [i for stride in rearrange_strides(n, device_id, local_rank_size) for i in stride] == (
-        order
-    )
+    expected = [
+        i
+        for k in range(local_rank_size)
+        for i in range((start + k) % local_rank_size, n, local_rank_size)
+    ]
+    assert order == expected
 
 
 @given(n=st.integers(min_value=1, max_value=200), ranks=st.integers(min_value=1, max_value=16))
 def test_ranks_touch_disjoint_entries_at_every_step(n: int, ranks: int) -> None:
     if n % ranks:
         n = n - n % ranks or ranks  # equal strides: every rank has an entry at every step
-    orders = [rearrange_index(n, rank, ranks) for rank in range(ranks)]
+    orders = [walk_order(n, rank, ranks) for rank in range(ranks)]
     for step in range(n):
         assert len({order[step] for order in orders}) == ranks
 
@@ -69,12 +77,14 @@ def test_ranks_touch_disjoint_entries_at_every_step(n: int, ranks: int) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        ((-1, 0, 4), r"n=-1 is not valid: expected an integer >= 0"),
-        ((4, 0, 0), r"local_rank_size=0 is not valid: expected an integer >= 1"),
-        ((4, "0", 4), r"device_id='0' is not valid: expected an integer"),
+        ((-1, 0, 4), r"n=-1 is not valid: expected an integer in \[0, 16777216\]"),
+        ((4, 0, 0), r"local_rank_size=0 is not valid: expected an integer in \[1, 64\]"),
+        ((4, 0, 65), r"local_rank_size=65 is not valid: expected an integer in \[1, 64\]"),
+        ((4, "0", 4), r"device_id='0' is not valid: expected an integer >= 0"),
         ((4, True, 4), r"device_id=True is not valid"),
+        ((4, -1, 4), r"device_id=-1 is not valid: expected an integer >= 0"),
     ],
 )
 def test_bad_arguments_are_named(args: tuple[object, object, object], message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
-        rearrange_index(*args)  # type: ignore[arg-type]
+        walk_order(*args)  # type: ignore[arg-type]

@@ -128,10 +128,10 @@ def test_zig_unit_tests_and_fuzzers_pass() -> None:
     # Every source file is pulled into the test build: a module left out would pass silently.
     sources = {path.name for path in (root / "src").glob("*.zig")} - {"tests.zig"}
     assert sources - imported == set(), "core-native/src/tests.zig does not import these"
-    # Besides its fixed seeds, the CacheBuffer fuzzer runs one fresh seed per run: ours, so
-    # that it is printed here and a failure names the seed that reproduces it.
+    # Besides their fixed seeds, the CacheBuffer and queue fuzzers run one fresh seed per run:
+    # ours, so that it is printed here and a failure names the seed that reproduces it.
     seed = random.getrandbits(64)
-    print(f"zig build test: buffer fuzz seed {seed} (UCM_FUZZ_SEED)")
+    print(f"zig build test: buffer and queue fuzz seed {seed} (UCM_FUZZ_SEED)")
     result = subprocess.run(
         [sys.executable, "-m", "ziglang", "build", "test", "--summary", "all"],
         cwd=root,
@@ -141,12 +141,15 @@ def test_zig_unit_tests_and_fuzzers_pass() -> None:
         env={**os.environ, "UCM_FUZZ_SEED": str(seed)},
     )
     fresh = re.search(r"buffer fuzz: seed (\d+), steps (\d+)", result.stderr)
+    queue = re.search(r"queue fuzz: seed (\d+), rounds (\d+)", result.stderr)
     reproduce = (
-        f"buffer fuzz seed {seed}; reproduce: cd core-native && python -m ziglang build fuzz -- "
-        f"--seed {seed} --steps {fresh.group(2) if fresh else 'M'}"
+        f"fuzz seed {seed}; reproduce: cd core-native && python -m ziglang build fuzz -- "
+        f"buffer --seed {seed} --steps {fresh.group(2) if fresh else 'M'}, or: ... build fuzz "
+        f"-- queue --seed {seed} --steps {queue.group(2) if queue else 'M'}"
     )
     assert result.returncode == 0, f"{reproduce}\n{result.stderr[-4000:]}"
     assert fresh is not None and int(fresh.group(1)) == seed, (reproduce, result.stderr[-2000:])
+    assert queue is not None and int(queue.group(1)) == seed, (reproduce, result.stderr[-2000:])
     ran = re.search(r"run test (\d+) passed", result.stderr)
     assert ran is not None, result.stderr[-4000:]
     assert int(ran.group(1)) == expected, (int(ran.group(1)), expected, result.stderr[-2000:])

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ucm_backends.buffer import BufferTier, BufferTierConfig
 
 from harness.mooncake import MooncakeMaster
+from ucm.buffer import BufferTier, BufferTierConfig
 from ucm.layout import Key, Layout
 from ucm.testing import TierConformance, TierFactory, make_context
 from ucm.tier import chunks

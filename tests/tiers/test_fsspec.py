@@ -17,10 +17,10 @@ from fsspec.registry import register_implementation
 from ucm_backends.fsspec_tier import HEADER_BYTES, FsspecConfig, FsspecTier
 
 from ucm import envelope
-from ucm.config import parse_stack
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key, Layout
 from ucm.native.checksum import checksum
+from ucm.stack import parse_stack
 from ucm.testing import make_context
 from ucm.testing.conformance import (
     assert_loads_exact,

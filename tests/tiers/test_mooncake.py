@@ -24,11 +24,11 @@ from ucm_backends.mooncake import (
 import ucm
 from harness.mooncake import MooncakeMaster
 from harness.s3 import free_port
-from ucm.config import parse_stack
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Layout
 from ucm.native.checksum import checksum
 from ucm.native.pybuffer import buffer_address
+from ucm.stack import parse_stack
 from ucm.testing import make_context
 from ucm.testing.conformance import (
     assert_loads_exact,

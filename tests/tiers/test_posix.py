@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from ucm_backends.posix import ALIGN, MAGIC, PosixConfig, PosixTier
 
-from ucm.config import parse_stack
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key, Layout
 from ucm.native.checksum import checksum
 from ucm.ranks import RankGroup
+from ucm.stack import parse_stack
 from ucm.testing import make_context
 from ucm.testing.conformance import (
     assert_loads_exact,

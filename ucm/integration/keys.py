@@ -41,9 +41,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..config import StackConfig, parse_stack, read_stack_source
 from ..errors import ConfigError
 from ..layout import BLOCK_ID_BYTES
+from ..stack import StackConfig, parse_stack, read_stack_source
 
 if TYPE_CHECKING:
     from ..store import Store

@@ -50,8 +50,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 import ucm
-from ucm.config import parse_stack
 from ucm.errors import ConfigError, InvalidArgumentError, TaskError
+from ucm.stack import parse_stack
 
 from .keys import EngineGeometry, Epochs, KeySpace, engine_stack, named_block_id, warn_node_local
 from .salts import config_digest, weights_fingerprint

@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
+from typing import NoReturn
 
 from ..errors import NativeLibraryError
+from . import _abi
 
 LIBRARY_NAME = "libucm_core.so"
-ABI_VERSION = 6
+TEST_LIBRARY_NAME = "libucm_core_test.so"
+"""The test build of the core (``zig build -Ddebug-hooks=true``): the release library plus the
+``*_debug_*`` hooks (fault injection, slot introspection) that only tests and the soak use."""
+ABI_VERSION = _abi.ABI_VERSION
 _REBUILD_HINT = (
     "reinstall the package to rebuild it (`pip install -e .` or `pip install .` from the "
     "repository; the pinned ziglang build requirement compiles core-native/)"
@@ -49,6 +55,33 @@ def lib() -> ctypes.CDLL:
         )
     _declare(handle)
     return handle
+
+
+def declare(handle: ctypes.CDLL, signatures: dict[str, tuple[object, list[object]]]) -> None:
+    """Declares the signatures of ``handle``'s functions. A ``*_debug_*`` hook the library
+    lacks (a release build) becomes a function that raises, naming the test build."""
+    for name, (restype, argtypes) in signatures.items():
+        try:
+            function = getattr(handle, name)
+        except AttributeError:
+            if "_debug_" not in name:
+                raise NativeLibraryError(
+                    f"the UCM native core lacks {name}; {_REBUILD_HINT}"
+                ) from None
+            setattr(handle, name, _missing_hook(name))
+            continue
+        function.restype = restype
+        function.argtypes = argtypes
+
+
+def _missing_hook(name: str) -> Callable[..., NoReturn]:
+    def missing(*_arguments: object) -> NoReturn:
+        raise NativeLibraryError(
+            f"{name} is a test hook: only the test build of the core exports it "
+            f"({TEST_LIBRARY_NAME}, `zig build -Ddebug-hooks=true`); point UCM_NATIVE_LIB at it"
+        )
+
+    return missing
 
 
 def _declare(handle: ctypes.CDLL) -> None:

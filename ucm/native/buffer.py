@@ -30,98 +30,58 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
-from ..errors import InvalidArgumentError, NativeLibraryError
+from ..errors import InvalidArgumentError
 from ..layout import BLOCK_ID_BYTES, Key
-from . import lib
+from . import _abi, declare, lib
 
-SLOT_NONE = 0xFFFF_FFFF
+SLOT_NONE = _abi.SLOT_NONE
 """Slot index reported for a key that got no slot (NO_SLOT / LOCK_TIMEOUT)."""
 
-COUNTER_NAMES = (
-    "hits",
-    "misses",
-    "evictions",
-    "prealloc_hits",
-    "waits",
-    "wakeups",
-    "takeovers",
-    "lock_acquisitions",
-    "lock_recoveries",
-    "no_slot",
-    "preallocs",
-    "removed",
-    "touched",
-    "commits_ready",
-    "commits_failed",
-    "wait_timeouts",
-    "dead_holders",
-    "refs_reclaimed",
-    "holders_freed",
-    "remove_lock_acquisitions",
-    "dirty_slots",
-    "flushed",
-    "wait_slices",
-)
+OCCUPANCY_NAMES = tuple(name for name, _ in _abi.Occupancy._fields_)
+"""Field order of ``ucm_buffer_occupancy`` (``Occupancy`` in buffer.zig)."""
+
+COUNTER_NAMES = _abi.BUFFER_COUNTER_NAMES
 """Counter order of ``ucm_buffer_stats`` (``buffer.counter_names`` in buffer.zig)."""
 GAUGE_NAMES = ("dirty_slots",)
 """The entries of COUNTER_NAMES that are gauges (go up and down), not monotonic counts."""
 
-CTRL_LAYOUT_VERSION = 4
+CTRL_LAYOUT_VERSION = _abi.BUFFER_LAYOUT_VERSION
 """``buffer_layout_version`` of core-native/src/constants.zig (a test checks that they agree,
 against the header ``BufferCore.create`` writes): pass it to
 ``SharedRegion.open(ctrl_layout_version=...)`` so that an old segment is refused up front."""
-HOLDERS_MAX = 64
-CTRL_ALIGNMENT_BYTES = 64
-SLOT_COUNT_MAX = 1 << 30
-BUCKET_COUNT_MAX = 1 << 28
-SEGMENT_COUNT_MAX = 1 << 16
+HOLDERS_MAX = _abi.BUFFER_HOLDERS_MAX
+CTRL_ALIGNMENT_BYTES = _abi.BUFFER_CACHE_LINE_BYTES
+SLOT_COUNT_MAX = _abi.BUFFER_SLOT_COUNT_MAX
+BUCKET_COUNT_MAX = _abi.BUFFER_BUCKET_COUNT_MAX
+SEGMENT_COUNT_MAX = _abi.BUFFER_SEGMENT_COUNT_MAX
 _U32_MAX = 0xFFFF_FFFF
 
 
-class State(enum.IntEnum):
-    IDLE = 0
-    READY = 1
-    FAILED = 2
-    MISSING = 3
-    """Final like FAILED: the owner found the key in no tier (waiters report a miss)."""
+State = _abi.State
+"""A slot's state word; ``MISSING`` is final like ``FAILED``: the owner found the key in no
+tier (waiters report a miss)."""
 
 
-class GetResult(enum.IntEnum):
-    HIT = 0
-    """Ready: a reference is held, read the slot and release it."""
-    OWNER = 1
-    """The caller claimed the slot (reference held, state Idle): load it and commit."""
-    WAITER = 2
-    """Someone else is filling it (reference held): wait on the slot."""
-    NO_SLOT = 3
-    """Every slot is in use; nothing is held."""
-    LOCK_TIMEOUT = 4
-    """A bucket lock stayed held by a live process past the lock timeout; nothing is held."""
-    HELD = 5
-    """This process already holds a reference on the key's slot (one per process): nothing new
-    is taken; the earlier reference is released once."""
+GetResult = _abi.GetResult
+"""``HIT``: Ready, a reference is held; ``OWNER``: the caller claimed the slot (reference held,
+Idle): load it and commit; ``WAITER``: someone else is filling it (reference held): wait on
+it; ``NO_SLOT``/``LOCK_TIMEOUT``: nothing is held; ``HELD``: this process already holds the
+key's slot (one reference per process): nothing new is taken."""
+WaitResult = _abi.WaitResult
+"""``IDLE``: timed out, the owner is alive (reference still held); ``TAKEOVER``: the owner died,
+the caller owns the slot now; ``MISSING``: the owner found the key in no tier."""
+CommitResult = _abi.CommitResult
+PreallocResult = _abi.PreallocResult
+HolderState = _abi.HolderState
+_Status = _abi.BufferStatus
 
 
-class WaitResult(enum.IntEnum):
-    IDLE = 0
-    """The timeout expired and the owner is alive; the reference is still held."""
-    READY = 1
-    FAILED = 2
-    TAKEOVER = 3
-    """The owner died (or gave up): the caller is now the owner and must load and commit."""
-    LOCK_TIMEOUT = 4
-    MISSING = 5
-    """The owner found the key in no tier (it committed State.MISSING)."""
+class Pool(enum.IntEnum):
+    REGULAR = 0
+    RESERVED = 1
 
 
-class CommitResult(enum.IntEnum):
-    OK = 0
-    NOT_OWNER = 1
-    NOT_IDLE = 2
-    LOCK_TIMEOUT = 3
-
-
-_COMMIT_DIRTY_BIT = 0x80
+_COMMIT_DIRTY_BIT = _abi.COMMIT_DIRTY_BIT
 """``commit_dirty_bit`` of buffer.zig: OR'ed into State.READY to commit with write-back debt."""
 _REAL_NUMBER = (int, float)
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -133,98 +93,10 @@ assert all(result.value == index for index, result in enumerate(_COMMIT_RESULTS)
 assert all(result.value == index for index, result in enumerate(_WAIT_RESULTS))
 
 
-class PreallocResult(enum.IntEnum):
-    ALLOCATED = 0
-    EXISTS = 1
-    NO_SLOT = 2
-    LOCK_TIMEOUT = 3
-
-
-class Pool(enum.IntEnum):
-    REGULAR = 0
-    RESERVED = 1
-
-
-class _Status(enum.IntEnum):
-    OK = 0
-    INVALID_ARGUMENT = -1
-    BAD_GEOMETRY = -100
-    CTRL_TOO_SMALL = -101
-    BAD_MAGIC = -102
-    BAD_LAYOUT_VERSION = -103
-    GEOMETRY_MISMATCH = -104
-    CTRL_MISALIGNED = -105
-    LOCK_TIMEOUT = -106
-    HOLDERS_FULL = -107
-    NOT_REGISTERED = -108
-
-
-class HolderState(enum.IntEnum):
-    FREE = 0
-    REGISTERING = 1
-    LIVE = 2
-    DEAD = 3
-
-
-class _GeometryStruct(ctypes.Structure):
-    _fields_ = (
-        ("shard_size_bytes", ctypes.c_uint64),
-        ("slot_count_regular", ctypes.c_uint32),
-        ("slot_count_reserved", ctypes.c_uint32),
-        ("bucket_count", ctypes.c_uint32),
-        ("slots_per_segment", ctypes.c_uint32),
-    )
-
-
-class _HeaderStruct(ctypes.Structure):
-    _fields_ = (
-        ("magic", ctypes.c_uint64),
-        ("layout_version", ctypes.c_uint32),
-        ("header_size_bytes", ctypes.c_uint32),
-        ("ctrl_size_bytes", ctypes.c_uint64),
-        ("geometry", _GeometryStruct),
-        ("segment_count", ctypes.c_uint32),
-        ("slots_per_segment_shift", ctypes.c_uint32),
-        ("creator_pid", ctypes.c_uint32),
-        ("_pad0", ctypes.c_uint32),
-        ("creator_start_time", ctypes.c_uint64),
-        ("buckets_offset_bytes", ctypes.c_uint64),
-        ("slots_offset_bytes", ctypes.c_uint64),
-        ("_pad1", ctypes.c_uint8 * 168),
-    )
-
-
-class _SlotStruct(ctypes.Structure):
-    _fields_ = (
-        ("block_id", ctypes.c_uint8 * BLOCK_ID_BYTES),
-        ("shard_index", ctypes.c_uint32),
-        ("state", ctypes.c_uint32),
-        ("version", ctypes.c_uint32),
-        ("accessed", ctypes.c_uint32),
-        ("owner", ctypes.c_uint32),
-        ("next", ctypes.c_uint32),
-        ("bucket", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("holders", ctypes.c_uint64),
-        ("flusher", ctypes.c_uint32),
-        ("_pad", ctypes.c_uint8 * 4),
-    )
-
-
-class _HolderStruct(ctypes.Structure):
-    _fields_ = (
-        ("tag", ctypes.c_uint64),
-        ("start_time", ctypes.c_uint64),
-        ("reclaimer", ctypes.c_uint32),
-        ("closing", ctypes.c_uint32),
-        ("_pad1", ctypes.c_uint64),
-    )
-
-
-assert ctypes.sizeof(_GeometryStruct) == 24
-assert ctypes.sizeof(_HeaderStruct) == 256
-assert ctypes.sizeof(_SlotStruct) == 64
-assert ctypes.sizeof(_HolderStruct) == 32
+_GeometryStruct = _abi.Geometry
+_HeaderStruct = _abi.Header
+_SlotStruct = _abi.Slot
+_HolderStruct = _abi.HolderEntry
 
 
 @cache
@@ -270,6 +142,7 @@ def _native() -> ctypes.CDLL:
         "ucm_buffer_remove": (i64, [usize, u32, ids, u32p, ctypes.c_bool]),
         "ucm_buffer_remove_blocks": (i64, [usize, u32, ids, ctypes.c_bool]),
         "ucm_buffer_stats": (i32, [usize, u64p, u32]),
+        "ucm_buffer_occupancy": (i32, [usize, u64p]),
         "ucm_buffer_slot_locations": (i32, [usize, u32, u32p, u32p, u64p]),
         "ucm_buffer_slot_addresses": (i32, [usize, u32, u32p, u64p, u32, u64p]),
         "ucm_buffer_debug_slot": (i32, [usize, u32, ctypes.POINTER(_SlotStruct)]),
@@ -280,15 +153,7 @@ def _native() -> ctypes.CDLL:
         "ucm_buffer_debug_drop_lock": (i32, [usize, u32]),
         "ucm_buffer_debug_set_wait_pause_ns": (None, [u64]),
     }
-    for name, (restype, argtypes) in signatures.items():
-        try:
-            function = getattr(handle, name)
-        except AttributeError:
-            raise NativeLibraryError(
-                f"the UCM native core lacks {name}; rebuild it (`pip install -e .`)"
-            ) from None
-        function.restype = restype
-        function.argtypes = argtypes
+    declare(handle, signatures)
     return handle
 
 
@@ -1040,6 +905,13 @@ class BufferCore:
         self._check(min(count, 0), "stats")
         assert count == len(COUNTER_NAMES), count
         return dict(zip(COUNTER_NAMES, out, strict=True))
+
+    def occupancy(self) -> dict[str, int]:
+        """Slot counts by where the slots are (``OCCUPANCY_NAMES``), counted natively from the
+        shared slot table without locks (``Buffer.occupancy`` in buffer.zig): a gauge."""
+        out = array("Q", bytes(8 * len(OCCUPANCY_NAMES)))
+        self._check(self._native.ucm_buffer_occupancy(self._ctrl, _address(out)), "occupancy")
+        return dict(zip(OCCUPANCY_NAMES, out, strict=True))
 
     def slot_locations(self, slots: Sequence[int] | array[int]) -> list[tuple[int, int]]:
         """``(segment, offset_bytes)`` of each slot's bytes."""

@@ -1,6 +1,8 @@
 """Typed binding to the native per-rank load queue (``core-native/src/queue.zig``).
 
-One :class:`NativeQueue` per worker process and buffer. A task goes in with one call
+One :class:`NativeQueue` per worker process and stack: over the stack's buffer, or over a *null
+buffer* for a stack without one (every key is BYPASS work: a loader loads it from the tiers
+into its destination; no dumps). A task goes in with one call
 (:meth:`NativeQueue.submit`); native threads then do the per-shard work: batched Get in
 RearrangeIndex order, copies of hits on ``copy_threads`` threads (the C library's memcpy, GIL
 released), futex waits on slots other ranks fill, releases, Prealloc in the idle window, and the
@@ -17,119 +19,56 @@ written by native threads until the task completes: the caller keeps them alive 
 from __future__ import annotations
 
 import ctypes
-import enum
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..config import LoadSettings
 from ..errors import InvalidArgumentError, StoreClosedError, UcmError
 from ..layout import BLOCK_ID_BYTES
-from . import lib
+from . import _abi, lib
 from .buffer import SLOT_NONE, BufferCore, DirtyBatch
 
-COUNTER_NAMES = (
-    "hits",
-    "misses",
-    "loaded_shards",
-    "dumped_shards",
-    "failed_shards",
-    "prefetched_shards",
-    "owned",
-    "waited",
-    "bypassed",
-    "takeovers",
-    "prewarmed",
-    "get_ns",
-    "get_keys",
-    "copy_bytes",
-    "copy_ns",
-    "load_tasks",
-    "dump_tasks",
-    "work_items",
-    "no_memory",
-    "release_failures",
-    "wait_timeouts",
-    "wait_ns_max",
-)
+COUNTER_NAMES = _abi.QUEUE_COUNTER_NAMES
 """Counter order of ``ucm_queue_stats`` (``queue.counter_names`` in queue.zig)."""
 
-COPY_THREADS_MAX = 16
-STEP_KEYS_MAX = 1 << 15
-FILL_PARTS_MAX = 256
-TASKS_MAX = 1024
-TENSORS_MAX = 1 << 12
-LOCAL_RANK_SIZE_MAX = 64
-WORK_BATCH_MAX = 256
-"""Most items one ``next_work`` call returns (the native side's per-call buffer)."""
+# Limits, enums and flags: generated from the Zig sources (``_abi.py``), never copied by hand.
+COPY_THREADS_MAX = _abi.QUEUE_COPY_THREADS_MAX
+STEP_KEYS_MAX = _abi.QUEUE_STEP_KEYS_MAX
+FILL_PARTS_MAX = _abi.QUEUE_FILL_PARTS_MAX
+TASKS_MAX = _abi.QUEUE_TASKS_MAX
+TASK_KEYS_MAX = _abi.QUEUE_TASK_KEYS_MAX
+TENSORS_MAX = _abi.QUEUE_TENSORS_MAX
+LOCAL_RANK_SIZE_MAX = _abi.QUEUE_LOCAL_RANK_SIZE_MAX
+WORK_BATCH_MAX = _abi.QUEUE_WORK_BATCH_MAX
+"""Most items one ``next_work`` call returns (the export's per-call buffer)."""
 
+TaskKind = _abi.TaskKind
+EntryResult = _abi.EntryResult
+"""Final per-entry code (``CALLER_FAILED``: a loader reported a failure; the caller recorded
+why)."""
+WorkKind = _abi.WorkKind
+"""``FILL``: fill the slot owned here from the tiers below; ``BYPASS``: load the entry from the
+tiers straight into its destination (no slot); ``COPY_OUT``: copy the Ready slot into the
+entry's destination (a caller copy)."""
+WorkState = _abi.WorkState
+"""A loader's report; ``HIT`` (null buffer, BYPASS only): served by the top tier."""
 
-class TaskKind(enum.IntEnum):
-    LOAD = 0
-    PREFETCH = 1
-    DUMP = 2
-
-
-TASK_FLAG_DIRTY = 1 << 0
+TASK_FLAG_DIRTY = _abi.TASK_FLAG_DIRTY
 """Dump: commit the slots dirty (write-back debt)."""
-TASK_FLAG_NO_FILL = 1 << 1
+TASK_FLAG_NO_FILL = _abi.TASK_FLAG_NO_FILL
 """Load: nothing below the buffer; a key not Ready here is a miss."""
-ENTRY_FLAG_CALLER_COPY = 1 << 0
+ENTRY_FLAG_CALLER_COPY = _abi.ENTRY_FLAG_CALLER_COPY
 """The entry's destination is copied by the caller (a CUDA tensor): ``COPY_OUT`` work."""
-_SETTINGS_FLAG_PREALLOC = 1 << 0
-_SETTINGS_FLAG_REARRANGE = 1 << 1
+_SETTINGS_FLAG_PREALLOC = _abi.SETTINGS_FLAG_PREALLOC
+_SETTINGS_FLAG_REARRANGE = _abi.SETTINGS_FLAG_REARRANGE
 
-
-class EntryResult(enum.IntEnum):
-    OK = 0
-    CALLER_FAILED = 1
-    """A loader reported a failure (the caller recorded why)."""
-    OWNER_FAILED = 2
-    OWNER_MISSING = 3
-    NO_SLOT = 4
-    LOCK_TIMEOUT = 5
-    NO_MEMORY = 6
-    MISSING = 7
-    BACKLOG = 8
-    PENDING = 255
-
-
-class WorkKind(enum.IntEnum):
-    FILL = 0
-    """Fill the slot (owned by this process) from the tiers below."""
-    BYPASS = 1
-    """Load the entry from the tiers below straight into its destination (no slot)."""
-    COPY_OUT = 2
-    """Copy the Ready slot into the entry's destination (a caller copy)."""
-
-
-class WorkState(enum.IntEnum):
-    READY = 1
-    FAILED = 2
-    MISSING = 3
-
-
-_OK, _INVALID, _FULL, _CLOSED, _WRONG_PROCESS, _NO_MEMORY = 0, -1, -2, -3, -4, -5
+_Status = _abi.QueueStatus
+_OK, _INVALID, _FULL = _Status.OK, _Status.INVALID_ARGUMENT, _Status.FULL
+_CLOSED, _WRONG_PROCESS, _NO_MEMORY = _Status.CLOSED, _Status.WRONG_PROCESS, _Status.OUT_OF_MEMORY
 _WAIT_FOREVER_NS = 2**63
 
-
-class _Settings(ctypes.Structure):
-    _fields_ = (
-        ("shard_size_bytes", ctypes.c_uint64),
-        ("wait_timeout_ns", ctypes.c_uint64),
-        ("device_id", ctypes.c_uint32),
-        ("local_rank_size", ctypes.c_uint32),
-        ("shards_per_block", ctypes.c_uint32),
-        ("tensor_count", ctypes.c_uint32),
-        ("step_keys", ctypes.c_uint32),
-        ("copy_threads", ctypes.c_uint32),
-        ("fill_parts", ctypes.c_uint32),
-        ("load_queue_depth", ctypes.c_uint32),
-        ("dump_queue_depth", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-    )
-
-
-assert ctypes.sizeof(_Settings) == 56
+_Settings = _abi.Settings
 
 
 def _declare(handle: ctypes.CDLL) -> None:
@@ -165,6 +104,8 @@ def _declare(handle: ctypes.CDLL) -> None:
         "ucm_queue_release": (i32, [usize, u32, ptr]),
         "ucm_queue_pin": (ctypes.c_int64, [usize, u32, ptr, ptr, ptr]),
         "ucm_queue_unpin": (i32, [usize, u32, ptr]),
+        "ucm_queue_walk_order": (i32, [u32, u32, u32, u32, ptr]),
+        "ucm_queue_count_dumps": (i32, [usize, u64, u64]),
     }
     del u8
     for name, (restype, argtypes) in signatures.items():
@@ -188,24 +129,6 @@ def _address(values: array[int] | bytearray | bytes | None) -> int | None:
     return ctypes.addressof(ctypes.c_char.from_buffer(values))
 
 
-@dataclass(frozen=True)
-class QueueSettings:
-    """What a native queue is created with (the buffer tier's keys of the same names)."""
-
-    device_id: int
-    local_rank_size: int
-    shards_per_block: int
-    tensor_sizes: tuple[int, ...]
-    step_keys: int = 1024
-    copy_threads: int = 4
-    fill_parts: int = 4
-    load_queue_depth: int = 64
-    dump_queue_depth: int = 64
-    wait_timeout_s: float = 30.0
-    prealloc: bool = True
-    rearrange: bool = True
-
-
 @dataclass
 class WorkBatch:
     """Items of one task and kind a loader took (echoed back to :meth:`work_done`)."""
@@ -225,59 +148,68 @@ class WorkBatch:
 
 
 class NativeQueue:
-    """The native load queue of this process over one buffer (see the module docstring)."""
+    """The native load queue of this process over one buffer, or over none (``core`` None: a
+    stack without a buffer; see the module docstring)."""
 
     def __init__(
         self,
-        core: BufferCore,
+        core: BufferCore | None,
         segment_bases: Sequence[int],
-        settings: QueueSettings,
+        settings: LoadSettings,
+        *,
+        device_id: int,
+        local_rank_size: int,
+        shards_per_block: int,
+        tensor_sizes: Sequence[int],
         region_handle: int = 0,
         keepalive: object = None,
     ) -> None:
-        _check_settings(settings)
-        if len(segment_bases) != core.geometry.segment_count or not all(segment_bases):
+        tensor_sizes = tuple(tensor_sizes)
+        _check_rank(device_id, local_rank_size, shards_per_block, tensor_sizes, settings)
+        self.buffered = core is not None
+        segment_count = core.geometry.segment_count if core is not None else 0
+        if len(segment_bases) != segment_count or not all(segment_bases):
             raise InvalidArgumentError(
                 f"segment_bases has {len(segment_bases)} entries: expected the "
-                f"{core.geometry.segment_count} non-zero segment addresses of a worker's mapping"
+                f"{segment_count} non-zero segment addresses of a worker's mapping"
             )
-        if sum(settings.tensor_sizes) != core.geometry.shard_size_bytes:
+        if core is not None and sum(tensor_sizes) != core.geometry.shard_size_bytes:
             raise InvalidArgumentError(
-                f"tensor_sizes={list(settings.tensor_sizes)} sum to "
-                f"{sum(settings.tensor_sizes)} bytes, not shard_size_bytes="
+                f"tensor_sizes={list(tensor_sizes)} sum to "
+                f"{sum(tensor_sizes)} bytes, not shard_size_bytes="
                 f"{core.geometry.shard_size_bytes}"
             )
         self.settings = settings
         # The mappings the native threads touch (the SharedRegion): never finalized (unmapped)
         # before this queue, whatever order the garbage collector picks.
         self._keepalive = keepalive
-        self.tensor_count = len(settings.tensor_sizes)
+        self.tensor_count = len(tensor_sizes)
         self._native = lib()
         flags = (_SETTINGS_FLAG_PREALLOC if settings.prealloc else 0) | (
             _SETTINGS_FLAG_REARRANGE if settings.rearrange else 0
         )
         raw = _Settings(
-            core.geometry.shard_size_bytes,
+            sum(tensor_sizes),
             int(settings.wait_timeout_s * 1e9),
-            settings.device_id,
-            settings.local_rank_size,
-            settings.shards_per_block,
+            device_id,
+            local_rank_size,
+            shards_per_block,
             self.tensor_count,
             settings.step_keys,
             settings.copy_threads,
-            settings.fill_parts,
+            settings.load_workers,
             settings.load_queue_depth,
             settings.dump_queue_depth,
             flags,
         )
         bases = array("Q", segment_bases)
-        sizes = array("Q", settings.tensor_sizes)
+        sizes = array("Q", tensor_sizes)
         handle = ctypes.c_size_t(0)
         status = self._native.ucm_queue_create(
-            core.ctrl_address,
-            core.holder,
+            core.ctrl_address if core is not None else 0,
+            core.holder if core is not None else 0,
             region_handle,
-            bases.buffer_info()[0],
+            bases.buffer_info()[0] if len(bases) else None,
             len(bases),
             ctypes.byref(raw),
             sizes.buffer_info()[0],
@@ -428,6 +360,13 @@ class NativeQueue:
             self._raise(applied, "work_done")
         return applied
 
+    def count_dumps(self, dumped: int, failed: int) -> None:
+        """A stack without a buffer: counts the dumps written into its top tier (Python does
+        that) in the queue's counters, the stack's one set."""
+        status = self._native.ucm_queue_count_dumps(self._handle, dumped, failed)
+        if status < 0:
+            self._raise(status, "count_dumps")
+
     # -- write-back flushers ------------------------------------------------------------------
 
     def take_dirty(self, capacity: int) -> DirtyBatch:
@@ -569,16 +508,50 @@ class NativeQueue:
         raise InvalidArgumentError(f"{operation}: the native load queue refused the call")
 
 
-def _check_settings(settings: QueueSettings) -> None:
+def walk_order(n: int, device_id: int, local_rank_size: int, rearrange: bool = True) -> list[int]:
+    """The order in which a rank's dispatcher walks a task of ``n`` entries: RearrangeIndex
+    (seed 3.1; ``device_id % local_rank_size``'s stride first, then the others in rotation),
+    or natural order with ``rearrange=False`` (the benchmarks' baseline). Asked of the native
+    queue, which holds the one implementation (``walk_order`` in queue.zig)."""
+    for name, value, low, high in (
+        ("n", n, 0, TASK_KEYS_MAX),
+        ("local_rank_size", local_rank_size, 1, LOCAL_RANK_SIZE_MAX),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise InvalidArgumentError(
+                f"{name}={value!r} is not valid: expected an integer in [{low}, {high}]"
+            )
+    if isinstance(device_id, bool) or not isinstance(device_id, int) or device_id < 0:
+        raise InvalidArgumentError(
+            f"device_id={device_id!r} is not valid: expected an integer >= 0"
+        )
+    out = array("I", bytes(4 * n))
+    # The stride start depends on device_id % local_rank_size only: reduce it to fit a u32.
+    count = lib().ucm_queue_walk_order(
+        n,
+        device_id % local_rank_size,
+        local_rank_size,
+        int(rearrange),
+        out.buffer_info()[0] if n else None,
+    )
+    if count != n:
+        raise InvalidArgumentError(f"the native queue refused walk_order({n}, ...) ({count})")
+    return out.tolist()
+
+
+def _check_rank(
+    device_id: int,
+    local_rank_size: int,
+    shards_per_block: int,
+    tensor_sizes: tuple[int, ...],
+    settings: LoadSettings,
+) -> None:
+    """The rank and geometry a queue runs with (the tunables are ``LoadSettings``, validated by
+    pydantic against the same limits)."""
     bounds: tuple[tuple[str, int, int, int], ...] = (
-        ("device_id", settings.device_id, 0, 2**31 - 1),
-        ("local_rank_size", settings.local_rank_size, 1, LOCAL_RANK_SIZE_MAX),
-        ("shards_per_block", settings.shards_per_block, 1, 2**32 - 1),
-        ("step_keys", settings.step_keys, 1, STEP_KEYS_MAX),
-        ("copy_threads", settings.copy_threads, 1, COPY_THREADS_MAX),
-        ("fill_parts", settings.fill_parts, 1, FILL_PARTS_MAX),
-        ("load_queue_depth", settings.load_queue_depth, 1, TASKS_MAX),
-        ("dump_queue_depth", settings.dump_queue_depth, 1, TASKS_MAX),
+        ("device_id", device_id, 0, 2**31 - 1),
+        ("local_rank_size", local_rank_size, 1, LOCAL_RANK_SIZE_MAX),
+        ("shards_per_block", shards_per_block, 1, 2**32 - 1),
     )
     for name, value, low, high in bounds:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -590,13 +563,9 @@ def _check_settings(settings: QueueSettings) -> None:
             f"load_queue_depth + dump_queue_depth={settings.load_queue_depth} + "
             f"{settings.dump_queue_depth} is not valid: at most {TASKS_MAX} tasks in flight"
         )
-    if not 1 <= len(settings.tensor_sizes) <= TENSORS_MAX:
+    if not 1 <= len(tensor_sizes) <= TENSORS_MAX or not all(size > 0 for size in tensor_sizes):
         raise InvalidArgumentError(
-            f"tensor_sizes has {len(settings.tensor_sizes)} entries: expected 1 to {TENSORS_MAX}"
-        )
-    if not settings.wait_timeout_s > 0:
-        raise InvalidArgumentError(
-            f"wait_timeout_s={settings.wait_timeout_s!r} is not valid: expected seconds > 0"
+            f"tensor_sizes has {len(tensor_sizes)} entries: expected 1 to {TENSORS_MAX} sizes > 0"
         )
 
 
@@ -606,9 +575,9 @@ __all__ = [
     "TASK_FLAG_NO_FILL",
     "EntryResult",
     "NativeQueue",
-    "QueueSettings",
     "TaskKind",
     "WorkBatch",
     "WorkKind",
     "WorkState",
+    "walk_order",
 ]

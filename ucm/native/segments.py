@@ -33,14 +33,14 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import InvalidArgumentError, UcmError
-from . import lib
+from . import _abi, declare, lib
 
 Role = Literal["worker", "scheduler"]
 HugetlbPolicy = Literal["auto", "off", "try"]
 HugePagesMode = Literal["hugetlb", "thp", "none"]
 
 SHM_DIR = Path("/dev/shm")
-UNIQUE_ID_MAX_CHARS = 64
+UNIQUE_ID_MAX_CHARS = _abi.SEG_UNIQUE_ID_MAX_BYTES
 _ROLES: dict[str, int] = {"worker": 0, "scheduler": 1}
 _POLICIES: dict[str, int] = {"auto": 0, "off": 1, "try": 2}
 _HUGE_PAGES: dict[int, HugePagesMode] = {0: "none", 1: "thp", 2: "hugetlb"}
@@ -130,7 +130,7 @@ class _Residency(ctypes.Structure):
     ]
 
 
-POPULATE_THREADS_MAX = 8
+POPULATE_THREADS_MAX = _abi.POPULATE_THREADS_MAX
 """``constants.populate_threads_max``: background threads one process may fault its data in on."""
 
 
@@ -168,10 +168,7 @@ def _declare(handle: ctypes.CDLL) -> None:
         "ucm_seg_populate": (i32, [usize, u32]),
         "ucm_seg_residency": (i32, [usize, ctypes.POINTER(_Residency), usize]),
     }
-    for name, (restype, argtypes) in signatures.items():
-        function = getattr(handle, name)
-        function.restype = restype
-        function.argtypes = argtypes
+    declare(handle, signatures)
 
 
 _declare(lib())

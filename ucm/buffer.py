@@ -1,4 +1,6 @@
-"""The ``buffer`` tier: the node-wide shared-memory CacheBuffer (native core).
+"""The ``buffer`` tier: the node-wide shared-memory CacheBuffer (native core), part of the core
+package (not a plugin): the Store holds it as a typed :class:`BufferTier` and runs its native
+queue; it registers its ``type: buffer`` through the same hook as the other built-in tiers.
 
 Every rank of a node that opens the same ``unique_id`` maps the same control segment and data
 segments (``ucm.native.segments``); the slot logic (owner/waiter, CLOCK, Touch, Prealloc,
@@ -38,32 +40,32 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat
 
-import ucm
-from ucm.config import Size, TierConfig
-from ucm.errors import (
+from .config import LoadSettings, Size, TierConfig
+from .errors import (
     InvalidArgumentError,
     KeyMissingError,
     NoBufferSlotError,
     RoleError,
     TierError,
 )
-from ucm.layout import Key
-from ucm.native import buffer as native_buffer
-from ucm.native.buffer import BufferCore, Geometry
-from ucm.native.queue import (
+from .hookspecs import hookimpl
+from .layout import Key
+from .native import _abi
+from .native import buffer as native_buffer
+from .native.buffer import BufferCore, Geometry
+from .native.queue import (
     TASK_FLAG_DIRTY,
     TASK_FLAG_NO_FILL,
     EntryResult,
     NativeQueue,
-    QueueSettings,
     TaskKind,
 )
-from ucm.native.segments import SharedRegion
-from ucm.tier import EvictSink, Outcome, ShardViews, Tier, TierContext
+from .native.segments import SharedRegion
+from .tier import EvictSink, Outcome, ShardViews, Tier, TierContext
 
 SEGMENT_TARGET_BYTES = 1 << 30
 """Data segments of at most ~1 GiB: small enough to create quickly, large enough to be few."""
-SEGMENTS_MAX = 256
+SEGMENTS_MAX = _abi.SEG_SEGMENTS_MAX
 """Data segments per buffer the native segment layer accepts (constants.seg_segments_max)."""
 
 BUFFER_CTRL_LAYOUT_VERSION: int = getattr(native_buffer, "CTRL_LAYOUT_VERSION", 1)
@@ -78,67 +80,21 @@ SETTLE_PAUSE_S = 0.002
 """Pause while other ranks' flushers hold every dirty slot."""
 
 
-class BufferTierConfig(TierConfig):
+class BufferTierConfig(TierConfig, LoadSettings):
+    """The buffer tier: its own keys, plus the load path's settings (``LoadSettings``, the
+    model a stack without a buffer takes in its ``load:`` section)."""
+
     type: Literal["buffer"] = "buffer"
     capacity: Size = Field(description="Bytes of regular slots (at least one shard).")
     reserved_slots: int = Field(
         default=0, ge=0, description="Extra slots used by Prealloc and dumps when the pool is full."
     )
-    wait_timeout_s: PositiveFloat = Field(
-        default=30.0,
-        description="Longest a rank waits for another rank's load before loading it itself.",
-    )
-    prealloc: bool = Field(
-        default=True,
-        description="Prewarm (block, index + 1) of each loaded block in the dispatcher's idle "
-        "window (seed 3.4).",
-    )
-    load_queue_depth: int = Field(
-        default=64,
-        ge=1,
-        le=512,
-        description="Load tasks queued for the dispatcher before load() blocks.",
-    )
-    dump_queue_depth: int = Field(
-        default=64,
-        ge=1,
-        le=512,
-        description="Dump tasks queued for the dump dispatcher before dump() blocks.",
-    )
-    queue_timeout_s: PositiveFloat = Field(
-        default=60.0,
-        description="Longest load()/dump() blocks on a full queue before raising TimeoutError.",
-    )
-    load_workers: int = Field(
-        default=4, ge=1, le=256, description="Concurrent loads from the tiers below, per rank."
-    )
-    step_keys: int = Field(
-        default=1024,
-        ge=1,
-        le=32768,
-        description="Most keys one dispatcher step claims (one batched Get).",
-    )
-    copy_threads: int = Field(
-        default=4,
-        ge=1,
-        le=16,
-        description="Native threads copying shard bytes between buffer slots and caller memory.",
-    )
-    rearrange: bool = Field(
-        default=True,
-        description="Walk each load task in RearrangeIndex order (false: natural order, kept "
-        "only to measure what the rotation buys).",
-    )
     populate_threads: int = Field(
         default=2,
         ge=0,
-        le=8,
+        le=_abi.POPULATE_THREADS_MAX,
         description="Native threads that fault the data plane in behind open, in each worker "
         "process (0: every page faults in on its first write). Open never waits for them.",
-    )
-    write_queue_bytes: Size = Field(
-        default=256 * 1024 * 1024,
-        description="Bytes of dumped shards waiting for write-through before dump tasks block.",
     )
 
     dirty_max: Size = Field(
@@ -216,20 +172,11 @@ class BufferTier(Tier):
                 self._queue = NativeQueue(
                     self.core,
                     self.bases,
-                    QueueSettings(
-                        device_id=context.device_id,
-                        local_rank_size=min(context.local_rank_size, _LOCAL_RANK_SIZE_MAX),
-                        shards_per_block=self.layout.shards_per_block,
-                        tensor_sizes=self.layout.tensor_sizes,
-                        step_keys=config.step_keys,
-                        copy_threads=config.copy_threads,
-                        fill_parts=config.load_workers,
-                        load_queue_depth=config.load_queue_depth,
-                        dump_queue_depth=config.dump_queue_depth,
-                        wait_timeout_s=config.wait_timeout_s,
-                        prealloc=config.prealloc,
-                        rearrange=config.rearrange,
-                    ),
+                    config.load_settings(),
+                    device_id=context.device_id,
+                    local_rank_size=min(context.local_rank_size, _LOCAL_RANK_SIZE_MAX),
+                    shards_per_block=self.layout.shards_per_block,
+                    tensor_sizes=self.layout.tensor_sizes,
                     region_handle=self.region.handle,
                     keepalive=self.region,
                 )
@@ -550,7 +497,7 @@ class BufferTier(Tier):
 _QUEUE_TIER_COUNTERS = ("hits", "misses", "owned", "waited", "bypassed", "held_slots")
 """Queue counters reported as the tier's own (its loads' hits and misses, how they resolved)."""
 
-_LOCAL_RANK_SIZE_MAX = 64
+_LOCAL_RANK_SIZE_MAX = _abi.QUEUE_LOCAL_RANK_SIZE_MAX
 """The native queue's bound on ``local_rank_size`` (one holder per process)."""
 
 
@@ -629,6 +576,6 @@ def _gather(views: ShardViews, staging: bytearray) -> None:
         offset += data.nbytes
 
 
-@ucm.hookimpl
+@hookimpl
 def register_tiers(register: Callable[[type[Tier]], None]) -> None:
     register(BufferTier)

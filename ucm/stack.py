@@ -1,0 +1,225 @@
+"""Stack configuration: ``StackConfig``, YAML loading, the JSON Schema, errors that name the
+YAML path.
+
+A stack is ``unique_id`` + shard geometry + an ordered list of tiers (top first). Each tier type
+has its own model (``extra="forbid"``, derived from ``ucm.config.TierConfig``) selected by its
+``type`` field; plugin tiers join through the ``register_tiers`` hook, so the set of valid types
+is whatever is installed. This module sits above ``ucm.plugins`` (it asks it for the installed
+types); ``ucm.config`` is the leaf below both.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Union
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    SerializeAsAny,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from .config import LoadSettings, Size, TierConfig
+from .errors import ConfigError
+from .plugins import tier_types
+
+
+def _dispatch_tier(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    if isinstance(value, TierConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise PydanticCustomError("tier_not_mapping", "a tier must be a mapping with a 'type' key")
+    installed = tier_types()
+    type_name = value.get("type")
+    if type_name is None:
+        raise PydanticCustomError(
+            "tier_type_missing",
+            "missing 'type'; installed tier types: {installed}",
+            {"installed": ", ".join(sorted(installed))},
+        )
+    tier_class = installed.get(type_name) if isinstance(type_name, str) else None
+    if tier_class is None:
+        raise PydanticCustomError(
+            "tier_type_unknown",
+            "unknown tier type {type}; installed tier types: {installed}",
+            {"type": repr(type_name), "installed": ", ".join(sorted(installed))},
+        )
+    return tier_class.config_model.model_validate(dict(value))
+
+
+TierEntry = Annotated[SerializeAsAny[TierConfig], WrapValidator(_dispatch_tier)]
+
+
+class StackConfig(BaseModel):
+    """A tier stack. ``shard_size`` or ``tensor_size_list`` gives the shard geometry."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    unique_id: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="Names the node-wide shared segments: one CacheBuffer per unique_id.",
+    )
+    shard_size: Size | None = Field(default=None, description="Bytes per shard.")
+    tensor_size_list: list[PositiveInt] | None = Field(
+        default=None, description="Byte sizes of the tensors a shard is made of, in order."
+    )
+    shards_per_block: PositiveInt = Field(description="Shards (e.g. TP ranks) per block.")
+    tiers: list[TierEntry] = Field(min_length=1, description="Tiers, fastest first.")
+    load: LoadSettings | None = Field(
+        default=None,
+        description="The load path's settings (queue depths, load_workers, step_keys, ...) of "
+        "a stack without a buffer tier; with one, they are keys of the buffer tier.",
+    )
+
+    @model_validator(mode="after")
+    def _check_geometry(self) -> StackConfig:
+        if self.shard_size is None and self.tensor_size_list is None:
+            raise PydanticCustomError(
+                "geometry_missing", "give shard_size (bytes per shard) or tensor_size_list"
+            )
+        if self.tensor_size_list is not None:
+            if len(self.tensor_size_list) == 0:
+                raise PydanticCustomError(
+                    "geometry_empty", "tensor_size_list must list at least one tensor size"
+                )
+            total = sum(self.tensor_size_list)
+            if self.shard_size is not None and self.shard_size != total:
+                raise PydanticCustomError(
+                    "geometry_mismatch",
+                    "shard_size {shard_size} differs from sum(tensor_size_list) = {total}",
+                    {"shard_size": self.shard_size, "total": total},
+                )
+        elif self.shard_size == 0:
+            raise PydanticCustomError("geometry_zero", "shard_size must be at least 1 byte")
+        if self.load is not None and isinstance(self.tiers[0], LoadSettings):
+            raise PydanticCustomError(
+                "load_with_buffer",
+                "load: a stack with a buffer tier takes the load path's settings as keys of "
+                "the buffer tier (tiers[0]); remove the load section or move its keys there",
+            )
+        return self
+
+    @property
+    def load_settings(self) -> LoadSettings:
+        """The load path's settings: the buffer tier's (its config is a ``LoadSettings``), or
+        the ``load:`` section's, or the defaults."""
+        top = self.tiers[0]
+        if isinstance(top, LoadSettings):
+            return top.load_settings()
+        return self.load or LoadSettings()
+
+    @property
+    def resolved_shard_size(self) -> int:
+        if self.tensor_size_list is not None:
+            return sum(self.tensor_size_list)
+        assert self.shard_size is not None
+        return self.shard_size
+
+    @property
+    def resolved_tensor_sizes(self) -> tuple[int, ...]:
+        if self.tensor_size_list is not None:
+            return tuple(self.tensor_size_list)
+        return (self.resolved_shard_size,)
+
+
+def format_location(loc: tuple[int | str, ...]) -> str:
+    """``('tiers', 1, 'capacity')`` → ``tiers[1].capacity``."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+    return text or "(top level)"
+
+
+def _problems(error: ValidationError) -> list[str]:
+    problems = []
+    for item in error.errors(include_url=False):
+        location = format_location(_strip_validator_tags(item["loc"]))
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key (misspelled?); not allowed here"
+        elif item["type"].startswith("tier_type") and not location.endswith(".type"):
+            location += ".type"
+        problems.append(f"{location}: {message} (got {_short(item.get('input'))})")
+    return problems
+
+
+def _strip_validator_tags(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    # Wrap validators and SerializeAsAny add synthetic segments such as 'function-wrap[...]'.
+    return tuple(p for p in loc if not (isinstance(p, str) and "[" in p and "(" in p))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def parse_stack(data: Mapping[str, Any] | StackConfig, source: str = "stack") -> StackConfig:
+    """Validates a mapping into a StackConfig; raises ConfigError naming each bad YAML path."""
+    if isinstance(data, StackConfig):
+        return data
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: a stack must be a mapping, got {type(data).__name__}")
+    try:
+        return StackConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        problems = _problems(exc)
+        message = f"{source}: invalid stack:\n  " + "\n  ".join(problems)
+        raise ConfigError(message, problems) from None
+
+
+def read_stack_source(
+    source: str | os.PathLike[str] | Mapping[str, Any],
+) -> tuple[Mapping[str, Any], str]:
+    """The raw mapping of a stack (a YAML file's contents, or the mapping itself) and the name
+    errors use for it. Raises ConfigError for an unreadable file, bad YAML or a non-mapping."""
+    if isinstance(source, Mapping):
+        return source, "stack"
+    path = Path(source)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read stack file {str(path)!r}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: YAML nested too deeply to be a stack") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: a stack must be a mapping, got {type(data).__name__}")
+    return data, str(path)
+
+
+def load_stack(source: str | os.PathLike[str] | Mapping[str, Any] | StackConfig) -> StackConfig:
+    """Loads a stack from a YAML file path, a mapping, or returns a StackConfig unchanged."""
+    if isinstance(source, StackConfig):
+        return source
+    data, name = read_stack_source(source)
+    return parse_stack(data, source=name)
+
+
+def stack_json_schema() -> dict[str, Any]:
+    """JSON Schema of a stack with the tier union of every installed tier type."""
+    from pydantic import create_model
+
+    models = tuple(cls.config_model for cls in tier_types().values())
+    union: Any = Annotated[Union[models], Field(discriminator="type")]  # noqa: UP007
+    schema_model = create_model(
+        "StackConfig",
+        __base__=StackConfig,
+        tiers=(list[union], Field(min_length=1, description="Tiers, fastest first.")),
+    )
+    return schema_model.model_json_schema()
