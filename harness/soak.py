@@ -47,6 +47,11 @@ import typer
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 """The checkout this harness lives in: rank processes import ``harness`` (and ``ucm``) from it."""
+TEST_LIBRARY = REPOSITORY / "ucm" / "native" / "libucm_core_test.so"
+"""The test build of the core (``pip install -e .`` builds it beside the release library): the
+soak's fault injection and slot audits use its ``*_debug_*`` hooks, which the release library
+does not export. ``UCM_NATIVE_LIB`` set by the caller wins; the rank processes inherit it."""
+os.environ.setdefault("UCM_NATIVE_LIB", str(TEST_LIBRARY))
 
 
 def _rank_environment() -> dict[str, str]:

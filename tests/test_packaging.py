@@ -64,7 +64,14 @@ def test_wheel_is_platform_tagged_and_ships_the_native_library(tmp_path: Path) -
     assert "ucm/envelope.py" in names and "ucm/ranks.py" in names
 
 
-HARNESS_ONLY = ("ucm/soak.py", "ucm/testing/s3.py", "ucm/testing/mooncake.py")
+HARNESS_ONLY = (
+    "ucm/soak.py",
+    "ucm/testing/s3.py",
+    "ucm/testing/mooncake.py",
+    "ucm/testing/vllm.py",
+    "ucm/testing/lmcache.py",
+    "ucm/testing/vllm_server.py",
+)
 """Modules that moved to the repository's harness/ (not shipped)."""
 
 
@@ -74,9 +81,8 @@ def test_sdist_carries_the_harness_the_tests_import(tmp_path: Path) -> None:
     archive = Path(next(iter(SdistBuilder(str(ROOT)).build(directory=str(tmp_path)))))
     with tarfile.open(archive) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
-    assert {"harness/__init__.py", "harness/s3.py", "harness/mooncake.py", "harness/soak.py"} <= (
-        names
-    )
+    harness = {"__init__", "s3", "mooncake", "soak", "vllm", "lmcache", "vllm_server"}
+    assert {f"harness/{name}.py" for name in harness} <= names
     assert "tests/conftest.py" in names
 
 

@@ -43,9 +43,30 @@ def parse_args() -> argparse.Namespace:
 
 
 def write_random_llama(directory: str) -> str:
-    from ucm.testing.vllm import write_tiny_llama
+    """A 2-layer random-weight Llama (float32, a few MB): no weights to download."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    return str(write_tiny_llama(directory, seed=0))
+    path = Path(directory)
+    if not (path / "config.json").exists():
+        config = LlamaConfig(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=4096,
+            initializer_range=0.1,
+            torch_dtype="float32",
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+        )
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(str(path), safe_serialization=True)
+    return str(path)
 
 
 def main() -> None:

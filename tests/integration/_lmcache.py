@@ -226,7 +226,7 @@ def engine(cfg: Any, meta: Any) -> Any:
     """An LMCacheEngine (not yet post_init-ed) whose GPU connector is ucm.testing's CPU one."""
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
-    from ucm.testing.lmcache import CpuKVConnector
+    from harness.lmcache import CpuKVConnector
 
     return LMCacheEngineBuilder.get_or_create(
         cfg.lmcache_instance_id,

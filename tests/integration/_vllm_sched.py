@@ -62,7 +62,7 @@ def _free_port() -> int:
 
 
 def _model_dir() -> Path:
-    from ucm.testing.vllm import write_tiny_llama
+    from harness.vllm import write_tiny_llama
 
     path = Path(tempfile.gettempdir()) / "ucm-vllm-sched-llama"
     return write_tiny_llama(path, layers=len(LAYERS), kv_heads=KV_HEADS, head_dim=HEAD_SIZE)

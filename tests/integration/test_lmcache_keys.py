@@ -152,7 +152,7 @@ def test_a_bad_format_is_refused(unique_id: str) -> None:
 def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not os.environ.get("CI"):
         pytest.importorskip("vllm")
-    from ucm.testing.vllm import write_tiny_llama
+    from harness.vllm import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("lmc-model") / "llama", seed=0)
 

