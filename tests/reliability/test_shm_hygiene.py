@@ -528,3 +528,20 @@ def test_the_sweep_at_open_is_bounded(tmp_path: Path) -> None:
     assert len(report.removed) == shm_gc.SWEEP_MAX_IDS
     assert report.not_visited == 50 - shm_gc.SWEEP_MAX_IDS
     assert len(os.listdir(tmp_path)) == 50 - shm_gc.SWEEP_MAX_IDS
+
+
+def test_a_ucm_command_sweeps_a_dead_runs_names(unique_id: str) -> None:
+    from ucm import shm_gc
+
+    shm_gc.collect()  # the shared /dev/shm's backlog, so the bounded sweep below sees it all
+    lock = segments.segment_paths(unique_id)[2]
+    lock.touch(mode=0o600)  # what a refused open of an older UCM left
+    completed = subprocess.run(
+        [sys.executable, "-c", "import sys; from ucm.cli import main; main()", "schema"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout)["title"]
+    assert not os.path.lexists(lock)
