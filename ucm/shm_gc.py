@@ -108,13 +108,22 @@ def candidates(shm_dir: Path = SHM_DIR) -> dict[str, list[Path]]:
             if not name.startswith(PREFIX):
                 continue
             for suffix in SUFFIXES:
-                if name.endswith(suffix) and len(name) > len(PREFIX) + len(suffix):
+                if name.endswith(suffix):
                     unique_id = name[len(PREFIX) : -len(suffix)]
-                    if suffix == ".ctrl" and unique_id.endswith(".ctrl"):
-                        continue  # never happens with valid ids; keeps the grouping exact
-                    groups.setdefault(unique_id, []).append(shm_dir / name)
+                    if _valid_unique_id(unique_id):  # names UCM cannot make are not UCM's
+                        groups.setdefault(unique_id, []).append(shm_dir / name)
                     break
     return groups
+
+
+def _valid_unique_id(unique_id: str) -> bool:
+    """The rule of ``segments._check_unique_id`` (and the native ``unique_id_valid``)."""
+    return (
+        0 < len(unique_id) <= _abi.SEG_UNIQUE_ID_MAX_BYTES
+        and unique_id.isascii()
+        and all(c.isalnum() or c in "_-." for c in unique_id)
+        and unique_id[0] not in ".-"
+    )
 
 
 def collect(

@@ -468,6 +468,7 @@ def test_gc_judges_liveness_by_pid_and_start_time_and_never_touches_unknown_file
     (tmp_path / "ucm-orphan.lock").write_bytes(b"")
     (tmp_path / "ucm-creating.ctrl.init").write_bytes(b"")
     (tmp_path / "other.ctrl").write_bytes(b"")
+    (tmp_path / "ucm-.bad.lock").write_bytes(b"")  # no valid unique id: not UCM's
     held = os.open(tmp_path / "ucm-creating.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         import fcntl
@@ -476,6 +477,7 @@ def test_gc_judges_liveness_by_pid_and_start_time_and_never_touches_unknown_file
         dry = shm_gc.collect(dry_run=True, shm_dir=tmp_path)
         assert sorted(os.listdir(tmp_path)) == [
             "other.ctrl",
+            "ucm-.bad.lock",
             "ucm-alien.ctrl",
             "ucm-creating.ctrl.init",
             "ucm-creating.lock",
@@ -504,6 +506,7 @@ def test_gc_judges_liveness_by_pid_and_start_time_and_never_touches_unknown_file
         # Kept names stay as they were: gc leaves no lock file of its own beside them.
         assert sorted(os.listdir(tmp_path)) == [
             "other.ctrl",
+            "ucm-.bad.lock",
             "ucm-alien.ctrl",
             "ucm-creating.ctrl.init",
             "ucm-creating.lock",
@@ -545,3 +548,57 @@ def test_a_ucm_command_sweeps_a_dead_runs_names(unique_id: str) -> None:
     assert completed.returncode == 0, completed.stderr
     assert json.loads(completed.stdout)["title"]
     assert not os.path.lexists(lock)
+
+
+def test_an_open_racing_gc_on_the_same_buffer_waits_then_creates_a_fresh_one(
+    unique_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    from ucm import shm_gc
+
+    config = buffer_stack(unique_id, tmp_path / "nvme")
+    holder = _start_holder(config, with_scheduler=False)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(60)
+    ctrl = segments.ctrl_path(unique_id)
+    stale_inode = ctrl.stat().st_ino
+    opened: dict[str, object] = {}
+
+    def opener() -> None:
+        with ucm.open(config) as store:
+            region = store.tiers[0].region
+            opened.update(created=region.created, replaced=region.replaced_stale)
+            opened["inode"] = ctrl.stat().st_ino
+            (block_id,) = blocks(1, b"race")
+            shards = Shards(1)
+            shards.fill([block_id], 0)
+            store.wait(store.dump_data([block_id], 0, shards.pointers(1)))
+            shards.poison()
+            store.wait(store.load_data([block_id], 0, shards.pointers(1)))
+            opened["bytes"] = shards.data(0) == payload(block_id, 0)
+
+    thread = threading.Thread(target=opener, daemon=True)
+    real = shm_gc._ctrl_liveness
+
+    def judged_then_paused(path: Path) -> tuple[bool, str, os.stat_result | None]:
+        result = real(path)
+        if path == ctrl and not thread.is_alive() and not opened:
+            # gc holds the creation lock and has judged the buffer dead: an open starts now.
+            thread.start()
+            time.sleep(1.0)
+            assert opened == {}, "the open did not wait for the creation lock gc holds"
+        return result
+
+    monkeypatch.setattr(shm_gc, "_ctrl_liveness", judged_then_paused)
+    report = shm_gc.collect_one(unique_id)
+    assert [(v.action, sorted(p.name for p in v.paths)) for v in report.verdicts] == [
+        ("removed", [f"ucm-{unique_id}.ctrl", f"ucm-{unique_id}.lock"])
+    ]
+    thread.join(120)
+    assert not thread.is_alive()
+    # The open retried on a fresh lock and built a fresh buffer: nothing of the dead one.
+    assert opened["created"] is True and opened["replaced"] is False
+    assert opened["inode"] != stale_inode and opened["bytes"] is True
+    assert _names(unique_id) == []
