@@ -40,6 +40,7 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat
 
+from . import shm_gc
 from .config import LoadSettings, Size, TierConfig
 from .errors import (
     InvalidArgumentError,
@@ -141,15 +142,21 @@ class BufferTier(Tier):
         def init(region: SharedRegion) -> None:
             BufferCore.create(region.ctrl_address, region.ctrl_bytes, geometry)
 
-        self.region = SharedRegion.open(
-            context.unique_id,
-            ctrl_bytes=geometry.ctrl_size_bytes,
-            data_bytes=self.segment_bytes * geometry.segment_count,
-            segment_bytes=self.segment_bytes,
-            role=role,
-            init=init,
-            ctrl_layout_version=BUFFER_CTRL_LAYOUT_VERSION,
-        )
+        # A UCM start reclaims what dead runs of other buffers left in /dev/shm (bounded).
+        shm_gc.sweep_at_open(exclude=context.unique_id)
+        try:
+            self.region = SharedRegion.open(
+                context.unique_id,
+                ctrl_bytes=geometry.ctrl_size_bytes,
+                data_bytes=self.segment_bytes * geometry.segment_count,
+                segment_bytes=self.segment_bytes,
+                role=role,
+                init=init,
+                ctrl_layout_version=BUFFER_CTRL_LAYOUT_VERSION,
+            )
+        except BaseException:
+            shm_gc.collect_one(context.unique_id)  # a refused open leaves no lock file behind
+            raise
         self._queue: NativeQueue | None = None
         try:
             self.core = BufferCore.attach(
@@ -492,6 +499,9 @@ class BufferTier(Tier):
                 return
             queue.destroy()
         self.region.close()
+        # The native close re-creates the lock file when this process is not the last data
+        # holder to leave (a scheduler closing after its workers): remove it if now unused.
+        shm_gc.collect_one(self.region.unique_id)
 
 
 _QUEUE_TIER_COUNTERS = ("hits", "misses", "owned", "waited", "bypassed", "held_slots")

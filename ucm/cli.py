@@ -1,4 +1,4 @@
-"""The ``ucm`` command line: validate, schema, demo, bench, stats."""
+"""The ``ucm`` command line: validate, schema, demo, bench, stats, gc."""
 
 from __future__ import annotations
 
@@ -153,6 +153,36 @@ app.command("bench")(cli_ops.bench)
 app.command("stats")(cli_ops.stats)
 
 
+@app.command()
+def gc(
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Report what would be removed; remove nothing.")
+    ] = False,
+) -> None:
+    """Remove what dead UCM processes left in /dev/shm; never touch a buffer a live process
+    uses. Lists every name removed and kept, with counts (exit 1 on errors)."""
+    from . import shm_gc
+
+    report = shm_gc.collect(dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for verdict in report.verdicts:
+        label = verb if verdict.action == "removed" else "kept"
+        for path in verdict.paths:
+            console.print(f"{label} {path} ({verdict.reason})", soft_wrap=True, highlight=False)
+    for error in report.errors:
+        errors.print(f"error: {escape(error)}", highlight=False, soft_wrap=True)
+    removed_ids = sum(v.action == "removed" for v in report.verdicts)
+    kept_ids = sum(v.action == "kept" for v in report.verdicts)
+    console.print(
+        f"{verb} {len(report.removed)} file(s) of {removed_ids} buffer(s); kept "
+        f"{len(report.kept)} file(s) of {kept_ids} buffer(s); {len(report.errors)} error(s)",
+        highlight=False,
+        soft_wrap=True,
+    )
+    if report.errors:
+        raise typer.Exit(1)
+
+
 def _rate(part: int, whole: int) -> str:
     return f"{100.0 * part / whole:.1f}%" if whole else "-"
 
@@ -162,6 +192,10 @@ def _gbps(num_bytes: int, seconds: float) -> str:
 
 
 def main() -> None:
+    from . import shm_gc
+
+    if sys.argv[1:2] != ["gc"]:  # a ucm start reclaims dead buffers' names (bounded)
+        shm_gc.sweep_at_open(exclude=None)
     app()
 
 
