@@ -77,7 +77,13 @@ pub fn build(b: *std.Build) void {
         .optimize = .Debug,
         .link_libc = true,
     });
-    const abi_exe = b.addExecutable(.{ .name = "ucm-abi-gen", .root_module = abi_module });
+    // The generator reflects over exports.zig, the debug hooks included (they are plain
+    // functions there; only the test build exports them).
+    const abi_options = b.addOptions();
+    abi_options.addOption(bool, "debug_hooks", false);
+    abi_module.addOptions("build_options", abi_options);
+    // LLVM: exports.zig pulls in the queue's inline-assembly copy (see the unit tests).
+    const abi_exe = b.addExecutable(.{ .name = "ucm-abi-gen", .root_module = abi_module, .use_llvm = true });
     const run_abi = b.addRunArtifact(abi_exe);
     if (b.args) |args| run_abi.addArgs(args);
     const abi_step = b.step("abi", "Write the Python mirror of the C ABI: zig build abi -- PATH");

@@ -28,9 +28,12 @@ def test_schema_prints_only_json_with_every_tier_type() -> None:
     assert result.returncode == 0, result.stderr
     schema = json.loads(result.stdout)  # nothing but JSON on stdout
     assert schema["title"] == "StackConfig"
-    assert set(schema["required"]) >= {"unique_id", "shards_per_block", "tiers"}
+    assert set(schema["required"]) == {"unique_id", "shards_per_block"}  # tiers or buffer
     mapping = schema["properties"]["tiers"]["items"]["discriminator"]["mapping"]
-    assert {"posix", "fsspec"} <= set(mapping)
+    assert {"buffer", "posix", "fsspec"} <= set(mapping)  # `type: buffer` first still valid
+    # ... and the buffer's own typed section.
+    assert {"$ref": "#/$defs/BufferTierConfig"} in schema["properties"]["buffer"]["anyOf"]
+    assert schema["$defs"]["BufferTierConfig"]["properties"]["type"]["const"] == "buffer"
 
 
 def test_validate_accepts_a_good_stack(tmp_path: Path) -> None:
@@ -43,6 +46,46 @@ def test_validate_accepts_a_good_stack(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "valid stack 'demo'" in result.stdout
     assert "shard 256.0 KiB (1 tensor(s)), 8 shards per block" in result.stdout
+
+
+BUFFER_FORMS = {
+    "section": "buffer:\n  capacity: 64MiB\n  load_workers: 3\ntiers:\n",
+    "first tier": "tiers:\n  - type: buffer\n    capacity: 64MiB\n    load_workers: 3\n",
+}
+
+
+@pytest.mark.parametrize("form", sorted(BUFFER_FORMS))
+def test_validate_accepts_the_buffer_as_its_section_or_as_the_first_tier(
+    tmp_path: Path, form: str
+) -> None:
+    stack = tmp_path / "stack.yaml"
+    stack.write_text(
+        "unique_id: demo\nshard_size: 256KiB\nshards_per_block: 8\n"
+        + BUFFER_FORMS[form]
+        + f"  - type: posix\n    path: {tmp_path}/nvme\n"
+    )
+    result = ucm("validate", str(stack), env={**os.environ, "COLUMNS": "400"})  # no wrapping
+    assert result.returncode == 0, result.stderr
+    assert "valid stack 'demo'" in result.stdout
+    rows = [line for line in result.stdout.splitlines() if " buffer " in line or " posix " in line]
+    assert len(rows) == 2, result.stdout
+    assert rows[0].split("│")[1:3] == [" 0 ", " buffer "], rows
+    assert "capacity=67108864" in rows[0] and "load_workers=3" in rows[0]
+    assert rows[1].split("│")[1:3] == [" 1 ", " posix  "], rows
+
+
+def test_validate_refuses_a_buffer_given_twice_naming_the_tier(tmp_path: Path) -> None:
+    stack = tmp_path / "stack.yaml"
+    stack.write_text(
+        "unique_id: demo\nshard_size: 256KiB\nshards_per_block: 8\n"
+        "buffer:\n  capacity: 64MiB\ntiers:\n  - type: buffer\n    capacity: 64MiB\n"
+    )
+    result = ucm("validate", str(stack))
+    assert result.returncode == 1
+    assert (
+        "tiers[0].type: a stack has one buffer, already given as the buffer section; remove "
+        "this tier (got 'buffer')"
+    ) in " ".join(result.stderr.split())
 
 
 @pytest.mark.parametrize(

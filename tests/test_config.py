@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 import ucm
 from ucm import plugins
-from ucm.config import LowerTierConfig
+from ucm.buffer import BufferTierConfig
+from ucm.config import LoadSettings, LowerTierConfig
 from ucm.errors import ConfigError, UcmError
 from ucm.sizes import VALID_SIZE_HINT
 from ucm.stack import (
@@ -171,11 +172,115 @@ def test_json_schema_has_every_installed_tier_type(scratch_tier: Any) -> None:
     schema = stack_json_schema()
     json.dumps(schema)  # serialisable, as `ucm schema` prints it
     tiers = schema["properties"]["tiers"]
-    assert tiers["minItems"] == 1
     mapping = tiers["items"]["discriminator"]["mapping"]
     assert sorted(mapping) == sorted(plugins.tier_types())
-    assert {"posix", "fsspec", "scratch"} <= set(mapping)
-    assert set(schema["required"]) == {"unique_id", "shards_per_block", "tiers"}
+    assert {"buffer", "posix", "fsspec", "scratch"} <= set(mapping)  # `type: buffer` still a tier
+    # The buffer's own section, typed: the buffer tier's model.
+    assert schema["properties"]["buffer"]["anyOf"] == [
+        {"$ref": "#/$defs/BufferTierConfig"},
+        {"type": "null"},
+    ]
+    assert "capacity" in schema["$defs"]["BufferTierConfig"]["required"]
+    assert set(schema["required"]) == {"unique_id", "shards_per_block"}
+
+
+# -- the buffer: its own section, or the first tier --------------------------------------------
+
+LOWER: dict[str, Any] = {"type": "posix", "path": "/tmp/ucm-lower"}
+TUNED: dict[str, Any] = {"capacity": "64MiB", "load_workers": 3, "step_keys": 7}
+
+
+def test_the_buffer_section_and_the_buffer_as_first_tier_are_one_stack() -> None:
+    section = parse_stack(BASE | {"buffer": TUNED, "tiers": [LOWER]})
+    first_tier = parse_stack(BASE | {"tiers": [{"type": "buffer", **TUNED}, LOWER]})
+    for stack in (section, first_tier):
+        assert isinstance(stack.buffer, BufferTierConfig)
+        assert stack.buffer is stack.tiers[0]  # both views agree
+        assert [tier.type for tier in stack.tiers] == ["buffer", "posix"]
+        assert (stack.buffer.capacity, stack.buffer.load_workers) == (64 << 20, 3)
+    assert section == first_tier
+    # Serialized once, as the first tier: the dump parses back to the same stack.
+    dumped = section.model_dump(mode="json")
+    assert "buffer" not in dumped and dumped["tiers"][0]["type"] == "buffer"
+    assert parse_stack(dumped) == section
+
+
+def test_a_buffer_section_alone_is_a_stack() -> None:
+    stack = parse_stack(BASE | {"buffer": {"capacity": "1MiB"}})
+    assert stack.buffer is not None and stack.tiers == [stack.buffer]
+
+
+def test_a_stack_without_a_buffer_has_none() -> None:
+    stack = parse_stack(BASE | {"tiers": [LOWER]})
+    assert stack.buffer is None and [tier.type for tier in stack.tiers] == ["posix"]
+
+
+def test_with_and_without_a_buffer_the_stack_takes_the_same_settings_model() -> None:
+    tuned = {"load_workers": 3, "step_keys": 7, "copy_threads": 2, "load_queue_depth": 5}
+    stacks = [
+        parse_stack(BASE | {"buffer": {"capacity": "1MiB", **tuned}, "tiers": [LOWER]}),
+        parse_stack(BASE | {"tiers": [{"type": "buffer", "capacity": "1MiB", **tuned}, LOWER]}),
+        parse_stack(BASE | {"tiers": [LOWER], "load": tuned}),
+    ]
+    settings = [stack.load_settings for stack in stacks]
+    assert [type(one) for one in settings] == [LoadSettings] * 3
+    assert settings[0] == settings[1] == settings[2]
+    assert {name: getattr(settings[0], name) for name in tuned} == tuned
+    assert parse_stack(BASE | {"tiers": [LOWER]}).load_settings == LoadSettings()
+
+
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        (
+            {"buffer": {"capacity": "1MiB"}, "tiers": [{"type": "buffer", "capacity": "1MiB"}]},
+            "tiers[0].type: a stack has one buffer, already given as the buffer section; remove "
+            "this tier (got 'buffer')",
+        ),
+        (
+            {"buffer": {"capacity": "1MiB"}, "tiers": [LOWER, {"type": "buffer", "capacity": 1}]},
+            "tiers[1].type: a stack has one buffer, already given as the buffer section; remove "
+            "this tier (got 'buffer')",
+        ),
+        (
+            {"tiers": [{"type": "buffer", "capacity": "1MiB"}, {"type": "buffer", "capacity": 1}]},
+            "tiers[1].type: a stack has one buffer, already given as tiers[0]; remove this tier "
+            "(got 'buffer')",
+        ),
+        (
+            {"tiers": [LOWER, {"type": "buffer", "capacity": "1MiB"}]},
+            "tiers[1].type: the buffer tier must be the first tier (the node-wide host-memory "
+            "cache sits above every other tier); move it to tiers[0] or to the buffer section "
+            "(got 'buffer')",
+        ),
+        (
+            {"buffer": {"capacity": "1MiB", "capcity": 1}},
+            "buffer.capcity: unknown key (misspelled?); not allowed here (got 1)",
+        ),
+        (
+            {"buffer": {"type": "posix", "capacity": "1MiB"}},
+            "buffer.type: Input should be 'buffer' (got 'posix')",
+        ),
+        (
+            {"buffer": "64MiB"},
+            "buffer: Input should be a valid dictionary or instance of BufferTierConfig "
+            "(got '64MiB')",
+        ),
+    ],
+)
+def test_a_misplaced_or_second_buffer_is_refused_at_its_yaml_path(
+    data: dict[str, Any], problem: str
+) -> None:
+    assert problems_of(BASE | data) == [problem]
+
+
+def test_a_load_section_beside_a_buffer_section_is_refused() -> None:
+    (problem,) = problems_of(BASE | {"buffer": {"capacity": "1MiB"}, "load": {"step_keys": 8}})
+    assert problem.startswith(
+        "(top level): load: a stack with a buffer tier takes the load path's settings as keys "
+        "of the buffer (its buffer section or tiers[0]); remove the load section or move its "
+        "keys there"
+    )
 
 
 # -- invalid stacks: exact messages -----------------------------------------------------------
@@ -316,8 +421,8 @@ def test_bad_geometry(geometry: dict[str, Any], problem: str) -> None:
 def test_empty_or_missing_tiers(tiers: Any) -> None:
     data = BASE | {"tiers": tiers} if tiers is not None else dict(BASE)
     expected = {
-        "[]": "tiers: List should have at least 1 item after validation, not 0 (got [])",
-        "None": f"tiers: Field required (got {BASE!r})",
+        "[]": "tiers: give a buffer section or at least one tier (got [])",
+        "None": "tiers: give a buffer section or at least one tier (got [])",
         "'posix'": "tiers: Input should be a valid list (got 'posix')",
     }[repr(tiers)]
     assert problems_of(data) == [expected]

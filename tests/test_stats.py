@@ -127,20 +127,18 @@ def test_stats_watch_takes_bounded_readings(live: LiveBuffer) -> None:
     assert "per s" in live_view.stdout  # the second reading shows rates against the first
 
 
-def _engine_stack(tmp_path: Path, unique_id: str, capacity: int | str) -> Path:
-    """A stack as an engine (vLLM, SGLang) is given: unique_id and tiers, no geometry."""
+def _engine_stack(
+    tmp_path: Path, unique_id: str, capacity: int | str, section: bool = False
+) -> Path:
+    """A stack as an engine (vLLM, SGLang) is given: unique_id and tiers, no geometry; the
+    buffer as the first tier, or as its own section (``section``)."""
     stack = tmp_path / f"engine-{uuid.uuid4().hex[:8]}.yaml"
-    stack.write_text(
-        yaml.safe_dump(
-            {
-                "unique_id": unique_id,
-                "tiers": [
-                    {"type": "buffer", "capacity": capacity},
-                    {"type": "posix", "path": str(tmp_path / "nvme")},
-                ],
-            }
-        )
-    )
+    lower = {"type": "posix", "path": str(tmp_path / "nvme")}
+    if section:
+        data = {"unique_id": unique_id, "buffer": {"capacity": capacity}, "tiers": [lower]}
+    else:
+        data = {"unique_id": unique_id, "tiers": [{"type": "buffer", "capacity": capacity}, lower]}
+    stack.write_text(yaml.safe_dump(data))
     return stack
 
 
@@ -150,8 +148,8 @@ def test_stats_takes_the_geometry_from_the_live_buffers_header(
     # The engine's stack states no shard_size, tensor_size_list or shards_per_block (the
     # engine derives them), and here not even the capacity the worker opened it with: the live
     # buffer's header says what it is.
-    for capacity in (SLOTS * SHARD, "1GiB"):
-        stack = _engine_stack(tmp_path, live.unique_id, capacity)
+    for capacity, section in itertools.product((SLOTS * SHARD, "1GiB"), (False, True)):
+        stack = _engine_stack(tmp_path, live.unique_id, capacity, section)
         shown = ucm_cli("stats", str(stack), "--json")
         assert shown.returncode == 0, shown.stderr
         data: dict[str, Any] = json.loads(shown.stdout)

@@ -352,12 +352,15 @@ def _live_stack(path: Path) -> StackConfig:
 
     data, name = read_stack_source(path)
     tiers = data.get("tiers")
-    if not isinstance(tiers, list) or not tiers:
-        return parse_stack(data, source=name)
-    top = tiers[0]
+    tiers = tiers if isinstance(tiers, list) else []
+    section = data.get("buffer")
+    # The buffer: its own section, or the first tier (``parse_stack`` refuses both at once).
+    top = section if section is not None else (tiers[0] if tiers else None)
     unique_id = data.get("unique_id")
     if not (
-        isinstance(top, Mapping) and top.get("type") == "buffer" and isinstance(unique_id, str)
+        isinstance(top, Mapping)
+        and (section is not None or top.get("type") == "buffer")
+        and isinstance(unique_id, str)
     ):
         return parse_stack(data, source=name)
     try:
@@ -378,14 +381,15 @@ def _live_stack(path: Path) -> StackConfig:
     if merged.get("shard_size") is None and merged.get("tensor_size_list") is None:
         merged["shard_size"] = geometry.shard_size_bytes
     merged.setdefault("shards_per_block", 1)
-    merged["tiers"] = [
-        {
-            **top,
-            "capacity": geometry.slot_count_regular * geometry.shard_size_bytes,
-            "reserved_slots": geometry.slot_count_reserved,
-        },
-        *tiers[1:],
-    ]
+    live_top = {
+        **top,
+        "capacity": geometry.slot_count_regular * geometry.shard_size_bytes,
+        "reserved_slots": geometry.slot_count_reserved,
+    }
+    if section is not None:
+        merged["buffer"] = live_top
+    else:
+        merged["tiers"] = [live_top, *tiers[1:]]
     config = parse_stack(merged, source=name)
     if config.resolved_shard_size != geometry.shard_size_bytes:
         raise ConfigError(

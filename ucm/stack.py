@@ -1,7 +1,11 @@
 """Stack configuration: ``StackConfig``, YAML loading, the JSON Schema, errors that name the
 YAML path.
 
-A stack is ``unique_id`` + shard geometry + an ordered list of tiers (top first). Each tier type
+A stack is ``unique_id`` + shard geometry + an optional ``buffer:`` section (the node-wide
+CacheBuffer, the core's own tier, typed ``BufferTierConfig``) + an ordered list of tiers (top
+first). The buffer may also be written as the first tier (``tiers[0].type: buffer``); either
+way ``StackConfig.buffer`` holds it and ``StackConfig.tiers`` lists it first, so the two views
+agree (``buffer is tiers[0]``). Each tier type
 has its own model (``extra="forbid"``, derived from ``ucm.config.TierConfig``) selected by its
 ``type`` field; plugin tiers join through the ``register_tiers`` hook, so the set of valid types
 is whatever is installed. This module sits above ``ucm.plugins`` (it asks it for the installed
@@ -29,6 +33,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .buffer import BufferTierConfig
 from .config import LoadSettings, Size, TierConfig
 from .errors import ConfigError
 from .plugins import tier_types
@@ -74,7 +79,16 @@ class StackConfig(BaseModel):
         default=None, description="Byte sizes of the tensors a shard is made of, in order."
     )
     shards_per_block: PositiveInt = Field(description="Shards (e.g. TP ranks) per block.")
-    tiers: list[TierEntry] = Field(min_length=1, description="Tiers, fastest first.")
+    buffer: BufferTierConfig | None = Field(
+        default=None,
+        exclude=True,  # serialized as tiers[0], the one place a re-parse reads it from
+        description="The node-wide CacheBuffer (shared host memory above every tier). Also "
+        "accepted as the first tier, `tiers[0].type: buffer`; give it one way, not both.",
+    )
+    tiers: list[TierEntry] = Field(
+        default_factory=list,
+        description="Tiers, fastest first (the buffer first when it is written as a tier).",
+    )
     load: LoadSettings | None = Field(
         default=None,
         description="The load path's settings (queue depths, load_workers, step_keys, ...) of "
@@ -101,21 +115,49 @@ class StackConfig(BaseModel):
                 )
         elif self.shard_size == 0:
             raise PydanticCustomError("geometry_zero", "shard_size must be at least 1 byte")
-        if self.load is not None and isinstance(self.tiers[0], LoadSettings):
+        self._place_buffer()
+        if self.load is not None and self.buffer is not None:
             raise PydanticCustomError(
                 "load_with_buffer",
-                "load: a stack with a buffer tier takes the load path's settings as keys of "
-                "the buffer tier (tiers[0]); remove the load section or move its keys there",
+                "load: a stack with a buffer tier takes the load path's settings as keys of the "
+                "buffer (its buffer section or tiers[0]); remove the load section or move its "
+                "keys there",
             )
         return self
+
+    def _place_buffer(self) -> None:
+        """One buffer, first: the ``buffer:`` section or ``tiers[0]``, never both, never lower.
+        Both views are then set (``buffer is tiers[0]``)."""
+        in_section = self.buffer is not None
+        for position, tier in enumerate(self.tiers):
+            if not isinstance(tier, BufferTierConfig):
+                continue
+            if self.buffer is not None:
+                where = "the buffer section" if in_section else "tiers[0]"
+                raise _located(
+                    f"tiers[{position}].type",
+                    f"a stack has one buffer, already given as {where}; remove this tier",
+                    tier.type,
+                )
+            if position > 0:
+                raise _located(
+                    f"tiers[{position}].type",
+                    "the buffer tier must be the first tier (the node-wide host-memory cache sits "
+                    "above every other tier); move it to tiers[0] or to the buffer section",
+                    tier.type,
+                )
+            object.__setattr__(self, "buffer", tier)
+        if self.buffer is not None and (not self.tiers or self.tiers[0] is not self.buffer):
+            object.__setattr__(self, "tiers", [self.buffer, *self.tiers])
+        if not self.tiers:
+            raise _located("tiers", "give a buffer section or at least one tier", self.tiers)
 
     @property
     def load_settings(self) -> LoadSettings:
         """The load path's settings: the buffer tier's (its config is a ``LoadSettings``), or
         the ``load:`` section's, or the defaults."""
-        top = self.tiers[0]
-        if isinstance(top, LoadSettings):
-            return top.load_settings()
+        if self.buffer is not None:
+            return self.buffer.load_settings()
         return self.load or LoadSettings()
 
     @property
@@ -130,6 +172,14 @@ class StackConfig(BaseModel):
         if self.tensor_size_list is not None:
             return tuple(self.tensor_size_list)
         return (self.resolved_shard_size,)
+
+
+def _located(location: str, message: str, value: Any) -> PydanticCustomError:
+    """An error at a YAML path other than the validator's own, about ``value`` (the
+    ``_problems`` of the error read both)."""
+    return PydanticCustomError(
+        "stack_located", "{message}", {"location": location, "message": message, "value": value}
+    )
 
 
 def format_location(loc: tuple[int | str, ...]) -> str:
@@ -148,11 +198,15 @@ def _problems(error: ValidationError) -> list[str]:
     for item in error.errors(include_url=False):
         location = format_location(_strip_validator_tags(item["loc"]))
         message = item["msg"]
+        value = item.get("input")
+        if item["type"] == "stack_located":
+            context = item.get("ctx", {})
+            location, value = str(context["location"]), context["value"]
         if item["type"] == "extra_forbidden":
             message = "unknown key (misspelled?); not allowed here"
         elif item["type"].startswith("tier_type") and not location.endswith(".type"):
             location += ".type"
-        problems.append(f"{location}: {message} (got {_short(item.get('input'))})")
+        problems.append(f"{location}: {message} (got {_short(value)})")
     return problems
 
 
@@ -220,6 +274,6 @@ def stack_json_schema() -> dict[str, Any]:
     schema_model = create_model(
         "StackConfig",
         __base__=StackConfig,
-        tiers=(list[union], Field(min_length=1, description="Tiers, fastest first.")),
+        tiers=(list[union], StackConfig.model_fields["tiers"]),
     )
     return schema_model.model_json_schema()

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import arguments
-from .buffer import BufferTier, BufferTierConfig
+from .buffer import BufferTier
 from .config import LowerTierConfig
 from .errors import (
     ConfigError,
@@ -104,11 +104,6 @@ class Store:
                     evict_sink=self._evict_sink_for(position),
                     options={HOST_MEMORY_OPTION: host_memory} if host_memory else {},
                 )
-                if isinstance(tier_config, BufferTierConfig) and position > 0:
-                    raise ConfigError(
-                        f"tiers[{position}].type: the buffer tier must be the first tier (the "
-                        "node-wide host-memory cache sits above every other tier)"
-                    )
                 try:
                     self.tiers.append(installed[tier_config.type](tier_config, context))
                 except InvalidArgumentError as exc:

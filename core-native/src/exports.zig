@@ -9,13 +9,13 @@ pub const Error = enum(i32) {
     invalid_argument = -1,
 };
 
-export fn ucm_abi_version() u32 {
+pub export fn ucm_abi_version() u32 {
     return constants.abi_version;
 }
 
 /// Blocks while the 32-bit word at `word_addr` equals `expected`, up to `timeout_ns`.
 /// Returns 0 when the word changed, 1 on timeout, a negative error on a bad address.
-export fn ucm_version_wait(word_addr: usize, expected: u32, timeout_ns: u64) i32 {
+pub export fn ucm_version_wait(word_addr: usize, expected: u32, timeout_ns: u64) i32 {
     if (word_addr == 0 or word_addr % constants.futex_word_size_bytes != 0) {
         return @intFromEnum(Error.invalid_argument);
     }
@@ -25,7 +25,7 @@ export fn ucm_version_wait(word_addr: usize, expected: u32, timeout_ns: u64) i32
 
 /// Increments the word at `word_addr` and wakes every waiter. Returns the new version as a
 /// non-negative i64, or a negative error on a bad address.
-export fn ucm_version_bump(word_addr: usize) i64 {
+pub export fn ucm_version_bump(word_addr: usize) i64 {
     if (word_addr == 0 or word_addr % constants.futex_word_size_bytes != 0) {
         return @intFromEnum(Error.invalid_argument);
     }
@@ -34,7 +34,7 @@ export fn ucm_version_bump(word_addr: usize) i64 {
 }
 
 /// Reads the word at `word_addr` with acquire ordering.
-export fn ucm_version_load(word_addr: usize) i64 {
+pub export fn ucm_version_load(word_addr: usize) i64 {
     if (word_addr == 0 or word_addr % constants.futex_word_size_bytes != 0) {
         return @intFromEnum(Error.invalid_argument);
     }
@@ -42,7 +42,7 @@ export fn ucm_version_load(word_addr: usize) i64 {
     return futex.load(word);
 }
 
-export fn ucm_monotonic_ns() u64 {
+pub export fn ucm_monotonic_ns() u64 {
     return futex.monotonic_ns();
 }
 
@@ -53,7 +53,7 @@ const checksum = @import("checksum.zig");
 /// XXH3-64 with `seed` over `n` caller ranges (`lengths_bytes[i]` bytes at `addresses[i]`),
 /// streamed in order, written to `out`. Returns 0, or invalid_argument for too many ranges or
 /// a null address with a non-zero length.
-export fn ucm_checksum(n: u32, addresses: [*]const usize, lengths_bytes: [*]const usize, seed: u64, out: *u64) i32 {
+pub export fn ucm_checksum(n: u32, addresses: [*]const usize, lengths_bytes: [*]const usize, seed: u64, out: *u64) i32 {
     if (n > constants.checksum_parts_max) return @intFromEnum(Error.invalid_argument);
     for (addresses[0..n], lengths_bytes[0..n]) |address, length_bytes| {
         if (address == 0 and length_bytes != 0) return @intFromEnum(Error.invalid_argument);
@@ -106,22 +106,22 @@ fn ids_slice(ids: [*]const buffer.BlockId, n: u32) []const buffer.BlockId {
     return ids[0..n];
 }
 
-export fn ucm_buffer_ctrl_size_bytes(geometry: *const buffer.Geometry) i64 {
+pub export fn ucm_buffer_ctrl_size_bytes(geometry: *const buffer.Geometry) i64 {
     const status = buffer.validate_geometry(geometry.*);
     if (status != .ok) return buffer_status(status);
     return @intCast(buffer.ctrl_size_bytes(geometry.*));
 }
 
-export fn ucm_buffer_init(ctrl: usize, ctrl_bytes: u64, geometry: *const buffer.Geometry, creator_start_time: u64) i32 {
+pub export fn ucm_buffer_init(ctrl: usize, ctrl_bytes: u64, geometry: *const buffer.Geometry, creator_start_time: u64) i32 {
     return buffer_status(buffer.Buffer.init(ctrl, ctrl_bytes, geometry.*, creator_start_time));
 }
 
-export fn ucm_buffer_attach(ctrl: usize, ctrl_bytes: u64, expected: ?*const buffer.Geometry) i32 {
+pub export fn ucm_buffer_attach(ctrl: usize, ctrl_bytes: u64, expected: ?*const buffer.Geometry) i32 {
     return buffer_status(buffer.Buffer.attach(ctrl, ctrl_bytes, if (expected) |g| g.* else null));
 }
 
 /// Copies the header of an initialised region (for error messages and tools).
-export fn ucm_buffer_header(ctrl: usize, out: *buffer.Header) i32 {
+pub export fn ucm_buffer_header(ctrl: usize, out: *buffer.Header) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     out.* = view.header.*;
     return 0;
@@ -129,7 +129,7 @@ export fn ucm_buffer_header(ctrl: usize, out: *buffer.Header) i32 {
 
 /// Registers the calling process as a holder (idempotent); returns its index 0..63 or a
 /// negative status (holders_full when 64 live processes hold entries).
-export fn ucm_buffer_register(ctrl: usize) i64 {
+pub export fn ucm_buffer_register(ctrl: usize) i64 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     const holder = view.register() catch |err| return switch (err) {
         error.HoldersFull => buffer_status(.holders_full),
@@ -140,7 +140,7 @@ export fn ucm_buffer_register(ctrl: usize) i64 {
 
 /// Drops every reference of dead holders and frees their entries. Returns references dropped;
 /// `out_holders` receives the holders freed.
-export fn ucm_buffer_reclaim_dead(ctrl: usize, out_holders: *u32) i64 {
+pub export fn ucm_buffer_reclaim_dead(ctrl: usize, out_holders: *u32) i64 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     const report = view.reclaim_dead() catch return buffer_status(.lock_timeout);
     out_holders.* = report.holders;
@@ -148,7 +148,7 @@ export fn ucm_buffer_reclaim_dead(ctrl: usize, out_holders: *u32) i64 {
 }
 
 /// Copies holder entry `index` (tag = state << 32 | pid, start time, reclaimer).
-export fn ucm_buffer_holder_info(ctrl: usize, index: u32, out: *buffer.HolderEntry) i32 {
+pub export fn ucm_buffer_holder_info(ctrl: usize, index: u32, out: *buffer.HolderEntry) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (index >= view.holder_table.entries.len) return buffer_status(.invalid_argument);
     const entry = &view.holder_table.entries[index];
@@ -163,21 +163,21 @@ export fn ucm_buffer_holder_info(ctrl: usize, index: u32, out: *buffer.HolderEnt
 }
 
 /// The dead-holder mask after checking every live holder (pid + start time).
-export fn ucm_buffer_scan_holders(ctrl: usize, out_mask: *u64) i32 {
+pub export fn ucm_buffer_scan_holders(ctrl: usize, out_mask: *u64) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     out_mask.* = view.scan_holders();
     return 0;
 }
 
 /// Test hook: records another start time for holder `index`, as if its pid had been reused.
-fn ucm_buffer_debug_set_holder_start_time(ctrl: usize, index: u32, start_time: u64) callconv(.c) i32 {
+pub fn ucm_buffer_debug_set_holder_start_time(ctrl: usize, index: u32, start_time: u64) callconv(.c) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (index >= view.holder_table.entries.len) return buffer_status(.invalid_argument);
     view.debug_set_start_time(index, start_time);
     return 0;
 }
 
-export fn ucm_buffer_get(
+pub export fn ucm_buffer_get(
     ctrl: usize,
     holder: u32,
     n: u32,
@@ -197,7 +197,7 @@ export fn ucm_buffer_get(
     return 0;
 }
 
-export fn ucm_buffer_commit(ctrl: usize, holder: u32, n: u32, slots: [*]const u32, states: [*]const u8, out: [*]buffer.CommitResult) i32 {
+pub export fn ucm_buffer_commit(ctrl: usize, holder: u32, n: u32, slots: [*]const u32, states: [*]const u8, out: [*]buffer.CommitResult) i32 {
     const view = switch (buffer_open_holder(ctrl, holder)) {
         .view => |v| v,
         .status => |code| return code,
@@ -210,7 +210,7 @@ export fn ucm_buffer_commit(ctrl: usize, holder: u32, n: u32, slots: [*]const u3
     return 0;
 }
 
-export fn ucm_buffer_wait(ctrl: usize, holder: u32, n: u32, slots: [*]const u32, timeout_ns: u64, out: [*]buffer.WaitResult) i32 {
+pub export fn ucm_buffer_wait(ctrl: usize, holder: u32, n: u32, slots: [*]const u32, timeout_ns: u64, out: [*]buffer.WaitResult) i32 {
     const view = switch (buffer_open_holder(ctrl, holder)) {
         .view => |v| v,
         .status => |code| return code,
@@ -223,7 +223,7 @@ export fn ucm_buffer_wait(ctrl: usize, holder: u32, n: u32, slots: [*]const u32,
 /// `ucm_buffer_commit` for one slot, without arrays: the single-shard commit sits on every
 /// waiter's wake-up latency and runs cold, where each argument array the caller builds costs
 /// microseconds. Returns the CommitResult code (>= 0) or a negative Status.
-export fn ucm_buffer_commit_one(ctrl: usize, holder: u32, slot: u32, state: u8) i32 {
+pub export fn ucm_buffer_commit_one(ctrl: usize, holder: u32, slot: u32, state: u8) i32 {
     const view = switch (buffer_open_holder(ctrl, holder)) {
         .view => |v| v,
         .status => |code| return code,
@@ -238,7 +238,7 @@ export fn ucm_buffer_commit_one(ctrl: usize, holder: u32, slot: u32, state: u8) 
 
 /// `ucm_buffer_wait` for one slot, without arrays (the waiter returns cold from the futex).
 /// Returns the WaitResult code (>= 0) or a negative Status.
-export fn ucm_buffer_wait_one(ctrl: usize, holder: u32, slot: u32, timeout_ns: u64) i32 {
+pub export fn ucm_buffer_wait_one(ctrl: usize, holder: u32, slot: u32, timeout_ns: u64) i32 {
     const view = switch (buffer_open_holder(ctrl, holder)) {
         .view => |v| v,
         .status => |code| return code,
@@ -250,7 +250,7 @@ export fn ucm_buffer_wait_one(ctrl: usize, holder: u32, slot: u32, timeout_ns: u
     return @intFromEnum(out[0]);
 }
 
-export fn ucm_buffer_release(ctrl: usize, holder: u32, n: u32, slots: [*]const u32) i64 {
+pub export fn ucm_buffer_release(ctrl: usize, holder: u32, n: u32, slots: [*]const u32) i64 {
     const view = switch (buffer_open_holder(ctrl, holder)) {
         .view => |v| v,
         .status => |code| return code,
@@ -262,7 +262,7 @@ export fn ucm_buffer_release(ctrl: usize, holder: u32, n: u32, slots: [*]const u
 
 /// Claims up to `capacity` dirty slots for writing down (`Buffer.take_dirty`), scanning from
 /// `cursor.*` (updated). Returns how many were claimed, or a negative Status.
-export fn ucm_buffer_take_dirty(
+pub export fn ucm_buffer_take_dirty(
     ctrl: usize,
     holder: u32,
     cursor: *u32,
@@ -284,7 +284,7 @@ export fn ucm_buffer_take_dirty(
 
 /// Ends the flush of slots from `ucm_buffer_take_dirty`: `written[i]` != 0 pays slot i's debt.
 /// The references taken stay (release them). Returns how many were cleaned, or a negative Status.
-export fn ucm_buffer_clean(ctrl: usize, holder: u32, n: u32, slots: [*]const u32, written: [*]const u8) i64 {
+pub export fn ucm_buffer_clean(ctrl: usize, holder: u32, n: u32, slots: [*]const u32, written: [*]const u8) i64 {
     const view = switch (buffer_open_holder(ctrl, holder)) {
         .view => |v| v,
         .status => |code| return code,
@@ -295,7 +295,7 @@ export fn ucm_buffer_clean(ctrl: usize, holder: u32, n: u32, slots: [*]const u32
 
 /// Marks the calling holder closing (`closing` != 0) or open again; returns 1 when it is the
 /// last live holder not closing (it must pay the write-back debt), 0 otherwise.
-export fn ucm_buffer_mark_closing(ctrl: usize, holder: u32, closing: u32) i32 {
+pub export fn ucm_buffer_mark_closing(ctrl: usize, holder: u32, closing: u32) i32 {
     const view = switch (buffer_open_holder(ctrl, holder)) {
         .view => |v| v,
         .status => |code| return code,
@@ -303,25 +303,25 @@ export fn ucm_buffer_mark_closing(ctrl: usize, holder: u32, closing: u32) i32 {
     return @intFromBool(view.mark_closing(closing != 0));
 }
 
-export fn ucm_buffer_prealloc(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, out: [*]buffer.PreallocResult) i32 {
+pub export fn ucm_buffer_prealloc(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, out: [*]buffer.PreallocResult) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     view.prealloc(ids_slice(ids, n), shards[0..n], out[0..n]);
     return 0;
 }
 
-export fn ucm_buffer_touch(ctrl: usize, n: u32, ids: [*]const buffer.BlockId) i64 {
+pub export fn ucm_buffer_touch(ctrl: usize, n: u32, ids: [*]const buffer.BlockId) i64 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     const touched = view.touch(ids_slice(ids, n)) catch return buffer_status(.lock_timeout);
     return @intCast(touched);
 }
 
-export fn ucm_buffer_lookup(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, out: [*]u8) i32 {
+pub export fn ucm_buffer_lookup(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, out: [*]u8) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     view.lookup(ids_slice(ids, n), shards[0..n], out[0..n]) catch return buffer_status(.lock_timeout);
     return 0;
 }
 
-export fn ucm_buffer_lookup_blocks(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards_per_block: u32, out: [*]u8) i32 {
+pub export fn ucm_buffer_lookup_blocks(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards_per_block: u32, out: [*]u8) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (shards_per_block == 0) return buffer_status(.invalid_argument);
     view.lookup_blocks(ids_slice(ids, n), shards_per_block, out[0..n]) catch
@@ -329,14 +329,14 @@ export fn ucm_buffer_lookup_blocks(ctrl: usize, n: u32, ids: [*]const buffer.Blo
     return 0;
 }
 
-export fn ucm_buffer_remove(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, force: bool) i64 {
+pub export fn ucm_buffer_remove(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, force: bool) i64 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     const removed = view.remove(ids_slice(ids, n), shards[0..n], force) catch
         return buffer_status(.lock_timeout);
     return @intCast(removed);
 }
 
-export fn ucm_buffer_remove_blocks(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, force: bool) i64 {
+pub export fn ucm_buffer_remove_blocks(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, force: bool) i64 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     const removed = view.remove(ids_slice(ids, n), null, force) catch
         return buffer_status(.lock_timeout);
@@ -344,7 +344,7 @@ export fn ucm_buffer_remove_blocks(ctrl: usize, n: u32, ids: [*]const buffer.Blo
 }
 
 /// Copies up to `capacity` counters (in buffer.counter_names order); returns how many exist.
-export fn ucm_buffer_stats(ctrl: usize, out: [*]u64, capacity: u32) i32 {
+pub export fn ucm_buffer_stats(ctrl: usize, out: [*]u64, capacity: u32) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     for (0..@min(capacity, buffer.counter_count)) |index| {
         out[index] = view.counter_value(@enumFromInt(index));
@@ -353,7 +353,7 @@ export fn ucm_buffer_stats(ctrl: usize, out: [*]u64, capacity: u32) i32 {
 }
 
 /// Per slot: the segment index and byte offset within it.
-export fn ucm_buffer_slot_locations(ctrl: usize, n: u32, slots: [*]const u32, out_segments: [*]u32, out_offsets: [*]u64) i32 {
+pub export fn ucm_buffer_slot_locations(ctrl: usize, n: u32, slots: [*]const u32, out_segments: [*]u32, out_offsets: [*]u64) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (!buffer_slots_valid(view, slots[0..n])) return buffer_status(.invalid_argument);
     for (slots[0..n], out_segments[0..n], out_offsets[0..n]) |slot, *segment, *offset| {
@@ -365,7 +365,7 @@ export fn ucm_buffer_slot_locations(ctrl: usize, n: u32, slots: [*]const u32, ou
 }
 
 /// Per slot: segment_bases[segment] + offset, or 0 where that base is 0 (scheduler: no data).
-export fn ucm_buffer_slot_addresses(ctrl: usize, n: u32, slots: [*]const u32, segment_bases: [*]const u64, segment_count: u32, out: [*]u64) i32 {
+pub export fn ucm_buffer_slot_addresses(ctrl: usize, n: u32, slots: [*]const u32, segment_bases: [*]const u64, segment_count: u32, out: [*]u64) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (!buffer_slots_valid(view, slots[0..n])) return buffer_status(.invalid_argument);
     if (segment_count != view.header.segment_count) return buffer_status(.invalid_argument);
@@ -377,7 +377,7 @@ export fn ucm_buffer_slot_addresses(ctrl: usize, n: u32, slots: [*]const u32, se
     return 0;
 }
 
-fn ucm_buffer_debug_slot(ctrl: usize, slot: u32, out: *buffer.Slot) callconv(.c) i32 {
+pub fn ucm_buffer_debug_slot(ctrl: usize, slot: u32, out: *buffer.Slot) callconv(.c) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (slot >= view.slots.len) return buffer_status(.invalid_argument);
     out.* = view.slots[slot];
@@ -385,33 +385,33 @@ fn ucm_buffer_debug_slot(ctrl: usize, slot: u32, out: *buffer.Slot) callconv(.c)
 }
 
 /// The slot holding a key (any state), or -1.
-fn ucm_buffer_debug_find(ctrl: usize, id: *const buffer.BlockId, shard: u32) callconv(.c) i64 {
+pub fn ucm_buffer_debug_find(ctrl: usize, id: *const buffer.BlockId, shard: u32) callconv(.c) i64 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     const found = view.find_locked(id, shard) catch return buffer_status(.lock_timeout);
     return if (found) |slot| slot else -1;
 }
 
 /// CLOCK cursor position of pool 0 (regular) or 1 (reserved).
-fn ucm_buffer_debug_cursor(ctrl: usize, pool: u32) callconv(.c) i64 {
+pub fn ucm_buffer_debug_cursor(ctrl: usize, pool: u32) callconv(.c) i64 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (pool > 1) return buffer_status(.invalid_argument);
     return view.cursor_position(if (pool == 0) .regular else .reserved);
 }
 
-fn ucm_buffer_debug_bucket_of(ctrl: usize, id: *const buffer.BlockId) callconv(.c) i64 {
+pub fn ucm_buffer_debug_bucket_of(ctrl: usize, id: *const buffer.BlockId) callconv(.c) i64 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     return view.bucket_of(id);
 }
 
 /// Test hook: take a bucket lock and keep it (the caller is then killed to test recovery).
-fn ucm_buffer_debug_hold_lock(ctrl: usize, bucket_index: u32) callconv(.c) i32 {
+pub fn ucm_buffer_debug_hold_lock(ctrl: usize, bucket_index: u32) callconv(.c) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (bucket_index >= view.buckets.len) return buffer_status(.invalid_argument);
     view.debug_hold_lock(bucket_index) catch return buffer_status(.lock_timeout);
     return 0;
 }
 
-fn ucm_buffer_debug_drop_lock(ctrl: usize, bucket_index: u32) callconv(.c) i32 {
+pub fn ucm_buffer_debug_drop_lock(ctrl: usize, bucket_index: u32) callconv(.c) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (bucket_index >= view.buckets.len) return buffer_status(.invalid_argument);
     const holder = view.buckets[bucket_index].lock.load(.monotonic) & 0x7FFF_FFFF;
@@ -421,11 +421,11 @@ fn ucm_buffer_debug_drop_lock(ctrl: usize, bucket_index: u32) callconv(.c) i32 {
 }
 
 /// Test hook (this process only): pause between reading version+state and blocking in wait.
-fn ucm_buffer_debug_set_wait_pause_ns(pause_ns: u64) callconv(.c) void {
+pub fn ucm_buffer_debug_set_wait_pause_ns(pause_ns: u64) callconv(.c) void {
     buffer.debug_wait_pause_ns = pause_ns;
 }
 /// Slot counts by where the slots are (buffer.zig `Occupancy`), for the metrics gauges.
-export fn ucm_buffer_occupancy(ctrl: usize, out: *buffer.Occupancy) i32 {
+pub export fn ucm_buffer_occupancy(ctrl: usize, out: *buffer.Occupancy) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     out.* = view.occupancy();
     return 0;
@@ -460,7 +460,7 @@ fn queue_of(handle: usize) union(enum) { queue: *queue_module.Queue, status: i32
 /// ucm_seg handle whose populater faults slot pages in before they are written (0: none).
 /// `ctrl` 0: a null buffer, for a stack without one (no holder, segments or region; every key
 /// is BYPASS work, and the queue takes no dumps).
-export fn ucm_queue_create(
+pub export fn ucm_queue_create(
     ctrl: usize,
     holder: u32,
     region: usize,
@@ -512,7 +512,7 @@ export fn ucm_queue_create(
 /// `entry_flags` (load only), `results` (n bytes the queue fills with EntryResult codes) and
 /// the caller's `tag`, echoed by ucm_queue_next_work. Blocks up to `timeout_ns` while the lane
 /// is full. Writes the task's token.
-export fn ucm_queue_submit(
+pub export fn ucm_queue_submit(
     handle: usize,
     kind: u32,
     flags: u32,
@@ -552,7 +552,7 @@ export fn ucm_queue_submit(
 }
 
 /// 1 when the task of `token` completed (its results are final), else 0.
-export fn ucm_queue_done(handle: usize, token: u64) i32 {
+pub export fn ucm_queue_done(handle: usize, token: u64) i32 {
     const queue = switch (queue_of(handle)) {
         .queue => |q| q,
         .status => |code| return code,
@@ -562,7 +562,7 @@ export fn ucm_queue_done(handle: usize, token: u64) i32 {
 }
 
 /// Blocks (futex) until the task completes: 1, or 0 when `timeout_ns` passed first.
-export fn ucm_queue_wait(handle: usize, token: u64, timeout_ns: u64) i32 {
+pub export fn ucm_queue_wait(handle: usize, token: u64, timeout_ns: u64) i32 {
     const queue = switch (queue_of(handle)) {
         .queue => |q| q,
         .status => |code| return code,
@@ -573,7 +573,7 @@ export fn ucm_queue_wait(handle: usize, token: u64, timeout_ns: u64) i32 {
 
 /// Takes one batch of work for a loader (at most `capacity` items of one task and kind),
 /// waiting up to `timeout_ns`: the count (0 when none came), or `closed` once the queue stopped.
-export fn ucm_queue_next_work(
+pub export fn ucm_queue_next_work(
     handle: usize,
     timeout_ns: u64,
     capacity: u32,
@@ -609,7 +609,7 @@ export fn ucm_queue_next_work(
 /// A loader's results for work items it took (echoing tokens, entries, slots, steps, kinds),
 /// with `states` (1 ready, 2 failed, 3 missing). Items refused (not handed out, reported
 /// twice) are skipped; returns how many were applied.
-export fn ucm_queue_work_done(
+pub export fn ucm_queue_work_done(
     handle: usize,
     n: u32,
     tokens: [*]const u64,
@@ -644,7 +644,7 @@ export fn ucm_queue_work_done(
 }
 
 /// Refuses new tasks and blocks until every task completed: 1, or 0 when `timeout_ns` passed.
-export fn ucm_queue_drain(handle: usize, timeout_ns: u64) i32 {
+pub export fn ucm_queue_drain(handle: usize, timeout_ns: u64) i32 {
     const queue = switch (queue_of(handle)) {
         .queue => |q| q,
         .status => |code| return code,
@@ -653,7 +653,7 @@ export fn ucm_queue_drain(handle: usize, timeout_ns: u64) i32 {
 }
 
 /// Stops every thread of the queue; ucm_queue_next_work then returns `closed`. Idempotent.
-export fn ucm_queue_stop(handle: usize) i32 {
+pub export fn ucm_queue_stop(handle: usize) i32 {
     const queue = switch (queue_of(handle)) {
         .queue => |q| q,
         .status => |code| return code,
@@ -663,7 +663,7 @@ export fn ucm_queue_stop(handle: usize) i32 {
 }
 
 /// Frees a stopped queue (no loader may be inside ucm_queue_next_work).
-export fn ucm_queue_destroy(handle: usize) i32 {
+pub export fn ucm_queue_destroy(handle: usize) i32 {
     const queue = switch (queue_of(handle)) {
         .queue => |q| q,
         .status => |code| return code,
@@ -675,7 +675,7 @@ export fn ucm_queue_destroy(handle: usize) i32 {
 /// A flusher claims up to `capacity` dirty slots through the queue (`Buffer.take_dirty`, the
 /// references counted as this process's uses), scanning from `cursor.*` (updated). Returns how
 /// many were claimed; release them with ucm_queue_release.
-export fn ucm_queue_take_dirty(handle: usize, cursor: *u32, capacity: u32, out_slots: [*]u32, out_ids: [*]buffer.BlockId, out_shards: [*]u32) i64 {
+pub export fn ucm_queue_take_dirty(handle: usize, cursor: *u32, capacity: u32, out_slots: [*]u32, out_ids: [*]buffer.BlockId, out_shards: [*]u32) i64 {
     const queue = switch (queue_of(handle)) {
         .queue => |q| q,
         .status => |code| return code,
@@ -691,7 +691,7 @@ export fn ucm_queue_take_dirty(handle: usize, cursor: *u32, capacity: u32, out_s
 /// Pins the keys that are Ready in the buffer (`Queue.pin`): `out_slots[i]` is the slot now
 /// held for key i, or slot_none (nothing held). Returns how many were pinned; release them
 /// with ucm_queue_unpin.
-export fn ucm_queue_pin(handle: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, out_slots: [*]u32) i64 {
+pub export fn ucm_queue_pin(handle: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, out_slots: [*]u32) i64 {
     const queue = switch (queue_of(handle)) {
         .queue => |q| q,
         .status => |code| return code,
@@ -702,7 +702,7 @@ export fn ucm_queue_pin(handle: usize, n: u32, ids: [*]const buffer.BlockId, sha
 
 /// Releases pins taken with ucm_queue_pin (the slots it returned, slot_none left out). The
 /// array is reordered (scratch).
-export fn ucm_queue_unpin(handle: usize, n: u32, slots: [*]u32) i32 {
+pub export fn ucm_queue_unpin(handle: usize, n: u32, slots: [*]u32) i32 {
     const queue = switch (queue_of(handle)) {
         .queue => |q| q,
         .status => |code| return code,
@@ -713,7 +713,7 @@ export fn ucm_queue_unpin(handle: usize, n: u32, slots: [*]u32) i32 {
 }
 
 /// Releases slots taken with ucm_queue_take_dirty. The array is reordered (scratch).
-export fn ucm_queue_release(handle: usize, n: u32, slots: [*]u32) i32 {
+pub export fn ucm_queue_release(handle: usize, n: u32, slots: [*]u32) i32 {
     const queue = switch (queue_of(handle)) {
         .queue => |q| q,
         .status => |code| return code,
@@ -725,7 +725,7 @@ export fn ucm_queue_release(handle: usize, n: u32, slots: [*]u32) i32 {
 
 /// Copies up to `capacity` counters (queue.counter_names order); returns how many exist.
 /// `out_held` receives the slots this process holds through the queue.
-export fn ucm_queue_stats(handle: usize, out: [*]u64, capacity: u32, out_held: *u32) i32 {
+pub export fn ucm_queue_stats(handle: usize, out: [*]u64, capacity: u32, out_held: *u32) i32 {
     const queue = queue_handle(handle) orelse return queue_status(.invalid_argument);
     for (0..@min(capacity, queue_module.counter_count)) |index| {
         out[index] = queue.counter_value(@enumFromInt(index));
@@ -736,7 +736,7 @@ export fn ucm_queue_stats(handle: usize, out: [*]u64, capacity: u32, out_held: *
 /// RearrangeIndex (queue.zig `walk_order`): writes the order in which a rank's dispatcher
 /// walks a task of `n` entries (a permutation of 0..n) into `out` (n entries). `rearrange` 0:
 /// natural order, the benchmarks' baseline. Returns n, or invalid_argument.
-export fn ucm_queue_walk_order(n: u32, device_id: u32, local_rank_size: u32, rearrange: u32, out: ?[*]u32) i32 {
+pub export fn ucm_queue_walk_order(n: u32, device_id: u32, local_rank_size: u32, rearrange: u32, out: ?[*]u32) i32 {
     if (local_rank_size == 0 or local_rank_size > constants.queue_local_rank_size_max) return queue_status(.invalid_argument);
     if (rearrange > 1 or n > constants.queue_task_keys_max) return queue_status(.invalid_argument);
     if (n == 0) return 0;
@@ -749,7 +749,7 @@ export fn ucm_queue_walk_order(n: u32, device_id: u32, local_rank_size: u32, rea
 
 /// A stack without a buffer: counts the dumps Python wrote into its top tier in the queue's
 /// counters (`dumped_shards`, `failed_shards`), the stack's one set. Refused on a buffer's queue.
-export fn ucm_queue_count_dumps(handle: usize, dumped: u64, failed: u64) i32 {
+pub export fn ucm_queue_count_dumps(handle: usize, dumped: u64, failed: u64) i32 {
     const queue = switch (queue_of(handle)) {
         .queue => |q| q,
         .status => |code| return code,
@@ -777,7 +777,7 @@ fn seg_handle(handle: usize) ?*seg_region.Region {
 /// Creates or attaches the region of `unique_id`. Returns 0 when attached (ready), 1 when this
 /// process created it (initialise the control region, then call ucm_seg_publish), or a
 /// negative error. `*out_handle` is set only on success.
-export fn ucm_seg_open(
+pub export fn ucm_seg_open(
     unique_id_ptr: [*]const u8,
     unique_id_len: usize,
     ctrl_bytes: u64,
@@ -822,7 +822,7 @@ export fn ucm_seg_open(
     return @intFromBool(created);
 }
 
-export fn ucm_seg_publish(handle: usize, err_buf: [*]u8, err_cap: usize) i32 {
+pub export fn ucm_seg_publish(handle: usize, err_buf: [*]u8, err_cap: usize) i32 {
     var diag = seg_sys.Diag.init(err_buf[0..err_cap]);
     const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
     if (!region.created or region.published) {
@@ -834,7 +834,7 @@ export fn ucm_seg_publish(handle: usize, err_buf: [*]u8, err_cap: usize) i32 {
 
 /// Serves the data descriptors until ucm_seg_stop; run it on a thread of its own. Returns 0
 /// after a stop, 1 at once when this process holds no data to serve (a scheduler).
-export fn ucm_seg_serve(handle: usize) i32 {
+pub export fn ucm_seg_serve(handle: usize) i32 {
     const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
     if (!region.server.started()) return 1;
     region.server.serve();
@@ -842,21 +842,21 @@ export fn ucm_seg_serve(handle: usize) i32 {
 }
 
 /// Asks ucm_seg_serve to return; safe from any thread.
-export fn ucm_seg_stop(handle: usize) i32 {
+pub export fn ucm_seg_stop(handle: usize) i32 {
     const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
     if (region.server.started()) region.server.request_stop();
     return 0;
 }
 
 /// Releases the region. ucm_seg_serve must have returned.
-export fn ucm_seg_close(handle: usize) i32 {
+pub export fn ucm_seg_close(handle: usize) i32 {
     const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
     seg_region.close(region);
     std.heap.page_allocator.destroy(region);
     return 0;
 }
 
-export fn ucm_seg_info(handle: usize, out: *seg_region.Info, out_bytes: usize) i32 {
+pub export fn ucm_seg_info(handle: usize, out: *seg_region.Info, out_bytes: usize) i32 {
     const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
     if (out_bytes != @sizeOf(seg_region.Info)) return @intFromEnum(Error.invalid_argument);
     out.* = region.info();
@@ -865,14 +865,14 @@ export fn ucm_seg_info(handle: usize, out: *seg_region.Info, out_bytes: usize) i
 
 /// Starts `thread_count` (0..populate_threads_max) background threads that fault this process's
 /// data mapping in; returns how many started (0 for a scheduler or a second call).
-export fn ucm_seg_populate(handle: usize, thread_count: u32) i32 {
+pub export fn ucm_seg_populate(handle: usize, thread_count: u32) i32 {
     const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
     if (thread_count > constants.populate_threads_max) return @intFromEnum(Error.invalid_argument);
     return @intCast(seg_region.start_population(region, thread_count));
 }
 
 /// How much of the data plane is resident (node-wide) and how far this process's populater got.
-export fn ucm_seg_residency(handle: usize, out: *seg_region.Residency, out_bytes: usize) i32 {
+pub export fn ucm_seg_residency(handle: usize, out: *seg_region.Residency, out_bytes: usize) i32 {
     const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
     if (out_bytes != @sizeOf(seg_region.Residency)) return @intFromEnum(Error.invalid_argument);
     out.* = seg_region.residency(region);
@@ -881,7 +881,7 @@ export fn ucm_seg_residency(handle: usize, out: *seg_region.Residency, out_bytes
 
 /// Removes the names of `unique_id` under /dev/shm (tests, admin cleanup); returns how many
 /// existed. Processes that still map the segments keep them.
-export fn ucm_seg_unlink(unique_id_ptr: [*]const u8, unique_id_len: usize) i32 {
+pub export fn ucm_seg_unlink(unique_id_ptr: [*]const u8, unique_id_len: usize) i32 {
     const unique_id = unique_id_ptr[0..@min(unique_id_len, 4096)];
     if (!seg_sys.unique_id_valid(unique_id)) return @intFromEnum(Error.invalid_argument);
     return @intCast(seg_shm.unlink_all(unique_id));
@@ -889,7 +889,7 @@ export fn ucm_seg_unlink(unique_id_ptr: [*]const u8, unique_id_len: usize) i32 {
 
 /// Test hook: makes this process's fd server expect another peer uid, so the SO_PEERCRED
 /// refusal path can be exercised without a second user.
-fn ucm_seg_debug_set_peer_uid(handle: usize, uid: u32) callconv(.c) i32 {
+pub fn ucm_seg_debug_set_peer_uid(handle: usize, uid: u32) callconv(.c) i32 {
     const region = seg_handle(handle) orelse return @intFromEnum(Error.invalid_argument);
     if (!region.server.started()) return @intFromEnum(Error.invalid_argument);
     // Monotonic: a standalone setting, see fdpass.Server.expected_uid.

@@ -47,10 +47,43 @@ def test_the_binding_takes_its_limits_and_enums_from_the_generated_module() -> N
     assert REMOVE_CHUNK_KEYS == _abi.BUFFER_REMOVE_CHUNK_KEYS
 
 
+def _exports() -> list[str]:
+    text = (ROOT / "core-native" / "src" / "exports.zig").read_text()
+    return re.findall(r"^pub export fn (ucm_\w+)\(", text, re.MULTILINE)
+
+
+def test_every_export_is_declared_from_the_generated_signatures() -> None:
+    """One signature per export of exports.zig (reflected, not written by hand), each declared
+    on the loaded library exactly as generated; the debug hooks only where the build has them."""
+    from ucm.native import _abi, lib
+
+    exports = _exports()
+    assert len(exports) == 58
+    assert list(_abi.SIGNATURES) == exports
+    assert list(_abi.DEBUG_SIGNATURES) == _debug_hooks()
+    assert _abi.SIGNATURES["ucm_queue_pin"] == (
+        ctypes.c_int64,
+        [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],
+    )
+    assert _abi.SIGNATURES["ucm_buffer_header"][1][1] == ctypes.POINTER(_abi.Header)
+    assert _abi.DEBUG_SIGNATURES["ucm_buffer_debug_set_wait_pause_ns"] == (
+        None,
+        [ctypes.c_uint64],
+    )
+    handle = lib()
+    for name, (restype, argtypes) in {**_abi.SIGNATURES, **_abi.DEBUG_SIGNATURES}.items():
+        function = getattr(handle, name)
+        assert (function.restype, function.argtypes) == (restype, argtypes), name
+    # No hand-written signature is left in the binding.
+    for module in ("__init__", "buffer", "queue", "segments", "checksum", "futex"):
+        source = (ROOT / "ucm" / "native" / f"{module}.py").read_text()
+        assert ".argtypes = [" not in source and "signatures: dict" not in source, module
+
+
 def _debug_hooks() -> list[str]:
     text = (ROOT / "core-native" / "src" / "exports.zig").read_text()
     # Every hook is a plain function exported only under build_options.debug_hooks.
-    assert not re.search(r"^export fn \w*_debug_", text, re.MULTILINE)
+    assert not re.search(r"^(pub )?export fn \w*_debug_", text, re.MULTILINE)
     return re.findall(r"@export\(&(ucm_\w*_debug_\w*),", text)
 
 

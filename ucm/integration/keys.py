@@ -225,7 +225,7 @@ def warn_node_local(engine: str, nodes: int, shards: int, stack: StackConfig) ->
     a block is whole only in a tier every node writes to."""
     if nodes <= 1 or shards <= 1:
         return False
-    lower = [tier.type for tier in stack.tiers if tier.type != "buffer"]
+    lower = [tier.type for tier in stack.tiers if tier is not stack.buffer]
     where = (
         "this stack has no tier below the buffer, so it never hits"
         if not lower

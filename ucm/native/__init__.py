@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ..errors import NativeLibraryError
 from . import _abi
@@ -45,9 +45,9 @@ def lib() -> ctypes.CDLL:
         raise NativeLibraryError(
             f"cannot load the UCM native core {path}: {exc}; {_REBUILD_HINT}"
         ) from exc
-    handle.ucm_abi_version.restype = ctypes.c_uint32
-    handle.ucm_abi_version.argtypes = []
-    found = handle.ucm_abi_version()
+    version: Any = handle.ucm_abi_version
+    version.restype, version.argtypes = _abi.SIGNATURES["ucm_abi_version"]
+    found = version()
     if found != ABI_VERSION:
         raise NativeLibraryError(
             f"the UCM native core at {path} has ABI version {found}, this package needs "
@@ -57,17 +57,21 @@ def lib() -> ctypes.CDLL:
     return handle
 
 
-def declare(handle: ctypes.CDLL, signatures: dict[str, tuple[object, list[object]]]) -> None:
-    """Declares the signatures of ``handle``'s functions. A ``*_debug_*`` hook the library
-    lacks (a release build) becomes a function that raises, naming the test build."""
-    for name, (restype, argtypes) in signatures.items():
+def _declare(handle: ctypes.CDLL) -> None:
+    """Declares every export from the generated signatures (``_abi.SIGNATURES``, reflected
+    from exports.zig). A ``*_debug_*`` hook the library lacks (a release build) becomes a
+    function that raises, naming the test build."""
+    for name, (restype, argtypes) in _abi.SIGNATURES.items():
+        try:
+            function: Any = getattr(handle, name)
+        except AttributeError:
+            raise NativeLibraryError(f"the UCM native core lacks {name}; {_REBUILD_HINT}") from None
+        function.restype = restype
+        function.argtypes = argtypes
+    for name, (restype, argtypes) in _abi.DEBUG_SIGNATURES.items():
         try:
             function = getattr(handle, name)
         except AttributeError:
-            if "_debug_" not in name:
-                raise NativeLibraryError(
-                    f"the UCM native core lacks {name}; {_REBUILD_HINT}"
-                ) from None
             setattr(handle, name, _missing_hook(name))
             continue
         function.restype = restype
@@ -82,27 +86,3 @@ def _missing_hook(name: str) -> Callable[..., NoReturn]:
         )
 
     return missing
-
-
-def _declare(handle: ctypes.CDLL) -> None:
-    u32, u64, i32, i64, usize = (
-        ctypes.c_uint32,
-        ctypes.c_uint64,
-        ctypes.c_int32,
-        ctypes.c_int64,
-        ctypes.c_size_t,
-    )
-    signatures: dict[str, tuple[object, list[object]]] = {
-        "ucm_version_wait": (i32, [usize, u32, u64]),
-        "ucm_version_bump": (i64, [usize]),
-        "ucm_version_load": (i64, [usize]),
-        "ucm_monotonic_ns": (u64, []),
-        "ucm_checksum": (
-            i32,
-            [u32, ctypes.c_void_p, ctypes.c_void_p, u64, ctypes.POINTER(ctypes.c_uint64)],
-        ),
-    }
-    for name, (restype, argtypes) in signatures.items():
-        function = getattr(handle, name)
-        function.restype = restype
-        function.argtypes = argtypes

@@ -28,11 +28,10 @@ import os
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import cache
 
 from ..errors import InvalidArgumentError
 from ..layout import BLOCK_ID_BYTES, Key
-from . import _abi, declare, lib
+from . import _abi, lib
 
 SLOT_NONE = _abi.SLOT_NONE
 """Slot index reported for a key that got no slot (NO_SLOT / LOCK_TIMEOUT)."""
@@ -97,64 +96,6 @@ _GeometryStruct = _abi.Geometry
 _HeaderStruct = _abi.Header
 _SlotStruct = _abi.Slot
 _HolderStruct = _abi.HolderEntry
-
-
-@cache
-def _native() -> ctypes.CDLL:
-    """The library with this module's signatures declared (once per process)."""
-    handle = lib()
-    u8p = u32p = u64p = ctypes.c_void_p
-    usize, u32, u64, i32, i64 = (
-        ctypes.c_size_t,
-        ctypes.c_uint32,
-        ctypes.c_uint64,
-        ctypes.c_int32,
-        ctypes.c_int64,
-    )
-    ids = ctypes.c_char_p
-    geometry = ctypes.POINTER(_GeometryStruct)
-    signatures: dict[str, tuple[object, list[object]]] = {
-        "ucm_buffer_ctrl_size_bytes": (i64, [geometry]),
-        "ucm_buffer_init": (i32, [usize, u64, geometry, u64]),
-        "ucm_buffer_attach": (i32, [usize, u64, geometry]),
-        "ucm_buffer_header": (i32, [usize, ctypes.POINTER(_HeaderStruct)]),
-        "ucm_buffer_register": (i64, [usize]),
-        "ucm_buffer_reclaim_dead": (i64, [usize, u32p]),
-        "ucm_buffer_holder_info": (i32, [usize, u32, ctypes.POINTER(_HolderStruct)]),
-        "ucm_buffer_scan_holders": (i32, [usize, u64p]),
-        "ucm_buffer_debug_set_holder_start_time": (i32, [usize, u32, u64]),
-        "ucm_buffer_get": (i32, [usize, u32, u32, ids, u32p, u8p, u32p]),
-        "ucm_buffer_commit": (i32, [usize, u32, u32, u32p, u8p, u8p]),
-        "ucm_buffer_wait": (i32, [usize, u32, u32, u32p, u64, u8p]),
-        "ucm_buffer_commit_one": (i32, [usize, u32, u32, ctypes.c_uint8]),
-        "ucm_buffer_wait_one": (i32, [usize, u32, u32, u64]),
-        "ucm_buffer_release": (i64, [usize, u32, u32, u32p]),
-        "ucm_buffer_take_dirty": (
-            i64,
-            [usize, u32, ctypes.POINTER(ctypes.c_uint32), u32, u32p, u8p, u32p],
-        ),
-        "ucm_buffer_clean": (i64, [usize, u32, u32, u32p, u8p]),
-        "ucm_buffer_mark_closing": (i32, [usize, u32, u32]),
-        "ucm_buffer_prealloc": (i32, [usize, u32, ids, u32p, u8p]),
-        "ucm_buffer_touch": (i64, [usize, u32, ids]),
-        "ucm_buffer_lookup": (i32, [usize, u32, ids, u32p, u8p]),
-        "ucm_buffer_lookup_blocks": (i32, [usize, u32, ids, u32, u8p]),
-        "ucm_buffer_remove": (i64, [usize, u32, ids, u32p, ctypes.c_bool]),
-        "ucm_buffer_remove_blocks": (i64, [usize, u32, ids, ctypes.c_bool]),
-        "ucm_buffer_stats": (i32, [usize, u64p, u32]),
-        "ucm_buffer_occupancy": (i32, [usize, u64p]),
-        "ucm_buffer_slot_locations": (i32, [usize, u32, u32p, u32p, u64p]),
-        "ucm_buffer_slot_addresses": (i32, [usize, u32, u32p, u64p, u32, u64p]),
-        "ucm_buffer_debug_slot": (i32, [usize, u32, ctypes.POINTER(_SlotStruct)]),
-        "ucm_buffer_debug_find": (i64, [usize, ids, u32]),
-        "ucm_buffer_debug_cursor": (i64, [usize, u32]),
-        "ucm_buffer_debug_bucket_of": (i64, [usize, ids]),
-        "ucm_buffer_debug_hold_lock": (i32, [usize, u32]),
-        "ucm_buffer_debug_drop_lock": (i32, [usize, u32]),
-        "ucm_buffer_debug_set_wait_pause_ns": (None, [u64]),
-    }
-    declare(handle, signatures)
-    return handle
 
 
 _EMPTY = (ctypes.c_uint64 * 1)()
@@ -269,7 +210,7 @@ class Geometry:
     @property
     def ctrl_size_bytes(self) -> int:
         """Bytes the control region needs."""
-        size = int(_native().ucm_buffer_ctrl_size_bytes(ctypes.byref(self._struct())))
+        size = int(lib().ucm_buffer_ctrl_size_bytes(ctypes.byref(self._struct())))
         assert size > 0, size
         return size
 
@@ -319,7 +260,7 @@ def live_geometry(unique_id: str) -> Geometry:
     address = -(-ctypes.addressof(raw) // CTRL_ALIGNMENT_BYTES) * CTRL_ALIGNMENT_BYTES
     ctypes.memmove(address, image, size)
     header = _HeaderStruct()
-    if _native().ucm_buffer_header(address, ctypes.byref(header)) != 0:
+    if lib().ucm_buffer_header(address, ctypes.byref(header)) != 0:
         found = _HeaderStruct.from_buffer_copy(image)
         raise InvalidArgumentError(
             f"{path} holds no CacheBuffer this library reads (magic {found.magic:#018x}, layout "
@@ -501,7 +442,7 @@ class BufferCore:
         self._ctrl = ctrl_address
         self._ctrl_bytes = ctrl_bytes
         self.geometry = geometry
-        self._native = _native()
+        self._native = lib()
         # Bound once: the single-slot commit and wait run cold on every waiter's wake-up path.
         self._commit_one = self._native.ucm_buffer_commit_one
         self._wait_one = self._native.ucm_buffer_wait_one
@@ -594,7 +535,7 @@ class BufferCore:
                 f"ctrl_bytes={ctrl_bytes} is too small for {geometry}: the control region "
                 f"needs {needed} bytes"
             )
-        status = _native().ucm_buffer_init(
+        status = lib().ucm_buffer_init(
             ctrl_address, ctrl_bytes, ctypes.byref(geometry._struct()), creator_start_time
         )
         if status != 0:
@@ -608,7 +549,7 @@ class BufferCore:
         """Validates an existing control region; refuses a bad magic, another layout version or
         a geometry other than ``geometry`` (when given)."""
         _check_region(ctrl_address, ctrl_bytes)
-        native = _native()
+        native = lib()
         expected = ctypes.byref(geometry._struct()) if geometry is not None else None
         status = native.ucm_buffer_attach(ctrl_address, ctrl_bytes, expected)
         if status == _Status.OK:
@@ -909,9 +850,9 @@ class BufferCore:
     def occupancy(self) -> dict[str, int]:
         """Slot counts by where the slots are (``OCCUPANCY_NAMES``), counted natively from the
         shared slot table without locks (``Buffer.occupancy`` in buffer.zig): a gauge."""
-        out = array("Q", bytes(8 * len(OCCUPANCY_NAMES)))
-        self._check(self._native.ucm_buffer_occupancy(self._ctrl, _address(out)), "occupancy")
-        return dict(zip(OCCUPANCY_NAMES, out, strict=True))
+        out = _abi.Occupancy()
+        self._check(self._native.ucm_buffer_occupancy(self._ctrl, ctypes.byref(out)), "occupancy")
+        return {name: int(getattr(out, name)) for name in OCCUPANCY_NAMES}
 
     def slot_locations(self, slots: Sequence[int] | array[int]) -> list[tuple[int, int]]:
         """``(segment, offset_bytes)`` of each slot's bytes."""
@@ -1056,7 +997,7 @@ def set_wait_pause_ns(pause_ns: int) -> None:
     """Test hook (this process only): ``wait`` pauses this long between reading the version and
     state and blocking on the futex, so a test can land a completion inside that window."""
     _check_int("pause_ns", pause_ns, 0, 2**64 - 1, "")
-    _native().ucm_buffer_debug_set_wait_pause_ns(pause_ns)
+    lib().ucm_buffer_debug_set_wait_pause_ns(pause_ns)
 
 
 def _check_region(ctrl_address: int, ctrl_bytes: int) -> None:

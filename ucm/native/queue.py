@@ -71,52 +71,6 @@ _WAIT_FOREVER_NS = 2**63
 _Settings = _abi.Settings
 
 
-def _declare(handle: ctypes.CDLL) -> None:
-    u8, u32, u64, i32, usize = (
-        ctypes.c_uint8,
-        ctypes.c_uint32,
-        ctypes.c_uint64,
-        ctypes.c_int32,
-        ctypes.c_size_t,
-    )
-    ptr = ctypes.c_void_p
-    signatures: dict[str, tuple[object, list[object]]] = {
-        "ucm_queue_create": (
-            i32,
-            [usize, u32, usize, ptr, u32, ctypes.POINTER(_Settings), ptr, ctypes.POINTER(usize)],
-        ),
-        "ucm_queue_submit": (
-            i32,
-            [usize, u32, u32, u32, ptr, ptr, ptr, ptr, ptr, u64, u64, ctypes.POINTER(u64)],
-        ),
-        "ucm_queue_done": (i32, [usize, u64]),
-        "ucm_queue_wait": (i32, [usize, u64, u64]),
-        "ucm_queue_next_work": (i32, [usize, u64, u32, ptr, ptr, ptr, ptr, ptr, ptr, ptr]),
-        "ucm_queue_work_done": (i32, [usize, u32, ptr, ptr, ptr, ptr, ptr, ptr]),
-        "ucm_queue_drain": (i32, [usize, u64]),
-        "ucm_queue_stop": (i32, [usize]),
-        "ucm_queue_destroy": (i32, [usize]),
-        "ucm_queue_stats": (i32, [usize, ptr, u32, ctypes.POINTER(u32)]),
-        "ucm_queue_take_dirty": (
-            ctypes.c_int64,
-            [usize, ctypes.POINTER(u32), u32, ptr, ptr, ptr],
-        ),
-        "ucm_queue_release": (i32, [usize, u32, ptr]),
-        "ucm_queue_pin": (ctypes.c_int64, [usize, u32, ptr, ptr, ptr]),
-        "ucm_queue_unpin": (i32, [usize, u32, ptr]),
-        "ucm_queue_walk_order": (i32, [u32, u32, u32, u32, ptr]),
-        "ucm_queue_count_dumps": (i32, [usize, u64, u64]),
-    }
-    del u8
-    for name, (restype, argtypes) in signatures.items():
-        function = getattr(handle, name)
-        function.restype = restype
-        function.argtypes = argtypes
-
-
-_declare(lib())
-
-
 def _address(values: array[int] | bytearray | bytes | None) -> int | None:
     if values is None:
         return None

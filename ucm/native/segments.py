@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import InvalidArgumentError, UcmError
-from . import _abi, declare, lib
+from . import _abi, lib
 
 Role = Literal["worker", "scheduler"]
 HugetlbPolicy = Literal["auto", "off", "try"]
@@ -148,30 +148,6 @@ class Residency:
     """Why this process's background population stopped early (e.g. ``ENOMEM``), or None."""
     populate_seconds: float | None
     """Seconds from the start of population to its end (None while it runs, or when lazy)."""
-
-
-def _declare(handle: ctypes.CDLL) -> None:
-    u32, u64, i32, usize = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int32, ctypes.c_size_t
-    ptr = ctypes.c_void_p
-    signatures: dict[str, tuple[object, list[object]]] = {
-        "ucm_seg_open": (
-            i32,
-            [ptr, usize, u64, u64, u64, u32, u32, u32, u64, ctypes.POINTER(usize), ptr, usize],
-        ),
-        "ucm_seg_publish": (i32, [usize, ptr, usize]),
-        "ucm_seg_serve": (i32, [usize]),
-        "ucm_seg_stop": (i32, [usize]),
-        "ucm_seg_close": (i32, [usize]),
-        "ucm_seg_info": (i32, [usize, ctypes.POINTER(_Info), usize]),
-        "ucm_seg_unlink": (i32, [ptr, usize]),
-        "ucm_seg_debug_set_peer_uid": (i32, [usize, u32]),
-        "ucm_seg_populate": (i32, [usize, u32]),
-        "ucm_seg_residency": (i32, [usize, ctypes.POINTER(_Residency), usize]),
-    }
-    declare(handle, signatures)
-
-
-_declare(lib())
 
 
 def ctrl_path(unique_id: str) -> Path:
