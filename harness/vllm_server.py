@@ -31,7 +31,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-LAUNCHER = Path(__file__).resolve().parents[2] / "tools" / "vllm-cpu"
+LAUNCHER = Path(__file__).resolve().parents[1] / "tools" / "vllm-cpu"
 """``tools/vllm-cpu`` of the UCM checkout (vLLM's CLI for the vllm-cpu distribution)."""
 
 SPECIAL_TOKENS = ("[UNK]", "<s>", "</s>")
