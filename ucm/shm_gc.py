@@ -31,12 +31,12 @@ process, because registration happens under the same lock.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
 import os
 import random
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,10 +52,6 @@ SWEEP_MAX_IDS = 32
 """Buffers (unique ids) the sweep at open examines per call, at most 3 names each."""
 SWEEP_BUDGET_S = 0.2
 """Wall-clock budget of the sweep at open; it stops between buffers once spent."""
-
-_ENTRY = struct.Struct("<IIQ")  # attach entry: pid, flags, start_time_ticks
-_ATTACH_OFFSET = 128
-_CREATOR = struct.Struct("<IIQ")  # creator_pid, creator_uid, creator_start_time_ticks at 48
 
 log = logging.getLogger(__name__)
 
@@ -268,24 +264,27 @@ def _ctrl_liveness(ctrl: Path) -> tuple[bool, str, os.stat_result | None]:
         header = os.pread(fd, _abi.SEG_HEADER_BYTES, 0)
     finally:
         os.close(fd)
-    if len(header) < _ATTACH_OFFSET + _ENTRY.size * _abi.SEG_ATTACH_ENTRIES_MAX:
+    if len(header) < ctypes.sizeof(_abi.SegHeader):
         return False, "unknown: too small to be a UCM segment", None
-    magic, version = struct.unpack_from("<QI", header, 0)
-    if magic != _abi.SEG_MAGIC or version != _abi.SEG_LAYOUT_VERSION:
+    parsed = _abi.SegHeader.from_buffer_copy(header)
+    if parsed.magic != _abi.SEG_MAGIC or parsed.layout_version != _abi.SEG_LAYOUT_VERSION:
         return (
             False,
             f"unknown: not a UCM segment of layout version {_abi.SEG_LAYOUT_VERSION}",
             None,
         )
-    live = []
-    for index in range(_abi.SEG_ATTACH_ENTRIES_MAX):
-        pid, _flags, start = _ENTRY.unpack_from(header, _ATTACH_OFFSET + index * _ENTRY.size)
-        if pid and process_start_time(pid) == start:
-            live.append(pid)
+    live = [
+        int(entry.pid)
+        for entry in parsed.attach
+        if entry.pid and process_start_time(entry.pid) == entry.start_time_ticks
+    ]
     if live:
         return True, "live: used by pid " + ", ".join(map(str, sorted(set(live)))), status
-    creator_pid = _CREATOR.unpack_from(header, 48)[0]
-    return False, f"dead: no live process in the attach table (creator pid {creator_pid})", status
+    return (
+        False,
+        f"dead: no live process in the attach table (creator pid {parsed.creator_pid})",
+        status,
+    )
 
 
 def process_start_time(pid: int) -> int | None:

@@ -87,49 +87,6 @@ _ERRORS: dict[int, type[UcmError]] = {
 }
 
 
-class _Info(ctypes.Structure):
-    _fields_ = [
-        ("header_address", ctypes.c_uint64),
-        ("ctrl_address", ctypes.c_uint64),
-        ("ctrl_bytes", ctypes.c_uint64),
-        ("data_address", ctypes.c_uint64),
-        ("data_bytes", ctypes.c_uint64),
-        ("segment_bytes", ctypes.c_uint64),
-        ("segment_count", ctypes.c_uint32),
-        ("role", ctypes.c_uint32),
-        ("created", ctypes.c_uint32),
-        ("published", ctypes.c_uint32),
-        ("replaced_stale", ctypes.c_uint32),
-        ("stale_creator_pid", ctypes.c_uint32),
-        ("huge_pages", ctypes.c_uint32),
-        ("hugetlb_fallback", ctypes.c_uint32),
-        ("hugetlb_errno", ctypes.c_uint32),
-        ("creator_pid", ctypes.c_uint32),
-        ("entry_index", ctypes.c_uint32),
-        ("serves_data", ctypes.c_uint32),
-        ("served_count", ctypes.c_uint32),
-        ("refused_count", ctypes.c_uint32),
-    ]
-
-
-class _Progress(ctypes.Structure):
-    _fields_ = [
-        ("populated_bytes", ctypes.c_uint64),
-        ("mapping_bytes", ctypes.c_uint64),
-        ("threads", ctypes.c_uint32),
-        ("error_code", ctypes.c_uint32),
-        ("elapsed_ns", ctypes.c_uint64),
-    ]
-
-
-class _Residency(ctypes.Structure):
-    _fields_ = [
-        ("resident_bytes", ctypes.c_uint64),
-        ("data_bytes", ctypes.c_uint64),
-        ("populate", _Progress),
-    ]
-
-
 POPULATE_THREADS_MAX = _abi.POPULATE_THREADS_MAX
 """``constants.populate_threads_max``: background threads one process may fault its data in on."""
 
@@ -333,10 +290,10 @@ class SharedRegion:
             owner.start_serving(f"ucm-segments-{unique_id}")
         return region
 
-    def _info(self) -> _Info:
+    def _info(self) -> _abi.SegInfo:
         if not self._owner.handle:
             raise UcmError(f"the shared region {self.unique_id!r} is closed")
-        info = _Info()
+        info = _abi.SegInfo()
         code = lib().ucm_seg_info(self._owner.handle, ctypes.byref(info), ctypes.sizeof(info))
         assert code == 0, code
         return info
@@ -466,7 +423,7 @@ class SharedRegion:
         """Resident bytes of the data plane (node-wide) and this process's population."""
         if not self._owner.handle:
             raise UcmError(f"the shared region {self.unique_id!r} is closed")
-        raw = _Residency()
+        raw = _abi.SegResidency()
         code = lib().ucm_seg_residency(self._owner.handle, ctypes.byref(raw), ctypes.sizeof(raw))
         assert code == 0, code
         error = None
