@@ -366,12 +366,8 @@ def _submit_costs(
 
 def slot_addresses(buffer: Any, keys: list[tuple[bytes, int]]) -> list[int]:
     """Where Ready keys' bytes live in this process (for baselines that copy them directly)."""
-    slots = [buffer.core.slot_of(key) for key in keys]
-    assert all(slot is not None for slot in slots), "a key is not in the buffer"
-    return [
-        buffer.bases[segment] + offset
-        for segment, offset in buffer.core.slot_locations([s for s in slots if s is not None])
-    ]
+    slots = buffer.core.ready_slots(keys)
+    return [buffer.bases[segment] + offset for segment, offset in buffer.core.slot_locations(slots)]
 
 
 BENCHMARK = HitPath()

@@ -48,7 +48,7 @@ def _rank(rank: int, config: dict[str, Any], rounds: int, barrier: Any, out: Any
             base = ctypes.addressof(target)
             pointers = [[base + i * size] for i in range(n)]
             buffer: Any = store.tiers[0]
-            slots = [buffer.core.slot_of((block_id, 0)) for block_id in ids]
+            slots = buffer.core.ready_slots([(block_id, 0) for block_id in ids])
             # The seed's dump claimed fresh slots in order: one contiguous run to memcpy.
             if slots != list(range(slots[0], slots[0] + n)):
                 raise UcmError(f"rank {rank}: the shards are not in consecutive slots")

@@ -926,6 +926,33 @@ class BufferCore:
             flusher_holder=raw.flusher - 1 if raw.flusher else None,
         )
 
+    def ready_slots(self, keys: Sequence[Key]) -> list[int]:
+        """The slots where keys that are Ready in the buffer live, with the release library's
+        calls (benchmarks copy from them directly): a lookup, then a Get of those keys (all
+        hits: nothing is allocated or claimed as owner) whose references are dropped at once;
+        a slot stays where it is while nothing evicts it. Raises InvalidArgumentError naming
+        the keys that are not Ready."""
+        absent = [key for key, present in zip(keys, self.lookup(keys), strict=True) if not present]
+        if absent:
+            raise InvalidArgumentError(
+                f"keys not Ready in the buffer: {absent[:4]!r}"
+                f"{f' and {len(absent) - 4} more' if len(absent) > 4 else ''}"
+            )
+        batch = self.get(keys)
+        try:
+            evicted = [
+                key
+                for key, result in zip(keys, batch.results, strict=True)
+                if result != GetResult.HIT
+            ]
+            if evicted:
+                raise InvalidArgumentError(
+                    f"keys evicted between the lookup and the Get: {evicted[:4]!r}"
+                )
+            return list(batch.slots)
+        finally:
+            self.release(batch.held_slots())
+
     def slot_of(self, key: Key) -> int | None:
         """The slot holding ``key`` on its chain (any state), or None."""
         batch = KeyBatch.of([key], "key")
