@@ -149,6 +149,8 @@ def named_block_id(salt: bytes, name: bytes | str | int) -> bytes:
 
 EPOCH_WINDOW = 64
 """Epoch markers asked for in one lookup while finding the current epoch."""
+EPOCH_WINDOWS_MAX = 1 << 14
+"""Bound of the search: about a million resets of one key space (one lookup per window)."""
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,7 @@ class Epochs:
         """The highest epoch whose marker ``store`` holds (0 when none)."""
         found = 0
         start = 1
-        while True:
+        for _ in range(EPOCH_WINDOWS_MAX):
             window = range(start, start + EPOCH_WINDOW)
             present = store.lookup([self.marker(n) for n in window])
             hits = [n for n, hit in zip(window, present, strict=True) if hit]
@@ -193,6 +195,7 @@ class Epochs:
             found = hits[-1]
             _touch(store, [self.marker(n) for n in hits])
             start += EPOCH_WINDOW
+        return found
 
     def begin(self, store: Store, after: int = 0) -> int:
         """Starts a new epoch, past the stack's current one and past ``after`` (the epoch this
