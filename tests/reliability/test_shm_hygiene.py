@@ -48,7 +48,9 @@ import json, os, sys
 import ucm
 import ucm.native.buffer, ucm.native.segments
 from ucm import plugins
+from ucm.native import lib
 plugins.load_plugins()
+lib()  # the native library loads on first use: load it while its folder is still readable
 config = json.loads(sys.argv[1])
 os.setgroups([])
 os.setgid(65534)
