@@ -175,6 +175,11 @@ class VllmServer:
                     f"vllm serve exited with {self.process.returncode} before it was ready:\n"
                     f"{self.log_tail()}"
                 )
+            # Another process may hold the port free_port() chose (another test run on the
+            # machine): a healthy answer counts only once this server logged its own startup.
+            if "Application startup complete" not in self.log_tail(400):
+                time.sleep(1.0)
+                continue
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
                     if response.status == 200:
