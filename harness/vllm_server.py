@@ -127,6 +127,12 @@ class VllmServer:
             *args,
         ]
         merged: dict[str, str | None] = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+        # Each server keeps its Prometheus counters to itself. With PROMETHEUS_MULTIPROC_DIR
+        # inherited (LMCache sets it to /tmp/lmcache_prometheus in any process that builds its
+        # storage manager, and never wipes it), vLLM sums every server's samples in that
+        # directory: a fresh server then reports the preemptions and cached tokens of earlier
+        # ones. Unset, `vllm serve` makes a private directory and removes it on exit.
+        merged["PROMETHEUS_MULTIPROC_DIR"] = None
         merged.update(env or {})
         self.env = {name: value for name, value in merged.items() if value is not None}
         self.start_timeout_s = start_timeout_s

@@ -145,6 +145,21 @@ def scratch_tier(register_plugin: RegisterPlugin) -> type[ScratchTier]:
     return ScratchTier
 
 
+# ---- environment a library leaves behind ---------------------------------------------------
+
+_PROMETHEUS_DIR_AT_START = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+
+
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    """Puts ``PROMETHEUS_MULTIPROC_DIR`` back after each test. LMCache's storage manager sets it
+    (to /tmp/lmcache_prometheus, never wiped) in the test process; every process a later test
+    starts would inherit it, and vLLM servers sharing that directory sum each other's metrics."""
+    if _PROMETHEUS_DIR_AT_START is None:
+        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    else:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = _PROMETHEUS_DIR_AT_START
+
+
 # ---- CI: no silent skips ---------------------------------------------------------------------
 
 

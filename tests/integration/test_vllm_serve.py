@@ -309,3 +309,18 @@ def test_ucm_stats_attaches_to_the_servers_buffer_from_the_vllm_stack(
     assert buffer["misses"] == buffer["commits_ready"] == saved > 0
     assert stats["occupancy"]["resident"] == saved
     assert buffer["evictions"] == 0 and buffer["hits"] > 0
+
+
+def test_each_server_keeps_its_prometheus_counters_to_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An inherited PROMETHEUS_MULTIPROC_DIR (LMCache sets one in the test process) would make
+    every server sum the samples of the servers before it: CI once saw the no-connector
+    reference report 44 preemptions, the UCM server's. The server's environment drops it."""
+    _require_engine()
+    from harness.vllm_server import VllmServer
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "shared"))
+    server = VllmServer(tmp_path / "model", tmp_path / "server.log")
+    assert "PROMETHEUS_MULTIPROC_DIR" not in server.env
+    assert server.env["TOKENIZERS_PARALLELISM"] == "false"
