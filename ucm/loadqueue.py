@@ -35,7 +35,13 @@ from typing import Any
 from . import arguments
 from .buffer import BufferTier
 from .config import LoadSettings
-from .errors import KeyMissingError, NoBufferSlotError, StoreClosedError, TierError
+from .errors import (
+    BufferLockTimeoutError,
+    KeyMissingError,
+    NoBufferSlotError,
+    StoreClosedError,
+    TierError,
+)
 from .layout import Key
 from .native.queue import (
     ENTRY_FLAG_CALLER_COPY,
@@ -71,7 +77,7 @@ _ERRORS: dict[int, Callable[[], BaseException]] = {
     EntryResult.NO_SLOT: lambda: NoBufferSlotError(
         "no buffer slot for the shard (NO_SLOT): every slot is in use"
     ),
-    EntryResult.LOCK_TIMEOUT: lambda: TierError(
+    EntryResult.LOCK_TIMEOUT: lambda: BufferLockTimeoutError(
         "a bucket lock of the buffer stayed held by a live process past the lock timeout"
     ),
     EntryResult.NO_MEMORY: lambda: TierError(
