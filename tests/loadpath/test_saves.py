@@ -195,3 +195,34 @@ def test_vllm_wait_for_save_returns_while_a_write_through_tier_is_stuck(
             kv[i * SHARD : (i + 1) * SHARD].numpy().tobytes() for i in range(steps)
         ]
         GATES["slow"].set()
+
+
+def test_a_dump_that_meets_this_ranks_own_failing_prefetch_writes_its_own_bytes(
+    test_tiers: None, unique_id: str
+) -> None:
+    """docs/reliability.md's first dump gap, within one rank: a prefetch of a key no tier has
+    is filling its slot (held at the tier's gate) when a dump of the same key arrives. The fill
+    ends Missing; the dump then writes its own bytes (before the fix it was reported done at
+    once and its bytes were in no tier)."""
+    low = {"type": "recording", "space": "low", "write": "none", "gated": True}
+    gate = GATES.setdefault("low", threading.Event())
+    gate.clear()
+    with ucm.open(stack(unique_id, low, slots=64, shards=1)) as store:
+        assert store.buffer is not None
+        x = block(70)
+        store.prefetch([x])  # this rank owns x's slot, its loader waits at the gate
+        assert ENTERED.setdefault("low", threading.Event()).wait(BOUND_S)
+        task = store.dump([x], 0, src_for([x], 0))
+        deadline = time.monotonic() + BOUND_S
+        while store.buffer.stats()["waited"] == 0 and not store.check(task):
+            assert time.monotonic() < deadline, "the dump never reached the slot"
+            time.sleep(0.01)
+        gate.set()  # the prefetch finds x in no tier: its fill ends Missing
+        bounded(lambda: store.wait(task), "the dump behind the prefetch")
+        store.wait_prefetches()
+        dst = dst_for(1)
+        store.wait(store.load([x], 0, dst))
+        assert exact([x], 0, dst)
+        stats = store.buffer.stats()
+        assert (stats["waited"], stats["dump_refills"]) == (1, 1)
+        assert CONTENTS.get("low", {}) == {}  # write: none: the buffer holds the only copy

@@ -93,7 +93,7 @@ def on_posix(nvme: Path, ids: list[bytes]) -> list[bytes | None]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ending", [State.MISSING, State.FAILED])
+@pytest.mark.parametrize("ending", [State.MISSING, State.FAILED], ids=["missing", "failed"])
 def test_a_dump_that_meets_a_fill_which_then_fails_writes_its_own_bytes(
     unique_id: str, tmp_path: Path, ending: State
 ) -> None:
