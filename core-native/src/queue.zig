@@ -1553,8 +1553,10 @@ pub const Queue = struct {
     /// another load is filling (any rank's, this one's included) waits for that fill's outcome:
     /// Ready is the same block, already in a tier (done); Failed or Missing leaves the key in no
     /// tier, so the dump claims it again and writes its own bytes; a dead filler's slot is taken
-    /// over and written here. A fill still running after `wait_timeout`, or a key whose fills
-    /// kept failing, is NO_SLOT: the store writes it straight down, as for a full buffer.
+    /// over and written here. A fill still running after `wait_timeout` (one deadline per round
+    /// for all its waiters), or a key whose fills kept failing, is NO_SLOT: the store writes it
+    /// straight down, as for a full buffer. So a step waits at most `queue_dump_rounds_max`
+    /// times `wait_timeout` for other loads' fills.
     fn dump_step(queue: *Queue, lane: *Lane, task_index: u32, entries: []const u32) void {
         const task = &queue.tasks[task_index];
         assert(entries.len > 0 and entries.len <= lane.entries.len);
@@ -1601,9 +1603,12 @@ pub const Queue = struct {
                     .held => unreachable, // Resolved by `claim`.
                 }
             }
+            // One deadline for the round's waiters, as for a load step's: a step of many keys
+            // behind slow fills waits `wait_timeout` per round, not per key.
+            const deadline_ns = futex.monotonic_ns() +| queue.settings.wait_timeout_ns;
             for (pending, results, slots) |entry, result, slot| {
                 if (result != .waiter) continue;
-                switch (queue.dump_wait(slot)) {
+                switch (queue.dump_wait(slot, deadline_ns)) {
                     .ready => {
                         queue.release_one(slot);
                         queue.finish_entry(task_index, entry, .ok);
@@ -1644,13 +1649,14 @@ pub const Queue = struct {
         }
     }
 
-    /// Waits up to `wait_timeout` for the outcome of another load's fill of a slot a dump met
-    /// (in futex slices, so that teardown never waits out the whole timeout).
-    fn dump_wait(queue: *Queue, slot: u32) WaitResult {
+    /// Waits until `deadline_ns` for the outcome of another load's fill of a slot a dump met
+    /// (in futex slices, so that teardown never waits out the whole timeout). Past the
+    /// deadline it still looks once: a final state, or a dead filler to take over.
+    fn dump_wait(queue: *Queue, slot: u32, deadline_ns: u64) WaitResult {
         const started_ns = futex.monotonic_ns();
         defer queue.count_max(.wait_ns_max, futex.monotonic_ns() - started_ns);
         queue.count(.waited, 1);
-        const deadline_ns = started_ns +| queue.settings.wait_timeout_ns;
+        assert(deadline_ns <= started_ns +| queue.settings.wait_timeout_ns);
         const slices_max = queue.settings.wait_timeout_ns / constants.futex_wait_slice_ns + 2;
         var slices: u64 = 0;
         while (slices < slices_max) : (slices += 1) {
