@@ -43,6 +43,7 @@ from pydantic import Field, PositiveFloat
 from . import shm_gc
 from .config import LoadSettings, Size, TierConfig
 from .errors import (
+    BufferLockTimeoutError,
     InvalidArgumentError,
     KeyMissingError,
     NoBufferSlotError,
@@ -190,7 +191,12 @@ class BufferTier(Tier):
         except BaseException:
             self.region.close()  # a refused attach must not keep the segments mapped
             raise
-        self._counts = {"written_back_shards": 0, "write_back_failures": 0}
+        self._counts = {
+            "written_back_shards": 0,
+            "write_back_failures": 0,
+            "written_down_unbuffered": 0,
+            "written_down_lock_timeouts": 0,
+        }
         self._counts_lock = threading.Lock()
         # Write-back debt: dumps commit dirty when `write: back` tiers below must get them.
         self._sink: EvictSink | None = None if context.is_scheduler else context.evict_sink
@@ -247,7 +253,11 @@ class BufferTier(Tier):
     def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
         """Writes each shard into a claimed slot and publishes it Ready. A key already Ready
         is rewritten unless a rank is reading it (then it keeps its bytes, which for a KV block
-        id are the same); a key another rank is filling right now is left to that rank.
+        id are the same). A key another load is filling right now waits for that fill: Ready
+        is the same block (done); Failed or Missing, and the dump writes its own bytes
+        (``dump_refills``); a fill still running after ``wait_timeout_s`` is NO_SLOT, like a
+        key without a free slot or whose bucket lock timed out, and with ``write: back`` tiers
+        below those go straight down to them.
 
         With ``write: back`` tiers below, the slots are committed dirty, and the call returns
         only once the node's write-back debt is within ``dirty_max`` (see the module doc)."""
@@ -285,10 +295,15 @@ class BufferTier(Tier):
                 outcomes.extend([exc] * (end - start))
                 continue
             chunk = run(start, end)
+            # No slot, or its bucket lock held by a live process past the lock timeout: the
+            # key is not in the buffer, so it goes straight to the write-back tiers.
             refused = [
-                i for i, outcome in enumerate(chunk) if isinstance(outcome, NoBufferSlotError)
+                i
+                for i, outcome in enumerate(chunk)
+                if isinstance(outcome, (NoBufferSlotError, BufferLockTimeoutError))
             ]
             if refused:
+                locked = {i for i in refused if isinstance(chunk[i], BufferLockTimeoutError)}
                 written = self._sink(
                     [keys[start + i] for i in refused], [views_of(start + i) for i in refused]
                 )
@@ -296,6 +311,14 @@ class BufferTier(Tier):
                     if outcome is None:
                         chunk[i] = None
                 self.count("written_down_unbuffered", sum(1 for o in written if o is None))
+                self.count(
+                    "written_down_lock_timeouts",
+                    sum(
+                        1
+                        for i, o in zip(refused, written, strict=True)
+                        if o is None and i in locked
+                    ),
+                )
             outcomes.extend(chunk)
         self._last_dump_ns = time.monotonic_ns()
         try:
@@ -504,7 +527,15 @@ class BufferTier(Tier):
         shm_gc.collect_one(self.region.unique_id)
 
 
-_QUEUE_TIER_COUNTERS = ("hits", "misses", "owned", "waited", "bypassed", "held_slots")
+_QUEUE_TIER_COUNTERS = (
+    "hits",
+    "misses",
+    "owned",
+    "waited",
+    "bypassed",
+    "held_slots",
+    "dump_refills",
+)
 """Queue counters reported as the tier's own (its loads' hits and misses, how they resolved)."""
 
 _LOCAL_RANK_SIZE_MAX = _abi.QUEUE_LOCAL_RANK_SIZE_MAX
@@ -518,6 +549,10 @@ def _outcome(code: int) -> Outcome:
         return KeyMissingError("not in the buffer")
     if code == EntryResult.NO_SLOT:
         return NoBufferSlotError("no buffer slot for the shard (NO_SLOT): every slot is in use")
+    if code == EntryResult.LOCK_TIMEOUT:
+        return BufferLockTimeoutError(
+            "a bucket lock of the buffer stayed held by a live process past the lock timeout"
+        )
     if code == EntryResult.NO_MEMORY:
         return TierError("out of shared memory (/dev/shm) while faulting the buffer slot in")
     return TierError(f"the buffer could not serve the shard ({EntryResult(code).name})")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PositiveFloat
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeFloat, PositiveFloat
 
 from .native import _abi
 from .sizes import parse_size
@@ -74,7 +74,14 @@ class LoadSettings(BaseModel):
     )
     queue_timeout_s: PositiveFloat = Field(
         default=60.0,
-        description="Longest load()/dump() blocks on a full queue before raising TimeoutError.",
+        description="Longest load() blocks on a full queue before raising TimeoutError "
+        "(dump(): dump_submit_timeout_s).",
+    )
+    dump_submit_timeout_s: PositiveFloat = Field(
+        default=1.0,
+        description="Longest dump() blocks on a full dump queue before raising TimeoutError "
+        "(the task is then not taken): the bound on an engine's save call, such as vLLM's "
+        "wait_for_save.",
     )
     load_workers: int = Field(
         default=4,
@@ -111,7 +118,14 @@ class LoadSettings(BaseModel):
     )
     write_queue_bytes: Size = Field(
         default=256 * 1024 * 1024,
-        description="Bytes of dumped shards waiting for write-through before dump tasks block.",
+        description="Bytes of dumped shards waiting for write-through (the backlog); a dump "
+        "that finds no room within write_through_wait_s is not written through: its shards "
+        "are counted in write_through_skipped and stay in the top tier only.",
+    )
+    write_through_wait_s: NonNegativeFloat = Field(
+        default=0.0,
+        description="Longest a dump waits for room in the write-through backlog before its "
+        "shards skip the write-through tiers (0: never waits).",
     )
 
     def load_settings(self) -> LoadSettings:

@@ -50,6 +50,11 @@ class NoBufferSlotError(TierError):
     """Every slot of the buffer is in use: a dump could not place the shard there."""
 
 
+class BufferLockTimeoutError(TierError):
+    """A bucket lock of the buffer stayed held by a live process past the lock timeout: the
+    key could not be claimed there (a dump then writes it straight to the tiers below)."""
+
+
 class TaskError(UcmError):
     """A load or dump task finished with failed keys. ``failures`` maps each failed key
     ``(block_id, shard_index)`` to the cause."""

@@ -27,6 +27,7 @@ import itertools
 import queue
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,13 @@ from typing import Any
 from . import arguments
 from .buffer import BufferTier
 from .config import LoadSettings
-from .errors import KeyMissingError, NoBufferSlotError, StoreClosedError, TierError
+from .errors import (
+    BufferLockTimeoutError,
+    KeyMissingError,
+    NoBufferSlotError,
+    StoreClosedError,
+    TierError,
+)
 from .layout import Key
 from .native.queue import (
     ENTRY_FLAG_CALLER_COPY,
@@ -71,7 +78,7 @@ _ERRORS: dict[int, Callable[[], BaseException]] = {
     EntryResult.NO_SLOT: lambda: NoBufferSlotError(
         "no buffer slot for the shard (NO_SLOT): every slot is in use"
     ),
-    EntryResult.LOCK_TIMEOUT: lambda: TierError(
+    EntryResult.LOCK_TIMEOUT: lambda: BufferLockTimeoutError(
         "a bucket lock of the buffer stayed held by a live process past the lock timeout"
     ),
     EntryResult.NO_MEMORY: lambda: TierError(
@@ -241,7 +248,10 @@ class LoadPath:
                 flags=flags,
                 entry_flags=job.entry_flags,
                 tag=job.tag,
-                timeout_s=self._settings.queue_timeout_s,
+                # A dump's caller is an engine's save call: bounded by its own, short timeout.
+                timeout_s=self._settings.dump_submit_timeout_s
+                if kind is TaskKind.DUMP
+                else self._settings.queue_timeout_s,
                 depth_knob="dump_queue_depth" if kind is TaskKind.DUMP else "load_queue_depth",
             )
         except BaseException:
@@ -418,13 +428,13 @@ def _view_at(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
 
 
-def _put(target: queue.Queue[Any], item: Any, timeout_s: float, what: str) -> None:
+def _put(target: queue.Queue[Any], item: Any, timeout_s: float, what: str, knob: str) -> None:
     try:
         target.put(item, timeout=timeout_s)
     except queue.Full:
         raise TimeoutError(
             f"the {what} queue stayed full for {timeout_s} s: the rank submits faster than the "
-            f"cache drains; wait for earlier tasks or raise {what}_queue_depth / queue_timeout_s"
+            f"cache drains; wait for earlier tasks or raise {what}_queue_depth / {knob}"
         ) from None
 
 
@@ -498,7 +508,7 @@ class DumpQueue:
         self._through = through
         self._count = count
         self._settings = settings
-        self.writer = WriteQueue(settings.write_queue_bytes, count)
+        self.writer = WriteQueue(settings.write_queue_bytes, count, settings.write_through_wait_s)
         self._pending: queue.Queue[DumpItem | None] = queue.Queue(settings.dump_queue_depth)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="ucm-dump", daemon=True)
@@ -507,7 +517,14 @@ class DumpQueue:
     def submit(self, dump: DumpItem) -> None:
         if self._closed:
             raise StoreClosedError("the store is closed; open a new one with ucm.open()")
-        _put(self._pending, dump, self._settings.queue_timeout_s, "dump")
+        # An engine's save call: never blocked past dump_submit_timeout_s.
+        _put(
+            self._pending,
+            dump,
+            self._settings.dump_submit_timeout_s,
+            "dump",
+            "dump_submit_timeout_s",
+        )
 
     def drain(self) -> None:
         """Waits for every queued dump, then for the write-through backlog."""
@@ -556,11 +573,22 @@ class DumpQueue:
         else:
             outcomes = self._top.dump(keys, memory.views)
         if self._through:
-            # The caller may reuse its tensors once the task is done: snapshot the bytes. Keys
-            # the top tier refused still reach the write-through tiers.
-            snapshot = [b"".join(memory.views[i]) for i in range(len(keys))]
-            self.writer.put(self._through, keys, snapshot)
-            outcomes = [None] * len(keys)
+            # The caller may reuse its tensors once the task is done: snapshot the bytes (those
+            # the backlog takes: the rest skip the write-through tiers, never waiting for them).
+            # Keys the top tier refused still reach the write-through tiers: they are snapshot
+            # first, and done only when the backlog takes them.
+            order = [i for i, o in enumerate(outcomes) if o is not None]
+            order += [i for i, o in enumerate(outcomes) if o is None]
+            taken = self.writer.put(
+                self._through, [keys[i] for i in order], [memory.views[i] for i in order]
+            )
+            if taken < len(keys) and self._buffer is not None:
+                # Node-wide too (the buffer's counters), for `ucm stats` and its metrics.
+                self._buffer.core.count_write_through_skipped(
+                    (len(keys) - taken) * len(self._through)
+                )
+            skipped = set(order[taken:])
+            outcomes = [o if i in skipped else None for i, o in enumerate(outcomes)]
         failed = {i: o for i, o in enumerate(outcomes) if o is not None}
         if self._buffer is None and self._native is not None:
             # Into a top tier that is not the buffer: counted with the queue's counters.
@@ -577,11 +605,15 @@ class DumpItem:
 
 
 class WriteQueue:
-    """Background writer for ``write: through`` tiers, bounded in bytes (backpressure)."""
+    """Background writer for ``write: through`` tiers, bounded in bytes. A dump never waits
+    for it longer than ``wait_s``: what the backlog has no room for then skips the
+    write-through tiers (counted in ``write_through_skipped``), so a slow tier never blocks
+    the dump thread, nor through it an engine's save call."""
 
-    def __init__(self, capacity_bytes: int, count: Count) -> None:
+    def __init__(self, capacity_bytes: int, count: Count, wait_s: float = 0.0) -> None:
         self._capacity_bytes = capacity_bytes
         self._count = count
+        self._wait_s = wait_s
         self._pending_bytes = 0
         self._condition = threading.Condition()
         self._queue: queue.Queue[tuple[list[Tier], list[Key], list[bytes]] | None] = queue.Queue()
@@ -592,16 +624,43 @@ class WriteQueue:
     def pending_bytes(self) -> int:
         return self._pending_bytes
 
-    def put(self, tiers: list[Tier], keys: list[Key], data: list[bytes]) -> None:
-        size = sum(len(d) for d in data)
+    def put(self, tiers: list[Tier], keys: list[Key], sources: Sequence[ShardViews]) -> int:
+        """Snapshots and queues the longest prefix of the shards that fits in the backlog
+        (an empty backlog takes them all), after waiting up to ``wait_s`` for room; the rest
+        skip the write-through tiers. Returns how many shards were queued."""
+        sizes = [sum(len(view) for view in views) for views in sources]
+        deadline = time.monotonic() + self._wait_s
         with self._condition:
-            # Bounded wait loop: each pass sleeps until the writer frees bytes.
+            # Bounded wait loop: each pass sleeps until the writer frees bytes or time is up.
             for _ in range(WRITE_WAIT_ROUNDS_MAX):
-                if not self._pending_bytes or self._pending_bytes + size <= self._capacity_bytes:
+                if (
+                    not self._pending_bytes
+                    or self._pending_bytes + sum(sizes) <= self._capacity_bytes
+                ):
                     break
-                self._condition.wait(timeout=1.0)
-            self._pending_bytes += size
-        self._queue.put((tiers, keys, data))
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._condition.wait(timeout=min(remaining, 1.0))
+            taken, room = 0, self._capacity_bytes - self._pending_bytes
+            if not self._pending_bytes:
+                taken = len(sizes)
+            else:
+                for size in sizes:
+                    if size > room:
+                        break
+                    room -= size
+                    taken += 1
+            self._pending_bytes += sum(sizes[:taken])
+        skipped = len(keys) - taken
+        if skipped:
+            # One per shard and write-through tier, as write_through_shards counts.
+            self._count("write_through_skipped", skipped * len(tiers))
+        if taken:
+            # The caller may reuse its memory once the task is done: copy the bytes now.
+            data = [b"".join(views) for views in sources[:taken]]
+            self._queue.put((tiers, keys[:taken], data))
+        return taken
 
     def drain(self) -> None:
         with self._condition:
@@ -635,7 +694,8 @@ class WriteQueue:
 
 
 WRITE_WAIT_ROUNDS_MAX = 600
-"""One-second rounds a dump waits for write-through room (or ``drain`` for the backlog)."""
+"""Rounds (of at most one second) a dump waits for write-through room (at most
+``write_through_wait_s`` in all), or ``drain`` for the backlog."""
 
 
 def _as_error(exc: BaseException) -> BaseException:

@@ -365,6 +365,7 @@ class Store:
             "dumped_shards",
             "failed_shards",
             "repaired_shards",
+            "write_through_skipped",
         ):
             counters.setdefault(name, 0)
         lookups = counters["hits"] + counters["misses"]

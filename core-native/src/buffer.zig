@@ -133,7 +133,7 @@ pub const counter_names = [_][]const u8{
     "lock_recoveries", "no_slot",        "preallocs",      "removed",
     "touched",         "commits_ready",  "commits_failed", "wait_timeouts",
     "dead_holders",    "refs_reclaimed", "holders_freed",  "remove_lock_acquisitions",
-    "dirty_slots",     "flushed",        "wait_slices",
+    "dirty_slots",     "flushed",        "wait_slices",    "write_through_skipped",
 };
 pub const counter_count = counter_names.len;
 pub const Counter = enum(u32) {
@@ -165,6 +165,10 @@ pub const Counter = enum(u32) {
     /// Futex slices a waiter slept out without a change (then checked the owner's liveness):
     /// a wake-up that the commit delivered, or a change seen before blocking, counts none.
     wait_slices,
+    /// Shard writes (one per shard and `write: through` tier) that the ranks' dumps skipped
+    /// because their write-through backlog was full: counted by the ranks (Python), node-wide
+    /// here so that `ucm stats` sees every rank's. The control plane never counts it itself.
+    write_through_skipped,
 };
 
 pub const Counters = extern struct {

@@ -61,6 +61,11 @@ pub const queue_nontemporal_min_bytes: usize = 4096;
 pub const queue_ring_wait_slice_ns: u64 = 100 * std.time.ns_per_ms;
 /// Times a wait on a slot this process is filling is renewed before loading it from below.
 pub const queue_wait_rounds_max: u32 = 8;
+/// Claims of one dump step's keys: the first; a second for keys that were Ready (replaced:
+/// removed, then claimed again) or whose fill by another load ended Failed or Missing; a third
+/// for keys whose second fill failed too. A key that still has no slot of its own after the
+/// last is a NO_SLOT entry (the store writes it straight to the tiers below).
+pub const queue_dump_rounds_max: u32 = 3;
 
 comptime {
     std.debug.assert(queue_tasks_max >= 2);
@@ -69,6 +74,7 @@ comptime {
     std.debug.assert(queue_copy_batch_items > 0);
     std.debug.assert(queue_work_batch_max > 0 and queue_work_batch_max <= queue_step_keys_max);
     std.debug.assert(queue_ring_wait_slice_ns <= futex_wait_slice_ns);
+    std.debug.assert(queue_dump_rounds_max >= 2); // A Ready key is replaced in the second.
 }
 
 // ---- Segments (shm.zig, memfd.zig, fdpass.zig, seg_region.zig) ----

@@ -352,6 +352,14 @@ pub export fn ucm_buffer_stats(ctrl: usize, out: [*]u64, capacity: u32) i32 {
     return buffer.counter_count;
 }
 
+/// Adds `amount` to the node-wide `write_through_skipped` counter: shard writes a rank's dumps
+/// skipped in its `write: through` tiers (the rank counts them; the buffer only sums them up).
+pub export fn ucm_buffer_count_write_through_skipped(ctrl: usize, amount: u64) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    view.count(.write_through_skipped, amount);
+    return 0;
+}
+
 /// Per slot: the segment index and byte offset within it.
 pub export fn ucm_buffer_slot_locations(ctrl: usize, n: u32, slots: [*]const u32, out_segments: [*]u32, out_offsets: [*]u64) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);

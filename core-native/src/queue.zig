@@ -198,7 +198,7 @@ pub const counter_names = [_][]const u8{
     "prefetched_shards", "owned",       "waited",        "bypassed",      "takeovers",
     "prewarmed",         "get_ns",      "get_keys",      "copy_bytes",    "copy_ns",
     "load_tasks",        "dump_tasks",  "work_items",    "no_memory",     "release_failures",
-    "wait_timeouts",     "wait_ns_max",
+    "wait_timeouts",     "wait_ns_max", "dump_refills",
 };
 pub const Counter = enum(u32) {
     hits,
@@ -225,6 +225,10 @@ pub const Counter = enum(u32) {
     wait_timeouts,
     /// The longest single wait on a slot another rank (or thread) was filling.
     wait_ns_max,
+    /// Dump keys whose slot another load was filling when that fill ended Failed or Missing:
+    /// the dump claimed the key again and wrote its own bytes (or, past the last round,
+    /// reported NO_SLOT so that the store writes them straight down).
+    dump_refills,
 };
 pub const counter_count = counter_names.len;
 
@@ -1543,59 +1547,127 @@ pub const Queue = struct {
         queue.release_task(task_index);
     }
 
+    /// One step of a dump task, in at most `queue_dump_rounds_max` claims of its keys. A key
+    /// this rank owns is copied in and committed Ready. A key already Ready is replaced: removed
+    /// (unless in use: then it keeps its equal bytes) and claimed again in the next round. A key
+    /// another load is filling (any rank's, this one's included) waits for that fill's outcome:
+    /// Ready is the same block, already in a tier (done); Failed or Missing leaves the key in no
+    /// tier, so the dump claims it again and writes its own bytes; a dead filler's slot is taken
+    /// over and written here. A fill still running after `wait_timeout` (one deadline per round
+    /// for all its waiters), or a key whose fills kept failing, is NO_SLOT: the store writes it
+    /// straight down, as for a full buffer. So a step waits at most `queue_dump_rounds_max`
+    /// times `wait_timeout` for other loads' fills.
     fn dump_step(queue: *Queue, lane: *Lane, task_index: u32, entries: []const u32) void {
         const task = &queue.tasks[task_index];
-        const k = entries.len;
-        for (entries, 0..) |entry, i| {
-            lane.ids[i] = task.ids[entry];
-            lane.shards[i] = task.shards[entry];
-        }
-        queue.wait_room(k);
-        queue.claim(lane.ids[0..k], lane.shards[0..k], lane.results[0..k], lane.slots[0..k]);
-        var again: usize = 0;
-        for (entries, lane.results[0..k], lane.slots[0..k]) |entry, result, slot| {
-            switch (result) {
-                .owner => queue.dump_owned(task_index, entry, slot),
-                // Ready already: a dump replaces a key's bytes (the Tier contract), below.
-                .hit => {
-                    queue.release_one(slot);
-                    lane.again[again] = entry;
-                    again += 1;
-                },
-                // Another rank or thread is filling it right now: its bytes are the same.
-                .waiter => {
-                    queue.release_one(slot);
-                    queue.finish_entry(task_index, entry, .ok);
-                    queue.count(.dumped_shards, 1);
-                },
-                .no_slot => queue.finish_entry(task_index, entry, .no_slot),
-                .lock_timeout => queue.finish_entry(task_index, entry, .lock_timeout),
-                .held => unreachable, // Resolved by `claim`.
+        assert(entries.len > 0 and entries.len <= lane.entries.len);
+        assert(entries.ptr == lane.entries.ptr); // Later rounds reuse the entries scratch.
+        var k = entries.len;
+        var round: u32 = 0;
+        while (k > 0) : (round += 1) {
+            assert(round < constants.queue_dump_rounds_max);
+            const first = round == 0;
+            const last = round + 1 == constants.queue_dump_rounds_max;
+            const pending = lane.entries[0..k];
+            for (pending, 0..) |entry, i| {
+                lane.ids[i] = task.ids[entry];
+                lane.shards[i] = task.shards[entry];
             }
-        }
-        if (again == 0) return;
-        // Remove what nobody uses, then claim afresh; a key still in use keeps its (equal)
-        // bytes. The lane's id/shard scratch is reused: the first pass is done with it.
-        for (lane.again[0..again], 0..) |entry, i| {
-            lane.ids[i] = task.ids[entry];
-            lane.shards[i] = task.shards[entry];
-        }
-        _ = queue.buffer.?.remove(lane.ids[0..again], lane.shards[0..again], false) catch 0;
-        queue.wait_room(again);
-        queue.claim(lane.ids[0..again], lane.shards[0..again], lane.results[0..again], lane.slots[0..again]);
-        for (lane.again[0..again], lane.results[0..again], lane.slots[0..again]) |entry, result, slot| {
-            switch (result) {
-                .owner => queue.dump_owned(task_index, entry, slot),
-                .hit, .waiter => {
-                    queue.release_one(slot);
-                    queue.finish_entry(task_index, entry, .ok);
-                    queue.count(.dumped_shards, 1);
-                },
-                .no_slot => queue.finish_entry(task_index, entry, .no_slot),
-                .lock_timeout => queue.finish_entry(task_index, entry, .lock_timeout),
-                .held => unreachable,
+            // Remove what nobody uses (a Ready copy this dump replaces), then claim afresh; a
+            // key still in use keeps its (equal) bytes. Keys of failed fills are detached
+            // already, so this removes nothing of theirs.
+            if (!first) _ = queue.buffer.?.remove(lane.ids[0..k], lane.shards[0..k], false) catch 0;
+            queue.wait_room(k);
+            const results = lane.results[0..k];
+            const slots = lane.slots[0..k];
+            queue.claim(lane.ids[0..k], lane.shards[0..k], results, slots);
+            var again: usize = 0;
+            // Owned keys first: their copies start (and a duplicate key of this task, which
+            // waits on its first entry's slot below, finds that copy already queued).
+            for (pending, results, slots) |entry, result, slot| {
+                switch (result) {
+                    .owner => queue.dump_owned(task_index, entry, slot),
+                    .hit => {
+                        queue.release_one(slot);
+                        if (first and !last) {
+                            lane.again[again] = entry;
+                            again += 1;
+                        } else {
+                            // Ready again after a removal: another writer of the same block.
+                            queue.finish_entry(task_index, entry, .ok);
+                            queue.count(.dumped_shards, 1);
+                        }
+                    },
+                    .waiter => {}, // Below, once every owned key's copy is queued.
+                    .no_slot => queue.finish_entry(task_index, entry, .no_slot),
+                    .lock_timeout => queue.finish_entry(task_index, entry, .lock_timeout),
+                    .held => unreachable, // Resolved by `claim`.
+                }
             }
+            // One deadline for the round's waiters, as for a load step's: a step of many keys
+            // behind slow fills waits `wait_timeout` per round, not per key.
+            const deadline_ns = futex.monotonic_ns() +| queue.settings.wait_timeout_ns;
+            for (pending, results, slots) |entry, result, slot| {
+                if (result != .waiter) continue;
+                switch (queue.dump_wait(slot, deadline_ns)) {
+                    .ready => {
+                        queue.release_one(slot);
+                        queue.finish_entry(task_index, entry, .ok);
+                        queue.count(.dumped_shards, 1);
+                    },
+                    .failed, .missing => {
+                        // The fill left the key in no tier: this dump's bytes are the only copy.
+                        queue.release_one(slot);
+                        queue.count(.dump_refills, 1);
+                        if (last) {
+                            queue.finish_entry(task_index, entry, .no_slot);
+                        } else {
+                            lane.again[again] = entry;
+                            again += 1;
+                        }
+                    },
+                    .takeover => {
+                        // The filler died: the slot is this rank's now, and gets the dump's bytes.
+                        queue.count(.takeovers, 1);
+                        queue.mark_owned(slot);
+                        queue.dump_owned(task_index, entry, slot);
+                    },
+                    .idle => {
+                        queue.count(.wait_timeouts, 1);
+                        queue.release_one(slot);
+                        queue.finish_entry(task_index, entry, .no_slot);
+                    },
+                    .lock_timeout => {
+                        queue.release_one(slot);
+                        queue.finish_entry(task_index, entry, .lock_timeout);
+                    },
+                }
+            }
+            assert(again <= k);
+            // The next round's keys: `pending` is done with, its scratch is reused.
+            for (lane.again[0..again], 0..) |entry, i| lane.entries[i] = entry;
+            k = again;
         }
+    }
+
+    /// Waits until `deadline_ns` for the outcome of another load's fill of a slot a dump met
+    /// (in futex slices, so that teardown never waits out the whole timeout). Past the
+    /// deadline it still looks once: a final state, or a dead filler to take over.
+    fn dump_wait(queue: *Queue, slot: u32, deadline_ns: u64) WaitResult {
+        const started_ns = futex.monotonic_ns();
+        defer queue.count_max(.wait_ns_max, futex.monotonic_ns() - started_ns);
+        queue.count(.waited, 1);
+        assert(deadline_ns <= started_ns +| queue.settings.wait_timeout_ns);
+        const slices_max = queue.settings.wait_timeout_ns / constants.futex_wait_slice_ns + 2;
+        var slices: u64 = 0;
+        while (slices < slices_max) : (slices += 1) {
+            var out = [1]WaitResult{.idle};
+            const remaining_ns = deadline_ns -| futex.monotonic_ns();
+            const slice_ns = @min(remaining_ns, constants.futex_wait_slice_ns);
+            queue.buffer.?.wait(&.{slot}, slice_ns, &out);
+            if (out[0] == .idle and slice_ns < remaining_ns and !queue.stop_requested()) continue;
+            return out[0];
+        }
+        return .idle;
     }
 
     fn dump_owned(queue: *Queue, task_index: u32, entry: u32, slot: u32) void {

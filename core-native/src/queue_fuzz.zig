@@ -188,6 +188,7 @@ fn fuzz_seed(seed: u64, rounds: u64, null_buffer: bool, summary: *Summary) !void
             call.entry_flags = try queue_test.allocator.alloc(u8, count);
             for (call.entry_flags.?) |*flags| flags.* = if (random.boolean()) queue_module.entry_flag_caller_copy else 0;
         }
+        const evictions_before = harness.base.counter_value(.evictions);
         const token = try call.submit(harness.queue, kind, if (no_fill) queue_module.task_flag_no_fill else 0);
         // Pins taken while the task runs (this rank's other thread): up to two keys, any shard.
         var pin_keys: [2]u32 = undefined;
@@ -221,6 +222,19 @@ fn fuzz_seed(seed: u64, rounds: u64, null_buffer: bool, summary: *Summary) !void
             view.pid = fake_processes[rank].pid;
             view.holder = try harness.base.register_identity(view.pid, fake_processes[rank].start_time);
             harness.others[rank] = view;
+        }
+        // Nothing evicted while the dump ran: every key it reported done is Ready in the
+        // buffer with its bytes, whatever another rank's fill of the same key did (Ready: the
+        // same bytes; Failed or Missing: the dump wrote its own; died: taken over and written).
+        const evicted = harness.base.counter_value(.evictions) != evictions_before;
+        if (kind == .dump and !null_buffer and !evicted) {
+            for (call.results, blocks[0..count]) |code, block| {
+                if (@as(EntryResult, @enumFromInt(code)) != .ok) continue;
+                const slot = (try harness.base.find_locked(&block_id_of(block), shard)) orelse return error.DumpedKeyMissing;
+                try expectEqual(@intFromEnum(buffer_module.State.ready), harness.base.slots[slot].state.load(.acquire));
+                const bytes: [*]const u8 = @ptrFromInt(harness.queue.slot_address_of(slot));
+                try expect(matches_pattern(bytes[0..shard_size_bytes], &block_id_of(block), shard, 0));
+            }
         }
         for (call.results, 0..) |code, i| {
             const result: EntryResult = @enumFromInt(code);

@@ -36,6 +36,7 @@ QUEUE_CLAIM_PIECE_KEYS = 64
 QUEUE_NONTEMPORAL_MIN_BYTES = 4096
 QUEUE_RING_WAIT_SLICE_NS = 100000000
 QUEUE_WAIT_ROUNDS_MAX = 8
+QUEUE_DUMP_ROUNDS_MAX = 3
 SEG_UNIQUE_ID_MAX_BYTES = 64
 SEG_PATH_MAX_BYTES = 128
 SEG_MAGIC = 3550883054749565781
@@ -108,6 +109,7 @@ QUEUE_COUNTER_NAMES = (
     "release_failures",
     "wait_timeouts",
     "wait_ns_max",
+    "dump_refills",
 )
 
 
@@ -198,6 +200,7 @@ BUFFER_COUNTER_NAMES = (
     "dirty_slots",
     "flushed",
     "wait_slices",
+    "write_through_skipped",
 )
 SLOT_NONE = 4294967295
 COMMIT_DIRTY_BIT = 128
@@ -470,6 +473,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ucm_buffer_remove": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_bool]),
     "ucm_buffer_remove_blocks": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_bool]),
     "ucm_buffer_stats": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint32]),
+    "ucm_buffer_count_write_through_skipped": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint64]),
     "ucm_buffer_slot_locations": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
     "ucm_buffer_slot_addresses": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p]),
     "ucm_buffer_occupancy": (ctypes.c_int32, [ctypes.c_size_t, ctypes.POINTER(Occupancy)]),

@@ -847,6 +847,14 @@ class BufferCore:
         assert count == len(COUNTER_NAMES), count
         return dict(zip(COUNTER_NAMES, out, strict=True))
 
+    def count_write_through_skipped(self, amount: int) -> None:
+        """Adds shard writes this rank's dumps skipped in its ``write: through`` tiers to the
+        node-wide ``write_through_skipped`` counter (every rank's, as ``ucm stats`` shows)."""
+        self._check(
+            self._native.ucm_buffer_count_write_through_skipped(self._ctrl, amount),
+            "count_write_through_skipped",
+        )
+
     def occupancy(self) -> dict[str, int]:
         """Slot counts by where the slots are (``OCCUPANCY_NAMES``), counted natively from the
         shared slot table without locks (``Buffer.occupancy`` in buffer.zig): a gauge."""

@@ -1,0 +1,228 @@
+"""Saves never block the caller (issue 21): a dump does not wait for a slow ``write: through``
+tier. What the write-through backlog has no room for skips that tier (exact counts in
+``write_through_skipped``) and stays in the buffer; a full dump queue makes ``dump()`` raise
+within ``dump_submit_timeout_s``. The tier is a real (in-process) tier held at a gate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+import ucm
+from ucm.metrics import registry_for
+
+from ._tiers import CONTENTS, ENTERED, GATES, block, payload
+from .test_loadqueue import BOUND_S, SHARD, bounded, dst_for, exact, stack
+
+
+def src_for(blocks: list[bytes], shard: int) -> list[list[torch.Tensor]]:
+    return [
+        [torch.frombuffer(bytearray(payload(b, shard, SHARD)), dtype=torch.uint8)] for b in blocks
+    ]
+
+
+def ucm_stats_json(tmp_path: Path, unique_id: str) -> dict[str, Any]:
+    """``ucm stats --json`` of the live buffer ``unique_id`` (a stack naming its buffer only:
+    the geometry comes from the live header)."""
+    stack_path = tmp_path / "stack.yaml"
+    stack_path.write_text(
+        yaml.safe_dump(
+            {"unique_id": unique_id, "tiers": [{"type": "buffer", "capacity": 128 * SHARD}]}
+        )
+    )
+    shown = subprocess.run(
+        [sys.executable, "-m", "ucm.cli", "stats", str(stack_path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    data: dict[str, Any] = json.loads(shown.stdout)
+    return data
+
+
+def test_a_stuck_write_through_tier_skips_what_the_backlog_cannot_hold(
+    test_tiers: None, unique_id: str, tmp_path: Path
+) -> None:
+    slow = {"type": "recording", "space": "slow", "write": "through", "gated": True}
+    gate = GATES.setdefault("slow", threading.Event())
+    gate.clear()
+    config = stack(unique_id, slow, slots=128, write_queue_bytes=4 * SHARD)
+    with ucm.open(config) as store:
+        first = [block(i) for i in range(4)]
+        store.wait(store.dump(first, 0, src_for(first, 0)))  # the backlog takes all four
+        assert ENTERED.setdefault("slow", threading.Event()).wait(BOUND_S)  # stuck at the gate
+        later = [block(10 + i) for i in range(8)]
+        started = time.monotonic()
+        for b in later:  # each finds the backlog full: acknowledged without waiting for it
+            task = store.dump([b], 0, src_for([b], 0))
+            bounded(lambda task=task: store.wait(task), "a dump behind a stuck write-through")
+        # Not a timing assertion: only that nothing waited out a bound of the old code (600 s
+        # for write-through room, queue_timeout_s for a full dump queue).
+        assert time.monotonic() - started < BOUND_S
+        stats = store.stats()
+        assert stats["write_through_skipped"] == 8
+        assert stats["write_queue_bytes"] == 4 * SHARD
+        assert stats.get("write_through_shards", 0) == 0
+        scraped = registry_for(store).get_sample_value(
+            "ucm_store_write_through_skipped_total",
+            {"unique_id": unique_id, "device_id": "0"},
+        )
+        assert scraped == 8
+        # Node-wide too, in the buffer's shared counters: what `ucm stats` shows (attached as
+        # the scheduler role, in its own process).
+        assert store.stats()["tiers"][0]["write_through_skipped"] == 8
+        shown = ucm_stats_json(tmp_path, unique_id)
+        assert shown["buffer"]["write_through_skipped"] == 8
+        # The skipped shards are in the buffer, byte-exact.
+        dst = dst_for(8)
+        store.wait(store.load(later, 0, dst))
+        assert exact(later, 0, dst)
+        gate.set()
+        store.drain()
+        stats = store.stats()
+        assert (stats["write_through_shards"], stats["write_through_skipped"]) == (4, 8)
+        assert stats["write_queue_bytes"] == 0
+    # The write-through tier got exactly what the backlog took.
+    assert CONTENTS["slow"] == {(b, 0): payload(b, 0, SHARD) for b in first}
+
+
+def test_the_skip_wait_is_configurable_and_a_freed_backlog_takes_the_dump(
+    test_tiers: None, unique_id: str
+) -> None:
+    slow = {"type": "recording", "space": "slow", "write": "through", "gated": True}
+    gate = GATES.setdefault("slow", threading.Event())
+    gate.clear()
+    config = stack(
+        unique_id, slow, slots=128, write_queue_bytes=SHARD, write_through_wait_s=BOUND_S
+    )
+    with ucm.open(config) as store:
+        store.wait(store.dump([block(0)], 0, src_for([block(0)], 0)))
+        assert ENTERED.setdefault("slow", threading.Event()).wait(BOUND_S)
+        task = store.dump([block(1)], 0, src_for([block(1)], 0))
+        time.sleep(0.2)
+        assert not store.check(task)  # waiting for room, within write_through_wait_s
+        gate.set()
+        bounded(lambda: store.wait(task), "a dump waiting for write-through room")
+        store.drain()
+        stats = store.stats()
+        assert (stats["write_through_shards"], stats["write_through_skipped"]) == (2, 0)
+    assert set(CONTENTS["slow"]) == {(block(0), 0), (block(1), 0)}
+
+
+def test_a_full_dump_queue_raises_within_dump_submit_timeout(
+    test_tiers: None, unique_id: str
+) -> None:
+    # The dump thread is held by a write-through tier that waits for room (a long skip wait),
+    # so the dump queue (depth 1) fills: dump() raises after dump_submit_timeout_s, naming it.
+    slow = {"type": "recording", "space": "slow", "write": "through", "gated": True}
+    gate = GATES.setdefault("slow", threading.Event())
+    gate.clear()
+    config = stack(
+        unique_id,
+        slow,
+        slots=128,
+        write_queue_bytes=SHARD,
+        write_through_wait_s=BOUND_S,
+        dump_queue_depth=1,
+        dump_submit_timeout_s=0.2,
+    )
+    with ucm.open(config) as store:
+        tasks = [store.dump([block(0)], 0, src_for([block(0)], 0))]
+        assert ENTERED.setdefault("slow", threading.Event()).wait(BOUND_S)
+        tasks.append(store.dump([block(1)], 0, src_for([block(1)], 0)))  # the thread waits
+        time.sleep(0.2)
+        tasks.append(store.dump([block(2)], 0, src_for([block(2)], 0)))  # the queue's one place
+
+        def refused() -> None:
+            with pytest.raises(TimeoutError, match="dump_submit_timeout_s"):
+                store.dump([block(3)], 0, src_for([block(3)], 0))
+
+        bounded(refused, "dump() on a full dump queue")
+        gate.set()
+        for task in tasks:
+            bounded(lambda task=task: store.wait(task), "a queued dump")
+
+
+def test_vllm_wait_for_save_returns_while_a_write_through_tier_is_stuck(
+    test_tiers: None, unique_id: str
+) -> None:
+    """The vLLM worker's save hook (``submit_saves``, what ``wait_for_save`` calls) over a stack
+    whose write-through tier never answers: every step's save is submitted and acknowledged,
+    what the backlog cannot hold is skipped (exact count), and the requests are released."""
+    from ucm.integration.vllm.metadata import BlockTransfer, UcmConnectorMetadata
+    from ucm.integration.vllm.worker import WorkerSide
+
+    slow = {"type": "recording", "space": "slow", "write": "through", "gated": True}
+    GATES.setdefault("slow", threading.Event()).clear()
+    steps = 6
+    with ucm.open(stack(unique_id, slow, slots=128, shards=1, write_queue_bytes=SHARD)) as store:
+        worker = WorkerSide(store, rank=0, shard_size=SHARD)
+        kv = torch.arange(steps * SHARD, dtype=torch.int64).remainder(251).to(torch.uint8)
+        worker.set_block_views([kv.view(steps, SHARD)])
+        ids = [block(40 + i) for i in range(steps)]
+        for step, block_id in enumerate(ids):
+            meta = UcmConnectorMetadata(
+                saves=[BlockTransfer(f"r{step}", [step], [block_id])], released={f"r{step}"}
+            )
+            worker.bind(meta)
+            bounded(worker.submit_saves, "wait_for_save behind a stuck write-through tier")
+            if step == 0:  # the first save fills the backlog and sits at the tier's gate
+                assert ENTERED.setdefault("slow", threading.Event()).wait(BOUND_S)
+        done: set[str] = set()
+        deadline = time.monotonic() + BOUND_S
+        while len(done) < steps:
+            assert time.monotonic() < deadline, f"released so far: {sorted(done)}"
+            done |= worker.get_finished()
+            time.sleep(0.01)
+        assert done == {f"r{step}" for step in range(steps)}
+        assert worker.stats.data["saved_blocks"] == steps
+        assert worker.stats.data.get("save_failed_blocks", 0) == 0
+        assert store.stats()["write_through_skipped"] == steps - 1
+        dst = dst_for(steps)
+        store.wait(store.load(ids, 0, dst))
+        assert [d[0].numpy().tobytes() for d in dst] == [
+            kv[i * SHARD : (i + 1) * SHARD].numpy().tobytes() for i in range(steps)
+        ]
+        GATES["slow"].set()
+
+
+def test_a_dump_that_meets_this_ranks_own_failing_prefetch_writes_its_own_bytes(
+    test_tiers: None, unique_id: str
+) -> None:
+    """docs/reliability.md's first dump gap, within one rank: a prefetch of a key no tier has
+    is filling its slot (held at the tier's gate) when a dump of the same key arrives. The fill
+    ends Missing; the dump then writes its own bytes (before the fix it was reported done at
+    once and its bytes were in no tier)."""
+    low = {"type": "recording", "space": "low", "write": "none", "gated": True}
+    gate = GATES.setdefault("low", threading.Event())
+    gate.clear()
+    with ucm.open(stack(unique_id, low, slots=64, shards=1)) as store:
+        assert store.buffer is not None
+        x = block(70)
+        store.prefetch([x])  # this rank owns x's slot, its loader waits at the gate
+        assert ENTERED.setdefault("low", threading.Event()).wait(BOUND_S)
+        task = store.dump([x], 0, src_for([x], 0))
+        deadline = time.monotonic() + BOUND_S
+        while store.buffer.stats()["waited"] == 0 and not store.check(task):
+            assert time.monotonic() < deadline, "the dump never reached the slot"
+            time.sleep(0.01)
+        gate.set()  # the prefetch finds x in no tier: its fill ends Missing
+        bounded(lambda: store.wait(task), "the dump behind the prefetch")
+        store.wait_prefetches()
+        dst = dst_for(1)
+        store.wait(store.load([x], 0, dst))
+        assert exact([x], 0, dst)
+        stats = store.buffer.stats()
+        assert (stats["waited"], stats["dump_refills"]) == (1, 1)
+        assert CONTENTS.get("low", {}) == {}  # write: none: the buffer holds the only copy
