@@ -66,11 +66,13 @@ def joined(tensors: list[torch.Tensor]) -> bytes:
 def tier_for(kind: str, where: str, codec: Any, **extra: Any) -> dict[str, Any]:
     if kind == "posix":
         return {"type": "posix", "path": where, "codec": codec, **extra}
+    if kind == "posix-direct":
+        return {"type": "posix", "path": where, "codec": codec, "o_direct": True, **extra}
     return {"type": "fsspec", "url": where, "codec": codec, **extra}
 
 
 def where_for(kind: str, tmp_path: Path, s3: dict[str, Any] | None = None) -> str:
-    if kind == "posix":
+    if kind.startswith("posix"):
         return str(tmp_path / "nvme")
     if kind == "fsspec-file":
         return f"file://{tmp_path / 'fs'}"
@@ -93,7 +95,7 @@ def stored_codec(tier: Any, key: tuple[bytes, int]) -> envelope.Envelope:
 
 
 @pytest.mark.parametrize("codec", LOSSLESS.values(), ids=LOSSLESS.keys())
-@pytest.mark.parametrize("kind", ["posix", "fsspec-file", "fsspec-memory"])
+@pytest.mark.parametrize("kind", ["posix", "posix-direct", "fsspec-file", "fsspec-memory"])
 @pytest.mark.parametrize("geometry", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_lossless_codecs_round_trip_byte_exact_over_every_layout(
     tmp_path: Path, kind: str, geometry: dict[str, Any], codec: Any
