@@ -240,3 +240,15 @@ def test_codec_parameters_pack_into_the_envelope() -> None:
         codecs.CodecId.FP8,
         3 | (16 << 8),
     )
+
+
+@pytest.mark.parametrize("element", [2, 4])
+def test_a_shuffled_zstd_payload_is_zstd_of_the_byte_transpose(element: int) -> None:
+    """The stored format, independent of how the shuffle is computed: a plain zstd frame of
+    the shard seen as rows of ``element`` bytes, transposed (byte 0 of every element first)."""
+    import zstandard
+
+    shard = kv_like(65536, seed=element)
+    sealed = envelope.encode(KEY, [shard], codecs.ZstdCodec(level=1, shuffle=element))  # type: ignore[arg-type]
+    transposed = np.frombuffer(shard, dtype=np.uint8).reshape(-1, element).T.tobytes()
+    assert zstandard.ZstdDecompressor().decompress(b"".join(sealed.payload)) == transposed

@@ -264,18 +264,30 @@ def _joined(shard: Sequence[Buffer]) -> Buffer:
     return b"".join(shard)
 
 
+_ELEMENT_DTYPES = {2: "<u2", 4: "<u4"}
+
+
 def _shuffle(data: Buffer, element: int) -> bytes:
+    """Byte ``k`` of every element, for k = 0 .. element-1, one row after the other (the
+    transpose of the shard seen as rows of ``element`` bytes), by shifts and masks: contiguous
+    numpy passes, several times faster than a strided transpose."""
     import numpy as np
 
-    array = np.frombuffer(data, dtype=np.uint8)
-    return np.ascontiguousarray(array.reshape(-1, element).T).tobytes()
+    values = np.frombuffer(data, dtype=_ELEMENT_DTYPES[element])
+    out = np.empty((element, values.size), dtype=np.uint8)
+    for k in range(element):
+        np.bitwise_and(values >> (8 * k), 0xFF, out=out[k], casting="unsafe")
+    return out.tobytes()
 
 
 def _unshuffle(data: Buffer, element: int) -> bytes:
     import numpy as np
 
-    array = np.frombuffer(data, dtype=np.uint8)
-    return np.ascontiguousarray(array.reshape(element, -1).T).tobytes()
+    rows = np.frombuffer(data, dtype=np.uint8).reshape(element, -1)
+    values = rows[0].astype(_ELEMENT_DTYPES[element])
+    for k in range(1, element):
+        values |= rows[k].astype(_ELEMENT_DTYPES[element]) << (8 * k)
+    return values.tobytes()
 
 
 def encode(codec: int, params: int, shard: Sequence[Buffer], length: int) -> Buffer | None:
