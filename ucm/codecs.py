@@ -287,7 +287,7 @@ def _unshuffle(data: Buffer, element: int) -> bytes:
     values = rows[0].astype(_ELEMENT_DTYPES[element])
     for k in range(1, element):
         values |= rows[k].astype(_ELEMENT_DTYPES[element]) << (8 * k)
-    return values.tobytes()
+    return bytes(values.tobytes())
 
 
 def encode(codec: int, params: int, shard: Sequence[Buffer], length: int) -> Buffer | None:
