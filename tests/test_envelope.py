@@ -34,7 +34,7 @@ def test_seal_then_open_gives_the_shard_back() -> None:
 def _fields(**changes: int | bytes) -> bytes:
     values: dict[str, int | bytes] = {
         "magic": envelope.MAGIC,
-        "version": envelope.VERSION,
+        "version": envelope.VERSION_PLAIN,
         "codec": 0,
         "flags": 0,
         "params": 0,
@@ -52,11 +52,17 @@ def _fields(**changes: int | bytes) -> bytes:
     [
         (_fields(magic=b"XXXX"), "not a UCM envelope: bad magic"),
         (_fields(version=0), "bad envelope version 0"),
-        (_fields(codec=7), "unknown codec 7 or flags 0x0"),
-        (_fields(flags=1), "unknown codec 0 or flags 0x1"),
+        (_fields(codec=7), "unknown codec 7"),
+        (_fields(flags=1), "unknown flags 0x1"),
         (_fields(length=1), f"shard size 1, expected {len(SHARD)}"),
-        (_fields(stored=1), "stored size 1 or parameters 0 invalid without a codec"),
-        (_fields(params=5), f"stored size {len(SHARD)} or parameters 5 invalid without a codec"),
+        (_fields(stored=1), "version 1 or stored size 1 invalid without a codec"),
+        (_fields(params=5), "parameters 0x5 without a codec"),
+        (_fields(version=2), f"version 2 or stored size {len(SHARD)} invalid without a codec"),
+        (_fields(codec=1), f"version 1 or stored size {len(SHARD)} invalid under a codec"),
+        (_fields(version=2, codec=1, stored=0), "version 2 or stored size 0 invalid under a codec"),
+        (_fields(version=2, codec=1, params=1), "lz4 parameters 0x1"),
+        (_fields(version=2, codec=2, stored=9, params=23), "zstd parameters 0x17"),
+        (_fields(version=2, codec=3, stored=9, params=4), "fp8 parameters 0x4"),
         (_fields(key=1), "the envelope names another key"),
         (b"UCME", "4 bytes, shorter than a 48-byte envelope"),
     ],
@@ -99,7 +105,7 @@ def test_the_formats_before_the_envelope_are_foreign(old: bytes, name: str) -> N
 def test_a_later_envelope_version_is_foreign_not_data() -> None:
     with pytest.raises(envelope.Foreign) as info:
         envelope.parse(_fields(version=envelope.VERSION + 1), KEY, len(SHARD))
-    assert str(info.value) == f"envelope version {envelope.VERSION + 1}; this UCM reads 1"
+    assert str(info.value) == f"envelope version {envelope.VERSION + 1}; this UCM reads up to 2"
 
 
 def test_the_key_digest_covers_block_and_shard() -> None:

@@ -1,7 +1,8 @@
 """Tier configuration: the base models every tier's pydantic model derives from, ``Size``, and
 ``LoadSettings``, the one model of the load path's settings.
 
-A leaf module (of ``ucm`` it imports ``sizes`` and the generated ABI's limits only): the tier
+A leaf module (of ``ucm`` it imports ``sizes``, ``codecs``' models and the generated ABI's
+limits only): the tier
 interface, the plugins and third-party tiers import it. The stack itself (``StackConfig``, YAML
 loading, the JSON Schema) is ``ucm.stack``, above the plugins, whose tier types it dispatches on.
 """
@@ -12,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeFloat, PositiveFloat
 
+from .codecs import CodecConfig, NoCodec
 from .native import _abi
 from .sizes import parse_size
 
@@ -49,6 +51,12 @@ class LowerTierConfig(TierConfig):
     promote: bool = Field(
         default=False,
         description="Also store keys that were loaded from a tier below this one.",
+    )
+    codec: CodecConfig = Field(
+        default_factory=NoCodec,
+        description="How this tier stores the shards it writes: none, lz4, {type: zstd, level, "
+        "shuffle}, or the LOSSY {type: fp8, source_dtype}. Recorded in each shard's envelope; "
+        "shards written under an earlier codec stay readable (ucm.codecs).",
     )
 
 

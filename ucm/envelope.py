@@ -11,9 +11,17 @@ shard's bytes as stored. The header, 48 bytes, little-endian::
 Checksum rule: the XXH3-64 (``ucm.native.checksum``) of the *decoded* shard is recorded on
 write and compared on every read, so a torn, corrupted or misplaced copy is never data. The key
 digest binds the payload to the key it was written for (an object copied or renamed onto another
-key's name fails). With the codec ``NONE`` (the only one today) the payload is the shard itself
-and ``stored == length``; a codec records its id and its parameters (a level, a dictionary id)
-in the header, and the checksum still covers the decoded bytes.
+key's name fails).
+
+Codecs (``ucm.codecs``: ``none``, ``lz4``, ``zstd`` with a level and a byte shuffle, the lossy
+``fp8``). With ``NONE`` the payload is the shard itself and ``stored == length``, and the
+header is version 1, the format of the UCMs before codecs, which still read it. A shard stored
+under a codec has a version-2 header with the codec's id and parameters and ``stored <
+length`` (a codec that does not shrink a shard stores it as ``NONE``); a UCM that predates
+codecs reads it as a future version, a miss. Reads decode with the envelope's codec, not the
+tier's current one, so changing a tier's ``codec:`` leaves its old shards readable. The
+checksum covers the decoded bytes (for ``fp8``, the approximation a load returns), so a
+corrupt compressed payload is never data: it fails to decode or fails the checksum.
 
 Parsing sorts what it reads into three outcomes:
 - an ``Envelope``: a header of this format for this key and geometry; ``verify`` then checks
@@ -26,16 +34,20 @@ Parsing sorts what it reads into three outcomes:
 
 from __future__ import annotations
 
-import enum
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from . import codecs
+from .codecs import CodecConfig, CodecError, CodecId
 from .layout import Key
 from .native.checksum import checksum
+from .tier import ShardViews, scatter
 
 MAGIC = b"UCME"
-VERSION = 1
+VERSION = 2
+"""The newest header version: 1 for shards stored as they are (``NONE``), 2 under a codec."""
+VERSION_PLAIN = 1
 _HEADER = struct.Struct("<4sBBHQQQQQ")
 HEADER_BYTES = _HEADER.size
 """Bytes of an envelope header."""
@@ -52,13 +64,10 @@ LEGACY_PREFIX_BYTES = max(len(magic) for magic in LEGACY_MAGICS)
 """Bytes that ``legacy_format`` needs to recognise any of them."""
 
 
-class Codec(enum.IntEnum):
-    """How a payload is stored. Only ``NONE`` exists today; its parameters are 0."""
+Codec = CodecId
+"""How a payload is stored (``ucm.codecs.CodecId``)."""
 
-    NONE = 0
-
-
-_CODECS = frozenset(int(codec) for codec in Codec)
+Buffer = bytes | bytearray | memoryview
 
 
 class EnvelopeError(Exception):
@@ -93,12 +102,44 @@ def key_digest(key: Key) -> int:
     return checksum([key[0], key[1].to_bytes(4, "little")])
 
 
-def seal(key: Key, shard: Sequence[bytes | bytearray | memoryview]) -> bytes:
+def seal(key: Key, shard: Sequence[Buffer]) -> bytes:
     """The header for ``shard`` (its views, in order) stored under ``key`` without a codec."""
     length = sum(memoryview(part).nbytes for part in shard)
     return _HEADER.pack(
-        MAGIC, VERSION, Codec.NONE, 0, 0, length, length, checksum(shard), key_digest(key)
+        MAGIC, VERSION_PLAIN, Codec.NONE, 0, 0, length, length, checksum(shard), key_digest(key)
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Sealed:
+    """A shard ready to store: its header, then its payload (one or more views)."""
+
+    header: bytes
+    payload: Sequence[Buffer]
+    stored: int
+    """Bytes of the payload."""
+
+
+def encode(key: Key, shard: Sequence[Buffer], codec: CodecConfig | None = None) -> Sealed:
+    """``shard`` (its views, in order) encoded for ``key`` under ``codec`` (None: ``none``),
+    with its header. Without a codec, or when the codec would not shrink the shard, the
+    payload is the shard's own views (no copy). Runs the codec on the calling thread: tiers
+    call it from their I/O threads."""
+    length = sum(memoryview(part).nbytes for part in shard)
+    codec_id, params = codecs.pack(codec) if codec is not None else (CodecId.NONE, 0)
+    payload = codecs.encode(codec_id, params, shard, length)
+    if payload is None:
+        return Sealed(seal(key, shard), shard, length)
+    if codec_id == CodecId.FP8:
+        # Lossy: the checksum is that of what a load will return.
+        digest = checksum([codecs.decode(codec_id, params, payload, length)])
+    else:
+        digest = checksum(shard)
+    stored = memoryview(payload).nbytes
+    header = _HEADER.pack(
+        MAGIC, VERSION, codec_id, 0, params, length, stored, digest, key_digest(key)
+    )
+    return Sealed(header, [payload], stored)
 
 
 def legacy_format(raw: bytes | bytearray | memoryview) -> str | None:
@@ -122,37 +163,62 @@ def parse(raw: bytes | bytearray | memoryview, key: Key, length: int) -> Envelop
     magic, version, codec, flags, params, size, stored, digest, keyed = _HEADER.unpack_from(view)
     if magic != MAGIC:
         raise Corrupt("not a UCM envelope: bad magic")
-    if version != VERSION:
-        if version > VERSION:
-            raise Foreign(f"envelope version {version}; this UCM reads {VERSION}")
+    if version > VERSION:
+        raise Foreign(f"envelope version {version}; this UCM reads up to {VERSION}")
+    if version not in (VERSION_PLAIN, VERSION):
         raise Corrupt(f"bad envelope version {version}")
-    if codec not in _CODECS or flags:
-        raise Corrupt(f"unknown codec {codec} or flags {flags:#x}")
+    if flags:
+        raise Corrupt(f"unknown flags {flags:#x}")
+    try:
+        codecs.check(codec, params)
+    except CodecError as exc:
+        raise Corrupt(str(exc)) from None
     if size != length:
         raise Corrupt(f"shard size {size}, expected {length}")
-    if codec == Codec.NONE and (stored != size or params):
-        raise Corrupt(f"stored size {stored} or parameters {params} invalid without a codec")
+    if codec == Codec.NONE:
+        if version != VERSION_PLAIN or stored != size:
+            raise Corrupt(f"version {version} or stored size {stored} invalid without a codec")
+    elif version != VERSION or not 0 < stored < size:
+        raise Corrupt(f"version {version} or stored size {stored} invalid under a codec")
     if keyed != key_digest(key):
         raise Corrupt("the envelope names another key")
     return Envelope(Codec(codec), params, size, stored, digest, keyed)
 
 
-def verify(envelope: Envelope, shard: Sequence[bytes | bytearray | memoryview]) -> None:
+def verify(envelope: Envelope, shard: Sequence[Buffer]) -> None:
     """Raises Corrupt unless the decoded ``shard`` matches the envelope's checksum."""
     if checksum(shard) != envelope.checksum:
         raise Corrupt("checksum mismatch")
 
 
-def open_object(data: bytes | bytearray | memoryview, key: Key, length: int) -> memoryview:
-    """The verified shard of a whole stored object (header followed by payload), for tiers that
-    keep one object per shard; raises Foreign or Corrupt."""
+def decode(envelope: Envelope, payload: Buffer) -> Buffer:
+    """The verified decoded shard of a payload stored under ``envelope`` (the payload itself
+    without a codec); raises Corrupt. Runs the codec on the calling thread."""
+    view = memoryview(payload).cast("B")
+    if view.nbytes != envelope.stored:
+        raise Corrupt(f"payload of {view.nbytes} bytes, expected {envelope.stored}")
+    try:
+        shard = codecs.decode(envelope.codec, envelope.codec_params, view, envelope.length)
+    except CodecError as exc:
+        raise Corrupt(str(exc)) from None
+    verify(envelope, [shard])
+    return shard
+
+
+def decode_into(envelope: Envelope, payload: Buffer, views: ShardViews) -> None:
+    """Decodes a payload into the shard's destination views, verified; raises Corrupt (the
+    views may then hold anything)."""
+    scatter(decode(envelope, payload), views)
+
+
+def open_object(data: Buffer, key: Key, length: int) -> Buffer:
+    """The verified, decoded shard of a whole stored object (header followed by payload), for
+    tiers that keep one object per shard; raises Foreign or Corrupt."""
     view = memoryview(data).cast("B")
     envelope = parse(view, key, length)
     if view.nbytes != HEADER_BYTES + envelope.stored:
         raise Corrupt(f"{view.nbytes} bytes, expected {HEADER_BYTES + envelope.stored}")
-    payload = view[HEADER_BYTES:]
-    verify(envelope, [payload])
-    return payload
+    return decode(envelope, view[HEADER_BYTES:])
 
 
 __all__ = [
@@ -161,11 +227,16 @@ __all__ = [
     "LEGACY_PREFIX_BYTES",
     "MAGIC",
     "VERSION",
+    "VERSION_PLAIN",
     "Codec",
     "Corrupt",
     "Envelope",
     "EnvelopeError",
     "Foreign",
+    "Sealed",
+    "decode",
+    "decode_into",
+    "encode",
     "key_digest",
     "legacy_format",
     "open_object",

@@ -4,8 +4,9 @@ s3fs, ``gs://``, ...), typically an object store shared by many nodes.
 Objects are keyed by (block id, shard index) only, never by ``unique_id``, so every node reading
 the same URL sees the same blocks: ``<url>/<hex[:2]>/<hex>/<shard>``. Each object is the shard
 envelope (``ucm.envelope``: codec, length, XXH3-64 of the shard, digest of its key) followed by
-the shard; a short or corrupted object is deleted and its load fails with a TierError saying so
-(not a miss, so the stack repairs it from below). An object of the format before the envelope
+the shard as the tier's ``codec:`` stored it (encoded and decoded on the I/O threads); a short
+or corrupted object is deleted and its load fails with a TierError saying so (not a miss, so
+the stack repairs it from below). An object of the format before the envelope
 (``UCF2``/``UCMF``) is deleted too and reads as a miss.
 ``<hex>/touch`` is a marker whose modification time records the block's last touch; with
 ``capacity`` set, an eviction pass drops whole blocks whose newest object is oldest.
@@ -175,6 +176,7 @@ class FsspecTier(Tier):
                 "errors",
                 "bytes_read",
                 "bytes_written",
+                "bytes_stored",
                 "lock_acquisitions",
                 "remove_lock_acquisitions",
                 "evictions",
@@ -304,12 +306,15 @@ class FsspecTier(Tier):
 
     def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
         assert len(keys) == len(sources), "one source per key"
-        outcomes = self._map(self._dump_one, list(zip(keys, sources, strict=True)))
+        results = self._map(self._dump_one, list(zip(keys, sources, strict=True)))
+        outcomes: list[Outcome] = [outcome for outcome, _ in results]
         written = self.shard_size * sum(1 for o in outcomes if o is None)
+        stored = sum(size for _, size in results)
         with self._stats_lock:
             self._stat["bytes_written"] += written
-            self._usage += written + HEADER_BYTES * sum(1 for o in outcomes if o is None)
-            self._written_since_scan += written
+            self._stat["bytes_stored"] += stored
+            self._usage += stored
+            self._written_since_scan += stored
             capacity = self.cfg.capacity
             over = capacity is not None and (
                 self._usage > capacity or self._written_since_scan > max(capacity // 8, 1)
@@ -318,10 +323,12 @@ class FsspecTier(Tier):
             self.evict_to_capacity()
         return outcomes
 
-    def _dump_one(self, item: tuple[Key, ShardViews]) -> Outcome:
+    def _dump_one(self, item: tuple[Key, ShardViews]) -> tuple[Outcome, int]:
+        """(outcome, bytes stored) of one shard; its codec runs here, on an I/O thread."""
         key, views = item
         assert sum(len(v) for v in views) == self.shard_size, "source size != shard_size"
-        data = b"".join([envelope.seal(key, views), *views])
+        sealed = envelope.encode(key, views, self.cfg.codec)
+        data = b"".join([sealed.header, *sealed.payload])
         path = self.object_path(key)
         try:
             if self._local_fs:
@@ -333,8 +340,8 @@ class FsspecTier(Tier):
                 self.fs.pipe_file(path, data, **self._call)
         except Exception as exc:
             self._bump(errors=1)
-            return self._error("writing", key, exc)
-        return None
+            return self._error("writing", key, exc), 0
+        return None, len(data)
 
     # --------------------------------------------------------------------------------- touch
 

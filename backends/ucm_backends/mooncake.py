@@ -82,6 +82,7 @@ from ucm.tier import (
     Tier,
     TierContext,
     chunks,
+    scatter,
 )
 
 MOONCAKE_EXTRA = "mooncake"
@@ -562,6 +563,7 @@ class MooncakeTier(Tier):
                 "lease_retries",
                 "bytes_read",
                 "bytes_written",
+                "bytes_stored",
                 "unchanged",
                 "replaced",
                 "lookups",
@@ -712,17 +714,22 @@ class MooncakeTier(Tier):
             self._bump(misses=1)
             return KeyMissingError(f"{self._describe(key)} is not in the pool")
         if code >= 0:
-            return self._wrong_size(arena, index, key, name, code)
+            return self._wrong_size(arena, index, key, name, code, views)
         if code in (INVALID_PARAMS, TRANSFER_FAIL):
             # What Mooncake answers when the object's size differs from the buffers'.
             size = int(self.client.get_size(name))
             if size >= 0 and size != self.object_bytes:
-                return self._wrong_size(arena, index, key, name, size)
+                return self._wrong_size(arena, index, key, name, size, views)
         self._bump(errors=1)
         return TierError(f"{self._describe(key)}: loading failed: {error_name(code)}")
 
-    def _wrong_size(self, arena: _Arena, index: int, key: Key, name: str, size: int) -> Outcome:
-        """An object of another size: one of an older format (a miss), else corrupt."""
+    def _wrong_size(
+        self, arena: _Arena, index: int, key: Key, name: str, size: int, views: ShardViews
+    ) -> Outcome:
+        """An object of another size: a shard stored under a codec (smaller), one of an older
+        format (a miss), else corrupt."""
+        if HEADER_BYTES < size < self.object_bytes:
+            return self._load_encoded(key, name, size, views)
         head = min(size, envelope.LEGACY_PREFIX_BYTES)
         found = self.client.get_into_ranges(
             [arena.address],
@@ -736,6 +743,31 @@ class MooncakeTier(Tier):
             if legacy is not None:
                 return self._foreign(key, name, f"written in an older format, a {legacy}")
         return self._corrupt(key, name, f"{size} bytes, expected {self.object_bytes}")
+
+    def _load_encoded(self, key: Key, name: str, size: int, views: ShardViews) -> Outcome:
+        """Reads a whole object smaller than a plain shard's (a codec's payload) into scratch
+        memory registered for this read, decodes it into ``views`` on this thread (a loader
+        or writer thread, never the engine's) and checks it."""
+        scratch = bytearray(size)
+        address = buffer_address(scratch)
+        with self.registrations.covering([(address, size)]):
+            found = self.client.get_into_ranges([address], [[name]], [[[0]]], [[[0]]], [[[size]]])
+        got = int(found[0][0][0]) if found and found[0] and found[0][0] else INVALID_PARAMS
+        if got in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):
+            self._bump(misses=1)
+            return KeyMissingError(f"{self._describe(key)} is not in the pool")
+        if got != size:
+            self._bump(errors=1)
+            return TierError(f"{self._describe(key)}: loading failed: {error_name(got)}")
+        try:
+            shard = envelope.open_object(scratch, key, self.shard_size)
+        except envelope.Foreign as exc:
+            return self._foreign(key, name, str(exc))
+        except envelope.Corrupt as exc:
+            return self._corrupt(key, name, str(exc))
+        scatter(shard, views)
+        self._bump(hits=1, bytes_read=self.shard_size)
+        return None
 
     def _remove_unusable(self, name: str) -> str:
         # Removed (force: our own read just leased it), so the stack's repair puts a good copy.
@@ -768,12 +800,22 @@ class MooncakeTier(Tier):
     ) -> list[Outcome]:
         n = len(keys)
         names = [self.object_name(key) for key in keys]
+        payloads: list[Sequence[Any]] = []
         headers = []
+        ranges = []
         for i, views in enumerate(sources):
             assert sum(view.nbytes for view in views) == self.shard_size, keys[i]
-            headers.append(self.header(keys[i], views))
+            # The codec runs here, on the writer's thread (a shard it does not shrink is put
+            # from the caller's memory as it is, zero copy).
+            sealed = envelope.encode(keys[i], views, self.cfg.codec)
+            headers.append(sealed.header)
             arena.write_header(i, headers[i])
-        ranges = [self._ranges(views) for views in sources]
+            ranges.append(
+                self._ranges(views)
+                if sealed.payload is views
+                else [(buffer_address(part), memoryview(part).nbytes) for part in sealed.payload]
+            )
+            payloads.append(sealed.payload)  # alive until the put is done
         if not self.master.reachable():
             self._bump(errors=n, master_down_skips=n)
             return [TierError(f"{self._describe(k)}: {self.master.down_for()}") for k in keys]
@@ -831,7 +873,8 @@ class MooncakeTier(Tier):
                 self.master.saw([int(code) for code in results])
                 for i, code in zip(put, results, strict=True):
                     if code == 0:
-                        self._bump(bytes_written=self.shard_size)
+                        stored = sum(size for _, size in ranges[i])
+                        self._bump(bytes_written=self.shard_size, bytes_stored=stored)
                     else:
                         self._bump(errors=1)
                         outcomes[i] = TierError(

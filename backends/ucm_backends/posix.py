@@ -1,7 +1,9 @@
 """The ``posix`` tier: local NVMe (or any POSIX filesystem), one file per block.
 
-File format. ``<path>/<hex[:2]>/<hex>.blk`` holds shard ``s`` at byte ``shard_size * s`` and a
-footer at ``block_size``, padded to 4 KiB so O_DIRECT I/O stays aligned::
+File format. ``<path>/<hex[:2]>/<hex>.blk`` holds shard ``s`` at byte ``shard_size * s`` (as
+the tier's ``codec:`` stored it: a compressed payload starts there and the rest of its place
+stays a hole, so a block costs the bytes its codec left) and a footer at ``block_size``, padded
+to 4 KiB so O_DIRECT I/O stays aligned::
 
     magic "UCMEBLK1" | u32 version | u32 shards_per_block | u64 shard_size
     per shard: u32 flags (bit 0 = present, bit 1 = lost) | the shard's envelope (``ucm.envelope``,
@@ -564,7 +566,13 @@ class PosixTier(Tier):
                 shard_envelope = footer.envelopes[shard]
                 assert shard_envelope is not None, "a present shard has an envelope"
                 try:
-                    envelope.verify(shard_envelope, data)
+                    if shard_envelope.codec == envelope.Codec.NONE:
+                        envelope.verify(shard_envelope, data)
+                    else:
+                        # The payload sits at the start of the shard's place in the file; it
+                        # is decoded here, on this I/O thread, into the destination.
+                        payload = b"".join(data)[: shard_envelope.stored]
+                        data = [memoryview(envelope.decode(shard_envelope, payload))]
                 except envelope.Corrupt as exc:
                     bad.append(shard)
                     for position in shard_positions:
@@ -745,14 +753,19 @@ class PosixTier(Tier):
             views = sources[position]
             assert sum(len(v) for v in views) == self.shard_size, "source size != shard_size"
             new[keys[position][1]] = views  # the last of duplicate keys wins
+        # The codec runs here, on an I/O thread, before the block's lock is taken.
+        sealed = {
+            shard: envelope.encode((block_id, shard), views, self.cfg.codec)
+            for shard, views in new.items()
+        }
         with self._write_locks(block_id):
-            return self._rewrite_locked(block_id, None, new=new)
+            return self._rewrite_locked(block_id, None, new=sealed)
 
     def _rewrite_locked(
         self,
         block_id: bytes,
         footer: _Footer | None,
-        new: dict[int, ShardViews] | None = None,
+        new: dict[int, envelope.Sealed] | None = None,
         drop: set[int] | None = None,
         lose: set[int] | None = None,
     ) -> int:
@@ -766,6 +779,7 @@ class PosixTier(Tier):
         path = self.block_path(block_id)
         image = self._buffer("image", self.file_size)
         present = [False] * self.spb
+        stored = [0] * self.spb
         headers = [_NO_ENVELOPE] * self.spb
         lost = [shard in lose and shard not in new for shard in range(self.spb)]
         old_bytes = 0
@@ -791,18 +805,22 @@ class PosixTier(Tier):
                         got = os.preadv(
                             old_fd, [memoryview(image)[offset : offset + self.shard_size]], offset
                         )
-                        if got == self.shard_size:
+                        kept = footer.envelopes[shard]
+                        if got == self.shard_size and kept is not None:
                             present[shard] = True
+                            stored[shard] = kept.stored
                             headers[shard] = footer.headers[shard]
             finally:
                 os.close(old_fd)
-        for shard, views in new.items():
+        for shard, sealed in new.items():
             offset = shard * self.shard_size
-            for view in views:
-                image[offset : offset + len(view)] = view
-                offset += len(view)
+            for view in sealed.payload:
+                size = memoryview(view).nbytes
+                image[offset : offset + size] = view
+                offset += size
             present[shard] = True
-            headers[shard] = envelope.seal((block_id, shard), views)
+            stored[shard] = sealed.stored
+            headers[shard] = sealed.header
         if not any(present) and not any(lost):
             with suppress(FileNotFoundError):
                 os.unlink(path)
@@ -814,9 +832,11 @@ class PosixTier(Tier):
             self.footer_region - len(footer_bytes) - len(head)
         )
         image[self.file_size - len(head) : self.file_size] = head
-        return self._write_file(path, image, present) - old_bytes
+        return self._write_file(path, image, stored) - old_bytes
 
-    def _write_file(self, path: str, image: mmap.mmap, present: list[bool]) -> int:
+    def _write_file(self, path: str, image: mmap.mmap, stored: list[int]) -> int:
+        """Writes ``image`` to ``path`` (via a temp name); ``stored``: the bytes of each shard's
+        payload (0: absent)."""
         directory, name = os.path.split(path)
         temp = os.path.join(
             directory, f".{name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp"
@@ -847,11 +867,12 @@ class PosixTier(Tier):
                     fd = os.open(temp, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
                     direct = False
             if not direct:
-                # Absent shards stay holes: a partly filled block costs only what it holds.
-                for shard, is_present in enumerate(present):
-                    if is_present:
+                # Absent shards, and what a codec saved of a present one, stay holes: a block
+                # costs only what it holds.
+                for shard, size in enumerate(stored):
+                    if size:
                         offset = shard * self.shard_size
-                        self._pwrite_all(fd, view[offset : offset + self.shard_size], offset)
+                        self._pwrite_all(fd, view[offset : offset + size], offset)
                 self._pwrite_all(fd, view[self.block_size : self.file_size], self.block_size)
             if self.cfg.fsync:
                 os.fsync(fd)
@@ -1025,11 +1046,11 @@ class PosixTier(Tier):
                     if got != self.shard_size:
                         continue
                     try:
-                        envelope.verify(shard_envelope, [data])
+                        decoded = envelope.decode(shard_envelope, data[: shard_envelope.stored])
                     except envelope.Corrupt:
                         continue
                     keys.append((block_id, shard))
-                    views.append([memoryview(data)])
+                    views.append([memoryview(decoded)])
             except (_Corrupt, _Foreign):
                 continue
             finally:

@@ -231,3 +231,37 @@ def test_multi_node_tp_warns_naming_the_shared_tier_fix(
     assert message.endswith(
         "Fix: give the stack a shared lower tier (posix on a shared filesystem, s3, mooncake)"
     )
+
+
+def test_an_fp8_tier_must_name_the_engines_kv_dtype(tmp_path: Path) -> None:
+    """The lossy fp8 codec sees bytes only: an engine whose KV dtype differs from a tier's
+    `source_dtype` is refused at open, naming the tier's YAML path (with a `buffer:` section
+    too, whose parsed tiers start with the buffer)."""
+    geometry = dataclasses.replace(GEOMETRY, dtype="torch.bfloat16")
+    fp8 = {"type": "fp8", "source_dtype": "float16"}
+    tiers = [
+        {"type": "posix", "path": str(tmp_path / "a")},
+        {"type": "posix", "path": str(tmp_path / "b"), "codec": fp8},
+    ]
+    stack = {"unique_id": "engine-fp8", "tiers": tiers}
+    with pytest.raises(ucm.ConfigError) as info:
+        engine_stack(stack, geometry, key="extra['ucm_stack']", engine="vLLM")
+    assert str(info.value) == (
+        "extra['ucm_stack']: tiers[1].codec.source_dtype is 'float16', but vLLM's KV cache "
+        "holds bfloat16: the lossy fp8 codec must name the KV dtype (source_dtype: bfloat16)"
+    )
+    with_buffer = {**stack, "buffer": {"capacity": 1 << 20}}
+    with pytest.raises(ucm.ConfigError, match=r"^k: tiers\[1\]\.codec\.source_dtype is"):
+        engine_stack(with_buffer, geometry, key="k", engine="vLLM")
+    fp8_kv = dataclasses.replace(GEOMETRY, dtype="torch.float8_e4m3fn")
+    with pytest.raises(ucm.ConfigError, match=r"fp8 stores float16, bfloat16, float32 KV only"):
+        engine_stack(stack, fp8_kv, key="k", engine="vLLM")
+    # The engine's own dtype, or an engine that does not say, is accepted.
+    right = {
+        **stack,
+        "tiers": [tiers[0], {**tiers[1], "codec": {**fp8, "source_dtype": "bfloat16"}}],
+    }
+    assert engine_stack(right, geometry, key="k", engine="vLLM").tiers[1].codec == (
+        ucm.codecs.Fp8Codec(source_dtype="bfloat16")
+    )
+    assert engine_stack(stack, GEOMETRY, key="k", engine="vLLM").resolved_shard_size == 8192

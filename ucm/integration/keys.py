@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..codecs import FP8_DTYPES, Fp8Codec
 from ..errors import ConfigError
 from ..layout import BLOCK_ID_BYTES
 from ..stack import StackConfig, parse_stack, read_stack_source
@@ -264,6 +265,9 @@ class EngineGeometry:
     """Shards per block (e.g. the TP size: one shard per rank)."""
     description: str = ""
     """How the engine lays the shard out, for error messages (e.g. tensor shapes)."""
+    dtype: str | None = None
+    """The KV cache's element type (``torch.bfloat16`` or ``bfloat16``), when the engine has
+    one: a tier with the lossy ``fp8`` codec must name the same ``source_dtype``."""
 
     def __post_init__(self) -> None:
         if not self.tensor_sizes or any(
@@ -337,7 +341,40 @@ def engine_stack(
     merged.pop("shard_size", None)
     merged["tensor_size_list"] = list(geometry.tensor_sizes)
     merged["shards_per_block"] = geometry.shards_per_block
-    return parse_stack(merged, source=f"{key} ({name})")
+    stack = parse_stack(merged, source=f"{key} ({name})")
+    _check_fp8_dtype(stack, merged, geometry, key=key, engine=engine)
+    return stack
+
+
+def _check_fp8_dtype(
+    stack: StackConfig,
+    data: Mapping[str, Any],
+    geometry: EngineGeometry,
+    *,
+    key: str,
+    engine: str,
+) -> None:
+    """A tier that stores KV as fp8 must have been told the KV cache's dtype: a tier sees bytes
+    only, and the wrong ``source_dtype`` would turn every shard into numbers that pass the
+    checksum."""
+    if geometry.dtype is None:
+        return
+    kv_dtype = geometry.dtype.removeprefix("torch.")
+    # With a `buffer:` section the parsed tiers start with it; YAML's tiers[] do not.
+    shift = 1 if data.get("buffer") is not None else 0
+    for position, tier in enumerate(stack.tiers):
+        codec = getattr(tier, "codec", None)
+        if isinstance(codec, Fp8Codec) and codec.source_dtype != kv_dtype:
+            fix = (
+                f"source_dtype: {kv_dtype}"
+                if kv_dtype in FP8_DTYPES
+                else f"fp8 stores {', '.join(FP8_DTYPES)} KV only"
+            )
+            raise ConfigError(
+                f"{key}: tiers[{position - shift}].codec.source_dtype is "
+                f"{codec.source_dtype!r}, but {engine}'s KV cache holds {kv_dtype}: the lossy "
+                f"fp8 codec must name the KV dtype ({fix})"
+            )
 
 
 def _short(value: Any) -> str:

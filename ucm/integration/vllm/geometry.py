@@ -65,6 +65,7 @@ def engine_geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
             f"bytes of {spec.dtype}, layout {layout_name(vllm_config)}; one shard per TP rank "
             f"(TP size {tp_size})"
         ),
+        dtype=str(spec.dtype),
     )
 
 
