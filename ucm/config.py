@@ -38,6 +38,25 @@ class TierConfig(BaseModel):
         return self.name or self.type
 
 
+class BreakerConfig(BaseModel):
+    """A lower tier's circuit breaker (YAML ``tiers[i].breaker``; ``ucm.breaker`` runs it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    failures: int = Field(
+        default=3,
+        ge=1,
+        le=1_000_000,
+        description="Consecutive failed or timed-out calls that open the breaker.",
+    )
+    probe_interval_ms: int = Field(
+        default=10_000,
+        ge=1,
+        le=24 * 3600 * 1000,
+        description="How long an open breaker answers 'miss' before letting one probe through.",
+    )
+
+
 class LowerTierConfig(TierConfig):
     """Base for tiers that can sit below the top of a stack."""
 
@@ -57,6 +76,19 @@ class LowerTierConfig(TierConfig):
         description="How this tier stores the shards it writes: none, lz4, {type: zstd, level, "
         "shuffle}, or the LOSSY {type: fp8, source_dtype}. Recorded in each shard's envelope; "
         "shards written under an earlier codec stay readable (ucm.codecs).",
+    )
+    lookup_timeout_ms: int = Field(
+        default=1000,
+        ge=1,
+        le=3_600_000,
+        description="Longest a look-up waits for this tier (milliseconds); past it the tier's "
+        "answer is 'miss' (the engine recomputes). Bounds what a hung tier costs the engine's "
+        "scheduler thread.",
+    )
+    breaker: BreakerConfig = Field(
+        default_factory=BreakerConfig,
+        description="Circuit breaker: after `failures` consecutive failed or timed-out calls "
+        "the tier is skipped (look-ups and loads answer 'miss') until a probe succeeds.",
     )
 
 

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .breaker import BREAKER_STATES
 from .errors import InvalidArgumentError
 from .native.buffer import COUNTER_NAMES, GAUGE_NAMES, BufferCore
 
@@ -289,6 +290,19 @@ class StoreCollector:
                     )
                 families[metric].add_metric(tier_labels, float(value))
         yield from families.values()
+        states = GaugeMetricFamily(
+            "ucm_tier_breaker_state",
+            "A lower tier's circuit breaker: 1 for its current state (closed, open, half_open).",
+            labels=[*labels, "tier", "type", "state"],
+        )
+        for position, tier in enumerate(shot.tiers):
+            current = tier.get("breaker_state")
+            if not isinstance(current, str):
+                continue  # the buffer: no breaker
+            tier_labels = [*label_values, str(position), str(tier.get("type", ""))]
+            for state in BREAKER_STATES:
+                states.add_metric([*tier_labels, state], 1.0 if state == current else 0.0)
+        yield states
 
 
 def registry_for(store: Store) -> CollectorRegistry:

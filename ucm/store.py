@@ -5,6 +5,12 @@ tier (and into intermediate tiers with ``promote: true``); a dump goes to the to
 task, then asynchronously to every ``write: through`` tier; ``write: back`` tiers receive shards
 that a tier above evicts. Touch and remove reach every tier; lookup stops descending at the first
 tier that answers.
+
+Every call into a lower tier on the look-up path is bounded (``ucm.breaker``): each lower tier
+has a deadline (``lookup_timeout_ms``) past which its answer is "miss", and a circuit breaker
+that skips it (look-ups and loads answer "miss") after consecutive failures until a probe
+succeeds. :meth:`Store.lookup_on_prefix` stops at the first missing block and asks each tier
+in one batch.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import arguments
+from .breaker import TierGuard
 from .buffer import BufferTier
 from .config import LowerTierConfig
 from .errors import (
@@ -115,6 +122,14 @@ class Store:
             for tier in self.tiers:
                 tier.close()
             raise
+        # A deadline and a breaker for every tier that can sit below the top (the buffer is
+        # local shared memory: nothing to time out).
+        self._guards: list[TierGuard | None] = [
+            TierGuard(tier.label, tier.config.lookup_timeout_ms, tier.config.breaker)
+            if isinstance(tier.config, LowerTierConfig)
+            else None
+            for tier in self.tiers
+        ]
         top = self.tiers[0]
         # The shared CacheBuffer (native core), typed: it brings the native load queue.
         self._buffer: BufferTier | None = top if isinstance(top, BufferTier) else None
@@ -199,12 +214,28 @@ class Store:
         return [all(present[i * per_block : (i + 1) * per_block]) for i in range(len(blocks))]
 
     def lookup_on_prefix(self, block_ids: Sequence[bytes]) -> int:
-        """Index of the last block of the longest present prefix, -1 if the first is absent."""
-        present = self.lookup(block_ids)
-        for index, hit in enumerate(present):
-            if not hit:
-                return index - 1
-        return len(present) - 1
+        """Index of the last block of the longest present prefix, -1 if the first is absent.
+
+        Stops at the first missing block: each tier is asked once, in one batch, about the
+        keys from the first one not yet found (a tier may stop soon after its first absent
+        key), and each lower tier's answer is bounded by its deadline and breaker. With a
+        block's shards split over tiers the answer may be shorter than :meth:`lookup`'s,
+        never longer."""
+        self._check_open()
+        blocks = arguments.check_block_ids(block_ids)
+        keys = self.layout.keys_of_blocks(blocks)
+        present = [False] * len(keys)
+        first = 0  # first key not known present
+        for position in range(len(self.tiers)):
+            ask = [i for i in range(first, len(keys)) if not present[i]]
+            if not ask:
+                break
+            answers = self._tier_lookup(position, [keys[i] for i in ask], prefix=True)
+            for i, hit in zip(ask, answers, strict=False):
+                present[i] = hit
+            while first < len(keys) and present[first]:
+                first += 1
+        return first // self.layout.shards_per_block - 1
 
     def prefetch(self, block_ids: Sequence[bytes]) -> None:
         """Starts moving the blocks' shards up into the top tier (asynchronously)."""
@@ -334,10 +365,10 @@ class Store:
             return 0
         # Pending write-through work would resurrect removed shards below: finish it first.
         self.drain()
-        before = self._lookup_keys(keys, stop_early=False)
+        before = self._lookup_keys(keys, stop_early=False, bounded=False)
         for tier in self.tiers:
             tier.batched_remove(keys, force=force)
-        after = self._lookup_keys(keys, stop_early=False)
+        after = self._lookup_keys(keys, stop_early=False, bounded=False)
         removed = sum(1 for was, still in zip(before, after, strict=True) if was and not still)
         self._count("removed_shards", removed)
         return removed
@@ -406,11 +437,22 @@ class Store:
                 self._own_queue.destroy()
             for tier in self.tiers:
                 tier.close()
+            for guard in self._guards:
+                if guard is not None:
+                    guard.close()
         if errors:
             raise errors[0]
 
     def _tier_stats(self) -> list[dict[str, Any]]:
-        return [{"type": tier.type_name, "name": tier.label, **tier.stats()} for tier in self.tiers]
+        return [
+            {
+                "type": tier.type_name,
+                "name": tier.label,
+                **tier.stats(),
+                **(guard.stats() if guard is not None else {}),
+            }
+            for tier, guard in zip(self.tiers, self._guards, strict=True)
+        ]
 
     def __enter__(self) -> Store:
         return self
@@ -462,13 +504,33 @@ class Store:
         self._dumps.submit(DumpItem(task_keys, memory, progress))
         return Task("dump", task_keys, progress)
 
-    def _lookup_keys(self, keys: list[Key], stop_early: bool = True) -> list[bool]:
+    def _tier_lookup(self, position: int, keys: list[Key], prefix: bool = False) -> list[bool]:
+        """One tier's answers about ``keys`` (with ``prefix``, possibly only the first ones, up
+        to and including its first absent key); a lower tier's are bounded by its deadline and
+        breaker ("miss" past them)."""
+        tier = self.tiers[position]
+        ask = tier.lookup_prefix if prefix else tier.lookup
+        guard = self._guards[position]
+        if guard is None:
+            return list(ask(keys))
+        return guard.call(lambda: list(ask(keys)), [False] * len(keys))
+
+    def _lookup_keys(
+        self, keys: list[Key], stop_early: bool = True, bounded: bool = True
+    ) -> list[bool]:
         present = [False] * len(keys)
         pending = list(range(len(keys)))
-        for tier in self.tiers:
+        for position, tier in enumerate(self.tiers):
             if not pending:
                 break
-            answers = tier.lookup([keys[i] for i in pending])
+            batch = [keys[i] for i in pending]
+            if bounded:
+                answers = self._tier_lookup(position, batch)
+            else:  # exact counts (remove): no deadline, and a tier that fails answers absent
+                try:
+                    answers = tier.lookup(batch)
+                except Exception:
+                    answers = [False] * len(batch)
             pending = [i for i, hit in zip(pending, answers, strict=True) if not hit]
             for i in set(range(len(keys))) - set(pending):
                 present[i] = True
@@ -499,6 +561,9 @@ class Store:
             if not pending:
                 break
             tier = self.tiers[position]
+            guard = self._guards[position]
+            if guard is not None and guard.skips():
+                continue  # an open breaker: a miss in this tier, not a wait on it
             try:
                 outcomes: Sequence[Outcome] = tier.load(
                     [keys[i] for i in pending], [views[i] for i in pending]

@@ -8,7 +8,8 @@ several tensors is read straight into them.
 
 Per-key outcomes are returned, never raised: ``None`` means done, :class:`KeyMissingError` means
 the tier does not hold the key (load only), any other exception is that key's failure. Raising
-from a batch call is reserved for programming errors.
+from a batch call is reserved for programming errors, except look-ups: a look-up that cannot
+reach the tier raises (the store answers "miss" and counts a failure on the tier's breaker).
 """
 
 from __future__ import annotations
@@ -138,6 +139,13 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def lookup(self, keys: Sequence[Key]) -> list[bool]:
         """Whether each key is present (and readable) in this tier."""
+
+    def lookup_prefix(self, keys: Sequence[Key]) -> list[bool]:
+        """Answers about a prefix of ``keys``: every key, or at least those up to and including
+        the first absent one (the store's prefix look-up needs no more). A tier that pays one
+        request per block (an object store) overrides this to stop soon after the first absent
+        key; by default it is :meth:`lookup`."""
+        return self.lookup(keys)
 
     def lookup_blocks(self, block_ids: Sequence[bytes]) -> list[bool]:
         """Whether every shard of each block is present. Tiers may override with a cheaper

@@ -241,20 +241,49 @@ class FsspecTier(Tier):
 
     def lookup(self, keys: Sequence[Key]) -> list[bool]:
         blocks = list(dict.fromkeys(block_id for block_id, _ in keys))
-        present = dict(zip(blocks, self._map(self._safe_present, blocks), strict=True))
+        present = dict(zip(blocks, self._present_all(blocks), strict=True))
         return [shard in present[block_id] for block_id, shard in keys]
 
     def lookup_blocks(self, block_ids: Sequence[bytes]) -> list[bool]:
         every = set(range(self.layout.shards_per_block))
-        return [every <= found for found in self._map(self._safe_present, list(block_ids))]
+        return [every <= found for found in self._present_all(list(block_ids))]
 
-    def _safe_present(self, block_id: bytes) -> set[int]:
-        # lookup has no per-key outcome: an unreachable store answers "absent" (and counts).
+    def lookup_prefix(self, keys: Sequence[Key]) -> list[bool]:
+        # One listing per block, ``io_threads`` blocks at a time, in order: stops after the
+        # round holding the first absent key instead of listing every block of a long prompt.
+        blocks = list(dict.fromkeys(block_id for block_id, _ in keys))
+        present: dict[bytes, set[int]] = {}
+        answers: list[bool] = []
+        done = 0
+        for start in range(0, len(blocks), self.cfg.io_threads):
+            chunk = blocks[start : start + self.cfg.io_threads]
+            present.update(zip(chunk, self._present_all(chunk), strict=True))
+            while done < len(keys) and keys[done][0] in present:
+                block_id, shard = keys[done]
+                answers.append(shard in present[block_id])
+                done += 1
+            if not all(answers):
+                break
+        return answers
+
+    def _present_all(self, block_ids: list[bytes]) -> list[set[int]]:
+        """Shards present of each block; raises TierError when a listing failed (look-ups
+        have no per-key outcome: the store answers "miss" and its breaker counts it)."""
+        found = self._map(self._safe_present, block_ids)
+        failed = [f for f in found if isinstance(f, BaseException)]
+        if failed:
+            raise TierError(
+                f"fsspec tier {self.label!r} ({self.cfg.url}): look-up of {len(failed)} of "
+                f"{len(block_ids)} block(s) failed: {type(failed[0]).__name__}: {failed[0]}"
+            )
+        return [f for f in found if not isinstance(f, BaseException)]
+
+    def _safe_present(self, block_id: bytes) -> set[int] | BaseException:
         try:
             return self._present_shards(block_id)
-        except Exception:
+        except Exception as exc:
             self._bump(errors=1)
-            return set()
+            return exc
 
     # ---------------------------------------------------------------------------------- load
 

@@ -109,7 +109,7 @@ class StepRecord:
 
 class Harness:
     """One scheduler (sync or async) with a real ``UcmConnector`` on each side, over a posix
-    stack in ``root``."""
+    stack in ``root`` (and ``extra_tiers`` below it)."""
 
     def __init__(
         self,
@@ -121,6 +121,7 @@ class Harness:
         num_blocks: int = 64,
         max_num_batched_tokens: int = 256,
         unique_id: str | None = None,
+        extra_tiers: list[dict[str, Any]] | None = None,
     ) -> None:
         from vllm.config import (
             CacheConfig,
@@ -148,7 +149,7 @@ class Harness:
         self.async_scheduling = async_scheduling
         self.stack = {
             "unique_id": unique_id or f"vllm-sched-{uuid.uuid4().hex[:10]}",
-            "tiers": [{"type": "posix", "path": str(root / "posix")}],
+            "tiers": [{"type": "posix", "path": str(root / "posix")}, *(extra_tiers or [])],
         }
         model = ModelConfig(
             model=str(_model_dir()),
@@ -231,6 +232,13 @@ class Harness:
             return lookup(ids)
 
         sched._lookup = counting_lookup
+        lookup_prefix = sched._lookup_prefix
+
+        def counting_prefix(ids: Any) -> Any:
+            self.lookups += len(ids)
+            return lookup_prefix(ids)
+
+        sched._lookup_prefix = counting_prefix
         self.finished: set[str] = set()
         self.evict: dict[int, list[bytes]] = {}
         """Step number → UCM ids removed from the store after that step is scheduled (its

@@ -112,7 +112,10 @@ def test_endpoint_down_fails_in_bounded_time(s3_endpoint: str) -> None:
     started = time.monotonic()
     dumped = tier.dump([(block, 0)], [[memoryview(bytes(2048))]])
     loaded, _ = load_keys(tier, [(block, 0)])
-    present = tier.lookup([(block, 0)])
+    # A look-up has no per-key outcome: it raises, and the store answers "miss" (its breaker
+    # counts the failure).
+    with pytest.raises(TierError) as looked:
+        tier.lookup([(block, 0)])
     elapsed = time.monotonic() - started
     assert elapsed < 20, f"a down endpoint took {elapsed:.1f}s"
     for outcome, verb in ((dumped[0], "writing"), (loaded[0], "loading")):
@@ -121,7 +124,10 @@ def test_endpoint_down_fails_in_bounded_time(s3_endpoint: str) -> None:
             f"fsspec tier 'fsspec' (s3://{S3_BUCKET}/down): {verb} block {block.hex()} shard 0: "
             "EndpointConnectionError: Could not connect to the endpoint URL"
         )
-    assert present == [False]
+    assert str(looked.value).startswith(
+        f"fsspec tier 'fsspec' (s3://{S3_BUCKET}/down): look-up of 1 of 1 block(s) failed: "
+        "EndpointConnectionError: Could not connect to the endpoint URL"
+    )
     assert tier.stats()["errors"] == 3
     tier.close()
 

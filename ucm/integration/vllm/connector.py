@@ -117,6 +117,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         transfer = self._kv_transfer_config
         self._sched = SchedulerSide(
             lookup=self._store.lookup,
+            lookup_prefix=self._store.lookup_on_prefix,
             key_space=self._key_space,
             block_tokens=self._block_tokens,
             shards_per_block=self._geometry.shards_per_block,

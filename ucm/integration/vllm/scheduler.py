@@ -29,6 +29,9 @@ SALTS_KEPT = 4096
 
 Lookup = Callable[[Sequence[bytes]], Sequence[bool]]
 """The store's presence check (``Store.lookup``)."""
+LookupPrefix = Callable[[Sequence[bytes]], int]
+"""The store's prefix look-up (``Store.lookup_on_prefix``): index of the last block of the
+longest present prefix, -1 if none; stops at the first missing block."""
 BlockTable = Callable[[Any, str], "list[int] | None"]
 """A request's vLLM block ids (the first KV cache group), from the step's block state."""
 
@@ -86,6 +89,7 @@ class SchedulerSide:
         *,
         lookup: Lookup,
         key_space: KeySpace,
+        lookup_prefix: LookupPrefix | None = None,
         block_tokens: int,
         shards_per_block: int,
         block_table: BlockTable,
@@ -96,6 +100,9 @@ class SchedulerSide:
         epoch: int = 0,
     ) -> None:
         self._lookup = lookup
+        self._lookup_prefix: LookupPrefix = lookup_prefix or (
+            lambda ids: _prefix_of(self._lookup(ids))
+        )
         self.epoch = epoch
         """The key space's reset epoch (:class:`~ucm.integration.keys.Epochs`): every salt
         carries it."""
@@ -187,12 +194,11 @@ class SchedulerSide:
         ids = self._chain(state, full)
         self.stats.data["lookups"] += 1
         try:
-            present = self._present(ids[start:])
+            found = self._present_prefix(ids[start:])
         except Exception as exc:  # a lookup never fails a request: it is a miss
             self.stats.data["lookup_errors"] += 1
             logger.warning("UCM lookup failed (served as a miss): %s", exc)
             return 0, False
-        found = present.index(False) if False in present else len(present)
         # vLLM must compute at least one token: never claim the whole prompt.
         hit = min((start + found) * bs, int(request.num_tokens) - 1)
         external = hit - num_computed_tokens
@@ -285,6 +291,21 @@ class SchedulerSide:
         self._final_saves = []
         meta.released, self._release = self._release, set()
         return meta
+
+    def _present_prefix(self, ids: Sequence[bytes]) -> int:
+        """How many of ``ids``, from the first, are in the store or being dumped into it: one
+        prefix look-up (it stops at the first missing block; each tier's answer is bounded by
+        its deadline and breaker), and one more past each block being dumped right now."""
+        found = 0
+        for _ in range(len(ids) + 1):  # each round moves past at least one block
+            while found < len(ids) and ids[found] in self._dumping_ids:
+                found += 1
+            if found == len(ids):
+                break
+            found += self._lookup_prefix(ids[found:]) + 1
+            if found == len(ids) or ids[found] not in self._dumping_ids:
+                break
+        return found
 
     def _present(self, ids: Sequence[bytes]) -> list[bool]:
         """Whether each block is in the store or being dumped into it right now."""
@@ -409,3 +430,8 @@ class SchedulerSide:
         if state.dumping or held:  # held: vLLM was already told to keep the blocks
             self._release.add(req_id)
         return state.dumping
+
+
+def _prefix_of(present: Sequence[bool]) -> int:
+    """``lookup_on_prefix``'s answer from a full look-up's."""
+    return next((i for i, hit in enumerate(present) if not hit), len(present)) - 1
