@@ -2,7 +2,7 @@
 not a test: it reports figures, asserts nothing). Results are in docs/benchmarks.md.
 
 One engine per run, ``UcmConnector`` over posix + an fsspec tier whose S3 endpoint is either
-moto (healthy) or :class:`harness.blackhole.BlackHole` (accepts, never answers). Request
+moto (healthy) or :class:`harness.faults.BlackHole` (accepts, never answers). Request
 ``decoding`` (a short prompt) decodes; after a few of its tokens a second request ``new`` with a
 long new prompt is admitted. Reported: the decoding request's mean time per output token (TPOT)
 and its longest gap between two tokens, over the tokens it produced from ``new``'s admission on,
@@ -43,7 +43,7 @@ def main() -> None:
     }.items():
         os.environ.setdefault(name, value)
 
-    from harness.blackhole import BlackHole
+    from harness.faults import BlackHole
     from harness.s3 import S3Server
     from harness.vllm import engine_args, prompt_tokens, write_tiny_llama
 

@@ -3,10 +3,14 @@ server, a Mooncake master) or plays a broken network, switchable while clients a
 
     with FaultProxy(("127.0.0.1", s3.port)) as proxy:     # forwards: a healthy endpoint
         options = {**s3.storage_options, "endpoint_url": proxy.endpoint}
-        proxy.set_mode("blackhole")   # accepts, reads, never answers (the worst case for a client:
-                                      # no error, only its own time-outs end the wait)
+        proxy.set_mode("blackhole")   # accepts, never reads, never answers (the worst case
+                                      # for a client: no error; only its time-outs end it)
         proxy.set_mode("refuse")      # accepts and closes at once: EOF or a reset (a crash)
         proxy.set_mode("forward")     # healthy again; connections opened before stay as they were
+
+:class:`BlackHole` is a proxy with nowhere to forward to: an endpoint that accepts every
+connection and never answers (a half-dead load balancer, a server stuck in GC); clients wait
+for their own time-outs (s3fs with UCM's defaults: about 106 s per request).
 
 A connection keeps the mode it was accepted in: a black-holed connection stays black-holed
 (until the proxy stops), as a request lost in a real network stays lost. Every loop is bounded by
@@ -21,7 +25,7 @@ import socket
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 Mode = Literal["forward", "blackhole", "refuse"]
 MODES: tuple[str, ...] = ("forward", "blackhole", "refuse")
@@ -33,12 +37,14 @@ CHUNK_BYTES = 256 * 1024
 class FaultProxy:
     """Forwards TCP connections to ``target`` or fails them per :meth:`set_mode`."""
 
-    def __init__(self, target: tuple[str, int], mode: Mode = "forward") -> None:
+    def __init__(
+        self, target: tuple[str, int] | None, mode: Mode = "forward", port: int = 0
+    ) -> None:
         self.target = target
         self._mode: Mode = self._checked(mode)
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
+        self._listener.bind(("127.0.0.1", port))
         self._listener.listen(128)
         self.port: int = int(self._listener.getsockname()[1])
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -46,14 +52,21 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
-        self.accepted: dict[str, int] = dict.fromkeys(MODES, 0)
+        self.accepted_by_mode: dict[str, int] = dict.fromkeys(MODES, 0)
         """Connections accepted so far, by the mode they were accepted in."""
 
-    @staticmethod
-    def _checked(mode: str) -> Mode:
+    def _checked(self, mode: str) -> Mode:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "forward" and self.target is None:
+            raise ValueError("mode 'forward' needs a target: this proxy has none (a BlackHole)")
         return mode  # type: ignore[return-value]
+
+    @property
+    def accepted(self) -> int:
+        """Connections accepted so far, in every mode."""
+        with self._lock:
+            return sum(self.accepted_by_mode.values())
 
     @property
     def mode(self) -> Mode:
@@ -127,11 +140,11 @@ class FaultProxy:
                 return
             mode = self.mode
             with self._lock:
-                self.accepted[mode] += 1
+                self.accepted_by_mode[mode] += 1
             if mode == "refuse":
                 self._close(client)
             elif mode == "blackhole":
-                self._spawn(self._swallow, "ucm-fault-blackhole", client)
+                pass  # held open, never read, never answered: stop() closes it
             else:
                 self._spawn(self._forward, "ucm-fault-forward", client)
 
@@ -142,19 +155,8 @@ class FaultProxy:
             with contextlib.suppress(OSError):
                 sock.close()
 
-    def _swallow(self, client: socket.socket) -> None:
-        """Reads whatever the client sends and never answers, until it hangs up or the proxy
-        stops."""
-        while not self._stopping.is_set():
-            try:
-                readable, _, _ = select.select([client], [], [], POLL_S)
-                if readable and not client.recv(CHUNK_BYTES):
-                    break
-            except (OSError, ValueError):
-                break
-        self._close(client)
-
     def _forward(self, client: socket.socket) -> None:
+        assert self.target is not None, "forward mode needs a target"
         try:
             upstream = socket.create_connection(self.target, timeout=10)
         except OSError:
@@ -181,4 +183,26 @@ class FaultProxy:
         self._close(client, upstream)
 
 
-__all__ = ["MODES", "FaultProxy", "Mode"]
+class BlackHole(FaultProxy):
+    """An endpoint on 127.0.0.1 (``port``, or a free one) that accepts every connection and
+    never answers; started on construction. :meth:`close` closes every connection it accepted,
+    so requests still hanging fail at once (a test's teardown does not wait for them)."""
+
+    def __init__(self, port: int = 0) -> None:
+        super().__init__(None, mode="blackhole", port=port)
+        self.start()
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """s3fs options for an ``s3://`` URL served by this endpoint (credentials are never
+        checked: nothing answers)."""
+        return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing"}
+
+    def close(self) -> None:
+        self.stop()
+
+    def __enter__(self) -> BlackHole:
+        return self
+
+
+__all__ = ["MODES", "BlackHole", "FaultProxy", "Mode"]

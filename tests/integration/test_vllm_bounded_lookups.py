@@ -24,7 +24,7 @@ if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("vllm is not installed, and CI must run the vLLM tests")
     pytest.skip("vllm is not installed", allow_module_level=True)
 
-from harness.blackhole import BlackHole
+from harness.faults import BlackHole
 
 from ._vllm_sched import BLOCK, Harness
 

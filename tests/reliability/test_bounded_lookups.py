@@ -3,7 +3,7 @@ deadline (``lookup_timeout_ms``), a circuit breaker skips it after consecutive f
 half-open probe brings it back once it is healthy.
 
 The hung tier is real: an fsspec tier whose S3 endpoint is a TCP server on 127.0.0.1 that
-accepts connections and never answers (``harness.blackhole``); the healthy one is moto
+accepts connections and never answers (``harness.faults.BlackHole``); the healthy one is moto
 (``harness.s3``). Time bounds here are generous outcome checks (the answer came back instead
 of waiting for s3fs's own ~106 s time-out), not speed measurements."""
 
@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import pytest
 
 import ucm
-from harness.blackhole import BlackHole
+from harness.faults import BlackHole
 from harness.s3 import S3Server
 from ucm.cli_ops import stats_view
 from ucm.errors import ConfigError
