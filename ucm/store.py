@@ -241,8 +241,8 @@ class Store:
         namespace: str | None = None,
     ) -> Task:
         """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``."""
-        prepared = self._prepare(block_ids, shard_index, "dst", dst, True, namespace)
-        return self._submit_load(*prepared)
+        task_keys, memory, ids = self._prepare(block_ids, shard_index, "dst", dst, True, namespace)
+        return _unscoped(self._submit_load(task_keys, memory), ids)
 
     def dump(
         self,
@@ -253,8 +253,8 @@ class Store:
         namespace: str | None = None,
     ) -> Task:
         """Stores the tensors ``src[i]`` as shard ``shard_index[i]`` of block i."""
-        prepared = self._prepare(block_ids, shard_index, "src", src, False, namespace)
-        return self._submit_dump(*prepared)
+        task_keys, memory, ids = self._prepare(block_ids, shard_index, "src", src, False, namespace)
+        return _unscoped(self._submit_dump(task_keys, memory), ids)
 
     def load_data(
         self,
@@ -265,8 +265,10 @@ class Store:
         namespace: str | None = None,
     ) -> Task:
         """Like load, with raw addresses: ``dst_ptrs[i][j]`` receives tensor j of block i."""
-        prepared = self._prepare(block_ids, shard_index, "dst_ptrs", dst_ptrs, True, namespace)
-        return self._submit_load(*prepared)
+        task_keys, memory, ids = self._prepare(
+            block_ids, shard_index, "dst_ptrs", dst_ptrs, True, namespace
+        )
+        return _unscoped(self._submit_load(task_keys, memory), ids)
 
     def dump_data(
         self,
@@ -277,8 +279,10 @@ class Store:
         namespace: str | None = None,
     ) -> Task:
         """Like dump, with raw addresses: ``src_ptrs[i][j]`` holds tensor j of block i."""
-        prepared = self._prepare(block_ids, shard_index, "src_ptrs", src_ptrs, False, namespace)
-        return self._submit_dump(*prepared)
+        task_keys, memory, ids = self._prepare(
+            block_ids, shard_index, "src_ptrs", src_ptrs, False, namespace
+        )
+        return _unscoped(self._submit_dump(task_keys, memory), ids)
 
     def wait_prefetches(self) -> None:
         """Blocks until every prefetch started so far has finished (its errors are ignored:
@@ -508,7 +512,9 @@ class Store:
         buffers: Any,
         for_load: bool,
         namespace: str | None,
-    ) -> tuple[arguments.TaskKeys, arguments.ShardMemory]:
+    ) -> tuple[arguments.TaskKeys, arguments.ShardMemory, dict[bytes, bytes] | None]:
+        """The task's checked keys (the ids the tiers store) and memory, and for a namespace
+        other than the default, each stored id's caller id (for the task's keys and errors)."""
         self._check_open()
         if self.device_id < 0:
             verb = "load" if for_load else "dump"
@@ -516,14 +522,18 @@ class Store:
                 f"{verb} is not allowed on a scheduler (device_id={self.device_id}): the "
                 "scheduler role only answers lookups; open the store with device_id >= 0"
             )
-        if namespace is not None or self.namespace != namespaces.DEFAULT_NAMESPACE:
-            block_ids = self._scoped(block_ids, namespace)
+        ids: dict[bytes, bytes] | None = None
+        space = self.namespace if namespace is None else namespaces.check_namespace(namespace)
+        if space != namespaces.DEFAULT_NAMESPACE:
+            originals = arguments.check_block_ids(block_ids)
+            block_ids = namespaces.scope(space, originals)
+            ids = dict(zip(block_ids, originals, strict=True))
         task_keys = arguments.check_task_keys(block_ids, shard_index, self.layout)
         if name.endswith("_ptrs"):
             memory = arguments.check_pointers(buffers, len(task_keys), self.layout, name)
         else:
             memory = arguments.check_tensors(buffers, len(task_keys), self.layout, name, for_load)
-        return task_keys, memory
+        return task_keys, memory, ids
 
     def _submit_load(self, task_keys: arguments.TaskKeys, memory: arguments.ShardMemory) -> Task:
         if not len(task_keys):  # nothing to load: done at once, and not a task of the queue
@@ -676,6 +686,32 @@ class Store:
             return results
 
         return sink
+
+
+class _UnscopedCompletion:
+    """A task's completion whose failures name the caller's block ids (not the scoped ids
+    the tiers store): what a caller matches a TaskError's keys against."""
+
+    __slots__ = ("_ids", "_inner")
+
+    def __init__(self, inner: Any, ids: dict[bytes, bytes]) -> None:
+        self._inner = inner
+        self._ids = ids
+
+    def done(self) -> bool:
+        return bool(self._inner.done())
+
+    def failures(self, timeout: float | None) -> dict[Key, BaseException]:
+        failures: dict[Key, BaseException] = self._inner.failures(timeout)
+        return {(self._ids.get(key[0], key[0]), key[1]): exc for key, exc in failures.items()}
+
+
+def _unscoped(task: Task, ids: dict[bytes, bytes] | None) -> Task:
+    """``task`` as its caller sees it: keys and failures by the caller's block ids."""
+    if ids is None:
+        return task
+    keys = [(ids.get(block_id, block_id), shard) for block_id, shard in task.keys]
+    return Task(task.kind, keys, _UnscopedCompletion(task.completion, ids))
 
 
 _NATIVE_STORE_COUNTERS = (

@@ -306,3 +306,19 @@ def test_cli_lists_usage_and_purges_with_exact_counts(tmp_path: Path) -> None:
     assert json.loads(after.stdout)["namespaces"] == {
         "tenant-b": [{"shards": shards, "bytes": shards * SHARD}] * 2
     }
+
+
+def test_a_failed_key_is_named_by_the_callers_block_id(tmp_path: Path) -> None:
+    """TaskError and Task.keys name the ids the caller gave, not the scoped ids the tiers
+    store: a caller matching failures against its own keys (LMCache's plugin does) must find
+    them. Failed before the fix: the failures named scoped ids."""
+    blocks = ids(3)
+    with ucm.open(stack(tmp_path), device_id=0, namespace="tenant-a") as store:
+        dump_all(store, blocks[:2], 5)
+        dst = [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in blocks]
+        task = store.load(blocks, 0, dst)
+        assert task.keys == [(block, 0) for block in blocks]
+        with pytest.raises(ucm.TaskError) as failed:
+            store.wait(task)
+        assert set(failed.value.failures) == {(blocks[2], 0)}
+        assert torch.equal(dst[0][0], content(5)) and torch.equal(dst[1][0], content(5))

@@ -62,6 +62,17 @@ class TenantMapping:
             "fixed:<name>: every request in namespace <name>)"
         )
 
+    def engine_namespace(self, key: str, engine: str) -> str:
+        """The one namespace of an engine whose storage calls carry no per-request tenant key
+        (LMCache's and SGLang's): ``fixed:<name>``'s name, else the default namespace; ``lora``
+        is refused (ConfigError naming ``key``)."""
+        if self.mode == "lora":
+            raise ConfigError(
+                f"{key}='lora' is not available with {engine}: its storage calls carry no LoRA "
+                "adapter; use cache_salt (the default namespace) or fixed:<name>"
+            )
+        return self.fixed if self.mode == "fixed" else DEFAULT_NAMESPACE
+
     def namespace(self, cache_salt: str | None = None, lora_name: str | None = None) -> str:
         """The namespace of one request."""
         if self.mode == "fixed":
