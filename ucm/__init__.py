@@ -20,6 +20,7 @@ from .errors import (
 )
 from .hookspecs import hookimpl
 from .layout import Key, Layout
+from .namespaces import DEFAULT_NAMESPACE
 from .stack import StackConfig, load_stack
 from .store import Pin, Store, open_store
 from .task import Task
@@ -30,6 +31,7 @@ open = open_store
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_NAMESPACE",
     "REMOVE_CHUNK_KEYS",
     "ConfigError",
     "InvalidArgumentError",

@@ -484,6 +484,10 @@ class BufferTier(Tier):
             return 0
         return self.core.remove(unique, force=force)
 
+    def list_keys(self) -> list[Key]:
+        """Every Ready key of the node's buffer (a native scan of the slots, read-only)."""
+        return self.core.list_ready()
+
     def stats(self) -> dict[str, int | float]:
         """Node-wide native counters (Get hits and misses as ``get_hits``/``get_misses``, every
         rank's loads and dumps together) and this process's queue counters: ``hits``/``misses``

@@ -1,4 +1,4 @@
-"""The ``ucm`` command line: validate, schema, demo, bench, stats, gc."""
+"""The ``ucm`` command line: validate, schema, demo, bench, stats, namespaces, purge, gc."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from . import cli_ops
+from . import cli_namespaces, cli_ops
 from .errors import ConfigError, PluginError
 from .sizes import format_size
 
@@ -151,6 +151,8 @@ def demo(
 
 app.command("bench")(cli_ops.bench)
 app.command("stats")(cli_ops.stats)
+app.command("namespaces")(cli_namespaces.namespaces)
+app.command("purge")(cli_namespaces.purge)
 
 
 @app.command()

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from . import arguments
+from . import arguments, namespaces
 from .breaker import TierGuard
 from .buffer import BufferTier
 from .config import LowerTierConfig
@@ -83,8 +83,11 @@ class Store:
         device_id: int = 0,
         local_rank_size: int = 1,
         write_queue_bytes: int | None = None,
+        namespace: str = namespaces.DEFAULT_NAMESPACE,
     ) -> None:
         _check_rank(device_id, local_rank_size)
+        self.namespace = namespaces.check_namespace(namespace)
+        """The namespace of every call that does not name one (``namespace=``)."""
         self.config = config
         self.device_id = device_id
         self.local_rank_size = local_rank_size
@@ -204,16 +207,16 @@ class Store:
 
     # ---- public API -------------------------------------------------------------------------
 
-    def lookup(self, block_ids: Sequence[bytes]) -> list[bool]:
-        """Whether every shard of each block is present in some tier."""
+    def lookup(self, block_ids: Sequence[bytes], *, namespace: str | None = None) -> list[bool]:
+        """Whether every shard of each block is present in some tier (in the namespace)."""
         self._check_open()
-        blocks = arguments.check_block_ids(block_ids)
+        blocks = self._scoped(block_ids, namespace)
         keys = self.layout.keys_of_blocks(blocks)
         present = self._lookup_keys(keys)
         per_block = self.layout.shards_per_block
         return [all(present[i * per_block : (i + 1) * per_block]) for i in range(len(blocks))]
 
-    def lookup_on_prefix(self, block_ids: Sequence[bytes]) -> int:
+    def lookup_on_prefix(self, block_ids: Sequence[bytes], *, namespace: str | None = None) -> int:
         """Index of the last block of the longest present prefix, -1 if the first is absent.
 
         Stops at the first missing block: each tier is asked once, in one batch, about the
@@ -222,7 +225,7 @@ class Store:
         block's shards split over tiers the answer may be shorter than :meth:`lookup`'s,
         never longer."""
         self._check_open()
-        blocks = arguments.check_block_ids(block_ids)
+        blocks = self._scoped(block_ids, namespace)
         keys = self.layout.keys_of_blocks(blocks)
         present = [False] * len(keys)
         first = 0  # first key not known present
@@ -237,10 +240,10 @@ class Store:
                 first += 1
         return first // self.layout.shards_per_block - 1
 
-    def prefetch(self, block_ids: Sequence[bytes]) -> None:
+    def prefetch(self, block_ids: Sequence[bytes], *, namespace: str | None = None) -> None:
         """Starts moving the blocks' shards up into the top tier (asynchronously)."""
         self._check_open()
-        blocks = arguments.check_block_ids(block_ids)
+        blocks = self._scoped(block_ids, namespace)
         if not self._worker:
             raise RoleError(
                 f"prefetch is not allowed on a scheduler (device_id={self.device_id}): the "
@@ -260,25 +263,57 @@ class Store:
             self._prefetches = [t for t in self._prefetches if not t.done()]
             self._prefetches.append(task)
 
-    def load(self, block_ids: Sequence[bytes], shard_index: Any, dst: Any) -> Task:
+    def load(
+        self,
+        block_ids: Sequence[bytes],
+        shard_index: Any,
+        dst: Any,
+        *,
+        namespace: str | None = None,
+    ) -> Task:
         """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``."""
-        prepared = self._prepare(block_ids, shard_index, "dst", dst, for_load=True)
-        return self._submit_load(*prepared)
+        task_keys, memory, ids = self._prepare(block_ids, shard_index, "dst", dst, True, namespace)
+        return _unscoped(self._submit_load(task_keys, memory), ids)
 
-    def dump(self, block_ids: Sequence[bytes], shard_index: Any, src: Any) -> Task:
+    def dump(
+        self,
+        block_ids: Sequence[bytes],
+        shard_index: Any,
+        src: Any,
+        *,
+        namespace: str | None = None,
+    ) -> Task:
         """Stores the tensors ``src[i]`` as shard ``shard_index[i]`` of block i."""
-        prepared = self._prepare(block_ids, shard_index, "src", src, for_load=False)
-        return self._submit_dump(*prepared)
+        task_keys, memory, ids = self._prepare(block_ids, shard_index, "src", src, False, namespace)
+        return _unscoped(self._submit_dump(task_keys, memory), ids)
 
-    def load_data(self, block_ids: Sequence[bytes], shard_index: Any, dst_ptrs: Any) -> Task:
+    def load_data(
+        self,
+        block_ids: Sequence[bytes],
+        shard_index: Any,
+        dst_ptrs: Any,
+        *,
+        namespace: str | None = None,
+    ) -> Task:
         """Like load, with raw addresses: ``dst_ptrs[i][j]`` receives tensor j of block i."""
-        prepared = self._prepare(block_ids, shard_index, "dst_ptrs", dst_ptrs, for_load=True)
-        return self._submit_load(*prepared)
+        task_keys, memory, ids = self._prepare(
+            block_ids, shard_index, "dst_ptrs", dst_ptrs, True, namespace
+        )
+        return _unscoped(self._submit_load(task_keys, memory), ids)
 
-    def dump_data(self, block_ids: Sequence[bytes], shard_index: Any, src_ptrs: Any) -> Task:
+    def dump_data(
+        self,
+        block_ids: Sequence[bytes],
+        shard_index: Any,
+        src_ptrs: Any,
+        *,
+        namespace: str | None = None,
+    ) -> Task:
         """Like dump, with raw addresses: ``src_ptrs[i][j]`` holds tensor j of block i."""
-        prepared = self._prepare(block_ids, shard_index, "src_ptrs", src_ptrs, for_load=False)
-        return self._submit_dump(*prepared)
+        task_keys, memory, ids = self._prepare(
+            block_ids, shard_index, "src_ptrs", src_ptrs, False, namespace
+        )
+        return _unscoped(self._submit_dump(task_keys, memory), ids)
 
     def wait_prefetches(self) -> None:
         """Blocks until every prefetch started so far has finished (its errors are ignored:
@@ -300,7 +335,7 @@ class Store:
         _check_task(task)
         return task.done()
 
-    def pin(self, block_ids: Sequence[bytes]) -> list[Pin]:
+    def pin(self, block_ids: Sequence[bytes], *, namespace: str | None = None) -> list[Pin]:
         """Holds each block's shards that are Ready in the CacheBuffer there, so that no
         eviction (of this rank or any other on the node) takes them, until :meth:`unpin`; one
         :class:`Pin` per block, saying how many shards it holds. Shards below the buffer, or
@@ -308,9 +343,10 @@ class Store:
         or the scheduler role, holds nothing. ``remove(force=True)`` still removes a pinned
         shard (its memory is freed at the unpin). Pins held at :meth:`close` are released."""
         self._check_open()
-        blocks = arguments.check_block_ids(block_ids)
+        originals = arguments.check_block_ids(block_ids)
+        blocks = self._scoped(originals, namespace)
         if self._native is None or self._buffer is None or not blocks:
-            return [Pin(block, ()) for block in blocks]
+            return [Pin(block, ()) for block in originals]
         per_block = self.layout.shards_per_block
         ids = b"".join(block for block in blocks for _ in range(per_block))
         shards = array("I", list(range(per_block)) * len(blocks))
@@ -322,7 +358,7 @@ class Store:
                     block,
                     tuple(s for s in slots[i * per_block : (i + 1) * per_block] if s != SLOT_NONE),
                 )
-                for i, block in enumerate(blocks)
+                for i, block in enumerate(originals)
             ]
             self._pins.update(pin for pin in pins if pin.held)
         self._count("pinned_shards", sum(pin.held for pin in pins))
@@ -345,21 +381,23 @@ class Store:
                 self._native.queue.unpin(slots)
         self._count("unpinned_shards", len(slots))
 
-    def touch(self, block_ids: Sequence[bytes]) -> None:
+    def touch(self, block_ids: Sequence[bytes], *, namespace: str | None = None) -> None:
         """Renews every resident shard of the blocks in every tier."""
         self._check_open()
-        blocks = arguments.check_block_ids(block_ids)
+        blocks = self._scoped(block_ids, namespace)
         if blocks:
             for tier in self.tiers:
                 tier.touch(blocks)
 
-    def remove(self, block_ids: Sequence[bytes], force: bool = False) -> int:
+    def remove(
+        self, block_ids: Sequence[bytes], force: bool = False, *, namespace: str | None = None
+    ) -> int:
         """Removes every shard of the blocks from every tier; returns distinct shards removed.
         Shards in use are kept unless ``force``."""
         self._check_open()
         if not isinstance(force, bool):
             raise InvalidArgumentError(f"force must be a bool, got {force!r}")
-        blocks = arguments.check_block_ids(block_ids)
+        blocks = self._scoped(block_ids, namespace)
         keys = list(dict.fromkeys(self.layout.keys_of_blocks(blocks)))
         if not keys:
             return 0
@@ -371,6 +409,35 @@ class Store:
         after = self._lookup_keys(keys, stop_early=False, bounded=False)
         removed = sum(1 for was, still in zip(before, after, strict=True) if was and not still)
         self._count("removed_shards", removed)
+        return removed
+
+    def namespaces(self) -> dict[str, list[int | None]]:
+        """Shards held per namespace and tier (top first): ``{namespace: [shards in tier 0,
+        ...]}``, ``None`` where a tier cannot enumerate its keys (Mooncake). Namespaces whose
+        names this process has not met (neither used nor found under a lower tier's
+        ``ns/<name>/`` prefix) are counted under the default namespace."""
+        self._check_open()
+        self.drain()
+        per_tier: list[dict[str, int] | None] = []
+        # Lower tiers first: their prefixes name the namespaces whose buffer keys follow.
+        for tier in reversed(self.tiers):
+            per_tier.append(tier.namespace_usage())
+        per_tier.reverse()
+        names = sorted({name for usage in per_tier if usage for name in usage})
+        return {
+            name: [None if usage is None else usage.get(name, 0) for usage in per_tier]
+            for name in names
+        }
+
+    def purge(self, namespace: str) -> list[int]:
+        """Removes every block of ``namespace`` from every tier (pinned and in-use shards
+        too), batched; returns the shards removed per tier, top first."""
+        self._check_open()
+        name = namespaces.check_namespace(namespace)
+        # Pending write-through work would bring purged shards back below: finish it first.
+        self.drain()
+        removed = [tier.purge(name) for tier in self.tiers]
+        self._count("purged_shards", sum(removed))
         return removed
 
     def drain(self) -> None:
@@ -470,9 +537,27 @@ class Store:
         with self._counters_lock:
             self._counters[name] += amount
 
+    def _scoped(self, block_ids: Any, namespace: str | None) -> list[bytes]:
+        """The checked block ids as the tiers store them in ``namespace`` (the store's own
+        when None): see ucm/namespaces.py."""
+        blocks = arguments.check_block_ids(block_ids)
+        if namespace is None:
+            namespace = self.namespace
+        elif namespace != self.namespace:
+            namespaces.check_namespace(namespace)
+        return namespaces.scope(namespace, blocks)
+
     def _prepare(
-        self, block_ids: Any, shard_index: Any, name: str, buffers: Any, for_load: bool
-    ) -> tuple[arguments.TaskKeys, arguments.ShardMemory]:
+        self,
+        block_ids: Any,
+        shard_index: Any,
+        name: str,
+        buffers: Any,
+        for_load: bool,
+        namespace: str | None,
+    ) -> tuple[arguments.TaskKeys, arguments.ShardMemory, dict[bytes, bytes] | None]:
+        """The task's checked keys (the ids the tiers store) and memory, and for a namespace
+        other than the default, each stored id's caller id (for the task's keys and errors)."""
         self._check_open()
         if self.device_id < 0:
             verb = "load" if for_load else "dump"
@@ -480,12 +565,18 @@ class Store:
                 f"{verb} is not allowed on a scheduler (device_id={self.device_id}): the "
                 "scheduler role only answers lookups; open the store with device_id >= 0"
             )
+        ids: dict[bytes, bytes] | None = None
+        space = self.namespace if namespace is None else namespaces.check_namespace(namespace)
+        if space != namespaces.DEFAULT_NAMESPACE:
+            originals = arguments.check_block_ids(block_ids)
+            block_ids = namespaces.scope(space, originals)
+            ids = dict(zip(block_ids, originals, strict=True))
         task_keys = arguments.check_task_keys(block_ids, shard_index, self.layout)
         if name.endswith("_ptrs"):
             memory = arguments.check_pointers(buffers, len(task_keys), self.layout, name)
         else:
             memory = arguments.check_tensors(buffers, len(task_keys), self.layout, name, for_load)
-        return task_keys, memory
+        return task_keys, memory, ids
 
     def _submit_load(self, task_keys: arguments.TaskKeys, memory: arguments.ShardMemory) -> Task:
         if not len(task_keys):  # nothing to load: done at once, and not a task of the queue
@@ -661,6 +752,32 @@ class Store:
             return results
 
         return sink
+
+
+class _UnscopedCompletion:
+    """A task's completion whose failures name the caller's block ids (not the scoped ids
+    the tiers store): what a caller matches a TaskError's keys against."""
+
+    __slots__ = ("_ids", "_inner")
+
+    def __init__(self, inner: Any, ids: dict[bytes, bytes]) -> None:
+        self._inner = inner
+        self._ids = ids
+
+    def done(self) -> bool:
+        return bool(self._inner.done())
+
+    def failures(self, timeout: float | None) -> dict[Key, BaseException]:
+        failures: dict[Key, BaseException] = self._inner.failures(timeout)
+        return {(self._ids.get(key[0], key[0]), key[1]): exc for key, exc in failures.items()}
+
+
+def _unscoped(task: Task, ids: dict[bytes, bytes] | None) -> Task:
+    """``task`` as its caller sees it: keys and failures by the caller's block ids."""
+    if ids is None:
+        return task
+    keys = [(ids.get(block_id, block_id), shard) for block_id, shard in task.keys]
+    return Task(task.kind, keys, _UnscopedCompletion(task.completion, ids))
 
 
 _NATIVE_STORE_COUNTERS = (

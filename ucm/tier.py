@@ -22,7 +22,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from . import namespaces
 from .config import TierConfig
+from .errors import TierError
 from .layout import Key, Layout
 from .native import _abi
 
@@ -171,6 +173,44 @@ class Tier(abc.ABC):
     def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
         """Removes the keys; returns how many distinct keys were removed. Pinned (in-use) keys
         are kept unless ``force``. Takes the tier's lock once per chunk of REMOVE_CHUNK_KEYS."""
+
+    # ---- namespaces (ucm/namespaces.py) -----------------------------------------------------
+    # A key's block id is the *scoped* id: its namespace is part of it, so keeping namespaces
+    # apart needs nothing of a tier. What a tier adds is a key space per namespace (a prefix,
+    # ``namespace_prefix``) and the enumeration that purge and per-namespace usage need.
+
+    @staticmethod
+    def namespace_of(block_id: bytes) -> str:
+        """The namespace of a key's (scoped) block id."""
+        return namespaces.namespace_of(block_id)
+
+    @classmethod
+    def namespace_prefix(cls, block_id: bytes) -> str:
+        """``""`` for the default namespace, else ``"ns/<name>/"``: where a tier with paths or
+        key prefixes puts the key, so that each namespace is a separate key space."""
+        name = namespaces.namespace_of(block_id)
+        return "" if name == namespaces.DEFAULT_NAMESPACE else f"ns/{name}/"
+
+    def list_keys(self) -> list[Key]:
+        """Every key this tier holds, every namespace's (what purge and ``ucm namespaces``
+        enumerate). A tier that stores namespaces under prefixes registers the names it finds
+        (``ucm.namespaces.register``), so a fresh process resolves their keys."""
+        raise TierError(
+            f"tier {self.label!r} (type {self.type_name!r}) cannot enumerate its keys: it "
+            "implements no Tier.list_keys, which purge and per-namespace usage need"
+        )
+
+    def namespace_usage(self) -> dict[str, int] | None:
+        """Shards held per namespace (namespaces with none are left out); None for a tier
+        whose store cannot list its keys (then ``purge`` removes by prefix)."""
+        usage: Counter[str] = Counter(self.namespace_of(key[0]) for key in self.list_keys())
+        return dict(usage)
+
+    def purge(self, namespace: str) -> int:
+        """Removes every shard of ``namespace`` (pinned ones too), batched like
+        ``batched_remove``; returns how many were removed."""
+        keys = [key for key in self.list_keys() if namespaces.belongs(namespace, key[0])]
+        return self.batched_remove(keys, force=True) if keys else 0
 
     def stats(self) -> dict[str, int | float]:
         """Counters for ``store.stats()``. The conformance suite requires at least ``hits`` and

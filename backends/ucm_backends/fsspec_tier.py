@@ -37,7 +37,7 @@ from fsspec.registry import (  # type: ignore[import-untyped]
 from pydantic import Field
 
 import ucm
-from ucm import envelope
+from ucm import envelope, namespaces
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
@@ -196,7 +196,23 @@ class FsspecTier(Tier):
 
     def block_dir(self, block_id: bytes) -> str:
         hexid = block_id.hex()
-        return f"{self.root}/{hexid[:2]}/{hexid}"
+        prefix = self.namespace_prefix(block_id)
+        if not prefix:
+            return f"{self.root}/{hexid[:2]}/{hexid}"
+        # A namespace's own prefix, spread by a byte of the id's hash (not of its tag).
+        return f"{self.root}/{prefix}{hexid[16:18]}/{hexid}"
+
+    def list_keys(self) -> list[Key]:
+        keys: list[Key] = []
+        for _when, _size, block_id, paths in self._scan():
+            for path in paths:
+                parts = path.rstrip("/").split("/")
+                # <root>/ns/<name>/<xx>/<hex>/<shard>: register the name, so the ids resolve.
+                if len(parts) >= 5 and parts[-5] == "ns":
+                    namespaces.register(parts[-4])
+                if parts[-1].isdigit() and int(parts[-1]) < self.layout.shards_per_block:
+                    keys.append((block_id, int(parts[-1])))
+        return keys
 
     def object_path(self, key: Key) -> str:
         return f"{self.block_dir(key[0])}/{key[1]}"

@@ -59,6 +59,7 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+import re
 import socket
 import threading
 import time
@@ -69,7 +70,7 @@ from typing import Any, Literal
 from pydantic import Field, PositiveFloat, ValidationInfo, field_validator
 
 import ucm
-from ucm import envelope
+from ucm import envelope, namespaces
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
@@ -593,7 +594,34 @@ class MooncakeTier(Tier):
     # ---- names, headers, arenas -------------------------------------------------------------
 
     def object_name(self, key: Key) -> str:
-        return f"{self.cfg.key_prefix}/{key[0].hex()}/{key[1]}"
+        # A namespace other than the default is its own key prefix: <key_prefix>/ns/<name>/.
+        return f"{self.cfg.key_prefix}/{self.namespace_prefix(key[0])}{key[0].hex()}/{key[1]}"
+
+    # ---- namespaces: Mooncake Store lists no keys, but removes by pattern --------------------
+
+    def namespace_usage(self) -> dict[str, int] | None:
+        return None
+
+    def purge(self, namespace: str) -> int:
+        """Removes every object under the namespace's key prefix (``remove_by_regex``, leases
+        and replication tasks included): the objects of its shards, counted by the master."""
+        prefix = re.escape(self.cfg.key_prefix)
+        if namespace == namespaces.DEFAULT_NAMESPACE:
+            pattern = f"^{prefix}/[0-9a-f]{{32}}/[0-9]+$"
+        else:
+            pattern = f"^{prefix}/ns/{re.escape(namespace)}/[0-9a-f]{{32}}/[0-9]+$"
+        if not self.master.reachable():
+            raise TierError(f"mooncake tier {self.label!r}: purge: {self.master.down_for()}")
+        with self._lock:
+            self._bump(lock_acquisitions=1, remove_lock_acquisitions=1)
+            removed = int(self.client.remove_by_regex(pattern, True))
+        if removed < 0:
+            self._bump(errors=1)
+            raise TierError(
+                f"mooncake tier {self.label!r}: purge of namespace {namespace!r} failed: "
+                f"{error_name(removed)}"
+            )
+        return removed
 
     @staticmethod
     def header(key: Key, views: ShardViews) -> bytes:

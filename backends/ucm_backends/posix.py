@@ -65,7 +65,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import Field
 
 import ucm
-from ucm import envelope
+from ucm import envelope, namespaces
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
@@ -232,6 +232,7 @@ class PosixTier(Tier):
         self._usage = 0
         self._written_since_scan = 0
         self._evict_lock = threading.Lock()
+        self._made_dirs: set[str] = set()
         if config.capacity is not None:
             self._usage = self._scan()[0]
 
@@ -239,7 +240,20 @@ class PosixTier(Tier):
 
     def block_path(self, block_id: bytes) -> str:
         hexid = block_id.hex()
-        return os.path.join(self.root, hexid[:2], hexid + ".blk")
+        prefix = self.namespace_prefix(block_id)
+        if not prefix:
+            return os.path.join(self.root, hexid[:2], hexid + ".blk")
+        # A namespace's own tree; striped by a byte of the id's hash (its first 8 bytes are
+        # the namespace's tag, the same for all of them).
+        return os.path.join(self.root, prefix, hexid[16:18], hexid + ".blk")
+
+    def _make_parent(self, path: str) -> None:
+        """Creates a namespace's stripe directory on its first write (the default namespace's
+        exist from open)."""
+        directory = os.path.dirname(path)
+        if directory not in self._made_dirs:
+            os.makedirs(directory, exist_ok=True)
+            self._made_dirs.add(directory)
 
     def _bump(self, name: str, amount: int = 1) -> None:
         with self._stats_lock:
@@ -285,7 +299,9 @@ class PosixTier(Tier):
     @contextmanager
     def _write_locks(self, block_id: bytes) -> Iterator[None]:
         with self._global(exclusive=False):
-            stripe = str(self.root / ".locks" / f"{block_id[0]:02x}.lock")
+            # By the first id byte; a namespace's ids all start with its tag: by their 9th.
+            spread = block_id[8] if self.namespace_prefix(block_id) else block_id[0]
+            stripe = str(self.root / ".locks" / f"{spread:02x}.lock")
             fd = self._flock(stripe, fcntl.LOCK_EX)
             try:
                 yield
@@ -837,6 +853,7 @@ class PosixTier(Tier):
     def _write_file(self, path: str, image: mmap.mmap, stored: list[int]) -> int:
         """Writes ``image`` to ``path`` (via a temp name); ``stored``: the bytes of each shard's
         payload (0: absent)."""
+        self._make_parent(path)
         directory, name = os.path.split(path)
         temp = os.path.join(
             directory, f".{name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp"
@@ -948,8 +965,7 @@ class PosixTier(Tier):
         total = 0
         entries: list[tuple[int, int, int, bytes]] = []
         now = time.time()
-        for stripe in range(_STRIPES):
-            directory = os.path.join(self.root, f"{stripe:02x}")
+        for directory in self._stripe_dirs():
             try:
                 iterator = os.scandir(directory)
             except FileNotFoundError:
@@ -973,6 +989,28 @@ class PosixTier(Tier):
                     total += size
                     entries.append((st.st_mtime_ns, size, st.st_ino, block_id))
         return total, entries
+
+    def _stripe_dirs(self) -> Iterator[str]:
+        """Every stripe directory: the default namespace's, then each namespace's (under
+        ``ns/<name>/``, whose names are registered as they are found)."""
+        for stripe in range(_STRIPES):
+            yield os.path.join(self.root, f"{stripe:02x}")
+        try:
+            names = sorted(entry.name for entry in os.scandir(self.root / "ns") if entry.is_dir())
+        except FileNotFoundError:
+            return
+        for name in names:
+            namespaces.register(name)
+            for stripe in range(_STRIPES):
+                yield os.path.join(self.root, "ns", name, f"{stripe:02x}")
+
+    def list_keys(self) -> list[Key]:
+        keys: list[Key] = []
+        for _mtime, _size, _inode, block_id in self._scan()[1]:
+            footer = self._footer_of(block_id)
+            if footer is not None:
+                keys += [(block_id, s) for s in range(self.spb) if footer.present[s]]
+        return keys
 
     @staticmethod
     def _reap_temp(path: str, name: str, mtime: float, now: float) -> None:

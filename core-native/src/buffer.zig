@@ -1705,6 +1705,41 @@ pub const Buffer = struct {
         }
     }
 
+    pub const KeyOutput = struct {
+        block_ids: []BlockId,
+        shard_indices: []u32,
+    };
+
+    /// Lists the keys of up to `out.block_ids.len` Ready slots, scanning at most every slot
+    /// once from `cursor.*` (a position the caller keeps between calls; it moves past the last
+    /// slot scanned, and wraps to 0 after the last slot). Read-only: no reference is taken, so
+    /// a listed key may be evicted or removed right after; each key is read under its bucket
+    /// lock, so it is never torn. What namespaces enumerate (purge, per-namespace occupancy).
+    pub fn list_ready(buffer: Buffer, cursor: *u32, out: KeyOutput) error{LockTimeout}!u32 {
+        assert(out.block_ids.len == out.shard_indices.len);
+        const total: u32 = @intCast(buffer.slots.len);
+        assert(total > 0);
+        var listed: u32 = 0;
+        var position = cursor.*;
+        while (position < total and listed < out.block_ids.len) : (position += 1) {
+            const slot = &buffer.slots[position];
+            // Unlocked pre-check (monotonic: a hint, re-checked under the lock).
+            if (slot.state.load(.monotonic) != @intFromEnum(State.ready)) continue;
+            const bucket_index = slot.bucket.load(.acquire);
+            if (bucket_index >= buffer.buckets.len) continue; // Free or detached: not listed.
+            try buffer.lock_acquire(bucket_index);
+            defer buffer.lock_release(bucket_index);
+            if (slot.bucket.load(.monotonic) != bucket_index) continue;
+            if (slot.state.load(.monotonic) != @intFromEnum(State.ready)) continue;
+            out.block_ids[listed] = slot.block_id;
+            out.shard_indices[listed] = slot.shard_index;
+            listed += 1;
+        }
+        cursor.* = if (position >= total) 0 else position;
+        assert(listed <= out.block_ids.len);
+        return listed;
+    }
+
     /// A block is present when every shard 0..shards_per_block-1 is Ready.
     pub fn lookup_blocks(buffer: Buffer, block_ids: []const BlockId, shards_per_block: u32, out: []u8) error{LockTimeout}!void {
         assert(block_ids.len == out.len);

@@ -1,6 +1,6 @@
 //! Seeded model-based fuzzer for the CacheBuffer control plane (`buffer.zig`).
 //!
-//! Random batches of Get/Commit/Wait/Release/Touch/Prealloc/Remove/Lookup/TakeDirty/Clean/
+//! Random batches of Get/Commit/Wait/Release/Touch/Prealloc/Remove/Lookup/ListReady/TakeDirty/Clean/
 //! MarkClosing/ReclaimDead run against the real buffer and against `Model`, a plain reference
 //! of what the buffer promises: per-slot state arrays, the chains as a key -> slot map, the
 //! CLOCK (fresh high-water marks, cursors and accessed bits per pool: regular, then reserved),
@@ -568,6 +568,25 @@ const Model = struct {
         }
     }
 
+    /// `Buffer.list_ready`: from slot `cursor.*` on, the keys of up to `out.len` Ready slots
+    /// linked on a chain, each read under its bucket's lock; the cursor moves past the last
+    /// slot scanned (0 once every slot was). Returns how many were listed.
+    fn list_ready(model: *Model, caller: Caller, cursor: *u32, out: []u32) u32 {
+        const total = model.slot_count();
+        assert(cursor.* < total);
+        var listed: u32 = 0;
+        var position = cursor.*;
+        while (position < total and listed < out.len) : (position += 1) {
+            const slot = &model.slots[position];
+            if (slot.place != .linked or slot.state != .ready) continue;
+            model.acquire(caller, model.key_bucket(slot.key));
+            out[listed] = slot.key;
+            listed += 1;
+        }
+        cursor.* = if (position >= total) 0 else position;
+        return listed;
+    }
+
     fn lookup_blocks(model: *Model, caller: Caller, blocks: []const u32, shards_per_block: u32, out: []u8) void {
         for (blocks, out) |block, *present| {
             model.acquire(caller, model.block_buckets[block]);
@@ -764,6 +783,7 @@ const Op = enum {
     prealloc,
     remove,
     lookup,
+    list_ready,
     take_dirty,
     clean,
     mark_closing,
@@ -785,6 +805,7 @@ const op_weights_base = std.enums.directEnumArray(Op, u32, 0, .{
     .prealloc = 5,
     .remove = 4,
     .lookup = 3,
+    .list_ready = 2,
     .take_dirty = 5,
     .clean = 5,
     .mark_closing = 2,
@@ -1089,6 +1110,7 @@ const World = struct {
             .prealloc => try world.op_prealloc(),
             .remove => try world.op_remove(),
             .lookup => try world.op_lookup(),
+            .list_ready => try world.op_list_ready(),
             .take_dirty => try world.op_take_dirty(),
             .clean => try world.op_clean(),
             .mark_closing => try world.op_mark_closing(),
@@ -1306,6 +1328,30 @@ const World = struct {
             for (keys[0..n], 0..) |key, index| blocks[index] = world.model.key_block(key);
             const shards_per_block = world.random.intRangeAtMost(u32, 1, world.model.shards_per_block + 1);
             try world.exec_lookup_blocks(world.any_caller(), blocks[0..n], shards_per_block, present[0..n]);
+        }
+    }
+
+    fn op_list_ready(world: *World) !void {
+        const who = world.any_caller();
+        const start = world.random.uintLessThan(u32, world.model.slot_count());
+        const capacity = world.random.intRangeAtMost(usize, 1, batch_max);
+        var cursor = start;
+        var keys: [batch_max]u32 = undefined;
+        const listed = world.model.list_ready(who.caller, &cursor, keys[0..capacity]);
+        world.log.add("pid {d} list_ready from {d} up to {d} -> {any}, cursor {d}", .{ who.caller.pid, start, capacity, keys[0..listed], cursor });
+        var real_cursor = start;
+        var ids: [batch_max]BlockId = undefined;
+        var shards: [batch_max]u32 = undefined;
+        const real = try who.view.list_ready(&real_cursor, .{
+            .block_ids = ids[0..capacity],
+            .shard_indices = shards[0..capacity],
+        });
+        try check("list_ready count", 0, listed, real);
+        try check("list_ready cursor", 0, cursor, real_cursor);
+        for (keys[0..listed], 0..) |key, index| {
+            try check("list_ready shard", index, world.model.key_shard(key), shards[index]);
+            const id = &world.block_ids[world.model.key_block(key)];
+            try check_true("list_ready block id", index, std.mem.eql(u8, id, &ids[index]));
         }
     }
 

@@ -343,6 +343,19 @@ pub export fn ucm_buffer_remove_blocks(ctrl: usize, n: u32, ids: [*]const buffer
     return @intCast(removed);
 }
 
+/// Lists the keys of up to `capacity` Ready slots from slot `cursor.*` on (`Buffer.list_ready`;
+/// the cursor moves on, 0 once the last slot was scanned). Returns how many were listed, or a
+/// negative Status.
+pub export fn ucm_buffer_list_ready(ctrl: usize, cursor: *u32, capacity: u32, out_ids: [*]buffer.BlockId, out_shards: [*]u32) i64 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (cursor.* >= view.slots.len) return buffer_status(.invalid_argument);
+    const listed = view.list_ready(cursor, .{
+        .block_ids = out_ids[0..capacity],
+        .shard_indices = out_shards[0..capacity],
+    }) catch return buffer_status(.lock_timeout);
+    return listed;
+}
+
 /// Copies up to `capacity` counters (in buffer.counter_names order); returns how many exist.
 pub export fn ucm_buffer_stats(ctrl: usize, out: [*]u64, capacity: u32) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);

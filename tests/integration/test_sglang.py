@@ -157,6 +157,39 @@ def test_v1_set_then_get_restores_host_pool_pages_byte_exact(
         backend.close()
 
 
+def test_two_engines_in_fixed_namespaces_never_share_a_page(
+    sgl: SGLang, unique_id: Callable[[], str]
+) -> None:
+    """``ucm_namespace: fixed:<name>``: the same page keys from two engines on one node's
+    buffer are two namespaces: no hit across, each purged on its own with exact counts."""
+    pool = host_pool(sgl)
+    stack = buffer_stack(unique_id())
+    keys = keys_of(sgl, 4)
+    fill(pool, seed=5)
+    team_a = create_backend(
+        sgl, storage_config(sgl, {"ucm_stack": stack, "ucm_namespace": "fixed:team-a"}), pool
+    )
+    try:
+        assert team_a.store.namespace == "team-a"
+        assert team_a.batch_set_v1(keys, pages_at(pool, [0, 1, 2, 3])) == [True] * 4
+        team_b = create_backend(
+            sgl, storage_config(sgl, {"ucm_stack": stack, "ucm_namespace": "fixed:team-b"}), pool
+        )
+        try:
+            assert team_b.batch_exists(keys) == 0
+            assert team_b.batch_get_v1(keys, pages_at(pool, [4, 5, 6, 7])) == [False] * 4
+            usage = team_b.store.namespaces()
+            assert list(usage) == ["team-a"] and usage["team-a"][0] == 4
+            assert team_b.store.purge("team-b")[0] == 0
+            assert team_a.batch_exists(keys) == 4
+            assert team_b.store.purge("team-a")[0] == 4
+            assert team_a.batch_exists(keys) == 0
+        finally:
+            team_b.close()
+    finally:
+        team_a.close()
+
+
 def test_batch_exists_counts_the_present_prefix(sgl: SGLang, unique_id: Callable[[], str]) -> None:
     pool = host_pool(sgl)
     backend = create_backend(
@@ -476,7 +509,19 @@ def test_two_tp_ranks_of_a_node_share_one_buffer(sgl: SGLang, unique_id: Callabl
             {"ucm_stak": "x.yaml"},
             {},
             r"unknown key\(s\) \['ucm_stak'\]; the UCM backend reads "
-            r"\['ucm_stack', 'ucm_kv_dtype', 'ucm_weights_id'\]",
+            r"\['ucm_stack', 'ucm_kv_dtype', 'ucm_weights_id', 'ucm_namespace'\]",
+        ),
+        (
+            {"ucm_stack": {}, "ucm_namespace": "lora"},
+            {},
+            r"^hicache_storage_backend_extra_config\['ucm_namespace'\]='lora' is not available "
+            r"with SGLang's HiCache storage backend: its storage calls carry no LoRA adapter",
+        ),
+        (
+            {"ucm_stack": {}, "ucm_namespace": "fixed:no/slash"},
+            {},
+            r"^hicache_storage_backend_extra_config\['ucm_namespace'\]='no/slash' is not a "
+            r"valid namespace name",
         ),
         (
             {"ucm_stack": {}},

@@ -68,6 +68,7 @@ from .. import REMOVE_CHUNK_KEYS, Pin, Store, TaskError
 from .. import open as open_store
 from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, RoleError, UcmError
 from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id, warn_node_local
+from .tenants import TenantMapping
 
 if TYPE_CHECKING:
     from lmcache.v1.config import LMCacheEngineConfig
@@ -296,6 +297,11 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             key=f"extra_config[{self.stack_key!r}]",
             engine="LMCache",
         )
+        namespace_key = f"extra_config['storage_plugin.{self.name}.namespace']"
+        namespace = TenantMapping.parse(
+            (config.extra_config or {}).get(f"storage_plugin.{self.name}.namespace"),
+            namespace_key,
+        ).engine_namespace(namespace_key, "LMCache's storage plugin interface")
         self.is_scheduler = metadata.role == "scheduler"
         device_id = -1 if self.is_scheduler else int(metadata.local_worker_id)
         if not self.is_scheduler and local_cpu_backend is None:
@@ -306,7 +312,10 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             )
         try:
             self.store: Store = open_store(
-                stack, device_id=device_id, local_rank_size=int(metadata.local_world_size)
+                stack,
+                device_id=device_id,
+                local_rank_size=int(metadata.local_world_size),
+                namespace=namespace,
             )
         except UcmError as exc:  # e.g. a buffer larger than /dev/shm: say which key to change
             raise ConfigError(f"extra_config[{self.stack_key!r}]: {exc}") from exc

@@ -55,13 +55,14 @@ from ucm.stack import parse_stack
 
 from .keys import EngineGeometry, Epochs, KeySpace, engine_stack, named_block_id, warn_node_local
 from .salts import config_digest, weights_fingerprint
+from .tenants import TenantMapping
 
 logger = logging.getLogger(__name__)
 
 STACK_KEY = "hicache_storage_backend_extra_config['ucm_stack']"
 """Where the stack is given; every configuration error starts with it."""
 
-EXTRA_CONFIG_KEYS = ("ucm_stack", "ucm_kv_dtype", "ucm_weights_id")
+EXTRA_CONFIG_KEYS = ("ucm_stack", "ucm_kv_dtype", "ucm_weights_id", "ucm_namespace")
 """The ``ucm_*`` keys of the extra config this backend reads; any other ``ucm_*`` key is a typo."""
 
 KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "bf16", "bfloat16", "fp16", "float16", "fp32")
@@ -178,6 +179,10 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
                 f"hicache_storage_backend_extra_config['ucm_weights_id']={weights_id!r}: expected "
                 "a non-empty string naming the weights"
             )
+        namespace_key = "hicache_storage_backend_extra_config['ucm_namespace']"
+        self._namespace = TenantMapping.parse(
+            extra.get("ucm_namespace"), namespace_key
+        ).engine_namespace(namespace_key, "SGLang's HiCache storage backend")
         self._kv_dtype: str | None = kv_dtype
         self._weights_id: str | None = weights_id
         self.storage_config = storage_config
@@ -245,7 +250,10 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         self._page_size = page_size
         self._pointers_per_page = len(sizes)
         self._store = ucm.open(
-            stack, device_id=self.plan.device_id, local_rank_size=self.plan.local_rank_size
+            stack,
+            device_id=self.plan.device_id,
+            local_rank_size=self.plan.local_rank_size,
+            namespace=self._namespace,
         )
         config = self.storage_config
         self._space = space

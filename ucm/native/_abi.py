@@ -472,6 +472,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ucm_buffer_lookup_blocks": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p]),
     "ucm_buffer_remove": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_bool]),
     "ucm_buffer_remove_blocks": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_bool]),
+    "ucm_buffer_list_ready": (ctypes.c_int64, [ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32), ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p]),
     "ucm_buffer_stats": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint32]),
     "ucm_buffer_count_write_through_skipped": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint64]),
     "ucm_buffer_slot_locations": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),

@@ -820,6 +820,30 @@ class BufferCore:
         self._check(status, "lookup_blocks")
         return [bool(present) for present in out]
 
+    def list_ready(self, batch_keys: int = 4096) -> list[Key]:
+        """Every key whose slot is Ready now, node-wide (a read-only scan of the slots, each
+        read under its bucket lock, ``batch_keys`` per native call). Keys added or removed
+        during the scan may or may not be listed."""
+        _check_int("batch_keys", batch_keys, 1, _U32_MAX, "")
+        ids = ctypes.create_string_buffer(batch_keys * BLOCK_ID_BYTES)
+        shards = array("I", bytes(4 * batch_keys))
+        cursor = ctypes.c_uint32(0)
+        keys: list[Key] = []
+        while True:
+            listed = int(
+                self._native.ucm_buffer_list_ready(
+                    self._ctrl, ctypes.byref(cursor), batch_keys, ids, _address(shards)
+                )
+            )
+            self._check(listed, "list_ready")
+            raw = ids.raw
+            keys.extend(
+                (raw[i * BLOCK_ID_BYTES : (i + 1) * BLOCK_ID_BYTES], shards[i])
+                for i in range(listed)
+            )
+            if cursor.value == 0:
+                return keys
+
     def remove(self, keys: Sequence[Key] | KeyBatch, *, force: bool = False) -> int:
         """Removes keys (one lock pass per chunk of 1024); returns Ready shards removed. Slots in
         use are kept unless ``force`` (then freed when their last holder releases)."""

@@ -11,6 +11,7 @@ import ucm
 from ucm.errors import ConfigError, UcmError
 
 from ..keys import EngineGeometry, engine_stack
+from ..tenants import TenantMapping
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -27,6 +28,8 @@ EXTRA_KEYS = {
     "(0: a free port, logged)",
     "ucm_report_block_ids": "true: each finished request's kv_transfer_params lists the UCM ids "
     "of its full blocks (hex), for use with the UCM API",
+    "ucm_namespace": "how requests map to UCM namespaces: cache_salt (default: each request's "
+    "cache_salt names its namespace), lora (its LoRA adapter's name) or fixed:<name>",
     "ucm_weights_id": "a string naming the weights, instead of UCM's fingerprint of the model "
     "files (for copies of one checkpoint on several nodes; change it with the weights)",
 }
@@ -61,6 +64,7 @@ def check_extra_config(extra: Mapping[str, Any]) -> None:
             f"{extra_key('ucm_weights_id')}: {weights_id!r} is not valid: expected a non-empty "
             "string naming the weights"
         )
+    TenantMapping.parse(extra.get("ucm_namespace"), extra_key("ucm_namespace"))
     report = extra.get("ucm_report_block_ids")
     if report is not None and not isinstance(report, bool):
         raise ConfigError(

@@ -13,9 +13,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from ucm import namespaces
 from ucm.errors import ConfigError, UcmError
 
 from ..keys import Epochs, warn_node_local, write_marker
+from ..tenants import TenantMapping
 from .config import (
     STACK_KEY_NAME,
     check_full_attention,
@@ -127,6 +129,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             report_ids=bool(self._extra.get("ucm_report_block_ids", False)),
             stats=self._stats,
             epoch=self._epochs.current(self._store),
+            tenants=TenantMapping.parse(self._extra.get("ucm_namespace"), "ucm_namespace"),
         )
         if transfer.is_kv_consumer and transfer.kv_load_failure_policy != "recompute":
             logger.warning(
@@ -270,6 +273,8 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, UcmConnectorMetadata):
+            for name in connector_metadata.namespaces:  # so the tiers place their keys
+                namespaces.register(name)
             self._worker.bind(connector_metadata)
 
     def clear_connector_metadata(self) -> None:

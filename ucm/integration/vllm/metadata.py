@@ -37,6 +37,10 @@ class UcmConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     step: int = 0
     """The scheduler's number for this step: a worker that ran its loads echoes it
     (:attr:`UcmWorkerMetadata.loaded_steps`) with the output that carries their failures."""
+    namespaces: set[str] = field(default_factory=set)
+    """Namespaces the scheduler mapped requests to since its last step: each worker registers
+    them (``ucm.namespaces.register``), so its tiers place those namespaces' keys under their
+    prefixes (the ids in ``loads``/``saves`` are already scoped)."""
 
 
 @dataclass

@@ -12,8 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from ... import namespaces
 from ..keys import KeySpace, chain_block_ids
 from ..salts import lora_identity
+from ..tenants import TenantMapping
 from .metadata import BlockTransfer, UcmConnectorMetadata, UcmWorkerMetadata
 from .metrics import UcmConnectorStats
 
@@ -52,8 +54,11 @@ class _RequestState:
 
     request: Request
     salt: bytes
+    namespace: str = namespaces.DEFAULT_NAMESPACE
+    chain: list[bytes] = field(default_factory=list)
+    """The hash chain of the request's full blocks so far (grows as blocks fill)."""
     ids: list[bytes] = field(default_factory=list)
-    """UCM ids of the request's full blocks hashed so far (the chain grows as blocks fill)."""
+    """UCM ids of those blocks: the chain scoped to the request's namespace."""
     saved: int = 0
     """Blocks [0, saved) are in UCM, being dumped, or were in vLLM's cache before the request:
     never dumped again by this request."""
@@ -98,11 +103,16 @@ class SchedulerSide:
         report_ids: bool = False,
         stats: UcmConnectorStats | None = None,
         epoch: int = 0,
+        tenants: TenantMapping | None = None,
     ) -> None:
         self._lookup = lookup
         self._lookup_prefix: LookupPrefix = lookup_prefix or (
             lambda ids: _prefix_of(self._lookup(ids))
         )
+        self._tenants = tenants if tenants is not None else TenantMapping()
+        self._new_namespaces: set[str] = set()
+        """Namespaces not yet announced to the workers (UcmConnectorMetadata.namespaces)."""
+        self._announced: set[str] = set()
         self.epoch = epoch
         """The key space's reset epoch (:class:`~ucm.integration.keys.Epochs`): every salt
         carries it."""
@@ -148,7 +158,14 @@ class SchedulerSide:
             if len(self._salts) >= SALTS_KEPT:  # per-user salts: keep the memo bounded
                 self._salts.clear()
             self._salts[(cache_salt, lora)] = salt
-        state = _RequestState(request=request, salt=salt)
+        lora_request = getattr(request, "lora_request", None)
+        namespace = self._tenants.namespace(
+            cache_salt, getattr(lora_request, "lora_name", None) if lora_request else None
+        )
+        if namespace not in self._announced:
+            self._announced.add(namespace)
+            self._new_namespaces.add(namespace)
+        state = _RequestState(request=request, salt=salt, namespace=namespace)
         self._requests[request.request_id] = state
         return state
 
@@ -161,6 +178,7 @@ class SchedulerSide:
         self._salts.clear()
         for state in [*self._requests.values(), *(f.state for f in self._finishing.values())]:
             state.salt = os.urandom(32)
+            state.chain = []
             state.ids = []
 
     def _chain(self, state: _RequestState, blocks: int) -> list[bytes]:
@@ -169,10 +187,10 @@ class SchedulerSide:
         if blocks > have:
             bs = self._block_tokens
             tokens = list(state.request.all_token_ids[: blocks * bs])
-            parent = state.ids[-1] if have else None
-            state.ids.extend(
-                chain_block_ids(state.salt, tokens, bs, parent=parent, start_block=have)
-            )
+            parent = state.chain[-1] if have else None
+            chain = chain_block_ids(state.salt, tokens, bs, parent=parent, start_block=have)
+            state.chain.extend(chain)
+            state.ids.extend(namespaces.scope(state.namespace, chain))
         return state.ids[:blocks]
 
     def get_num_new_matched_tokens(
@@ -240,7 +258,9 @@ class SchedulerSide:
             loads=list(self._loads.values()),
             preempted=set(scheduler_output.preempted_req_ids or ()),
             step=step,
+            namespaces=self._new_namespaces,
         )
+        self._new_namespaces = set()
         for transfer in meta.loads:
             state = self._requests.get(transfer.req_id)
             if state is not None:

@@ -286,6 +286,15 @@ class SqliteTier(ucm.Tier):
             params,
         )
 
+    def list_keys(self) -> list[Key]:
+        """Every key held (purge and per-namespace usage enumerate these; a key's namespace is
+        part of its block id, so one table holds every namespace, kept apart)."""
+        try:
+            rows = self._connect().execute("SELECT block_id, shard FROM shards").fetchall()
+        except sqlite3.Error as exc:
+            raise self._error("list_keys", exc) from exc
+        return [(bytes(block_id), shard) for block_id, shard in rows]
+
     def lookup(self, keys: Sequence[Key]) -> list[bool]:
         distinct = list(dict.fromkeys(keys))
         found: set[Key] = set()

@@ -1,0 +1,168 @@
+"""How an engine's tenant key becomes a namespace (``ucm.integration.tenants``), and vLLM's
+scheduler side applying it to real ``vllm.v1.request.Request`` objects: each request's ids are
+its namespace's scoped ids, and each new namespace is announced to the workers once."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from ucm import ConfigError, namespaces
+from ucm.integration.tenants import TenantMapping, namespace_for
+
+
+def test_tenant_keys_become_valid_namespace_names() -> None:
+    assert namespace_for(None) == namespace_for("") == namespaces.DEFAULT_NAMESPACE
+    assert namespace_for("tenant-a") == "tenant-a"
+    hashed = namespace_for("user@example.com")
+    assert hashed == namespace_for("user@example.com")  # reproducible: `ucm purge` can name it
+    assert hashed.startswith("k-") and len(hashed) == 34
+    assert namespaces.check_namespace(hashed) == hashed
+    assert namespace_for("x" * 65) != namespace_for("x" * 66)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, TenantMapping("cache_salt")),
+        ("cache_salt", TenantMapping("cache_salt")),
+        ("lora", TenantMapping("lora")),
+        ("fixed:team-7", TenantMapping("fixed", "team-7")),
+    ],
+)
+def test_the_mapping_settings(value: Any, expected: TenantMapping) -> None:
+    assert TenantMapping.parse(value, "ucm_namespace") == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (
+            "salt",
+            "ucm_namespace='salt' is not valid: expected one of cache_salt, lora, fixed:<name>",
+        ),
+        (7, "ucm_namespace=7 is not valid: expected one of cache_salt, lora, fixed:<name>"),
+        (
+            "fixed:a b",
+            "ucm_namespace='a b' is not a valid namespace name: expected 1 to 64 characters",
+        ),
+    ],
+)
+def test_bad_mapping_settings_name_the_key_value_and_choices(value: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        TenantMapping.parse(value, "ucm_namespace")
+    assert message in str(raised.value)
+
+
+def test_each_mode_picks_the_namespace_of_a_request() -> None:
+    assert TenantMapping().namespace(cache_salt="s1", lora_name="ad") == "s1"
+    assert TenantMapping().namespace() == namespaces.DEFAULT_NAMESPACE
+    assert TenantMapping("lora").namespace(cache_salt="s1", lora_name="ad") == "ad"
+    assert TenantMapping("lora").namespace(cache_salt="s1") == namespaces.DEFAULT_NAMESPACE
+    assert TenantMapping("fixed", "t").namespace(cache_salt="s1", lora_name="ad") == "t"
+
+
+def _require_vllm() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("CI"):
+            pytest.fail("vllm is not installed, and CI must run the vLLM tests")
+        pytest.skip("vllm is not installed")
+
+
+def test_vllm_extra_config_refuses_a_bad_mapping() -> None:
+    _require_vllm()
+    from ucm.integration.vllm.config import check_extra_config
+
+    with pytest.raises(ConfigError) as raised:
+        check_extra_config({"ucm_stack": {}, "ucm_namespace": "per-user"})
+    assert str(raised.value).startswith(
+        "kv_connector_extra_config['ucm_namespace']='per-user' is not valid: expected one of "
+        "cache_salt, lora, fixed:<name>"
+    )
+    check_extra_config({"ucm_stack": {}, "ucm_namespace": "fixed:team-7"})
+
+
+@pytest.mark.parametrize(
+    ("mapping", "expected"),
+    [
+        (TenantMapping(), ["salt-a", "salt-b", "salt-a", "default"]),
+        (TenantMapping("lora"), ["adapter-1", "default", "adapter-1", "default"]),
+        (TenantMapping("fixed", "team-7"), ["team-7"] * 4),
+    ],
+)
+def test_vllm_scheduler_scopes_each_request_to_its_namespace(
+    mapping: TenantMapping, expected: list[str]
+) -> None:
+    _require_vllm()
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.request import Request
+
+    from ucm.integration.keys import KeySpace, chain_block_ids
+    from ucm.integration.vllm.scheduler import SchedulerSide
+
+    space = KeySpace(
+        engine="vllm", model="m", dtype="float32", block_tokens=16, kv_layout="x", tp_size=1
+    )
+    asked: list[bytes] = []
+
+    def lookup(ids: Any) -> list[bool]:
+        asked.extend(ids)
+        return [False] * len(ids)
+
+    side = SchedulerSide(
+        lookup=lookup,
+        key_space=space,
+        block_tokens=16,
+        shards_per_block=1,
+        block_table=lambda _state, _req_id: None,
+        tenants=mapping,
+    )
+    tokens = list(range(3, 3 + 40))  # 2 full blocks
+    adapter = LoRARequest("adapter-1", 1, "/nonexistent/adapter-1")
+    requests = [
+        Request(
+            "r0",
+            tokens,
+            SamplingParams(max_tokens=1),
+            None,
+            cache_salt="salt-a",
+            lora_request=adapter,
+        ),
+        Request("r1", tokens, SamplingParams(max_tokens=1), None, cache_salt="salt-b"),
+        Request(
+            "r2",
+            tokens,
+            SamplingParams(max_tokens=1),
+            None,
+            cache_salt="salt-a",
+            lora_request=adapter,
+        ),
+        Request("r3", tokens, SamplingParams(max_tokens=1), None),
+    ]
+    for request in requests:
+        assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+    for index, (request, name) in enumerate(zip(requests, expected, strict=True)):
+        lora = request.lora_request
+        salted = space
+        if lora is not None:
+            from dataclasses import replace
+
+            from ucm.integration.salts import lora_identity
+
+            salted = replace(space, extra=(*space.extra, ("lora", lora_identity(lora))))
+        chain = chain_block_ids(salted.salt(request.cache_salt), tokens[:32], 16)
+        assert asked[2 * index : 2 * index + 2] == namespaces.scope(name, chain)
+    output = SimpleNamespace(
+        preempted_req_ids=set(),
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={},
+    )
+    meta = side.build_connector_meta(output)  # type: ignore[arg-type]
+    assert meta.namespaces == set(expected)  # each announced once...
+    assert side.build_connector_meta(output).namespaces == set()  # type: ignore[arg-type]
