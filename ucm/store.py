@@ -206,8 +206,10 @@ class Store:
                 return index - 1
         return len(present) - 1
 
-    def prefetch(self, block_ids: Sequence[bytes]) -> None:
-        """Starts moving the blocks' shards up into the top tier (asynchronously)."""
+    def prefetch(self, block_ids: Sequence[bytes]) -> Task | None:
+        """Starts moving the blocks' shards up into the top tier (asynchronously). Returns the
+        prefetch's task (``check``/``wait`` it; a shard no tier has fails it), or None when
+        there was nothing to move (every shard already in the top tier, or one tier only)."""
         self._check_open()
         blocks = arguments.check_block_ids(block_ids)
         if not self._worker:
@@ -217,17 +219,18 @@ class Store:
             )
         keys = self.layout.keys_of_blocks(blocks)
         if not keys or len(self.tiers) == 1:
-            return
+            return None
         present = self.tiers[0].lookup(keys)
         missing = [key for key, hit in zip(keys, present, strict=True) if not hit]
         if not missing:
-            return
+            return None
         assert self._native is not None
         job = self._native.submit(TaskKind.PREFETCH, arguments.TaskKeys.of(missing), None)
         task = self._native.task("prefetch", job)
         with self._prefetch_lock:
             self._prefetches = [t for t in self._prefetches if not t.done()]
             self._prefetches.append(task)
+        return task
 
     def load(self, block_ids: Sequence[bytes], shard_index: Any, dst: Any) -> Task:
         """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``."""
