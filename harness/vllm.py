@@ -372,7 +372,7 @@ class _Driver:
             with urllib.request.urlopen(str(step["url"]), timeout=30) as response:
                 result["text"] = response.read().decode()
         elif op == "s3":
-            self.s3_action(str(step["action"]))
+            self.s3_action(str(step["action"]), float(step.get("seconds", 0.0)))
         elif op == "sleep":
             time.sleep(float(step["seconds"]))
         else:
@@ -381,7 +381,7 @@ class _Driver:
         self.results[label] = result
         return result
 
-    def s3_action(self, action: str) -> None:
+    def s3_action(self, action: str, seconds: float = 0.0) -> None:
         if self.s3 is None:
             raise ValueError("an s3 step needs 's3': {'port': P} in the plan")
         if action == "stop":
@@ -392,6 +392,8 @@ class _Driver:
             self.s3.set_failure("GET object", 503)
         elif action == "heal":
             self.s3.set_failure("GET object", 0)
+        elif action == "delay_reads":  # a slow tier: every GET answers ``seconds`` late
+            self.s3.set_delay("GET", seconds)
         else:
             raise ValueError(f"unknown s3 action {action!r}")
 

@@ -240,8 +240,10 @@ class Store:
                 first += 1
         return first // self.layout.shards_per_block - 1
 
-    def prefetch(self, block_ids: Sequence[bytes], *, namespace: str | None = None) -> None:
-        """Starts moving the blocks' shards up into the top tier (asynchronously)."""
+    def prefetch(self, block_ids: Sequence[bytes], *, namespace: str | None = None) -> Task | None:
+        """Starts moving the blocks' shards up into the top tier (asynchronously). Returns the
+        prefetch's task (``check``/``wait`` it; a shard no tier has fails it), or None when
+        there was nothing to move (every shard already in the top tier, or one tier only)."""
         self._check_open()
         blocks = self._scoped(block_ids, namespace)
         if not self._worker:
@@ -251,17 +253,18 @@ class Store:
             )
         keys = self.layout.keys_of_blocks(blocks)
         if not keys or len(self.tiers) == 1:
-            return
+            return None
         present = self.tiers[0].lookup(keys)
         missing = [key for key, hit in zip(keys, present, strict=True) if not hit]
         if not missing:
-            return
+            return None
         assert self._native is not None
         job = self._native.submit(TaskKind.PREFETCH, arguments.TaskKeys.of(missing), None)
         task = self._native.task("prefetch", job)
         with self._prefetch_lock:
             self._prefetches = [t for t in self._prefetches if not t.done()]
             self._prefetches.append(task)
+        return task
 
     def load(
         self,

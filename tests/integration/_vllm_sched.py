@@ -97,6 +97,8 @@ class StepRecord:
 
     step: int
     loads: dict[str, list[int]] = field(default_factory=dict)
+    async_loads: dict[str, list[int]] = field(default_factory=dict)
+    finished_recving: set[str] = field(default_factory=set)
     saves: dict[str, list[int]] = field(default_factory=dict)
     save_ids: dict[str, list[bytes]] = field(default_factory=dict)
     released: set[str] = field(default_factory=set)
@@ -122,6 +124,8 @@ class Harness:
         max_num_batched_tokens: int = 256,
         unique_id: str | None = None,
         extra_tiers: list[dict[str, Any]] | None = None,
+        tiers: list[dict[str, Any]] | None = None,
+        extra_config: dict[str, Any] | None = None,
     ) -> None:
         from vllm.config import (
             CacheConfig,
@@ -149,7 +153,8 @@ class Harness:
         self.async_scheduling = async_scheduling
         self.stack = {
             "unique_id": unique_id or f"vllm-sched-{uuid.uuid4().hex[:10]}",
-            "tiers": [{"type": "posix", "path": str(root / "posix")}, *(extra_tiers or [])],
+            "tiers": tiers
+            or [{"type": "posix", "path": str(root / "posix")}, *(extra_tiers or [])],
         }
         model = ModelConfig(
             model=str(_model_dir()),
@@ -172,7 +177,7 @@ class Harness:
             kv_connector_module_path="ucm.integration.vllm",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"ucm_stack": self.stack},
+            kv_connector_extra_config={"ucm_stack": self.stack, **(extra_config or {})},
         )
         config = VllmConfig(
             model_config=model,
@@ -219,6 +224,8 @@ class Harness:
         self.records: list[StepRecord] = []
         self.finished_sending: dict[str, int] = {}
         """Request → times vLLM was told it finished sending (must be 1)."""
+        self.finished_recving: dict[str, int] = {}
+        """Request → times the worker reported its asynchronous load finished (must be 1)."""
         self.outputs: dict[str, list[int]] = {}
         self.cached_tokens: dict[str, int] = {}
         """vLLM's num_cached_tokens of each request (UCM's tokens, prefix caching is off)."""
@@ -352,6 +359,8 @@ class Harness:
         meta = output.kv_connector_metadata
         for transfer in meta.loads:
             record.loads[transfer.req_id] = list(transfer.vllm_blocks)
+        for transfer in meta.async_loads:
+            record.async_loads[transfer.req_id] = list(transfer.vllm_blocks)
         for transfer in meta.saves:
             record.saves.setdefault(transfer.req_id, []).extend(transfer.vllm_blocks)
             record.save_ids.setdefault(transfer.req_id, []).extend(transfer.ucm_ids)
@@ -443,12 +452,17 @@ class Harness:
         if no_forward:  # kv_connector_no_forward
             if not self.skip_wait_for_save:
                 worker.wait_for_save()
-            finished = worker.get_finished(output.finished_req_ids)[0]
+            finished, recving = worker.get_finished(output.finished_req_ids)
         elif self.order == "defer_finalize":
-            finished = worker.get_finished(output.finished_req_ids)[0]
+            finished, recving = worker.get_finished(output.finished_req_ids)
         else:
             worker.wait_for_save()
-            finished = worker.get_finished(output.finished_req_ids)[0]
+            finished, recving = worker.get_finished(output.finished_req_ids)
+        recving = set(recving or ())
+        self._check_recving_blocks_held(recving)
+        record.finished_recving = recving
+        for req_id in recving:
+            self.finished_recving[req_id] = self.finished_recving.get(req_id, 0) + 1
         invalid = worker.get_block_ids_with_load_errors()
         worker_meta = worker.build_connector_worker_meta()
         if self.order == "defer_finalize" and not no_forward:
@@ -460,6 +474,7 @@ class Harness:
             self._check_done_dumping(req_id)
         kv_output = KVConnectorOutput(
             finished_sending=finished or None,
+            finished_recving=recving or None,
             invalid_block_ids=set(invalid),
             kv_connector_worker_meta=worker_meta,
         )
@@ -475,6 +490,19 @@ class Harness:
             pooler_output=None,
             kv_connector_output=kv_output,
         )
+
+    def _check_recving_blocks_held(self, recving: set[str]) -> None:
+        """The blocks an asynchronous load just wrote into must still be its request's: vLLM
+        frees them only once it learns the load is over."""
+        held = self._held_blocks()
+        worker = self.worker._worker
+        for req_id in recving:
+            if req_id not in held:
+                self.violations.append(f"{req_id}'s load reported after vLLM freed its blocks")
+        for load in worker._async:
+            blocks = set(held.get(load.req_id, ()))
+            if not all(vllm_block in blocks for _, vllm_block in load.group):
+                self.violations.append(f"{load.req_id}'s load runs into blocks vLLM freed")
 
     def _check_done_dumping(self, req_id: str) -> None:
         """A request reported finished must have no dump in flight or still to submit."""

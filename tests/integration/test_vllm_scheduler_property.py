@@ -41,11 +41,21 @@ BASES = [[random.Random(seed).randrange(3, 500) for _ in range(6 * BLOCK)] for s
 
 class AsyncSchedulerWithUcm(RuleBasedStateMachine):
     ORDER = "normal"
+    BUFFER: str | None = None
+    """A CacheBuffer capacity over the posix tier: loads of blocks it lacks are asynchronous."""
 
     def __init__(self) -> None:
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="ucm-vllm-prop-"))
-        self.h = Harness(self.root, async_scheduling=True, num_blocks=28, order=self.ORDER)
+        tiers = None
+        if self.BUFFER is not None:
+            tiers = [
+                {"type": "buffer", "capacity": self.BUFFER},
+                {"type": "posix", "path": str(self.root / "posix")},
+            ]
+        self.h = Harness(
+            self.root, async_scheduling=True, num_blocks=28, order=self.ORDER, tiers=tiers
+        )
         self.count = 0
         self.live: list[str] = []
         self.aborts = 0
@@ -115,6 +125,7 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
     def no_dump_reads_a_freed_block_and_no_double_report(self) -> None:
         assert self.h.violations == []
         assert all(count == 1 for count in self.h.finished_sending.values())
+        assert all(count == 1 for count in self.h.finished_recving.values())
 
     def teardown(self) -> None:
         try:
@@ -135,12 +146,16 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
                     sum(len(b) for r in records for b in r.loads.values()),
                     "saves",
                     sum(len(b) for r in records for b in r.saves.values()),
+                    "async loads",
+                    sum(len(r.async_loads) for r in records),
                     "reported",
                     len(self.h.finished_sending),
                 )
             assert self.h.violations == []
             assert self.h.wrong_stored_blocks() == []
             assert all(count == 1 for count in self.h.finished_sending.values())
+            assert all(count == 1 for count in self.h.finished_recving.values())
+            assert self.h.worker._worker._async == []
             assert not self.h.scheduler.requests
             pool = self.h.scheduler.kv_cache_manager.block_pool
             assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
@@ -155,6 +170,14 @@ class AsyncSchedulerWithUcmDeferFinalize(AsyncSchedulerWithUcm):
     ORDER = "defer_finalize"
 
 
+class AsyncSchedulerWithUcmAsyncLoads(AsyncSchedulerWithUcm):
+    """A 16-slot CacheBuffer over posix: blocks it evicted load asynchronously
+    (WAITING_FOR_REMOTE_KVS), the others synchronously, with failures, aborts and preemptions
+    among them."""
+
+    BUFFER = "512KiB"
+
+
 def _settings(examples: int) -> settings:
     return settings(
         max_examples=int(os.environ.get("UCM_VLLM_PROPERTY_EXAMPLES", str(examples))),
@@ -166,7 +189,11 @@ def _settings(examples: int) -> settings:
 
 AsyncSchedulerWithUcm.TestCase.settings = _settings(20)
 AsyncSchedulerWithUcmDeferFinalize.TestCase.settings = _settings(10)
+AsyncSchedulerWithUcmAsyncLoads.TestCase.settings = _settings(15)
 test_async_scheduler_with_ucm = pytest.mark.timeout(900)(AsyncSchedulerWithUcm.TestCase)
 test_async_scheduler_with_ucm_defer_finalize = pytest.mark.timeout(900)(
     AsyncSchedulerWithUcmDeferFinalize.TestCase
+)
+test_async_scheduler_with_ucm_async_loads = pytest.mark.timeout(900)(
+    AsyncSchedulerWithUcmAsyncLoads.TestCase
 )

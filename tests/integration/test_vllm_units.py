@@ -39,12 +39,34 @@ from ucm.integration.vllm.worker import unique_key_groups
             "kv_connector_extra_config['ucm_report_block_ids']: 'yes' is not valid: expected "
             "true or false",
         ),
+        (
+            {"ucm_stack": "s.yaml", "ucm_async_load": "no"},
+            "kv_connector_extra_config['ucm_async_load']: 'no' is not valid: expected true or "
+            "false",
+        ),
+        *(
+            (
+                {"ucm_stack": "s.yaml", "ucm_load_deadline_s": bad},
+                f"kv_connector_extra_config['ucm_load_deadline_s']: {bad!r} is not valid: "
+                "expected a number of seconds in (0, 3600] (default 10)",
+            )
+            for bad in (0, -1.5, "5", True, float("nan"), float("inf"), 3601)
+        ),
     ],
 )
 def test_extra_config_errors_name_the_key(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError) as raised:
         check_extra_config(extra)
     assert str(raised.value).startswith(message)
+
+
+def test_the_load_deadline_defaults_to_10_s_and_takes_any_positive_number() -> None:
+    from ucm.integration.vllm.config import load_deadline_s
+
+    assert load_deadline_s({}) == 10.0
+    assert load_deadline_s({"ucm_load_deadline_s": 0.05}) == 0.05
+    assert load_deadline_s({"ucm_load_deadline_s": 3600}) == 3600.0
+    check_extra_config({"ucm_stack": "s.yaml", "ucm_async_load": False, "ucm_load_deadline_s": 2})
 
 
 def test_other_connectors_keys_are_left_alone() -> None:

@@ -75,6 +75,26 @@ def test_prefetch_moves_blocks_into_the_buffer(tmp_path: Path) -> None:
         assert store.stats()["prefetched_shards"] == 6
 
 
+def test_prefetch_returns_a_task_to_wait_on(tmp_path: Path) -> None:
+    """The vLLM connector's asynchronous loads check a prefetch's task without blocking."""
+    config = buffer_stack(tmp_path, shards=1)
+    blocks = [block(i) for i in range(3)]
+    with ucm.open(config) as first:
+        first.wait(first.dump(blocks, 0, [[shard_tensor(b, 0)] for b in blocks]))
+    with ucm.open(buffer_stack(tmp_path, shards=1)) as store:
+        task = store.prefetch(blocks)
+        assert task is not None
+        store.wait(task)
+        assert store.check(task)
+        assert store.tiers[0].lookup_blocks(blocks) == [True] * 3
+        assert store.prefetch(blocks) is None  # nothing left to move up
+        absent = store.prefetch([block(99)])
+        assert absent is not None
+        with pytest.raises(ucm.TaskError) as raised:
+            store.wait(absent)
+        assert [key[0] for key in raised.value.failures] == [block(99)]
+
+
 def test_eviction_from_a_small_buffer_falls_back_to_posix(tmp_path: Path) -> None:
     with ucm.open(buffer_stack(tmp_path, slots=4, shards=1)) as store:
         blocks = [block(i) for i in range(12)]

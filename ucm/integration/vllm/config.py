@@ -32,6 +32,11 @@ EXTRA_KEYS = {
     "cache_salt names its namespace), lora (its LoRA adapter's name) or fixed:<name>",
     "ucm_weights_id": "a string naming the weights, instead of UCM's fingerprint of the model "
     "files (for copies of one checkpoint on several nodes; change it with the weights)",
+    "ucm_async_load": "true (default): a request whose matched blocks are not all in the "
+    "CacheBuffer loads them asynchronously, waiting in WAITING_FOR_REMOTE_KVS while the others "
+    "run; false: every load finishes before the forward pass",
+    "ucm_load_deadline_s": "seconds an asynchronous load may take (default "
+    "10); blocks not in the CacheBuffer by then are reported failed and recomputed",
 }
 """The ``ucm_*`` keys of ``kv_connector_extra_config``; any other ``ucm_*`` key is refused."""
 
@@ -65,11 +70,36 @@ def check_extra_config(extra: Mapping[str, Any]) -> None:
             "string naming the weights"
         )
     TenantMapping.parse(extra.get("ucm_namespace"), extra_key("ucm_namespace"))
+    async_load = extra.get("ucm_async_load")
+    if async_load is not None and not isinstance(async_load, bool):
+        raise ConfigError(
+            f"{extra_key('ucm_async_load')}: {async_load!r} is not valid: expected true or false"
+        )
+    load_deadline_s(extra)
     report = extra.get("ucm_report_block_ids")
     if report is not None and not isinstance(report, bool):
         raise ConfigError(
             f"{extra_key('ucm_report_block_ids')}: {report!r} is not valid: expected true or false"
         )
+
+
+LOAD_DEADLINE_S_DEFAULT = 10.0
+LOAD_DEADLINE_S_MAX = 3600.0
+
+
+def load_deadline_s(extra: Mapping[str, Any]) -> float:
+    """``ucm_load_deadline_s``: how long an asynchronous load may take, in seconds."""
+    value = extra.get("ucm_load_deadline_s", LOAD_DEADLINE_S_DEFAULT)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value <= LOAD_DEADLINE_S_MAX
+    ):
+        raise ConfigError(
+            f"{extra_key('ucm_load_deadline_s')}: {value!r} is not valid: expected a number of "
+            f"seconds in (0, {LOAD_DEADLINE_S_MAX:g}] (default {LOAD_DEADLINE_S_DEFAULT:g})"
+        )
+    return float(value)
 
 
 def check_full_attention(kv_cache_config: KVCacheConfig) -> None:

@@ -5,6 +5,7 @@ role, and hands each hook to the scheduler side (:mod:`.scheduler`) or the worke
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -22,6 +23,7 @@ from .config import (
     STACK_KEY_NAME,
     check_full_attention,
     extra_key,
+    load_deadline_s,
     logger,
     open_store,
     ranks_per_node,
@@ -130,6 +132,13 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             stats=self._stats,
             epoch=self._epochs.current(self._store),
             tenants=TenantMapping.parse(self._extra.get("ucm_namespace"), "ucm_namespace"),
+            # Without a CacheBuffer an asynchronous load would have nowhere to put the bytes
+            # that arrive after its deadline but vLLM's blocks: every load is synchronous.
+            resident=(
+                self._resident
+                if self._extra.get("ucm_async_load", True) and self._store.buffer is not None
+                else None
+            ),
         )
         if transfer.is_kv_consumer and transfer.kv_load_failure_policy != "recompute":
             logger.warning(
@@ -144,6 +153,15 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._geometry.explain(),
             self._key_space,
         )
+
+    def _resident(self, ids: Sequence[bytes]) -> list[bool]:
+        """Whether every shard of each block is in the CacheBuffer."""
+        buffer = self._store.buffer
+        assert buffer is not None
+        layout = self._store.layout
+        per_block = layout.shards_per_block
+        present = buffer.lookup(layout.keys_of_blocks(list(ids)))
+        return [all(present[i * per_block : (i + 1) * per_block]) for i in range(len(ids))]
 
     def _block_table(self, block_state: Any, req_id: str) -> list[int] | None:
         groups = None
@@ -211,7 +229,11 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._store = open_store(vllm_config, self._geometry, self._rank % per_node, per_node)
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._worker = WorkerSide(
-            self._store, rank=self._rank, shard_size=self._geometry.shard_size, stats=self._stats
+            self._store,
+            rank=self._rank,
+            shard_size=self._geometry.shard_size,
+            stats=self._stats,
+            load_deadline_s=load_deadline_s(self._extra),
         )
         self._metrics_server: MetricsServer | None = None
         port = self._extra.get("ucm_metrics_port")
@@ -316,7 +338,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._worker.submit_saves()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return (self._worker.get_finished() or None), None
+        return (self._worker.get_finished() or None), (self._worker.finished_recving() or None)
 
     def build_connector_worker_meta(self) -> UcmWorkerMetadata | None:
         return self._worker.build_worker_meta()

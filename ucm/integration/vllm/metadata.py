@@ -24,6 +24,11 @@ class UcmConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """What the scheduler asks every worker to do in one step."""
 
     loads: list[BlockTransfer] = field(default_factory=list)
+    """Loads that finish before this step's forward pass (CacheBuffer hits: one memcpy)."""
+    async_loads: list[BlockTransfer] = field(default_factory=list)
+    """Loads of requests in WAITING_FOR_REMOTE_KVS: each worker moves the blocks up into the
+    CacheBuffer (a prefetch), copies them into vLLM's blocks once there or once the load
+    deadline passes, and reports the request in ``get_finished``'s finished_recving."""
     saves: list[BlockTransfer] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
     """Requests preempted this step: their blocks are freed, so pending dumps must finish

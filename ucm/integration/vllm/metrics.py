@@ -23,6 +23,8 @@ STAT_NAMES: dict[str, str] = {
     "loaded_bytes": "bytes loaded into vLLM's KV cache",
     "load_failed_blocks": "blocks whose load failed and that vLLM recomputes",
     "load_seconds": "seconds spent loading (summed over TP ranks)",
+    "async_loads": "asynchronous loads started (requests in WAITING_FOR_REMOTE_KVS, per TP rank)",
+    "load_late_blocks": "blocks past the load deadline, reported failed and recomputed",
     "saved_blocks": "blocks dumped to UCM (summed over TP ranks)",
     "saved_bytes": "bytes dumped to UCM",
     "save_failed_blocks": "blocks whose dump failed",

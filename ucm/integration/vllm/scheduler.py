@@ -46,6 +46,11 @@ class _PendingLoad:
     step: int
     first_block: int
     vllm_blocks: list[int]
+    load_async: bool = False
+    """An asynchronous load: settled when vLLM reports the request in finished_recving (every
+    rank done), not with its step's output."""
+    invalid: set[int] = field(default_factory=set)
+    """Its blocks that some rank reported failed so far (an asynchronous load)."""
 
 
 @dataclass
@@ -62,8 +67,12 @@ class _RequestState:
     saved: int = 0
     """Blocks [0, saved) are in UCM, being dumped, or were in vLLM's cache before the request:
     never dumped again by this request."""
-    planned: tuple[int, int] | None = None
-    """(first block, tokens) of the last answer of get_num_new_matched_tokens."""
+    planned: tuple[int, int, bool] | None = None
+    """(first block, tokens, asynchronous) of the last answer of get_num_new_matched_tokens."""
+    load_cap: int | None = None
+    """Blocks from this index on failed to load for this request: never served to it again
+    (vLLM looks a request up again after an asynchronous load that failed at its first
+    block; serving the same blocks again could fail again, forever)."""
     pending: list[_PendingLoad] = field(default_factory=list)
     """Loads whose outcome is unknown: no block from the first one's first block on is saved
     until they are known to have held (a failed load leaves garbage that every later block of
@@ -104,6 +113,7 @@ class SchedulerSide:
         stats: UcmConnectorStats | None = None,
         epoch: int = 0,
         tenants: TenantMapping | None = None,
+        resident: Lookup | None = None,
     ) -> None:
         self._lookup = lookup
         self._lookup_prefix: LookupPrefix = lookup_prefix or (
@@ -113,6 +123,10 @@ class SchedulerSide:
         self._new_namespaces: set[str] = set()
         """Namespaces not yet announced to the workers (UcmConnectorMetadata.namespaces)."""
         self._announced: set[str] = set()
+        self._resident = resident
+        """Whether each block is in the CacheBuffer (every shard): a load of blocks that all
+        are is one memcpy and runs before the forward pass; any other load is asynchronous.
+        None: every load runs before the forward pass."""
         self.epoch = epoch
         """The key space's reset epoch (:class:`~ucm.integration.keys.Epochs`): every salt
         carries it."""
@@ -129,6 +143,8 @@ class SchedulerSide:
         self._loads: dict[str, BlockTransfer] = {}
         self._load_first: dict[str, int] = {}
         """Per planned load, the request's block index of its first block."""
+        self._load_async: set[str] = set()
+        """Requests whose planned load is asynchronous (WAITING_FOR_REMOTE_KVS)."""
         self._final_saves: list[BlockTransfer] = []
         self._finishing: dict[str, _Finishing] = {}
         self._release: set[str] = set()
@@ -217,13 +233,27 @@ class SchedulerSide:
             self.stats.data["lookup_errors"] += 1
             logger.warning("UCM lookup failed (served as a miss): %s", exc)
             return 0, False
+        if state.load_cap is not None:
+            found = min(found, max(state.load_cap - start, 0))
         # vLLM must compute at least one token: never claim the whole prompt.
         hit = min((start + found) * bs, int(request.num_tokens) - 1)
         external = hit - num_computed_tokens
         if external <= 0:
             return 0, False
-        state.planned = (start, external)
-        return external, False
+        load_async = self._loads_async(ids[start : math.ceil(hit / bs)])
+        state.planned = (start, external, load_async)
+        return external, load_async
+
+    def _loads_async(self, ids: Sequence[bytes]) -> bool:
+        """Whether a load of these blocks runs asynchronously: unless all are in the
+        CacheBuffer (a failed check counts as not)."""
+        if self._resident is None:
+            return False
+        try:
+            return not all(self._resident(ids))
+        except Exception as exc:
+            logger.warning("UCM CacheBuffer lookup failed (loading asynchronously): %s", exc)
+            return True
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -233,6 +263,7 @@ class SchedulerSide:
             return
         self._loads.pop(request.request_id, None)
         self._load_first.pop(request.request_id, None)
+        self._load_async.discard(request.request_id)
         planned, state.planned = state.planned, None
         if num_external_tokens <= 0 or planned is None:
             return
@@ -247,6 +278,8 @@ class SchedulerSide:
             ucm_ids=ids[start:end],
         )
         self._load_first[request.request_id] = start
+        if planned[2]:
+            self._load_async.add(request.request_id)
         state.saved = max(state.saved, end)
         self.stats.data["hit_tokens"] += num_external_tokens
         self.stats.data["hit_blocks"] += end - start
@@ -255,19 +288,24 @@ class SchedulerSide:
         self._step += 1
         step = self._step
         meta = UcmConnectorMetadata(
-            loads=list(self._loads.values()),
+            loads=[t for r, t in self._loads.items() if r not in self._load_async],
+            async_loads=[t for r, t in self._loads.items() if r in self._load_async],
             preempted=set(scheduler_output.preempted_req_ids or ()),
             step=step,
             namespaces=self._new_namespaces,
         )
         self._new_namespaces = set()
-        for transfer in meta.loads:
+        for transfer in self._loads.values():
             state = self._requests.get(transfer.req_id)
             if state is not None:
                 first = self._load_first[transfer.req_id]
-                state.pending.append(_PendingLoad(step, first, list(transfer.vllm_blocks)))
+                load_async = transfer.req_id in self._load_async
+                state.pending.append(
+                    _PendingLoad(step, first, list(transfer.vllm_blocks), load_async)
+                )
         self._loads.clear()
         self._load_first.clear()
+        self._load_async.clear()
         computed_before: dict[str, int] = {
             new.req_id: int(new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs
         }
@@ -334,6 +372,10 @@ class SchedulerSide:
         return [block_id in self._dumping_ids or answers[block_id] for block_id in ids]
 
     def update_connector_output(self, connector_output: Any) -> None:
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        recving = set(getattr(connector_output, "finished_recving", None) or ())
+        if invalid or recving:
+            self._settle_async(recving, invalid)
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, UcmWorkerMetadata):
             return
@@ -346,22 +388,44 @@ class SchedulerSide:
         for block_id in meta.failed:  # not whole in the store: ask the store from now on
             self._dumping_ids.pop(block_id, None)
         if meta.loaded_steps:
-            invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
             self._settle_loads(meta.loaded_steps, invalid)
+
+    def _settle_async(self, recving: set[str], invalid: set[int]) -> None:
+        """Asynchronous loads collect the blocks each rank reports failed; those of the
+        requests in ``recving`` are done (every rank reported them)."""
+        done: set[int] = set()
+        for req_id, state in self._requests.items():
+            for load in state.pending:
+                if load.load_async:
+                    load.invalid |= invalid.intersection(load.vllm_blocks)
+                    if req_id in recving:
+                        done.add(id(load))
+        if done:
+            self._settle(lambda load: id(load) in done, set())
 
     def _settle_loads(self, steps: set[int], invalid: set[int]) -> None:
         """The loads of ``steps`` are done: those that hit an invalid block failed from that
         block on (vLLM recomputes it and every block after it); the others held."""
+        self._settle(lambda load: not load.load_async and load.step in steps, invalid)
+
+    def _settle(self, done: Callable[[_PendingLoad], bool], invalid: set[int]) -> None:
         by_state = {id(f.state): f for f in self._finishing.values()}
         for state in [*self._requests.values(), *(f.state for f in self._finishing.values())]:
-            settled = [load for load in state.pending if load.step in steps]
+            settled = [load for load in state.pending if done(load)]
             if not settled:
                 continue
-            state.pending = [load for load in state.pending if load.step not in steps]
+            state.pending = [load for load in state.pending if not done(load)]
             for load in settled:
-                bad = [i for i, block in enumerate(load.vllm_blocks) if block in invalid]
+                bad = [
+                    i
+                    for i, block in enumerate(load.vllm_blocks)
+                    if block in invalid or block in load.invalid
+                ]
                 if bad:
                     failed = load.first_block + bad[0]
+                    state.load_cap = (
+                        failed if state.load_cap is None else min(state.load_cap, failed)
+                    )
                     # Running: vLLM recomputes from the failed block on, and saves follow.
                     # Finished: nothing recomputes it; no block from it on is ever saved.
                     state.saved = min(state.saved, failed)
@@ -415,6 +479,7 @@ class SchedulerSide:
         state = self._requests.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
         self._load_first.pop(request.request_id, None)
+        self._load_async.discard(request.request_id)
         if state is None:
             return False, None
         params = None
@@ -422,6 +487,10 @@ class SchedulerSide:
             full = int(request.num_computed_tokens) // self._block_tokens
             params = {"ucm_block_ids": [block_id.hex() for block_id in self._chain(state, full)]}
         ready = min(int(request.num_computed_tokens), int(request.num_tokens)) // self._block_tokens
+        if any(load.load_async for load in state.pending):
+            # Finished in WAITING_FOR_REMOTE_KVS (an abort): it computed nothing, and vLLM
+            # keeps its blocks until the workers report its load in finished_recving.
+            return False, params
         if state.pending:
             # Its last blocks were computed over loads not yet confirmed (an abort between
             # steps, or a request that finished in the step it loaded): vLLM keeps its blocks

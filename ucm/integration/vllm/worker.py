@@ -35,6 +35,20 @@ class _PendingSave:
     finished: bool = False
 
 
+@dataclass(eq=False)
+class _AsyncLoad:
+    """One request's asynchronous load: its blocks are moved up into the CacheBuffer (the
+    prefetch) and copied into vLLM's blocks once there, or once the deadline passed."""
+
+    req_id: str
+    group: list[tuple[bytes, int]]
+    """(UCM id, vLLM block) of each block."""
+    prefetch: Task | None
+    """None: nothing to move up (already in the CacheBuffer), or the prefetch failed to start."""
+    deadline: float
+    """``time.monotonic()`` past which blocks not in the CacheBuffer are reported failed."""
+
+
 def unique_key_groups(loads: Iterable[BlockTransfer]) -> list[list[tuple[bytes, int]]]:
     """The step's (UCM id, vLLM block) pairs split into tasks without a repeated id (two
     requests of one step may load the same block into two vLLM blocks)."""
@@ -63,8 +77,12 @@ class WorkerSide:
         rank: int,
         shard_size: int,
         stats: UcmConnectorStats | None = None,
+        load_deadline_s: float = 10.0,
     ) -> None:
         self._store = store
+        self._load_deadline_s = load_deadline_s
+        self._async: list[_AsyncLoad] = []
+        """Asynchronous loads not reported in finished_recving yet."""
         self._rank = rank
         self._shard_size = shard_size
         self.stats = stats if stats is not None else UcmConnectorStats()
@@ -109,6 +127,8 @@ class WorkerSide:
         self._saves = [pending for pending in self._saves if not pending.finished]
 
     def start_load(self, meta: UcmConnectorMetadata) -> None:
+        if meta.async_loads:
+            self._start_async(meta)
         if not meta.loads:
             return
         # This step's output carries the failures (load_errors): the scheduler learns from
@@ -142,6 +162,94 @@ class WorkerSide:
             self.stats.data["loaded_blocks"] += loaded
             self.stats.data["loaded_bytes"] += loaded * self._shard_size
             self.stats.data["load_failed_blocks"] += len(group) - loaded
+        self.stats.data["load_seconds"] += time.perf_counter() - started
+
+    def _start_async(self, meta: UcmConnectorMetadata) -> None:
+        """Starts moving the blocks of the step's asynchronous loads up into the CacheBuffer.
+        Nothing is written into vLLM's blocks until :meth:`finished_recving`: bytes that
+        arrive after the deadline land in the CacheBuffer only, never in a vLLM block that
+        the request gave up (vLLM recomputes it, or frees and reuses it)."""
+        wanted = {block_id for transfer in meta.async_loads for block_id in transfer.ucm_ids}
+        for pending in self._saves:
+            if not wanted.isdisjoint(pending.ids):  # a block this rank is still dumping
+                self._finish_save(pending)
+        deadline = time.monotonic() + self._load_deadline_s
+        for transfer in meta.async_loads:
+            group = list(zip(transfer.ucm_ids, transfer.vllm_blocks, strict=True))
+            prefetch: Task | None = None
+            try:
+                prefetch = self._store.prefetch(list(transfer.ucm_ids))
+            except Exception as exc:  # copied from what is in the CacheBuffer; the rest fails
+                logger.warning("UCM prefetch of %d blocks not started: %s", len(group), exc)
+            self._async.append(_AsyncLoad(transfer.req_id, group, prefetch, deadline))
+            self.stats.data["async_loads"] += 1
+
+    def finished_recving(self) -> set[str]:
+        """The requests whose asynchronous load is over, each reported once: its blocks that
+        reached the CacheBuffer are copied into vLLM's blocks (pinned there, so the copy is a
+        hit: one memcpy), the others are load errors that vLLM recomputes. A load is over when
+        its prefetch finished, successfully or not, or when its deadline passed."""
+        if not self._async:
+            return set()
+        now = time.monotonic()
+        over: list[_AsyncLoad] = []
+        running: list[_AsyncLoad] = []
+        for load in self._async:
+            done = load.prefetch is None or self._store.check(load.prefetch)
+            (over if done or now >= load.deadline else running).append(load)
+        self._async = running
+        for load in over:
+            late = not (load.prefetch is None or self._store.check(load.prefetch))
+            self._finish_async(load, late)
+        return {load.req_id for load in over}
+
+    def _finish_async(self, load: _AsyncLoad, late: bool) -> None:
+        started = time.perf_counter()
+        ids = [block_id for block_id, _ in load.group]
+        failed = set(ids)
+        try:
+            pins = self._store.pin(ids)
+        except Exception as exc:
+            logger.warning("UCM: could not pin %d loaded blocks: %s", len(ids), exc)
+            pins = []
+        try:
+            every = self._store.layout.shards_per_block
+            held = [
+                (block_id, vllm_block)
+                for (block_id, vllm_block), pin in zip(load.group, pins, strict=False)
+                if pin.held == every
+            ]
+            if held:
+                task: Task | None = None
+                try:
+                    task = self._store.load(
+                        [block_id for block_id, _ in held],
+                        [self._rank] * len(held),
+                        [self._block_tensors(vllm_block) for _, vllm_block in held],
+                    )
+                except Exception as exc:
+                    logger.warning("UCM load of %d blocks not submitted: %s", len(held), exc)
+                failed = (failed - {block_id for block_id, _ in held}) | self._wait_load(task, held)
+        finally:
+            if pins:
+                self._store.unpin(pins)
+        if failed:
+            logger.warning(
+                "UCM: %d of %d blocks of request %s %s; vLLM recomputes them",
+                len(failed),
+                len(ids),
+                load.req_id,
+                "missed the load deadline" if late else "failed to load",
+            )
+        self._invalid.update(
+            vllm_block for block_id, vllm_block in load.group if block_id in failed
+        )
+        loaded = len(ids) - len(failed)
+        self.stats.data["loaded_blocks"] += loaded
+        self.stats.data["loaded_bytes"] += loaded * self._shard_size
+        self.stats.data["load_failed_blocks"] += len(failed)
+        if late:
+            self.stats.data["load_late_blocks"] += len(failed)
         self.stats.data["load_seconds"] += time.perf_counter() - started
 
     def _wait_load(self, task: Task | None, group: list[tuple[bytes, int]]) -> set[bytes]:
