@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ucm.errors import ConfigError, UcmError
 
+from ..addresses import BlockAddresses, block_view
 from ..keys import Epochs, warn_node_local, write_marker
 from .config import (
     STACK_KEY_NAME,
@@ -239,28 +240,30 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 raise ConfigError(
                     f"{STACK_KEY_NAME}: vLLM registered no KV cache for layer {name!r}"
                 )
-            views.append(self._block_view(name, kv, self._geometry.tensor_sizes[index]))
-        self._worker.set_block_views(views)
-
-    def _block_view(self, name: str, kv: torch.Tensor, nbytes: int) -> torch.Tensor:
-        """``kv`` ([blocks, ...]) with its per-block dimensions in memory order, so that
-        ``view[b]`` is block b of the layer as one contiguous tensor."""
-        if kv.dim() < 2 or kv.shape[0] != self._num_blocks:
-            raise ConfigError(
-                f"{STACK_KEY_NAME}: vLLM's KV cache of layer {name!r} has shape "
-                f"{tuple(kv.shape)}; UCM expects {self._num_blocks} blocks in dimension 0"
+            views.append(
+                block_view(
+                    kv,
+                    self._num_blocks,
+                    self._geometry.tensor_sizes[index],
+                    f"{STACK_KEY_NAME}: vLLM's KV cache of layer {name!r}",
+                )
             )
-        inner = sorted(range(1, kv.dim()), key=lambda d: kv.stride(d), reverse=True)
-        view = kv.permute(0, *inner)
-        block = view[0]
-        if not block.is_contiguous() or block.nbytes != nbytes:
+        devices = {view.device.type for view in views}
+        if len(devices) > 1:
             raise ConfigError(
-                f"{STACK_KEY_NAME}: vLLM's KV cache of layer {name!r} (shape {tuple(kv.shape)}, "
-                f"strides {kv.stride()}, {kv.dtype}) does not keep one block in {nbytes} "
-                "contiguous bytes, which UCM's shard layout needs; use a block-contiguous "
-                "KV cache layout (VLLM_KV_CACHE_LAYOUT, e.g. LBHNC)"
+                f"{STACK_KEY_NAME}: vLLM's KV cache layers are on several devices "
+                f"({sorted(devices)}); UCM transfers one rank's layers from one device"
             )
-        return view
+        addresses = None
+        if devices == {"cpu"}:  # a CUDA cache goes through the tensor views (device copies)
+            addresses = BlockAddresses(
+                views,
+                self._geometry.tensor_sizes,
+                self._layers,
+                self._num_blocks,
+                what=f"{STACK_KEY_NAME}: vLLM's KV cache",
+            )
+        self._worker.set_block_views(views, addresses)
 
     def _bound_meta(self) -> UcmConnectorMetadata | None:
         meta = self._connector_metadata
