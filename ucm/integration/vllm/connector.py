@@ -4,6 +4,7 @@ role, and hands each hook to the scheduler side (:mod:`.scheduler`) or the worke
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from ucm.affinity import NewThreads, background_cpus
 from ucm.errors import ConfigError, UcmError
 
 from ..addresses import BlockAddresses, block_view
@@ -205,7 +207,9 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
         self._rank = int(get_tensor_model_parallel_rank())
         per_node = ranks_per_node(vllm_config)
-        self._store = open_store(vllm_config, self._geometry, self._rank % per_node, per_node)
+        with NewThreads() as started:
+            self._store = open_store(vllm_config, self._geometry, self._rank % per_node, per_node)
+        self._pin_background(started)
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._worker = WorkerSide(
             self._store, rank=self._rank, shard_size=self._geometry.shard_size, stats=self._stats
@@ -230,6 +234,26 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._rank,
             self._store.config.unique_id,
             self._geometry.explain(),
+        )
+
+    def _pin_background(self, started: NewThreads) -> None:
+        """The threads the store started leave the CPUs vLLM binds its compute threads to
+        (``VLLM_CPU_OMP_THREADS_BIND``), for the CPUs it leaves free, when there are any."""
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        try:
+            cpus = background_cpus(bind)
+        except ConfigError as exc:
+            logger.warning("UCM rank %d: background threads not bound: %s", self._rank, exc)
+            return
+        if cpus is None:
+            return
+        pinned = started.pin(cpus)
+        logger.info(
+            "UCM rank %d: %d background threads on CPUs %s (VLLM_CPU_OMP_THREADS_BIND=%r)",
+            self._rank,
+            pinned,
+            sorted(cpus),
+            bind,
         )
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
