@@ -12,10 +12,13 @@ import operator
 import sys
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidArgumentError
 from .layout import BLOCK_ID_BYTES, Key, Layout
+
+if TYPE_CHECKING:
+    from .staging import StagedTask
 
 
 def _short(value: Any) -> str:
@@ -168,11 +171,12 @@ class ShardMemory:
     ``flat`` holds the host address of every tensor of every key, key-major (``len(sizes)``
     per key): what the native queue copies to or from, in one array. ``views[i]`` are
     memoryviews of key i's tensors, built on first use (only the tiers below read them).
-    ``cuda_pairs`` lists (device tensor, host staging tensor) pairs — the CPU staging fallback:
-    loads land in the staging tensor and are copied to the device after the task's I/O; dumps
-    copy to staging first. ``cuda[i]`` (an empty list: no CUDA tensor anywhere), when set,
-    holds key i's (device tensor, staging tensor) pairs, so a loader with registered buffer
-    memory can copy slot bytes straight to the device instead of through the staging tensor.
+    ``cuda_pairs`` lists (device tensor, host staging view) pairs: each CUDA shard holds one
+    slot of the pinned staging ring (``ucm.staging``, ``staged``) — loads land in the slot and
+    are copied to the device after the task's I/O; dumps copy to the slot first. ``cuda[i]``
+    (an empty list: no CUDA tensor anywhere), when set, holds key i's (device tensor, staging
+    view) pairs, so a loader with registered buffer memory can copy slot bytes straight to the
+    device instead of through the staging slot.
     """
 
     def __init__(
@@ -186,6 +190,8 @@ class ShardMemory:
         self.keepalive: list[Any] = []
         self.cuda_pairs: list[tuple[Any, Any]] = []
         self.cuda: list[list[tuple[Any, Any]] | None] = []
+        self.staged: StagedTask | None = None
+        """The staging slots of the CUDA shards (``ucm.staging``), until the task completes."""
 
     def __len__(self) -> int:
         if self._views is not None:
@@ -297,14 +303,8 @@ def check_tensors(
                 flat.append(tensor.data_ptr())
                 keepalive.append(tensor)
             elif tensor.is_cuda:
-                assert torch is not None
-                staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-                if not for_load:
-                    staging.copy_(tensor.reshape(-1).view(torch.uint8))
-                memory.cuda_pairs.append((tensor, staging))
-                flat.append(staging.data_ptr())
-                devices.append((tensor, staging))
-                keepalive.append(staging)
+                flat.append(0)  # the staging slot's address, once the task's slots are taken
+                devices.append((tensor, None))
             else:
                 raise InvalidArgumentError(
                     f"{name}[{i}][{j}] is on device {tensor.device}; UCM copies to CPU and CUDA "
@@ -315,7 +315,43 @@ def check_tensors(
                 f"{name}[{i}] mixes CPU and CUDA tensors; keep one shard's tensors on one device"
             )
         memory.cuda.append(devices or None)
+    if any(memory.cuda):
+        _stage_cuda(memory, layout, for_load)
     return memory
+
+
+def _stage_cuda(memory: ShardMemory, layout: Layout, for_load: bool) -> None:
+    """Gives each CUDA shard a slot of the process's pinned staging ring (``ucm.staging``):
+    its host addresses become the slot's, and a dump's device bytes are copied there (side
+    stream, one event wait for the task)."""
+    from .staging import StagedTask, cuda_staging
+
+    staging = cuda_staging(layout.shard_size)
+    keys = [i for i, pairs in enumerate(memory.cuda) if pairs is not None]
+    # A dump never waits for slots (saves must not hold the forward pass back): it fails at
+    # once and the caller counts it; a load waits (bounded) for earlier tasks' slots.
+    wait_s = None if for_load else 0.0
+    task = StagedTask(staging.ring, staging.ring.acquire(len(keys), wait_s))
+    try:
+        count = len(memory.sizes)
+        for i, slot in zip(keys, task.slots, strict=True):
+            host = staging.slot(slot)
+            offset = 0
+            pairs = []
+            for j, (tensor, _none) in enumerate(memory.cuda[i] or ()):
+                nbytes = memory.sizes[j]
+                view = host[offset : offset + nbytes]
+                memory.flat[i * count + j] = view.data_ptr()
+                pairs.append((tensor, view))
+                offset += nbytes
+            memory.cuda[i] = pairs
+            memory.cuda_pairs.extend(pairs)
+        if not for_load:
+            staging.to_host(memory.cuda_pairs)
+    except BaseException:
+        task.release()
+        raise
+    memory.staged = task
 
 
 def _fast_tensors(tensors: Any, layout: Layout, for_load: bool, torch: Any) -> ShardMemory | None:
@@ -359,17 +395,29 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def finish_cuda_loads(memory: ShardMemory, direct: frozenset[int] | set[int] = frozenset()) -> None:
-    """Copies staged bytes into the CUDA destination tensors and waits for the copies. Keys in
-    ``direct`` were copied to the device straight from registered buffer memory: skipped."""
-    staged = [pairs for i, pairs in enumerate(memory.cuda) if pairs is not None and i not in direct]
-    if not staged:
-        return
-    import torch
+    """Copies staged bytes into the CUDA destination tensors (the staging ring's side stream,
+    waiting on that copy's event, not the device), then returns the task's staging slots.
+    Keys in ``direct`` were copied to the device straight from registered buffer memory."""
+    try:
+        pairs = [
+            pair
+            for i, key_pairs in enumerate(memory.cuda)
+            if key_pairs is not None and i not in direct
+            for pair in key_pairs
+        ]
+        if pairs:
+            from .staging import cuda_staging
 
-    for pairs in staged:
-        for device_tensor, staging in pairs:
-            device_tensor.reshape(-1).view(torch.uint8).copy_(staging, non_blocking=True)
-    torch.cuda.synchronize()
+            cuda_staging(sum(memory.sizes)).to_device(pairs)
+    finally:
+        release_staging(memory)
+
+
+def release_staging(memory: ShardMemory) -> None:
+    """Returns the staging slots a task's CUDA shards held (once; none: nothing)."""
+    staged = memory.staged
+    if staged is not None:
+        staged.release()
 
 
 ADDRESS_MIN = 4096

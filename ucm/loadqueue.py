@@ -12,8 +12,8 @@ loaded from the tiers straight into its destination.
 threads that serve the keys this rank owns (or bypasses) from the tiers below (those stay
 Python plugins), and completes :class:`~ucm.task.Task` objects by waiting on the task's futex
 word (GIL released) — never by polling. CUDA destinations are copied by the loader threads from
-the registered buffer memory (``COPY_OUT`` work), or through pinned staging tensors when
-registration is unavailable (or there is no buffer).
+the registered buffer memory (``COPY_OUT`` work), or through the pinned staging ring
+(``ucm.staging``) when registration is unavailable (or there is no buffer).
 
 The **DumpQueue** runs dumps that Python must follow up: stacks without a buffer (into the top
 tier) and stacks with ``write: through`` tiers (the buffer part through the native queue, then
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
+import mmap
 import queue
 import sys
 import threading
@@ -255,6 +257,8 @@ class LoadPath:
                 depth_knob="dump_queue_depth" if kind is TaskKind.DUMP else "load_queue_depth",
             )
         except BaseException:
+            if memory is not None:
+                arguments.release_staging(memory)
             with self._lock:
                 self._jobs.pop(job.tag, None)
                 # Not only the last: another thread may have queued its job since, and a job
@@ -380,6 +384,8 @@ class LoadPath:
                 arguments.finish_cuda_loads(memory, done.direct)
 
             job.on_complete = complete
+        else:  # a dump: its staging slots go back once the native queue has read them
+            job.on_complete = lambda _done: arguments.release_staging(memory)
 
     def _maybe_enable_cuda(self) -> None:
         if self._cuda_checked:
@@ -388,7 +394,9 @@ class LoadPath:
         if self._buffer is None:  # no buffer memory to copy from: the staging tensors
             return
         try:
-            self._cuda = _CudaDirect(self._buffer.bases, self._buffer.segment_bytes)
+            self._cuda = _CudaDirect(
+                self._buffer.bases, self._buffer.segment_bytes, self._shard_size
+            )
         except Exception as exc:  # the staging fallback (arguments.py) still works
             self._count("cuda_register_failures", 1)
             sys.stderr.write(f"ucm: CUDA host registration unavailable, staging instead: {exc}\n")
@@ -438,37 +446,77 @@ def _put(target: queue.Queue[Any], item: Any, timeout_s: float, what: str, knob:
         ) from None
 
 
+REGISTER_CHUNK_BYTES = 256 << 20
+"""About how much buffer memory one ``cudaHostRegister`` pins (rounded to whole slots and
+pages): registration is per chunk, on first use."""
+
+
+def register_chunk_bytes(slot_bytes: int, segment_bytes: int, target: int) -> int:
+    """The registration chunk: a multiple of both the slot size (no slot spans two chunks)
+    and the page size (no page in two registrations), about ``target`` bytes; the whole
+    segment when no such multiple fits in it."""
+    unit = math.lcm(slot_bytes, mmap.PAGESIZE)
+    if unit >= segment_bytes:
+        return segment_bytes
+    return min(segment_bytes, max(unit, target // unit * unit))
+
+
 class _CudaDirect:
     """Host-to-device copies straight from the buffer's data segments, registered with
-    ``cudaHostRegister`` so the copies are asynchronous DMA from pinned memory."""
+    ``cudaHostRegister`` so the copies are asynchronous DMA from pinned memory. Registration
+    is lazy and chunked: a chunk is registered (its pages pinned, so faulted in) by the loader
+    thread that first copies from it, never the whole buffer at once on the caller's thread."""
 
-    def __init__(self, bases: Sequence[int], segment_bytes: int) -> None:
+    def __init__(self, bases: Sequence[int], segment_bytes: int, slot_bytes: int) -> None:
         import torch
 
         if not torch.cuda.is_available():
             raise RuntimeError("torch.cuda.is_available() is False")
         self._torch = torch
-        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        self._registered: list[int] = []
-        self._segments = []
-        for base in bases:
-            torch.cuda.check_error(cudart.cudaHostRegister(base, segment_bytes, 0))
-            self._registered.append(base)
-            raw = (ctypes.c_ubyte * segment_bytes).from_address(base)
-            self._segments.append((base, torch.frombuffer(raw, dtype=torch.uint8)))
+        self._cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         self._segment_bytes = segment_bytes
+        self._chunk_bytes = register_chunk_bytes(slot_bytes, segment_bytes, REGISTER_CHUNK_BYTES)
+        self._segments = [
+            (
+                base,
+                torch.frombuffer(
+                    (ctypes.c_ubyte * segment_bytes).from_address(base), dtype=torch.uint8
+                ),
+            )
+            for base in bases
+        ]
+        self._registered: set[int] = set()
+        """Start addresses of the registered chunks."""
+        self._lock = threading.Lock()
         self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+
+    def _register(self, base: int, offset: int, nbytes: int) -> None:
+        """Registers the chunks of [offset, offset + nbytes) of the segment at ``base``."""
+        chunk = self._chunk_bytes
+        first = offset // chunk * chunk
+        for start in range(first, offset + nbytes, chunk):
+            address = base + start
+            if address in self._registered:
+                continue
+            with self._lock:
+                if address in self._registered:
+                    continue
+                size = min(chunk, self._segment_bytes - start)
+                self._torch.cuda.check_error(self._cudart.cudaHostRegister(address, size, 0))
+                self._registered.add(address)
 
     def copy(self, address: int, pairs: list[tuple[Any, Any]]) -> None:
         torch = self._torch
         found = [
-            (address - base, tensor)
+            (address - base, base, tensor)
             for base, tensor in self._segments
             if base <= address < base + self._segment_bytes
         ]
         if not found:
             raise TierError(f"slot address {address:#x} is outside the registered segments")
-        offset, segment = found[0]
+        offset, base, segment = found[0]
+        total = sum(device_tensor.nbytes for device_tensor, _staging in pairs)
+        self._register(base, offset, total)
         with torch.cuda.stream(self._stream):
             for device_tensor, _staging in pairs:
                 nbytes = device_tensor.numel() * device_tensor.element_size()
@@ -480,10 +528,10 @@ class _CudaDirect:
         self._stream.synchronize()
 
     def close(self) -> None:
-        cudart = self._torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        for base in self._registered:
-            cudart.cudaHostUnregister(base)
-        self._registered.clear()
+        with self._lock:
+            for address in self._registered:
+                self._cudart.cudaHostUnregister(address)
+            self._registered.clear()
 
 
 class DumpQueue:

@@ -594,8 +594,14 @@ class Store:
         if self._dumps is None:  # straight into the buffer's native queue
             assert self._native is not None
             return self._native.task("dump", self._native.submit(TaskKind.DUMP, task_keys, memory))
-        progress = Progress(task_keys.keys)
-        self._dumps.submit(DumpItem(task_keys, memory, progress))
+        progress = Progress(
+            task_keys.keys, on_complete=lambda _done: arguments.release_staging(memory)
+        )
+        try:
+            self._dumps.submit(DumpItem(task_keys, memory, progress))
+        except BaseException:
+            arguments.release_staging(memory)
+            raise
         return Task("dump", task_keys, progress)
 
     def _tier_lookup(self, position: int, keys: list[Key], prefix: bool = False) -> list[bool]:

@@ -18,6 +18,11 @@ calling thread's CPU time; the
 copies run after it returns), with the addresses as a list of lists and as one ``array('Q')``,
 against the issue's 20 us bound, and the native submit alone (prepared arrays: the floor, most
 of it the futex wake of the dispatcher, ~10 us on this VM).
+
+And a vLLM worker's step: a load of Ready blocks into 32 per-layer KV tensors (8 KiB per layer
+per block), through addresses (``BlockAddresses.of`` + ``load_data``, what the connector does
+for a CPU KV cache) against one tensor view per layer per block (``store.load``, what it did
+before): wall time of the step's load and the caller's thread CPU time, same run.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import time
 import uuid
 from array import array
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from . import BenchOptions, BenchResult, Figure, Plot
@@ -43,6 +49,8 @@ CASES = ((256 * 1024, 1), (2 * 1024 * 1024, 1), (256 * 1024, 32))
 """(shard bytes, tensors per shard)."""
 IDLE_TARGET, MANY_TENSORS_TARGET, SPINNER_TARGET = 1.2, 0.85, 1.1
 SUBMIT_SHARDS = 256
+VLLM_LAYERS, VLLM_LAYER_BYTES = 32, 8 * 1024
+"""The vLLM-style step: one KV tensor per layer, a block of a layer 8 KiB."""
 SUBMIT_BOUND_US = 20.0
 
 
@@ -207,6 +215,24 @@ class HitPath:
             ):
                 series[label][0].append(x)
                 series[label][1].append(gb / m[key])
+        options.progress("vLLM-style step: 32 layers x 8 KiB, addresses vs tensor views")
+        step = self._vllm_step(total, rounds)
+        for what, key, unit, scale in (
+            ("wall time of a step's load (submit + wait)", "wall", "ms", 1e3),
+            ("caller's thread CPU time to build and submit a step's load", "submit", "ms", 1e3),
+        ):
+            figures.append(
+                Figure(
+                    name=f"vLLM-style step, {step['blocks']:.0f} blocks x {VLLM_LAYERS} layers "
+                    f"x {_label(VLLM_LAYER_BYTES)}: {what}, through addresses (BlockAddresses + "
+                    "load_data)",
+                    value=step[f"addresses_{key}"] * scale,
+                    unit=unit,
+                    baseline="through one tensor view per layer per block (store.load)",
+                    baseline_value=step[f"views_{key}"] * scale,
+                    higher_is_better=False,
+                )
+            )
         plot = Plot(
             filename="hit_path.png",
             title=f"Hit path, {total >> 20} MiB per task",
@@ -328,6 +354,69 @@ class HitPath:
         finally:
             segments.unlink(unique_id)
         return out
+
+    def _vllm_step(self, total: int, rounds: int) -> dict[str, float]:
+        """A vLLM worker's per-step load of Ready blocks into one KV tensor per layer: through
+        :class:`~ucm.integration.addresses.BlockAddresses` (array arithmetic, one
+        ``load_data``) against one tensor view per layer per block (``store.load``, what the
+        connector passed before), same store, same blocks, same destination."""
+        import torch
+
+        import ucm
+        from ucm.integration.addresses import BlockAddresses
+        from ucm.native import segments
+
+        part = VLLM_LAYER_BYTES
+        n = total // (part * VLLM_LAYERS)
+        kv_blocks = n + 8  # the step loads n of them, out of order
+        unique_id = f"bench-vstep-{uuid.uuid4().hex[:10]}"
+        config: dict[str, Any] = {
+            "unique_id": unique_id,
+            "tensor_size_list": [part] * VLLM_LAYERS,
+            "shards_per_block": 1,
+            "tiers": [{"type": "buffer", "capacity": n * part * VLLM_LAYERS}],
+        }
+        out: dict[str, float] = {"blocks": float(n)}
+        try:
+            with ucm.open(config) as store:
+                ids = [i.to_bytes(16, "big") for i in range(n)]
+                layers = [
+                    torch.randint(0, 255, (kv_blocks, part), dtype=torch.uint8)
+                    for _ in range(VLLM_LAYERS)
+                ]
+                blocks = [(7 * i + 3) % kv_blocks for i in range(n)]
+                names = [f"layer{i}" for i in range(VLLM_LAYERS)]
+                addresses = BlockAddresses(layers, [part] * VLLM_LAYERS, names, kv_blocks)
+                store.wait(store.dump_data(ids, 0, addresses.of(blocks)))
+                expected = [layer[blocks].clone() for layer in layers]
+
+                def through_views() -> Any:
+                    views = [[layer[b] for layer in layers] for b in blocks]
+                    return store.load(ids, 0, views)
+
+                def through_addresses() -> Any:
+                    return store.load_data(ids, 0, addresses.of(blocks))
+
+                for name, submit in (("views", through_views), ("addresses", through_addresses)):
+                    for layer in layers:
+                        layer.zero_()
+                    out[f"{name}_wall"] = _median_s(partial(_run_step, store, submit), rounds)
+                    for layer, want in zip(layers, expected, strict=True):
+                        assert torch.equal(layer[blocks], want), f"{name} loaded wrong bytes"
+                    samples = []
+                    for _ in range(max(10, rounds)):
+                        started = time.thread_time()
+                        task = submit()
+                        samples.append(time.thread_time() - started)
+                        store.wait(task)
+                    out[f"{name}_submit"] = statistics.median(samples)
+        finally:
+            segments.unlink(unique_id)
+        return out
+
+
+def _run_step(store: Any, submit: Callable[[], Any]) -> None:
+    store.wait(submit())
 
 
 def _submit_costs(

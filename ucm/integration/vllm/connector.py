@@ -4,6 +4,7 @@ role, and hands each hook to the scheduler side (:mod:`.scheduler`) or the worke
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -15,8 +16,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ucm import namespaces
+from ucm.affinity import NewThreads, background_cpus
 from ucm.errors import ConfigError, UcmError
 
+from ..addresses import BlockAddresses, block_view
 from ..keys import Epochs, warn_node_local, write_marker
 from ..tenants import TenantMapping
 from .config import (
@@ -226,7 +229,9 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
         self._rank = int(get_tensor_model_parallel_rank())
         per_node = ranks_per_node(vllm_config)
-        self._store = open_store(vllm_config, self._geometry, self._rank % per_node, per_node)
+        with NewThreads() as started:
+            self._store = open_store(vllm_config, self._geometry, self._rank % per_node, per_node)
+        self._pin_background(started)
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._worker = WorkerSide(
             self._store,
@@ -257,6 +262,26 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._geometry.explain(),
         )
 
+    def _pin_background(self, started: NewThreads) -> None:
+        """The threads the store started leave the CPUs vLLM binds its compute threads to
+        (``VLLM_CPU_OMP_THREADS_BIND``), for the CPUs it leaves free, when there are any."""
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        try:
+            cpus = background_cpus(bind)
+        except ConfigError as exc:
+            logger.warning("UCM rank %d: background threads not bound: %s", self._rank, exc)
+            return
+        if cpus is None:
+            return
+        pinned = started.pin(cpus)
+        logger.info(
+            "UCM rank %d: %d background threads on CPUs %s (VLLM_CPU_OMP_THREADS_BIND=%r)",
+            self._rank,
+            pinned,
+            sorted(cpus),
+            bind,
+        )
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         views = []
         for index, name in enumerate(self._layers):
@@ -265,28 +290,30 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 raise ConfigError(
                     f"{STACK_KEY_NAME}: vLLM registered no KV cache for layer {name!r}"
                 )
-            views.append(self._block_view(name, kv, self._geometry.tensor_sizes[index]))
-        self._worker.set_block_views(views)
-
-    def _block_view(self, name: str, kv: torch.Tensor, nbytes: int) -> torch.Tensor:
-        """``kv`` ([blocks, ...]) with its per-block dimensions in memory order, so that
-        ``view[b]`` is block b of the layer as one contiguous tensor."""
-        if kv.dim() < 2 or kv.shape[0] != self._num_blocks:
-            raise ConfigError(
-                f"{STACK_KEY_NAME}: vLLM's KV cache of layer {name!r} has shape "
-                f"{tuple(kv.shape)}; UCM expects {self._num_blocks} blocks in dimension 0"
+            views.append(
+                block_view(
+                    kv,
+                    self._num_blocks,
+                    self._geometry.tensor_sizes[index],
+                    f"{STACK_KEY_NAME}: vLLM's KV cache of layer {name!r}",
+                )
             )
-        inner = sorted(range(1, kv.dim()), key=lambda d: kv.stride(d), reverse=True)
-        view = kv.permute(0, *inner)
-        block = view[0]
-        if not block.is_contiguous() or block.nbytes != nbytes:
+        devices = {view.device.type for view in views}
+        if len(devices) > 1:
             raise ConfigError(
-                f"{STACK_KEY_NAME}: vLLM's KV cache of layer {name!r} (shape {tuple(kv.shape)}, "
-                f"strides {kv.stride()}, {kv.dtype}) does not keep one block in {nbytes} "
-                "contiguous bytes, which UCM's shard layout needs; use a block-contiguous "
-                "KV cache layout (VLLM_KV_CACHE_LAYOUT, e.g. LBHNC)"
+                f"{STACK_KEY_NAME}: vLLM's KV cache layers are on several devices "
+                f"({sorted(devices)}); UCM transfers one rank's layers from one device"
             )
-        return view
+        addresses = None
+        if devices == {"cpu"}:  # a CUDA cache goes through the tensor views (device copies)
+            addresses = BlockAddresses(
+                views,
+                self._geometry.tensor_sizes,
+                self._layers,
+                self._num_blocks,
+                what=f"{STACK_KEY_NAME}: vLLM's KV cache",
+            )
+        self._worker.set_block_views(views, addresses)
 
     def _bound_meta(self) -> UcmConnectorMetadata | None:
         meta = self._connector_metadata

@@ -1,6 +1,9 @@
 """The worker side of the connector (one per TP rank): loads into vLLM's KV cache tensors
 before the forward pass, dumps after it, and which requests' blocks vLLM may free. No engine
-needed: it works on a store and one block-contiguous tensor view per layer."""
+needed: it works on a store and one block-contiguous tensor view per layer. A CPU KV cache is
+transferred through addresses (each layer's base and block stride, checked once at
+registration: :class:`~ucm.integration.addresses.BlockAddresses`), a CUDA one through the
+tensor views."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from ucm.errors import TaskError
 
+from ..addresses import BlockAddresses
 from .metadata import BlockTransfer, UcmConnectorMetadata, UcmWorkerMetadata
 from .metrics import UcmConnectorStats
 
@@ -87,6 +91,7 @@ class WorkerSide:
         self._shard_size = shard_size
         self.stats = stats if stats is not None else UcmConnectorStats()
         self._block_views: list[torch.Tensor] = []
+        self._addresses: BlockAddresses | None = None
         self._invalid: set[int] = set()
         self._saves: list[_PendingSave] = []
         self._dumping: Counter[str] = Counter()
@@ -100,12 +105,29 @@ class WorkerSide:
         self._dump_failed: set[bytes] = set()
         """Dumps finished since the last step's worker metadata (see UcmWorkerMetadata)."""
 
-    def set_block_views(self, views: list[torch.Tensor]) -> None:
-        """One tensor per stored layer, ``view[b]`` = vLLM block b of that layer, contiguous."""
+    def set_block_views(
+        self, views: list[torch.Tensor], addresses: BlockAddresses | None = None
+    ) -> None:
+        """One tensor per stored layer, ``view[b]`` = vLLM block b of that layer, contiguous.
+        With ``addresses`` (the same views, checked: a CPU KV cache), every transfer goes
+        through ``load_data``/``dump_data`` with the step's addresses in one array."""
         self._block_views = views
+        self._addresses = addresses
 
-    def _block_tensors(self, vllm_block: int) -> list[torch.Tensor]:
-        return [view[vllm_block] for view in self._block_views]
+    def _load_task(self, ids: list[bytes], vllm_blocks: list[int]) -> Task:
+        addresses = self._addresses
+        if addresses is not None:
+            return self._store.load_data(ids, self._rank, addresses.of(vllm_blocks))
+        return self._store.load(ids, self._rank, self._block_tensors(vllm_blocks))
+
+    def _dump_task(self, ids: list[bytes], vllm_blocks: list[int]) -> Task:
+        addresses = self._addresses
+        if addresses is not None:
+            return self._store.dump_data(ids, self._rank, addresses.of(vllm_blocks))
+        return self._store.dump(ids, self._rank, self._block_tensors(vllm_blocks))
+
+    def _block_tensors(self, vllm_blocks: list[int]) -> list[list[torch.Tensor]]:
+        return [[view[block] for view in self._block_views] for block in vllm_blocks]
 
     def bind(self, meta: UcmConnectorMetadata) -> None:
         """A step's metadata arrived: its released requests wait for its saves, which
@@ -143,11 +165,7 @@ class WorkerSide:
         for group in unique_key_groups(meta.loads):
             ids = [block_id for block_id, _ in group]
             try:
-                task = self._store.load(
-                    ids,
-                    [self._rank] * len(ids),
-                    [self._block_tensors(vllm_block) for _, vllm_block in group],
-                )
+                task = self._load_task(ids, [vllm_block for _, vllm_block in group])
             except Exception as exc:
                 logger.warning("UCM load of %d blocks not submitted: %s", len(ids), exc)
                 submitted.append((None, group))
@@ -294,9 +312,8 @@ class WorkerSide:
                 seen.add(block_id)
                 ids.append(block_id)
                 blocks.append(vllm_block)
-        sources = [self._block_tensors(vllm_block) for vllm_block in blocks]
         try:
-            task = self._store.dump(ids, [self._rank] * len(ids), sources)
+            task = self._dump_task(ids, blocks)
         except Exception as exc:
             logger.warning("UCM dump of %d blocks not submitted: %s", len(ids), exc)
             self.stats.data["save_failed_blocks"] += len(ids)

@@ -1,0 +1,63 @@
+"""``ucm.affinity``: UCM's threads leave the CPUs an engine binds its compute threads to."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+
+import pytest
+
+import ucm
+from ucm.affinity import NewThreads, background_cpus, engine_cpus, parse_cpu_list
+from ucm.errors import ConfigError
+from ucm.native import segments
+
+
+def test_binding_lists_parse_like_vllms() -> None:
+    assert parse_cpu_list("5,2-4", "X") == {2, 3, 4, 5}
+    assert engine_cpus("0-3|8,10") == {0, 1, 2, 3, 8, 10}
+    assert engine_cpus("auto") is None and engine_cpus("nobind") is None
+    assert engine_cpus(None) is None and engine_cpus(" ") is None
+    with pytest.raises(ConfigError, match=r"VLLM_CPU_OMP_THREADS_BIND='0-x': '0-x' is not a CPU"):
+        engine_cpus("0-x")
+    with pytest.raises(ConfigError, match=r"'4-2' is not a valid CPU range"):
+        engine_cpus("4-2")
+
+
+def test_background_cpus_are_the_ones_the_binding_leaves() -> None:
+    assert background_cpus("0-1|4", {0, 1, 2, 3, 4, 5}) == {2, 3, 5}
+    assert background_cpus("0-5", {0, 1, 2, 3}) is None  # nowhere else to go
+    assert background_cpus("auto", {0, 1}) is None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_threads_a_store_starts_are_moved_off_the_engines_cpus() -> None:
+    """The caller bound to one CPU (as vLLM binds a worker's thread): the threads ucm.open
+    started, native and Python, run on the others; the caller's own binding is untouched."""
+    own = os.sched_getaffinity(0)
+    compute = min(own)
+    unique_id = f"affinity-{uuid.uuid4().hex[:10]}"
+    stack = {
+        "unique_id": unique_id,
+        "shard_size": 4096,
+        "shards_per_block": 1,
+        "tiers": [{"type": "buffer", "capacity": 64 * 4096}],
+    }
+    os.sched_setaffinity(0, {compute})
+    try:
+        with NewThreads() as started:
+            store = ucm.open(stack, device_id=0)
+        with store:
+            cpus = background_cpus(str(compute))
+            assert cpus == own - {compute}
+            assert started.started, "ucm.open started no thread"
+            assert started.pin(cpus) == len(started.started)
+            python = {t.native_id for t in threading.enumerate() if t.name.startswith("ucm-")}
+            assert python & started.started  # the loaders are among them (and natives)
+            for tid in started.started:
+                assert os.sched_getaffinity(tid) == cpus
+            assert os.sched_getaffinity(0) == {compute}
+    finally:
+        os.sched_setaffinity(0, own)
+        segments.unlink(unique_id)

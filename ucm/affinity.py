@@ -1,0 +1,113 @@
+"""Keeping UCM's background threads off an engine's compute CPUs.
+
+An engine that binds its compute threads to CPUs (vLLM's CPU backend:
+``VLLM_CPU_OMP_THREADS_BIND="0-31|32-63"``, one list per local rank) starts UCM from a thread
+already bound to those CPUs, and every thread UCM starts (the native queue's dispatcher, copy
+and populate threads, the loaders, tier pools) would inherit that binding and take time from
+the forward pass. :func:`background_cpus` names the CPUs the engine left free, and
+:class:`NewThreads` moves the threads a call started (``ucm.open``) onto them: a thread any of
+those threads starts later inherits their binding.
+"""
+
+from __future__ import annotations
+
+import os
+from types import TracebackType
+
+from .errors import ConfigError
+
+
+def parse_cpu_list(text: str, name: str) -> set[int]:
+    """``"5,2-4"`` -> ``{2, 3, 4, 5}``; errors name ``name`` and the bad part."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        low, dash, high = part.partition("-")
+        try:
+            first = int(low)
+            last = int(high) if dash else first
+        except ValueError:
+            raise ConfigError(
+                f"{name}={text!r}: {part!r} is not a CPU id or a range like 2-4"
+            ) from None
+        if first < 0 or last < first:
+            raise ConfigError(f"{name}={text!r}: {part!r} is not a valid CPU range")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
+def engine_cpus(bind: str | None, name: str = "VLLM_CPU_OMP_THREADS_BIND") -> set[int] | None:
+    """The CPUs an explicit binding gives the engine's compute threads (every rank's list:
+    ``|``-separated); None when it names none (unset, ``auto``, ``nobind``)."""
+    if bind is None or bind.strip() in ("", "auto", "nobind"):
+        return None
+    cpus: set[int] = set()
+    for rank_list in bind.split("|"):
+        cpus |= parse_cpu_list(rank_list, name)
+    return cpus
+
+
+def background_cpus(bind: str | None, allowed: set[int] | None = None) -> set[int] | None:
+    """The CPUs this process may use (``allowed``, by default :func:`process_cpus`) that the
+    binding leaves to others (None: no explicit
+    binding, or it takes every CPU this process may use, so there is nowhere else to go)."""
+    engine = engine_cpus(bind)
+    if engine is None:
+        return None
+    free = (process_cpus() if allowed is None else allowed) - engine
+    return free or None
+
+
+CPUSET = "/sys/fs/cgroup/cpuset.cpus.effective"
+
+
+def process_cpus() -> set[int]:
+    """The CPUs this process's cgroup may use (not the calling thread's binding: an engine's
+    thread is bound to its compute CPUs already)."""
+    try:
+        with open(CPUSET) as cpuset:
+            text = cpuset.read().strip()
+        if text:
+            return parse_cpu_list(text, CPUSET)
+    except (OSError, ConfigError):
+        pass
+    return set(range(os.cpu_count() or 1))
+
+
+def _threads() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+class NewThreads:
+    """``with NewThreads() as new: ...`` then ``new.pin(cpus)``: binds every thread of this
+    process started inside the block (and still alive) to ``cpus``. Threads other code of the
+    process starts at the same moment are caught too: use it around calls that own the
+    moment (an engine worker's start-up)."""
+
+    def __init__(self) -> None:
+        self._before: set[int] = set()
+        self.started: set[int] = set()
+
+    def __enter__(self) -> NewThreads:
+        self._before = _threads()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.started = _threads() - self._before
+
+    def pin(self, cpus: set[int]) -> int:
+        """Binds the started threads to ``cpus``; returns how many were bound (a thread that
+        ended meanwhile is skipped)."""
+        pinned = 0
+        for tid in sorted(self.started):
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except (ProcessLookupError, FileNotFoundError):
+                continue
+            pinned += 1
+        return pinned
