@@ -240,10 +240,8 @@ class WorkerSide:
             if held:
                 task: Task | None = None
                 try:
-                    task = self._store.load(
-                        [block_id for block_id, _ in held],
-                        [self._rank] * len(held),
-                        [self._block_tensors(vllm_block) for _, vllm_block in held],
+                    task = self._load_task(
+                        [block_id for block_id, _ in held], [vllm_block for _, vllm_block in held]
                     )
                 except Exception as exc:
                     logger.warning("UCM load of %d blocks not submitted: %s", len(held), exc)
