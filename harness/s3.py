@@ -87,15 +87,17 @@ class S3Server:
             return Counter(self._requests)
 
     def set_delay(self, method: str, seconds: float) -> None:
-        """Every later request with this HTTP method waits ``seconds`` before it is served
-        (0 removes the delay): a slow object store, for tests of asynchronous writes."""
+        """Every later request with this HTTP method (or ``GET object``: reads of object data
+        only, not listings) waits ``seconds`` before it is served (0 removes the delay): a slow
+        object store, for tests of asynchronous writes and late loads."""
         if seconds < 0:
             raise ValueError(f"seconds must be >= 0, got {seconds!r}")
+        kind = method if method == "GET object" else method.upper()
         with self._lock:
             if seconds:
-                self._delays[method.upper()] = seconds
+                self._delays[kind] = seconds
             else:
-                self._delays.pop(method.upper(), None)
+                self._delays.pop(kind, None)
 
     def set_failure(self, kind: str, status: int) -> None:
         """Every later request of ``kind`` (an HTTP method, or ``GET object`` for reads of
@@ -120,7 +122,9 @@ class S3Server:
                 self._requests["total"] += 1
                 if reads_object:
                     self._requests["GET object"] += 1
-                delay = self._delays.get(method, 0.0)
+                delay = self._delays.get(method, 0.0) or (
+                    self._delays.get("GET object", 0.0) if reads_object else 0.0
+                )
                 failure = self._failures.get(method, 0) or (
                     self._failures.get("GET object", 0) if reads_object else 0
                 )

@@ -392,8 +392,9 @@ class _Driver:
             self.s3.set_failure("GET object", 503)
         elif action == "heal":
             self.s3.set_failure("GET object", 0)
-        elif action == "delay_reads":  # a slow tier: every GET answers ``seconds`` late
-            self.s3.set_delay("GET", seconds)
+        elif action == "delay_reads":  # a slow tier: every read of object data answers
+            # ``seconds`` late (listings, which look-ups use, are not delayed)
+            self.s3.set_delay("GET object", seconds)
         else:
             raise ValueError(f"unknown s3 action {action!r}")
 

@@ -92,6 +92,9 @@ def test_hook_register_tiers_from_a_registered_plugin(scratch_tier: type[ucm.Tie
         "name": None,
         "write": "through",
         "promote": False,
+        "codec": {"type": "none"},
+        "lookup_timeout_ms": 1000,
+        "breaker": {"failures": 3, "probe_interval_ms": 10000},
         "capacity": 1024**2,
     }
 

@@ -28,12 +28,12 @@ def _stack(path: Path) -> StackConfig:
     """The stack at ``path`` as ``ucm stats`` reads it (the live CacheBuffer's geometry when
     its top tier is a buffer); when no buffer of its ``unique_id`` is live, the stack without
     its buffer tier (nothing is cached there), whose geometry the stack must then state."""
-    from .cli_ops import _live_stack, _NoLiveBuffer
+    from .cli_ops import NoLiveBuffer, live_stack
     from .stack import parse_stack, read_stack_source
 
     try:
-        return _live_stack(path)
-    except _NoLiveBuffer:
+        return live_stack(path)
+    except NoLiveBuffer:
         pass
     data, name = read_stack_source(path)
     data = dict(data)

@@ -305,11 +305,11 @@ def stats(
     from .store import Store
 
     try:
-        config = _live_stack(stack)
+        config = live_stack(stack)
     except (ConfigError, PluginError) as exc:
         errors.print(f"[red]invalid:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
-    except _NoLiveBuffer as exc:
+    except NoLiveBuffer as exc:
         errors.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     console = _stdout()
@@ -335,11 +335,11 @@ def stats(
         _stats_loop(console, store, readings, interval, json_out, watch)
 
 
-class _NoLiveBuffer(Exception):
+class NoLiveBuffer(Exception):
     """No CacheBuffer of the stack's unique_id is published on this node."""
 
 
-def _live_stack(path: Path) -> StackConfig:
+def live_stack(path: Path) -> StackConfig:
     """The stack at ``path``, with the geometry of the live CacheBuffer of its ``unique_id``
     when its top tier is ``buffer``: the shard size and the slot counts (regular, reserved)
     from the buffer's header. A stack for an engine states only ``unique_id`` and ``tiers``
@@ -370,7 +370,7 @@ def _live_stack(path: Path) -> StackConfig:
     try:
         geometry = live_geometry(unique_id)
     except FileNotFoundError:
-        raise _NoLiveBuffer(
+        raise NoLiveBuffer(
             f"no live CacheBuffer for unique_id {unique_id!r}: {control} does not exist; start "
             "a rank that opens this stack first (an engine with UCM attached, or ucm.open with "
             "device_id >= 0): `ucm stats` attaches to a running buffer and never creates one"

@@ -46,7 +46,7 @@ NAME_RULE = (
     f"1 to {NAMESPACE_NAME_MAX} characters of A-Z a-z 0-9 '.' '_' '-', starting with a letter "
     "or a digit"
 )
-_NAME = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{NAMESPACE_NAME_MAX - 1}}}")
+NAME_PATTERN = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{NAMESPACE_NAME_MAX - 1}}}")
 
 TAG_BYTES = 8
 """Leading bytes of a scoped id that name its namespace."""
@@ -62,7 +62,7 @@ _names: dict[bytes, str] = {}
 def check_namespace(value: Any, argument: str = "namespace") -> str:
     """Returns ``value`` if it is a valid namespace name, else raises InvalidArgumentError
     naming the argument, the value and the rule. Registers the name (see :func:`register`)."""
-    if not isinstance(value, str) or _NAME.fullmatch(value) is None:
+    if not isinstance(value, str) or NAME_PATTERN.fullmatch(value) is None:
         raise InvalidArgumentError(
             f"{argument}={value!r} is not a valid namespace name: expected {NAME_RULE} "
             f"(the default namespace is {DEFAULT_NAMESPACE!r})"

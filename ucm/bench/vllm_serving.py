@@ -24,8 +24,9 @@ time, and the prompt tokens computed, served by vLLM's prefix cache and served b
 ``vllm:prompt_tokens_by_source``). Every system's greedy outputs must equal the no-connector
 server's, request by request, or the benchmark fails.
 
-``--quick``: a tiny model, 3 short documents asked twice, one UCM server (repeat asks against
-first asks): it proves the machinery runs; its ratios say nothing about the targets.
+``--quick``: a tiny model, 3 short documents asked twice, one UCM server with vLLM's prefix cache
+off (its KV space would hold them all: every repeat is UCM's), repeat asks against first asks:
+it proves the machinery runs; its ratios say nothing about the targets.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ FULL: dict[str, Any] = {
     "floor_kv_gib": 3,
     "buffer": "4GiB",
     "replicas": True,
+    "prefix_caching": True,
 }
 QUICK: dict[str, Any] = {
     "model": {
@@ -84,6 +86,7 @@ QUICK: dict[str, Any] = {
     "floor_kv_gib": 1,
     "buffer": "64MiB",
     "replicas": False,
+    "prefix_caching": False,
 }
 BLOCK_TOKENS = 128
 BENCH_TIMEOUT_S = 1800.0
@@ -270,7 +273,7 @@ class VllmServingBenchmark:
             "--enforce-eager",
             "--seed",
             "0",
-            "--enable-prefix-caching",
+            "--enable-prefix-caching" if config["prefix_caching"] else "--no-enable-prefix-caching",
             *extra,
         ]
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import ConfigError, InvalidArgumentError
-from ..namespaces import _NAME, DEFAULT_NAMESPACE, check_namespace
+from ..namespaces import DEFAULT_NAMESPACE, NAME_PATTERN, check_namespace
 
 MODES = ("cache_salt", "lora", "fixed:<name>")
 
@@ -32,7 +32,7 @@ def namespace_for(tenant_key: str | None) -> str:
     """The namespace of a tenant key (see the module docstring)."""
     if not tenant_key:
         return DEFAULT_NAMESPACE
-    if _NAME.fullmatch(tenant_key) is not None:
+    if NAME_PATTERN.fullmatch(tenant_key) is not None:
         return tenant_key
     return "k-" + hashlib.blake2b(tenant_key.encode(), digest_size=16).hexdigest()
 

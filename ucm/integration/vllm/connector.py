@@ -136,10 +136,14 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             epoch=self._epochs.current(self._store),
             tenants=TenantMapping.parse(self._extra.get("ucm_namespace"), "ucm_namespace"),
             # Without a CacheBuffer an asynchronous load would have nowhere to put the bytes
-            # that arrive after its deadline but vLLM's blocks: every load is synchronous.
+            # that arrive after its deadline but vLLM's blocks: every load is synchronous. With
+            # more than one shard per block (TP > 1) too, for now: a rank that finishes its
+            # prefetch before another rank's shards are in judges the block by all its shards.
             resident=(
                 self._resident
-                if self._extra.get("ucm_async_load", True) and self._store.buffer is not None
+                if self._extra.get("ucm_async_load", True)
+                and self._store.buffer is not None
+                and self._geometry.shards_per_block == 1
                 else None
             ),
         )
