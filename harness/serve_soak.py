@@ -1,6 +1,7 @@
 """Serving soak: ``vllm serve`` with UCM under KV pressure, many clients and random faults.
 
-One server with ``UcmConnector`` on a small CacheBuffer over posix and over S3 (moto, reached
+One server with ``UcmConnector`` on a CacheBuffer of 16 blocks (far less than the working set,
+so prefixes come back from below through asynchronous loads) over posix and over S3 (moto, reached
 through a :class:`~harness.faults.FaultProxy`) serves ``clients`` client threads for
 ``seconds``. Every client asks, again and again, one of a fixed set of prompts that share long
 prefixes, so UCM serves most prefixes from one tier or another; vLLM's KV cache is sized so that
@@ -137,7 +138,7 @@ def run(
     faults = _Faults(s3, proxy, posix, fault_period_s)
     stack = {
         "unique_id": f"serve-soak-{uuid.uuid4().hex[:10]}",
-        "buffer": {"capacity": 64 * BLOCK_BYTES},
+        "buffer": {"capacity": 16 * BLOCK_BYTES},
         "tiers": [
             {"type": "posix", "path": str(posix)},
             {
