@@ -52,6 +52,14 @@ from ucm.integration.vllm.worker import unique_key_groups
             )
             for bad in (0, -1.5, "5", True, float("nan"), float("inf"), 3601)
         ),
+        *(
+            (
+                {"ucm_stack": "s.yaml", "ucm_lookup_wait_ms": bad},
+                f"kv_connector_extra_config['ucm_lookup_wait_ms']: {bad!r} is not valid: "
+                "expected a number of milliseconds in [0, 10000] (default 20)",
+            )
+            for bad in (-1, "20", False, float("nan"), 10001)
+        ),
     ],
 )
 def test_extra_config_errors_name_the_key(extra: dict[str, Any], message: str) -> None:
@@ -67,6 +75,14 @@ def test_the_load_deadline_defaults_to_10_s_and_takes_any_positive_number() -> N
     assert load_deadline_s({"ucm_load_deadline_s": 0.05}) == 0.05
     assert load_deadline_s({"ucm_load_deadline_s": 3600}) == 3600.0
     check_extra_config({"ucm_stack": "s.yaml", "ucm_async_load": False, "ucm_load_deadline_s": 2})
+
+
+def test_the_lookup_wait_defaults_to_20_ms_and_takes_0() -> None:
+    from ucm.integration.vllm.config import lookup_wait_s
+
+    assert lookup_wait_s({}) == 0.02
+    assert lookup_wait_s({"ucm_lookup_wait_ms": 0}) == 0.0
+    assert lookup_wait_s({"ucm_lookup_wait_ms": 10000}) == 10.0
 
 
 def test_other_connectors_keys_are_left_alone() -> None:

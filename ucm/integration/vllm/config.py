@@ -37,6 +37,9 @@ EXTRA_KEYS = {
     "run; false: every load finishes before the forward pass",
     "ucm_load_deadline_s": "seconds an asynchronous load may take (default "
     "10); blocks not in the CacheBuffer by then are reported failed and recomputed",
+    "ucm_lookup_wait_ms": "milliseconds the scheduler waits for a look-up that reaches a tier "
+    "below the CacheBuffer (default 20); a slower one finishes in the background while vLLM "
+    "schedules the other requests, and its request is scheduled on a later step",
 }
 """The ``ucm_*`` keys of ``kv_connector_extra_config``; any other ``ucm_*`` key is refused."""
 
@@ -76,6 +79,7 @@ def check_extra_config(extra: Mapping[str, Any]) -> None:
             f"{extra_key('ucm_async_load')}: {async_load!r} is not valid: expected true or false"
         )
     load_deadline_s(extra)
+    lookup_wait_s(extra)
     report = extra.get("ucm_report_block_ids")
     if report is not None and not isinstance(report, bool):
         raise ConfigError(
@@ -100,6 +104,25 @@ def load_deadline_s(extra: Mapping[str, Any]) -> float:
             f"seconds in (0, {LOAD_DEADLINE_S_MAX:g}] (default {LOAD_DEADLINE_S_DEFAULT:g})"
         )
     return float(value)
+
+
+LOOKUP_WAIT_MS_DEFAULT = 20
+LOOKUP_WAIT_MS_MAX = 10_000
+
+
+def lookup_wait_s(extra: Mapping[str, Any]) -> float:
+    """``ucm_lookup_wait_ms``: how long the scheduler waits for a look-up, in seconds."""
+    value = extra.get("ucm_lookup_wait_ms", LOOKUP_WAIT_MS_DEFAULT)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value <= LOOKUP_WAIT_MS_MAX
+    ):
+        raise ConfigError(
+            f"{extra_key('ucm_lookup_wait_ms')}: {value!r} is not valid: expected a number of "
+            f"milliseconds in [0, {LOOKUP_WAIT_MS_MAX}] (default {LOOKUP_WAIT_MS_DEFAULT})"
+        )
+    return float(value) / 1000
 
 
 def check_full_attention(kv_cache_config: KVCacheConfig) -> None:

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ucm import namespaces
 from ucm.affinity import NewThreads, background_cpus
+from ucm.breaker import LOOKUP_THREADS, DaemonPool
 from ucm.errors import ConfigError, UcmError
 
 from ..addresses import BlockAddresses, block_view
@@ -28,6 +29,7 @@ from .config import (
     extra_key,
     load_deadline_s,
     logger,
+    lookup_wait_s,
     open_store,
     ranks_per_node,
 )
@@ -122,7 +124,17 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         nodes = int(getattr(vllm_config.parallel_config, "nnodes", 1) or 1)
         warn_node_local("vLLM", nodes, self._geometry.shards_per_block, self._store.config)
         transfer = self._kv_transfer_config
+        # Look-ups that may reach a tier below the CacheBuffer (network, disk) run on a pool,
+        # so that a slow or black-holed tier never holds the scheduler thread beyond
+        # ucm_lookup_wait_ms; a stack of a CacheBuffer alone answers on the scheduler thread.
+        self._lookup_pool = (
+            DaemonPool("ucm-sched-lookup", LOOKUP_THREADS)
+            if any(tier is not self._store.buffer for tier in self._store.tiers)
+            else None
+        )
         self._sched = SchedulerSide(
+            lookup_pool=self._lookup_pool,
+            lookup_wait_s=lookup_wait_s(self._extra),
             lookup=self._store.lookup,
             lookup_prefix=self._store.lookup_on_prefix,
             key_space=self._key_space,
@@ -386,6 +398,9 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         server = getattr(self, "_metrics_server", None)
         if server is not None:
             server.close()
+        pool = getattr(self, "_lookup_pool", None)
+        if pool is not None:  # look-ups nobody will ask for again: never waited for
+            pool.close()
         # Pending dumps and write-through work finish before the store closes.
         started = time.perf_counter()
         self._store.close()

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 STAT_NAMES: dict[str, str] = {
     "lookups": "requests looked up in UCM (scheduler)",
     "lookup_errors": "lookups that failed (answered as misses)",
+    "lookups_deferred": "lookups still running after ucm_lookup_wait_ms: the request waited "
+    "for a later step while the others ran",
+    "save_lookups_skipped": "save filters still asking the store after ucm_lookup_wait_ms: the "
+    "step dumped every block",
     "hit_tokens": "prompt tokens served from UCM",
     "hit_blocks": "blocks planned for loading from UCM",
     "loaded_blocks": "blocks loaded into vLLM's KV cache (summed over TP ranks)",

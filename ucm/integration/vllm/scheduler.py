@@ -5,6 +5,7 @@ output objects and asks the store through one ``lookup`` function."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import os
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ... import namespaces
+from ...breaker import DaemonPool
 from ..keys import KeySpace, chain_block_ids
 from ..salts import lora_identity
 from ..tenants import TenantMapping
@@ -34,6 +36,9 @@ Lookup = Callable[[Sequence[bytes]], Sequence[bool]]
 LookupPrefix = Callable[[Sequence[bytes]], int]
 """The store's prefix look-up (``Store.lookup_on_prefix``): index of the last block of the
 longest present prefix, -1 if none; stops at the first missing block."""
+SAVE_LOOKUPS_RUNNING_MAX = 1
+"""Save filters left running on the look-up pool (a slow tier) before the next ones are
+skipped (their blocks dumped without asking): the pool is kept for prefix look-ups."""
 BlockTable = Callable[[Any, str], "list[int] | None"]
 """A request's vLLM block ids (the first KV cache group), from the step's block state."""
 
@@ -51,6 +56,21 @@ class _PendingLoad:
     rank done), not with its step's output."""
     invalid: set[int] = field(default_factory=set)
     """Its blocks that some rank reported failed so far (an asynchronous load)."""
+
+
+@dataclass
+class _PendingLookup:
+    """A request's prefix look-up still running on the look-up pool: the scheduler answers
+    ``None`` ("ask again") until it is done, and never waits for it."""
+
+    start: int
+    """The request's block index the look-up starts at."""
+    count: int
+    """Blocks asked (from ``start``)."""
+    skip: int
+    """Leading blocks asked that were being dumped, so not looked up: the look-up asked the
+    store about blocks ``[start + skip, start + count)``."""
+    future: concurrent.futures.Future[int]
 
 
 @dataclass
@@ -114,6 +134,8 @@ class SchedulerSide:
         epoch: int = 0,
         tenants: TenantMapping | None = None,
         resident: Lookup | None = None,
+        lookup_pool: DaemonPool | None = None,
+        lookup_wait_s: float = 0.0,
     ) -> None:
         self._lookup = lookup
         self._lookup_prefix: LookupPrefix = lookup_prefix or (
@@ -124,6 +146,14 @@ class SchedulerSide:
         """Namespaces not yet announced to the workers (UcmConnectorMetadata.namespaces)."""
         self._announced: set[str] = set()
         self._resident = resident
+        self._lookup_pool = lookup_pool
+        """Runs look-ups that may reach a lower tier (None: they run on the scheduler thread)."""
+        self._lookup_wait_s = lookup_wait_s
+        """How long the scheduler waits for a look-up on the pool before it answers ``None``
+        (vLLM asks again on a later step) and lets the other requests run."""
+        self._lookups: dict[str, _PendingLookup] = {}
+        self._save_lookups: list[concurrent.futures.Future[Sequence[bool]]] = []
+        """Save filters that outran ``lookup_wait_s`` and still run on the pool."""
         """Whether each block is in the CacheBuffer (every shard): a load of blocks that all
         are is one memcpy and runs before the forward pass; any other load is asynchronous.
         None: every load runs before the forward pass."""
@@ -192,6 +222,7 @@ class SchedulerSide:
         is neither served nor saved under the new epoch."""
         self.epoch = epoch
         self._salts.clear()
+        self._lookups.clear()  # they asked about the old epoch's ids
         for state in [*self._requests.values(), *(f.state for f in self._finishing.values())]:
             state.salt = os.urandom(32)
             state.chain = []
@@ -226,13 +257,15 @@ class SchedulerSide:
         if full <= start:
             return 0, False
         ids = self._chain(state, full)
-        self.stats.data["lookups"] += 1
         try:
-            found = self._present_prefix(ids[start:])
+            matched = self._matched(request.request_id, ids[start:], start)
         except Exception as exc:  # a lookup never fails a request: it is a miss
             self.stats.data["lookup_errors"] += 1
             logger.warning("UCM lookup failed (served as a miss): %s", exc)
             return 0, False
+        if matched is None:
+            return None, False  # still looking: vLLM skips the request this step
+        found = matched
         if state.load_cap is not None:
             found = min(found, max(state.load_cap - start, 0))
         # vLLM must compute at least one token: never claim the whole prompt.
@@ -350,25 +383,88 @@ class SchedulerSide:
         meta.released, self._release = self._release, set()
         return meta
 
-    def _present_prefix(self, ids: Sequence[bytes]) -> int:
-        """How many of ``ids``, from the first, are in the store or being dumped into it: one
-        prefix look-up (it stops at the first missing block; each tier's answer is bounded by
-        its deadline and breaker), and one more past each block being dumped right now."""
-        found = 0
+    def _matched(self, request_id: str, ids: Sequence[bytes], start: int) -> int | None:
+        """How many of ``ids`` (the request's blocks from ``start`` on) are in the store or
+        being dumped into it, from the first; ``None`` while the look-up is still running.
+
+        Without a look-up pool (a stack whose only tier is the CacheBuffer: nothing to wait
+        for) the look-up runs here. With one, it runs on the pool and the scheduler waits at
+        most ``lookup_wait_s`` for it: a look-up that a slow or black-holed tier holds up (each
+        tier's answer is bounded by its ``lookup_timeout_ms`` and breaker) answers ``None``, and
+        vLLM asks again on later steps while the running requests keep decoding.
+        """
+        pending = self._lookups.pop(request_id, None)
+        if pending is not None and (pending.start, pending.count) == (start, len(ids)):
+            if not pending.future.done():
+                self._lookups[request_id] = pending
+                return None
+            return self._present_prefix(ids, pending.skip, pending.future.result())
+        self.stats.data["lookups"] += 1
+        skip = 0
+        while skip < len(ids) and ids[skip] in self._dumping_ids:
+            skip += 1
+        if skip == len(ids):
+            return skip
+        if self._lookup_pool is None:
+            return self._present_prefix(ids, skip, self._lookup_prefix(ids[skip:]))
+        rest = list(ids[skip:])
+        future = self._lookup_pool.try_submit(lambda: self._lookup_prefix(rest))
+        if future is None:  # every pool thread is held by a slow tier: ask on a later step
+            self.stats.data["lookups_deferred"] += 1
+            return None
+        try:
+            last = future.result(timeout=self._lookup_wait_s)
+        except concurrent.futures.TimeoutError:
+            self.stats.data["lookups_deferred"] += 1
+            self._lookups[request_id] = _PendingLookup(start, len(ids), skip, future)
+            return None
+        return self._present_prefix(ids, skip, last)
+
+    def _present_prefix(self, ids: Sequence[bytes], skip: int, last: int) -> int:
+        """How many of ``ids``, from the first, are in the store or being dumped into it, given
+        that ``ids[:skip]`` are being dumped and the store's prefix look-up of ``ids[skip:]``
+        answered ``last`` (index of its last present block, -1 if none): then one more look-up
+        past each block being dumped right now (rare: on this thread, each bounded by the
+        tiers' deadlines and breakers)."""
+        found = skip + last + 1
         for _ in range(len(ids) + 1):  # each round moves past at least one block
+            if found == len(ids) or ids[found] not in self._dumping_ids:
+                break
             while found < len(ids) and ids[found] in self._dumping_ids:
                 found += 1
             if found == len(ids):
                 break
             found += self._lookup_prefix(ids[found:]) + 1
-            if found == len(ids) or ids[found] not in self._dumping_ids:
-                break
         return found
 
     def _present(self, ids: Sequence[bytes]) -> list[bool]:
-        """Whether each block is in the store or being dumped into it right now."""
+        """Whether each block is in the store or being dumped into it right now. With a look-up
+        pool the scheduler waits at most ``lookup_wait_s`` for the store's answer; past it the
+        blocks count as absent (the step dumps them all: a dump of a block already stored
+        rewrites the same bytes, it never serves a wrong one)."""
         asked = [block_id for block_id in ids if block_id not in self._dumping_ids]
-        answers = dict(zip(asked, self._lookup(asked), strict=True)) if asked else {}
+        found: Sequence[bool] = [False] * len(asked)
+        pool = self._lookup_pool
+        if asked and pool is None:
+            found = self._lookup(asked)
+        elif asked and pool is not None:
+            # Save filters still running on the pool (a slow tier) are not joined by more:
+            # the pool stays free for the prefix look-ups that admit requests.
+            self._save_lookups = [future for future in self._save_lookups if not future.done()]
+            future = (
+                pool.try_submit(lambda: self._lookup(asked))
+                if len(self._save_lookups) < SAVE_LOOKUPS_RUNNING_MAX
+                else None
+            )
+            if future is None:
+                self.stats.data["save_lookups_skipped"] += 1
+            else:
+                try:
+                    found = future.result(timeout=self._lookup_wait_s)
+                except concurrent.futures.TimeoutError:
+                    self._save_lookups.append(future)
+                    self.stats.data["save_lookups_skipped"] += 1
+        answers = dict(zip(asked, found, strict=True))
         return [block_id in self._dumping_ids or answers[block_id] for block_id in ids]
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -477,6 +573,7 @@ class SchedulerSide:
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
         self._load_first.pop(request.request_id, None)
         self._load_async.discard(request.request_id)
