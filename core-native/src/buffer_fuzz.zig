@@ -117,6 +117,8 @@ const SlotModel = struct {
     flusher: ?u32 = null,
     /// Commits so far (never reset).
     version: u32 = 0,
+    /// Uses since the slot was installed (`Slot.reuses`): Get hits and waiters, saturating.
+    reuses: u16 = 0,
 };
 
 const EntryModel = struct {
@@ -313,6 +315,7 @@ const Model = struct {
         slot.key = key;
         slot.state = .idle;
         slot.accessed = owner;
+        slot.reuses = 0;
         slot.owner = if (owner) caller.holder.? else null;
         slot.preallocated = !owner;
         if (owner) slot.holders = holder_bit(caller.holder.?);
@@ -423,6 +426,7 @@ const Model = struct {
         if (slot.state == .ready) {
             slot.holders |= holder_bit(me);
             slot.accessed = true;
+            slot.reuses +|= 1;
             model.count(.hits, 1);
             return .hit;
         }
@@ -437,6 +441,7 @@ const Model = struct {
             return .owner;
         }
         slot.holders |= holder_bit(me);
+        slot.reuses +|= 1;
         return .waiter;
     }
 
@@ -1592,6 +1597,7 @@ const World = struct {
             try check("slot holders", index, slot.holders, real.holders.load(.monotonic));
             try check("slot flusher", index, if (slot.flusher) |flusher| flusher + 1 else 0, real.flusher.load(.monotonic));
             try check("slot version", index, slot.version, real.version.load(.monotonic));
+            try check("slot reuses", index, slot.reuses, real.reuses.load(.monotonic));
             var flags: u32 = 0;
             if (index >= model.slot_count_regular) flags |= buffer_module.slot_flag_reserved;
             if (slot.preallocated) flags |= buffer_module.slot_flag_preallocated;
