@@ -225,10 +225,11 @@ pub const Slot = extern struct {
     /// Bytes 60..61: reserved for the per-namespace quota's namespace index.
     _pad: [2]u8,
     /// Uses of the shard since it was installed in this slot, saturating at the u16 maximum:
-    /// Gets that found the key resident (a `hit`, or a `waiter` of another rank's fill; a pin
-    /// is a Get). Not counted: the Get that installs the slot (`owner`), `held`, look-ups,
-    /// touches, prealloc, and `admit`'s own references. Reset when the slot is installed for
-    /// another key. Changed only under the bucket lock; admission reads it (`admit`).
+    /// Gets that found the key resident (`hit`, `waiter` of a fill, `held` by the caller
+    /// already: a pin, a flush or admission claim, another task of its own; a pin is a Get).
+    /// Not counted: the Get that installs the slot or takes an idle one over (`owner`),
+    /// look-ups, touches, prealloc, and `admit`'s own references. Reset when the slot is
+    /// installed for another key. Changed only under the bucket lock; `admit` reads it.
     reuses: Atomic(u16),
 
     pub fn refcount(slot: *const Slot) u32 {
@@ -1290,7 +1291,10 @@ pub const Buffer = struct {
         const mine = holder_bit(buffer.holder);
         _ = buffer.drop_dead_refs_locked(slot_index);
         const holders = slot.holders.load(.monotonic);
-        if (holders & mine != 0) return .held;
+        if (holders & mine != 0) {
+            count_reuse(slot); // Asked again by a process that holds it: a use too.
+            return .held;
+        }
         const state: State = @enumFromInt(slot.state.load(.monotonic));
         assert(state != .failed and state != .missing); // Detached by `commit`.
         // Monotonic holder/bit updates: the bucket lock orders them.

@@ -117,7 +117,8 @@ const SlotModel = struct {
     flusher: ?u32 = null,
     /// Commits so far (never reset).
     version: u32 = 0,
-    /// Uses since the slot was installed (`Slot.reuses`): Get hits and waiters, saturating.
+    /// Uses since the slot was installed (`Slot.reuses`): Gets answered hit, waiter or held,
+    /// saturating.
     reuses: u16 = 0,
 };
 
@@ -421,7 +422,10 @@ const Model = struct {
     fn get_resident(model: *Model, me: u32, slot_index: u32) GetResult {
         const slot = &model.slots[slot_index];
         _ = model.drop_dead_refs(slot_index);
-        if (slot.holders & holder_bit(me) != 0) return .held;
+        if (slot.holders & holder_bit(me) != 0) {
+            slot.reuses +|= 1;
+            return .held;
+        }
         assert(slot.state == .idle or slot.state == .ready);
         if (slot.state == .ready) {
             slot.holders |= holder_bit(me);

@@ -102,8 +102,9 @@ def _call(conn: Connection, command: tuple[Any, ...]) -> Any:
 
 def test_reuse_counts_are_exact_with_four_ranks_in_real_processes(tmp_path: Path) -> None:
     """Every Get that finds a shard resident counts one use, whichever rank makes it, hits
-    and waits on another rank's load alike; look-ups do not count."""
-    config = gated_stack(tmp_path, "always")
+    and waits on another rank's load alike; look-ups do not count. Admission writes each
+    block once node-wide."""
+    config = gated_stack(tmp_path, {"after_reuse": 1})
     blocks = range(8)
     with ucm.open(config) as parent:
         dump(parent, blocks)
@@ -125,6 +126,18 @@ def test_reuse_counts_are_exact_with_four_ranks_in_real_processes(tmp_path: Path
             expected = [2 * sum(1 for r in range(4) if n <= 2 * r + 1) for n in blocks]
             assert expected == [8, 8, 6, 6, 4, 4, 2, 2]
             assert reuses(parent, blocks) == expected
+            # Each block was admitted (after_reuse: 1) by exactly one rank of the four, which
+            # wrote it to posix once: the admission bit is node-wide.
+            deadline = time.monotonic() + REPLY_TIMEOUT_S
+            while True:
+                admitted = [
+                    _call(mine, ("stats",))["store"]["admitted_shards"] for mine, _ in pipes
+                ]
+                if sum(admitted) >= 8 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert sum(admitted) == 8, admitted
+            assert posix_holds(tmp_path, blocks) == dict.fromkeys(blocks, True)
             for mine, _ in pipes:
                 assert _call(mine, ("close",)) is None
             group.join()
