@@ -285,9 +285,8 @@ def _plot(results: dict[str, dict[str, float]], slots: int) -> Plot:
     positions = [float(i) for i in range(len(labels))]
     return Plot(
         filename=f"admission_{slots}.png",
-        title=f"buffer {slots} slots; x: "
-        + ", ".join(f"{i}={name}" for i, name in enumerate(labels)),
-        xlabel="policy",
+        title=f"admission, buffer of {slots} slots",
+        xlabel=" ".join(f"{i}: {name};" for i, name in enumerate(labels)),
         ylabel="ratio to admit: always",
         series={
             "bytes written to posix": (
