@@ -45,7 +45,9 @@ from .layout import Key
 from .tier import Outcome, ShardViews, Tier
 
 CHECK_INTERVAL_S = 0.005
-"""How often the admission thread looks for finished loads and due residency checks."""
+"""How often the admission thread looks for finished loads while some are pending."""
+IDLE_WAIT_S = 1.0
+"""Longest the admission thread sleeps when nothing is pending (a registration wakes it)."""
 CHECK_KEYS_MAX = 4096
 """Keys one admission check takes at a time (one batched claim per gated tier)."""
 
@@ -237,7 +239,17 @@ class Admission:
             with self._lock:
                 if self._stop:
                     return
-                self._lock.wait(CHECK_INTERVAL_S)
+                # Idle (nothing pending): sleep until a load or dump is registered.
+                if self._loads:
+                    timeout: float | None = CHECK_INTERVAL_S
+                elif self._residency:
+                    due = min(entry[0] for entry in self._residency)
+                    timeout = max(0.0, min(due - time.monotonic(), IDLE_WAIT_S))
+                else:
+                    timeout = IDLE_WAIT_S
+                self._lock.wait(timeout)
+                if self._stop:
+                    return
             try:
                 self._check_loads()
                 self._check_residency(time.monotonic())
