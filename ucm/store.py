@@ -524,7 +524,10 @@ class Store:
             if self._native is not None:
                 self._native.close()
             if self._admission is not None:  # after the loads finished, before the flushes
-                self._admission.close()
+                try:
+                    self._admission.close()
+                except Exception as exc:  # the flushes and closes below still run
+                    errors.append(exc)
             # Top first: the buffer's write-back debt lands in the tiers below before they
             # flush. One tier's failure does not keep the others from flushing.
             for tier in self.tiers:
