@@ -8,8 +8,8 @@ is *admitted*, and then at once, by whichever process of the node admits it:
   finds the shard resident counts one use (a hit, a wait on another rank's load, a pin), in
   any rank or engine of the node; look-ups, touches and prefetch do not. A slot that is
   evicted or removed takes its count with it.
-- **After every load** of this process the loaded keys are checked: a key whose count reached
-  N is admitted (with a minimum residency too, only once it survived it).
+- **After every load and dump** of this process its keys are checked: a key whose count
+  reached N is admitted (with a minimum residency too, only once it survived it).
 - **Residency**: T milliseconds after a dump of this process, its keys still in the CacheBuffer
   are marked as having survived T, and admitted when their count allows.
 - **Exactly once**: admission sets a per-tier bit in the slot under its bucket lock
@@ -115,7 +115,7 @@ class Admission:
             self._lock.notify_all()
 
     def on_load(self, done: Callable[[], bool], keys: Sequence[Key]) -> None:
-        """A load of ``keys`` was submitted; once ``done()`` they are checked."""
+        """A load (or dump) of ``keys`` was submitted; once ``done()`` they are checked."""
         if keys:
             with self._lock:
                 self._loads.append((done, list(keys)))

@@ -640,16 +640,22 @@ class Store:
             self._admission.on_dump(task_keys.keys)
         if self._dumps is None:  # straight into the buffer's native queue
             assert self._native is not None
-            return self._native.task("dump", self._native.submit(TaskKind.DUMP, task_keys, memory))
-        progress = Progress(
-            task_keys.keys, on_complete=lambda _done: arguments.release_staging(memory)
-        )
-        try:
-            self._dumps.submit(DumpItem(task_keys, memory, progress))
-        except BaseException:
-            arguments.release_staging(memory)
-            raise
-        return Task("dump", task_keys, progress)
+            job = self._native.submit(TaskKind.DUMP, task_keys, memory)
+            task = self._native.task("dump", job)
+        else:
+            progress = Progress(
+                task_keys.keys, on_complete=lambda _done: arguments.release_staging(memory)
+            )
+            try:
+                self._dumps.submit(DumpItem(task_keys, memory, progress))
+            except BaseException:
+                arguments.release_staging(memory)
+                raise
+            task = Task("dump", task_keys, progress)
+        if self._admission is not None:
+            # A dump of a shard already in the buffer is a use: checked like a load's keys.
+            self._admission.on_load(task.done, task_keys.keys)
+        return task
 
     def _tier_lookup(self, position: int, keys: list[Key], prefix: bool = False) -> list[bool]:
         """One tier's answers about ``keys`` (with ``prefix``, possibly only the first ones, up

@@ -229,7 +229,8 @@ pub const Slot = extern struct {
     /// already: a pin, a flush or admission claim, another task of its own; a pin is a Get).
     /// Not counted: the Get that installs the slot or takes an idle one over (`owner`),
     /// look-ups, touches, prealloc, and `admit`'s own references. Reset when the slot is
-    /// installed for another key. Changed only under the bucket lock; `admit` reads it.
+    /// installed (for another key, or for the same key: a dump replacing a Ready copy removes
+    /// it and claims afresh). Changed only under the bucket lock; `admit` reads it.
     reuses: Atomic(u16),
 
     pub fn refcount(slot: *const Slot) u32 {
@@ -1681,6 +1682,7 @@ pub const Buffer = struct {
             defer buffer.lock_release(bucket_index);
             count_out.* = 0;
             if (buffer.find(bucket_index, block_id, shard_index)) |slot_index| {
+                // Monotonic: written only under this bucket lock, which we hold.
                 count_out.* = buffer.slots[slot_index].reuses.load(.monotonic);
             }
         }

@@ -307,3 +307,17 @@ def test_a_corrupt_admit_value_names_its_yaml_path(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         ucm.open(gated_stack(tmp_path, {"after_reuse": 1}, write="none"))
     assert "tiers[1].admit: a `write: none` tier is never written by the cascade" in str(info.value)
+
+
+def test_a_dump_that_replaces_a_resident_block_starts_its_count_over(tmp_path: Path) -> None:
+    """The dump path replaces a Ready copy (remove, then claim afresh): the new slot's count
+    starts at 0, so a re-dump neither admits the block nor keeps the uses it had."""
+    with ucm.open(gated_stack(tmp_path, {"after_reuse": 2})) as store:
+        dump(store, range(3))
+        load(store, [0])
+        store.drain()
+        assert reuses(store, range(3)) == [1, 0, 0]
+        dump(store, [0])
+        store.drain()
+        assert reuses(store, range(3)) == [0, 0, 0]
+        assert not any(posix_holds(tmp_path, range(3)).values())
