@@ -9,9 +9,11 @@ loading, the JSON Schema) is ``ucm.stack``, above the plugins, whose tier types 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeFloat, PositiveFloat
+from pydantic_core import PydanticCustomError
 
 from .codecs import CodecConfig, NoCodec
 from .native import _abi
@@ -57,6 +59,74 @@ class BreakerConfig(BaseModel):
     )
 
 
+class AdmitConfig(BaseModel):
+    """When a lower tier accepts a shard (YAML ``tiers[i].admit``; the Store runs it over the
+    CacheBuffer's use counts, see docs/configuration.md). ``always`` (the string) is
+    ``AdmitConfig()``: no condition. ``after_reuse: N``: the shard goes down once it was used N
+    times in the CacheBuffer, counted node-wide (every rank and engine of the node).
+    ``min_residency_ms: T``: once it stayed T milliseconds in the CacheBuffer after its dump.
+    Both: once both hold."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    after_reuse: int | None = Field(
+        default=None,
+        ge=1,
+        le=_abi.BUFFER_REUSES_MAX,
+        description="Uses (node-wide CacheBuffer hits, and waits on another rank's load of "
+        "it) a shard needs before it is written to this tier.",
+    )
+    min_residency_ms: int | None = Field(
+        default=None,
+        ge=1,
+        le=24 * 3600 * 1000,
+        description="Milliseconds a shard must stay in the CacheBuffer after its dump before "
+        "it is written to this tier.",
+    )
+
+    @property
+    def always(self) -> bool:
+        """No condition: every shard is written as without ``admit:``."""
+        return self.after_reuse is None and self.min_residency_ms is None
+
+    def describe(self) -> str:
+        if self.always:
+            return "always"
+        parts = []
+        if self.after_reuse is not None:
+            parts.append(f"after_reuse: {self.after_reuse}")
+        if self.min_residency_ms is not None:
+            parts.append(f"min_residency_ms: {self.min_residency_ms}")
+        return "{" + ", ".join(parts) + "}"
+
+
+ADMIT_VALID = (
+    "'always', or a mapping with after_reuse: N (1..65535 uses) and/or min_residency_ms: T "
+    "(1..86400000 ms)"
+)
+
+
+def _parse_admit(value: Any) -> Any:
+    if isinstance(value, AdmitConfig):
+        return value
+    if isinstance(value, str):
+        if value == "always":
+            return AdmitConfig()
+        raise PydanticCustomError(
+            "admit_unknown",
+            "unknown admission policy {value}; valid: {valid}",
+            {"value": repr(value), "valid": ADMIT_VALID},
+        )
+    if not isinstance(value, Mapping) or not value:
+        raise PydanticCustomError(
+            "admit_invalid", "not an admission policy; valid: {valid}", {"valid": ADMIT_VALID}
+        )
+    return value
+
+
+Admit = Annotated[AdmitConfig, BeforeValidator(_parse_admit)]
+
+
 class LowerTierConfig(TierConfig):
     """Base for tiers that can sit below the top of a stack."""
 
@@ -76,6 +146,12 @@ class LowerTierConfig(TierConfig):
         description="How this tier stores the shards it writes: none, lz4, {type: zstd, level, "
         "shuffle}, or the LOSSY {type: fp8, source_dtype}. Recorded in each shard's envelope; "
         "shards written under an earlier codec stay readable (ucm.codecs).",
+    )
+    admit: Admit = Field(
+        default_factory=AdmitConfig,
+        description="Which shards this tier accepts: always (default), {after_reuse: N}: once "
+        "used N times node-wide in the CacheBuffer, {min_residency_ms: T}: once they stayed T ms "
+        "in the CacheBuffer, or both. Needs a buffer tier at the top of the stack.",
     )
     lookup_timeout_ms: int = Field(
         default=1000,

@@ -34,8 +34,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .buffer import BufferTierConfig
-from .config import LoadSettings, Size, TierConfig
+from .config import AdmitConfig, LoadSettings, Size, TierConfig
 from .errors import ConfigError
+from .native import _abi
 from .plugins import tier_types
 
 
@@ -115,7 +116,9 @@ class StackConfig(BaseModel):
                 )
         elif self.shard_size == 0:
             raise PydanticCustomError("geometry_zero", "shard_size must be at least 1 byte")
+        in_section = self.buffer is not None
         self._place_buffer()
+        self._check_admission(1 if in_section else 0)
         if self.load is not None and self.buffer is not None:
             raise PydanticCustomError(
                 "load_with_buffer",
@@ -151,6 +154,38 @@ class StackConfig(BaseModel):
             object.__setattr__(self, "tiers", [self.buffer, *self.tiers])
         if not self.tiers:
             raise _located("tiers", "give a buffer section or at least one tier", self.tiers)
+
+    def _check_admission(self, offset: int) -> None:
+        """``admit:`` conditions need the CacheBuffer (it counts the uses) and a tier the
+        cascade writes; at most ``BUFFER_ADMISSION_TIERS_MAX`` gated tiers (bits per slot)."""
+        gated = 0
+        for position, tier in enumerate(self.tiers):
+            rule = getattr(tier, "admit", None)
+            if not isinstance(rule, AdmitConfig) or rule.always:
+                continue
+            where = f"tiers[{position - offset}].admit"  # the YAML's index
+            if self.buffer is None:
+                raise _located(
+                    where,
+                    "admission counts uses in the CacheBuffer: give the stack a buffer tier "
+                    "(the buffer section or tiers[0]), or use admit: always",
+                    rule.describe(),
+                )
+            if getattr(tier, "write", None) == "none":
+                raise _located(
+                    where,
+                    "a `write: none` tier is never written by the cascade, so there is nothing "
+                    "to admit; use write: through or write: back, or admit: always",
+                    rule.describe(),
+                )
+            gated += 1
+            if gated > _abi.BUFFER_ADMISSION_TIERS_MAX:
+                raise _located(
+                    where,
+                    f"at most {_abi.BUFFER_ADMISSION_TIERS_MAX} tiers of a stack may have an "
+                    "admit condition (one bit each per CacheBuffer slot)",
+                    rule.describe(),
+                )
 
     @property
     def load_settings(self) -> LoadSettings:

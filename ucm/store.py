@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import arguments, namespaces
+from .admission import Admission, GatedTier
 from .breaker import TierGuard
 from .buffer import BufferTier
 from .config import LowerTierConfig
@@ -142,12 +143,31 @@ class Store:
             settings = settings.model_copy(update={"write_queue_bytes": write_queue_bytes})
         self.settings = settings
         self._start = 1 if self._buffer is not None else 0
+        # Tiers with an admit: condition (ucm.admission): written at admission, not by dumps
+        # nor flushes. The stack's validation guarantees a buffer above them.
+        gated: list[GatedTier] = []
+        for position, tier in enumerate(self.tiers):
+            tier_config = tier.config
+            if isinstance(tier_config, LowerTierConfig) and not tier_config.admit.always:
+                gated.append(
+                    GatedTier(
+                        position=position,
+                        index=len(gated),
+                        tier=tier,
+                        rule=tier_config.admit,
+                        through=tier_config.write == "through",
+                    )
+                )
+        self._gated_positions = {gate.position for gate in gated}
         through = [
             tier
-            for tier in self.tiers[1:]
-            if isinstance(tier.config, LowerTierConfig) and tier.config.write == "through"
+            for position, tier in enumerate(self.tiers[1:], start=1)
+            if isinstance(tier.config, LowerTierConfig)
+            and tier.config.write == "through"
+            and position not in self._gated_positions
         ]
         self._native: LoadPath | None = None
+        self._admission: Admission | None = None
         self._own_queue: NativeQueue | None = None
         self._dumps: DumpQueue | None = None
         self._worker = device_id >= 0
@@ -174,6 +194,9 @@ class Store:
                     settings=settings,
                     dirty_dumps=self._buffer is not None and self._buffer.writes_back,
                 )
+            if self._worker and gated:
+                assert self._buffer is not None  # checked by the stack's validation
+                self._admission = Admission(self._buffer, gated, self._count)
             # Dumps that Python follows up go through the dump thread: without a buffer, with
             # write-through tiers, or within the write-back bound.
             writes_back = self._buffer is not None and self._buffer.writes_back
@@ -187,6 +210,8 @@ class Store:
                     buffer=self._buffer,
                 )
         except BaseException:
+            if self._admission is not None:
+                self._admission.close()
             if self._native is not None:
                 self._native.close()
             if self._own_queue is not None:
@@ -445,9 +470,12 @@ class Store:
 
     def drain(self) -> None:
         """Blocks until every dump submitted so far is written to every ``write: through``
-        tier (what close() also does)."""
+        tier (what close() also does), and, with ``admit:`` conditions, until the admission
+        checks of this process's finished loads and due residency checks ran."""
         if self._dumps is not None:
             self._dumps.drain()
+        if self._admission is not None:
+            self._admission.settle()
 
     def stats(self) -> dict[str, Any]:
         """Store counters plus each tier's own counters under ``tiers``."""
@@ -467,6 +495,10 @@ class Store:
             "failed_shards",
             "repaired_shards",
             "write_through_skipped",
+            "admitted_shards",
+            "admitted_bytes",
+            "declined_shards",
+            "declined_bytes",
         ):
             counters.setdefault(name, 0)
         lookups = counters["hits"] + counters["misses"]
@@ -491,6 +523,11 @@ class Store:
                 self._dumps.close()
             if self._native is not None:
                 self._native.close()
+            if self._admission is not None:  # after the loads finished, before the flushes
+                try:
+                    self._admission.close()
+                except Exception as exc:  # the flushes and closes below still run
+                    errors.append(exc)
             # Top first: the buffer's write-back debt lands in the tiers below before they
             # flush. One tier's failure does not keep the others from flushing.
             for tier in self.tiers:
@@ -520,8 +557,13 @@ class Store:
                 "name": tier.label,
                 **tier.stats(),
                 **(guard.stats() if guard is not None else {}),
+                **(
+                    self._admission.stats_of(position)
+                    if self._admission is not None and position in self._gated_positions
+                    else {}
+                ),
             }
-            for tier, guard in zip(self.tiers, self._guards, strict=True)
+            for position, (tier, guard) in enumerate(zip(self.tiers, self._guards, strict=True))
         ]
 
     def __enter__(self) -> Store:
@@ -585,24 +627,35 @@ class Store:
         if not len(task_keys):  # nothing to load: done at once, and not a task of the queue
             return Task("load", [], Progress([]))
         assert self._native is not None  # the queue counts its load tasks
-        return self._native.task("load", self._native.submit(TaskKind.LOAD, task_keys, memory))
+        task = self._native.task("load", self._native.submit(TaskKind.LOAD, task_keys, memory))
+        if self._admission is not None:
+            self._admission.on_load(task.done, task_keys.keys)
+        return task
 
     def _submit_dump(self, task_keys: arguments.TaskKeys, memory: arguments.ShardMemory) -> Task:
         self._count("dump_tasks")
         if not len(task_keys):
             return Task("dump", [], Progress([]))
+        if self._admission is not None:
+            self._admission.on_dump(task_keys.keys)
         if self._dumps is None:  # straight into the buffer's native queue
             assert self._native is not None
-            return self._native.task("dump", self._native.submit(TaskKind.DUMP, task_keys, memory))
-        progress = Progress(
-            task_keys.keys, on_complete=lambda _done: arguments.release_staging(memory)
-        )
-        try:
-            self._dumps.submit(DumpItem(task_keys, memory, progress))
-        except BaseException:
-            arguments.release_staging(memory)
-            raise
-        return Task("dump", task_keys, progress)
+            job = self._native.submit(TaskKind.DUMP, task_keys, memory)
+            task = self._native.task("dump", job)
+        else:
+            progress = Progress(
+                task_keys.keys, on_complete=lambda _done: arguments.release_staging(memory)
+            )
+            try:
+                self._dumps.submit(DumpItem(task_keys, memory, progress))
+            except BaseException:
+                arguments.release_staging(memory)
+                raise
+            task = Task("dump", task_keys, progress)
+        if self._admission is not None:
+            # A dump of a shard already in the buffer is a use: checked like a load's keys.
+            self._admission.on_load(task.done, task_keys.keys)
+        return task
 
     def _tier_lookup(self, position: int, keys: list[Key], prefix: bool = False) -> list[bool]:
         """One tier's answers about ``keys`` (with ``prefix``, possibly only the first ones, up
@@ -738,26 +791,33 @@ class Store:
         # The `write: back` tiers below `position` that a shard leaving it would otherwise
         # lack: those above the first `write: through` tier below it, which holds every dump
         # already (its own evictions feed the back tiers under it).
-        back = []
+        # A gated `write: back` tier (an admit: condition) is skipped: it gets a shard at its
+        # admission only, so a debt paid without it drops the shard there (ucm.admission).
+        back: list[int] = []
+        gated_back: list[int] = []
         for i in range(position + 1, len(self.config.tiers)):
             tier_config = self.config.tiers[i]
             if not isinstance(tier_config, LowerTierConfig):
                 continue
-            if tier_config.write == "through":
-                break
+            if tier_config.write == "through" and tier_config.admit.always:
+                break  # a gated through tier does not hold every dump: look further down
             if tier_config.write == "back":
-                back.append(i)
-        if not back:
+                (back if tier_config.admit.always else gated_back).append(i)
+        if not back and not gated_back:
             return None
 
         def sink(keys: Sequence[Key], views: Sequence[ShardViews]) -> Sequence[Outcome]:
             results: list[Outcome] = [None] * len(keys)
+            if self._admission is not None:
+                for i in gated_back:
+                    self._admission.declined(i, len(keys))
             for i in back:
                 outcomes = self.tiers[i].dump(keys, views)
                 for j, outcome in enumerate(outcomes):
                     if outcome is not None:
                         results[j] = outcome
-            self._count("written_back_shards", sum(1 for r in results if r is None))
+            if back:
+                self._count("written_back_shards", sum(1 for r in results if r is None))
             return results
 
         return sink

@@ -53,6 +53,8 @@ pub fn generate(writer: *std.Io.Writer) !void {
     try write_names(writer, "BUFFER_COUNTER_NAMES", &buffer.counter_names);
     try write_int(writer, "SLOT_NONE", buffer.slot_none);
     try write_int(writer, "COMMIT_DIRTY_BIT", buffer.commit_dirty_bit);
+    try write_int(writer, "BUFFER_REUSES_MAX", buffer.reuses_max);
+    try write_int(writer, "BUFFER_ADMISSION_TIERS_MAX", buffer.admission_tiers_max);
     try write_enum(writer, "State", buffer.State);
     try write_enum(writer, "GetResult", buffer.GetResult);
     try write_enum(writer, "WaitResult", buffer.WaitResult);
@@ -178,6 +180,7 @@ fn ctype_of(comptime T: type) []const u8 {
     inline for (named_structs) |entry| {
         if (T == entry[1]) return entry[0];
     }
+    if (T == std.atomic.Value(u16)) return "ctypes.c_uint16";
     if (T == std.atomic.Value(u32)) return "ctypes.c_uint32";
     if (T == std.atomic.Value(u64)) return "ctypes.c_uint64";
     switch (@typeInfo(T)) {

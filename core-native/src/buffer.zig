@@ -60,6 +60,14 @@ pub const slot_flag_dirty: u32 = 1 << 2;
 
 /// OR'ed into a commit's state code: publish the slot Ready *and* dirty (a dump into a buffer
 /// that has `write: back` tiers below it).
+/// Admission (`admit`): bit `slot_flag_admitted_shift + t` set once the shard was admitted to
+/// the lower tier of admission index t (`admission_tiers_max` of them), so exactly one process
+/// node-wide writes it there; bit `slot_flag_matured_shift + t` once it survived that tier's
+/// minimum residency. Cleared with the other flags when the slot is installed or freed.
+pub const slot_flag_admitted_shift: u5 = 8;
+pub const slot_flag_matured_shift: u5 = 16;
+pub const admission_tiers_max: u32 = 8;
+pub const reuses_max: u16 = std.math.maxInt(u16);
 pub const commit_dirty_bit: u8 = 0x80;
 
 const lock_contended_bit: u32 = 1 << 31;
@@ -214,7 +222,16 @@ pub const Slot = extern struct {
     holders: Atomic(u64),
     /// Holder index + 1 of the process writing this dirty slot down (`take_dirty`), else 0.
     flusher: Atomic(u32),
-    _pad: [constants.buffer_slot_size_bytes - 60]u8,
+    /// Bytes 60..61: reserved for the per-namespace quota's namespace index.
+    _pad: [2]u8,
+    /// Uses of the shard since it was installed in this slot, saturating at the u16 maximum:
+    /// Gets that found the key resident (`hit`, `waiter` of a fill, `held` by the caller
+    /// already: a pin, a flush or admission claim, another task of its own; a pin is a Get).
+    /// Not counted: the Get that installs the slot or takes an idle one over (`owner`),
+    /// look-ups, touches, prealloc, and `admit`'s own references. Reset when the slot is
+    /// installed (for another key, or for the same key: a dump replacing a Ready copy removes
+    /// it and claims afresh). Changed only under the bucket lock; `admit` reads it.
+    reuses: Atomic(u16),
 
     pub fn refcount(slot: *const Slot) u32 {
         return @popCount(slot.holders.load(.monotonic));
@@ -264,6 +281,9 @@ comptime {
     assert(@typeInfo(Counter).@"enum".fields.len == counter_count);
     assert(@sizeOf(Bucket) == constants.buffer_bucket_size_bytes);
     assert(@sizeOf(Slot) == constants.buffer_slot_size_bytes);
+    assert(@offsetOf(Slot, "reuses") == 62);
+    assert(slot_flag_admitted_shift + admission_tiers_max <= slot_flag_matured_shift);
+    assert(slot_flag_matured_shift + admission_tiers_max <= 32);
     assert(@offsetOf(Slot, "holders") % 8 == 0);
     assert(@sizeOf(HolderEntry) == constants.buffer_holder_entry_size_bytes);
     assert(@sizeOf(Holders) == constants.buffer_holder_table_size_bytes);
@@ -1048,6 +1068,7 @@ pub const Buffer = struct {
         slot.accessed.store(0, .monotonic);
         slot.owner.store(0, .monotonic);
         slot.flusher.store(0, .monotonic);
+        slot.reuses.store(0, .monotonic);
         buffer.clear_dirty(slot);
         _ = slot.flags.fetchAnd(slot_flag_reserved, .monotonic);
         // Release: an allocator that CASes the bucket from free sees the cleared fields.
@@ -1213,9 +1234,11 @@ pub const Buffer = struct {
         slot.state.store(@intFromEnum(State.idle), .monotonic);
         slot.owner.store(if (owner) buffer.holder + 1 else 0, .monotonic);
         slot.accessed.store(if (owner) 1 else 0, .monotonic);
+        slot.reuses.store(0, .monotonic);
         if (owner) {
             _ = slot.flags.fetchAnd(slot_flag_reserved, .monotonic);
         } else {
+            _ = slot.flags.fetchAnd(slot_flag_reserved, .monotonic);
             _ = slot.flags.fetchOr(slot_flag_preallocated, .monotonic);
         }
         buffer.link(bucket_index, slot_index);
@@ -1269,13 +1292,17 @@ pub const Buffer = struct {
         const mine = holder_bit(buffer.holder);
         _ = buffer.drop_dead_refs_locked(slot_index);
         const holders = slot.holders.load(.monotonic);
-        if (holders & mine != 0) return .held;
+        if (holders & mine != 0) {
+            count_reuse(slot); // Asked again by a process that holds it: a use too.
+            return .held;
+        }
         const state: State = @enumFromInt(slot.state.load(.monotonic));
         assert(state != .failed and state != .missing); // Detached by `commit`.
         // Monotonic holder/bit updates: the bucket lock orders them.
         if (state == .ready) {
             _ = slot.holders.fetchOr(mine, .monotonic);
             slot.accessed.store(1, .monotonic);
+            count_reuse(slot);
             buffer.count(.hits, 1);
             return .hit;
         }
@@ -1291,7 +1318,15 @@ pub const Buffer = struct {
             return .owner;
         }
         _ = slot.holders.fetchOr(mine, .monotonic);
+        count_reuse(slot);
         return .waiter;
+    }
+
+    /// One more use of the slot's shard (saturating). The caller holds the bucket lock.
+    fn count_reuse(slot: *Slot) void {
+        // Monotonic: every writer holds the bucket lock, which orders the load and the store.
+        const uses = slot.reuses.load(.monotonic);
+        if (uses < reuses_max) slot.reuses.store(uses + 1, .monotonic);
     }
 
     fn allocate_for_get(buffer: Buffer, bucket_index: u32) ?Victim {
@@ -1586,6 +1621,71 @@ pub const Buffer = struct {
         cursor.* = position;
         assert(taken <= out.slots.len);
         return taken;
+    }
+
+    /// What `admit` checks for one lower tier (its admission index `tier`).
+    pub const AdmitRule = struct {
+        /// Uses the shard needs (`Slot.reuses`); 0 admits on residency alone.
+        reuses_min: u16,
+        tier: u32,
+        /// This call is the tier's residency check (the shard survived its minimum
+        /// residency): mark the slot matured for the tier before checking.
+        mature: bool,
+        /// The tier has a minimum residency: only a matured slot is admitted.
+        needs_mature: bool,
+    };
+
+    /// Admission: per key, when the slot is Ready and meets `rule` and was not yet admitted to
+    /// the tier, sets its admitted bit and takes this holder's reference (so it cannot be
+    /// evicted while the caller writes it down; released like `take_dirty`'s), and writes the
+    /// slot to `out_slots[i]`, else `slot_none`. The bit makes exactly one process node-wide
+    /// the writer. A slot this holder already references is skipped (checked again at the
+    /// key's next use). `admit` never counts a use. Returns how many were admitted.
+    pub fn admit(buffer: Buffer, block_ids: []const BlockId, shard_indices: []const u32, rule: AdmitRule, out_slots: []u32) u32 {
+        assert(block_ids.len == shard_indices.len and out_slots.len == block_ids.len);
+        assert(rule.tier < admission_tiers_max);
+        assert(buffer.holder < constants.buffer_holders_max);
+        const admitted_bit = @as(u32, 1) << (slot_flag_admitted_shift + @as(u5, @intCast(rule.tier)));
+        const matured_bit = @as(u32, 1) << (slot_flag_matured_shift + @as(u5, @intCast(rule.tier)));
+        const mine = holder_bit(buffer.holder);
+        var admitted: u32 = 0;
+        for (block_ids, shard_indices, out_slots) |*block_id, shard_index, *out| {
+            out.* = slot_none;
+            const bucket_index = buffer.bucket_of(block_id);
+            buffer.lock_acquire(bucket_index) catch continue; // Not admitted now; next use.
+            defer buffer.lock_release(bucket_index);
+            const slot_index = buffer.find(bucket_index, block_id, shard_index) orelse continue;
+            const slot = &buffer.slots[slot_index];
+            if (slot.state.load(.monotonic) != @intFromEnum(State.ready)) continue;
+            // Monotonic flag and holder updates: the bucket lock orders them.
+            if (rule.mature) _ = slot.flags.fetchOr(matured_bit, .monotonic);
+            const flags = slot.flags.load(.monotonic);
+            if (rule.needs_mature and flags & matured_bit == 0) continue;
+            if (flags & admitted_bit != 0) continue;
+            if (slot.reuses.load(.monotonic) < rule.reuses_min) continue;
+            if (slot.holders.load(.monotonic) & mine != 0) continue;
+            _ = slot.flags.fetchOr(admitted_bit, .monotonic);
+            _ = slot.holders.fetchOr(mine, .monotonic);
+            out.* = slot_index;
+            admitted += 1;
+        }
+        assert(admitted <= block_ids.len);
+        return admitted;
+    }
+
+    /// Per key, `Slot.reuses` of its resident slot (Ready or being filled), 0 when absent.
+    pub fn reuses(buffer: Buffer, block_ids: []const BlockId, shard_indices: []const u32, out: []u16) error{LockTimeout}!void {
+        assert(block_ids.len == shard_indices.len and out.len == block_ids.len);
+        for (block_ids, shard_indices, out) |*block_id, shard_index, *count_out| {
+            const bucket_index = buffer.bucket_of(block_id);
+            try buffer.lock_acquire(bucket_index);
+            defer buffer.lock_release(bucket_index);
+            count_out.* = 0;
+            if (buffer.find(bucket_index, block_id, shard_index)) |slot_index| {
+                // Monotonic: written only under this bucket lock, which we hold.
+                count_out.* = buffer.slots[slot_index].reuses.load(.monotonic);
+            }
+        }
     }
 
     /// Ends the flush of slots claimed by `take_dirty`: where `written[i]` is set the debt is

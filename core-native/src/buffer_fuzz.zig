@@ -117,6 +117,9 @@ const SlotModel = struct {
     flusher: ?u32 = null,
     /// Commits so far (never reset).
     version: u32 = 0,
+    /// Uses since the slot was installed (`Slot.reuses`): Gets answered hit, waiter or held,
+    /// saturating.
+    reuses: u16 = 0,
 };
 
 const EntryModel = struct {
@@ -313,6 +316,7 @@ const Model = struct {
         slot.key = key;
         slot.state = .idle;
         slot.accessed = owner;
+        slot.reuses = 0;
         slot.owner = if (owner) caller.holder.? else null;
         slot.preallocated = !owner;
         if (owner) slot.holders = holder_bit(caller.holder.?);
@@ -418,11 +422,15 @@ const Model = struct {
     fn get_resident(model: *Model, me: u32, slot_index: u32) GetResult {
         const slot = &model.slots[slot_index];
         _ = model.drop_dead_refs(slot_index);
-        if (slot.holders & holder_bit(me) != 0) return .held;
+        if (slot.holders & holder_bit(me) != 0) {
+            slot.reuses +|= 1;
+            return .held;
+        }
         assert(slot.state == .idle or slot.state == .ready);
         if (slot.state == .ready) {
             slot.holders |= holder_bit(me);
             slot.accessed = true;
+            slot.reuses +|= 1;
             model.count(.hits, 1);
             return .hit;
         }
@@ -437,6 +445,7 @@ const Model = struct {
             return .owner;
         }
         slot.holders |= holder_bit(me);
+        slot.reuses +|= 1;
         return .waiter;
     }
 
@@ -1592,6 +1601,7 @@ const World = struct {
             try check("slot holders", index, slot.holders, real.holders.load(.monotonic));
             try check("slot flusher", index, if (slot.flusher) |flusher| flusher + 1 else 0, real.flusher.load(.monotonic));
             try check("slot version", index, slot.version, real.version.load(.monotonic));
+            try check("slot reuses", index, slot.reuses, real.reuses.load(.monotonic));
             var flags: u32 = 0;
             if (index >= model.slot_count_regular) flags |= buffer_module.slot_flag_reserved;
             if (slot.preallocated) flags |= buffer_module.slot_flag_preallocated;
@@ -2089,4 +2099,81 @@ test "holder table: a reused pid is a new holder; the lock word's pid is judged 
     try expect(!base.lock_holder_alive(6_000_000));
     const report = try base.reclaim_dead();
     try expectEqual(@as(u32, 2), report.holders);
+}
+
+test "admission: hits, waiters and held Gets count uses; admit claims each tier's bit once" {
+    const geometry = buffer_module.Geometry{
+        .shard_size_bytes = 64,
+        .slot_count_regular = 4,
+        .slot_count_reserved = 0,
+        .bucket_count = 4,
+        .slots_per_segment = 4,
+    };
+    const size_bytes: usize = @intCast(buffer_module.ctrl_size_bytes(geometry));
+    const memory = try std.testing.allocator.alignedAlloc(u8, .@"64", size_bytes);
+    defer std.testing.allocator.free(memory);
+    try expectEqual(buffer_module.Status.ok, Buffer.init(@intFromPtr(memory.ptr), size_bytes, geometry, 0));
+    const base = Buffer.open(@intFromPtr(memory.ptr)).?;
+    var a = base;
+    a.pid = buffer_module.current_pid();
+    a.holder = 0;
+    var b = a;
+    b.holder = 1;
+    const id = [_]BlockId{test_block_id(0)};
+    const shard = [_]u32{0};
+    var result: [1]buffer_module.GetResult = undefined;
+    var slot: [1]u32 = undefined;
+    a.get(&id, &shard, .{ .results = &result, .slots = &slot });
+    try expectEqual(buffer_module.GetResult.owner, result[0]);
+    const index = slot[0];
+    const target = &base.slots[index];
+    // B waits on A's fill: a use. The owner's own Get installed the slot: none.
+    b.get(&id, &shard, .{ .results = &result, .slots = &slot });
+    try expectEqual(buffer_module.GetResult.waiter, result[0]);
+    try expectEqual(@as(u16, 1), target.reuses.load(.monotonic));
+    var committed: [1]buffer_module.CommitResult = undefined;
+    a.commit(&.{index}, &.{@intFromEnum(buffer_module.State.ready)}, &committed);
+    try expectEqual(buffer_module.CommitResult.ok, committed[0]);
+    _ = a.release(&.{index});
+    // B asks again while holding it (held), A hits: two uses. A look-up is none.
+    b.get(&id, &shard, .{ .results = &result, .slots = &slot });
+    try expectEqual(buffer_module.GetResult.held, result[0]);
+    a.get(&id, &shard, .{ .results = &result, .slots = &slot });
+    try expectEqual(buffer_module.GetResult.hit, result[0]);
+    var present: [1]u8 = undefined;
+    try a.lookup(&id, &shard, &present);
+    var uses: [1]u16 = undefined;
+    try a.reuses(&id, &shard, &uses);
+    try expectEqual(@as(u16, 3), uses[0]);
+    // A holds it: not admitted (next use); B does not hold it once released.
+    _ = b.release(&.{index});
+    var admitted: [1]u32 = undefined;
+    const rule: Buffer.AdmitRule = .{ .reuses_min = 3, .tier = 0, .mature = false, .needs_mature = false };
+    try expectEqual(@as(u32, 0), a.admit(&id, &shard, rule, &admitted));
+    try expectEqual(@as(u32, 0), a.admit(&id, &shard, .{ .reuses_min = 4, .tier = 0, .mature = false, .needs_mature = false }, &admitted));
+    try expectEqual(@as(u32, 1), b.admit(&id, &shard, rule, &admitted));
+    try expectEqual(index, admitted[0]);
+    try expectEqual(@as(u64, 0b11), target.holders.load(.monotonic)); // B's claim reference
+    try expectEqual(@as(u32, 0), b.admit(&id, &shard, rule, &admitted)); // tier 0: once
+    _ = b.release(&.{index});
+    try expectEqual(@as(u32, 0), b.admit(&id, &shard, rule, &admitted));
+    // Tier 1 with a minimum residency: only once matured; `admit` itself counts no use.
+    const residency: Buffer.AdmitRule = .{ .reuses_min = 0, .tier = 1, .mature = false, .needs_mature = true };
+    try expectEqual(@as(u32, 0), b.admit(&id, &shard, residency, &admitted));
+    var matured = residency;
+    matured.mature = true;
+    try expectEqual(@as(u32, 1), b.admit(&id, &shard, matured, &admitted));
+    _ = b.release(&.{index});
+    _ = a.release(&.{index});
+    try expectEqual(@as(u16, 3), target.reuses.load(.monotonic));
+    const admitted_bits = (@as(u32, 0b11) << buffer_module.slot_flag_admitted_shift) |
+        (@as(u32, 0b10) << buffer_module.slot_flag_matured_shift);
+    try expectEqual(admitted_bits, target.flags.load(.monotonic));
+    // Removed and loaded again: a new count, no admission bits.
+    try expectEqual(@as(u64, 1), try a.remove(&id, null, false));
+    a.get(&id, &shard, .{ .results = &result, .slots = &slot });
+    try expectEqual(buffer_module.GetResult.owner, result[0]);
+    try expectEqual(@as(u16, 0), base.slots[slot[0]].reuses.load(.monotonic));
+    try expectEqual(@as(u32, 0), base.slots[slot[0]].flags.load(.monotonic) >> buffer_module.slot_flag_admitted_shift);
+    _ = a.release(&.{slot[0]});
 }

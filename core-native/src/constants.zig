@@ -142,8 +142,9 @@ pub const buffer_magic: u64 = 0x3130_4655_424D_4355;
 /// 2: holder table after the counters; Slot.refcount/owner_pid replaced by a holder bitmap and
 /// the owner's holder index. 3: slot State `missing` (the owner found the key in no tier).
 /// 4: write-back debt (slot flag `dirty`, `Slot.flusher`, `HolderEntry.closing`, counters
-/// `dirty_slots` and `flushed`); dirty slots are never eviction victims.
-pub const buffer_layout_version: u32 = 4;
+/// `dirty_slots` and `flushed`); dirty slots are never eviction victims. 5: `Slot.reuses` (bytes
+/// 62..63, uses counted for admission) and the admitted/matured slot flag bits.
+pub const buffer_layout_version: u32 = 5;
 pub const buffer_cache_line_bytes: u64 = 64;
 pub const buffer_header_size_bytes: usize = 256;
 pub const buffer_clock_size_bytes: usize = 64;

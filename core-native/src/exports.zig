@@ -321,6 +321,13 @@ pub export fn ucm_buffer_lookup(ctrl: usize, n: u32, ids: [*]const buffer.BlockI
     return 0;
 }
 
+/// `out[i]`: uses of key i's resident slot (`Slot.reuses`, saturating), 0 when absent.
+pub export fn ucm_buffer_reuses(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, out: [*]u16) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    view.reuses(ids_slice(ids, n), shards[0..n], out[0..n]) catch return buffer_status(.lock_timeout);
+    return 0;
+}
+
 pub export fn ucm_buffer_lookup_blocks(ctrl: usize, n: u32, ids: [*]const buffer.BlockId, shards_per_block: u32, out: [*]u8) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (shards_per_block == 0) return buffer_status(.invalid_argument);
@@ -707,6 +714,24 @@ pub export fn ucm_queue_take_dirty(handle: usize, cursor: *u32, capacity: u32, o
         .block_ids = out_ids[0..capacity],
         .shard_indices = out_shards[0..capacity],
     });
+}
+
+/// Admission (`Queue.take_admitted`, `Buffer.admit`): `out_slots[i]` is the slot of key i
+/// now admitted to lower tier `tier` and held for writing down, or slot_none. Returns how many
+/// were admitted; release them with ucm_queue_release.
+pub export fn ucm_queue_take_admitted(handle: usize, n: u32, ids: [*]const buffer.BlockId, shards: [*]const u32, reuses_min: u32, tier: u32, mature: bool, needs_mature: bool, out_slots: [*]u32) i64 {
+    const queue = switch (queue_of(handle)) {
+        .queue => |q| q,
+        .status => |code| return code,
+    };
+    if (n > constants.queue_step_keys_max) return queue_status(.invalid_argument);
+    if (tier >= buffer.admission_tiers_max or reuses_min > buffer.reuses_max) return queue_status(.invalid_argument);
+    return queue.take_admitted(ids[0..n], shards[0..n], .{
+        .reuses_min = @intCast(reuses_min),
+        .tier = tier,
+        .mature = mature,
+        .needs_mature = needs_mature,
+    }, out_slots[0..n]);
 }
 
 /// Pins the keys that are Ready in the buffer (`Queue.pin`): `out_slots[i]` is the slot now

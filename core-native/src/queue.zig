@@ -1000,6 +1000,28 @@ pub const Queue = struct {
         return taken;
     }
 
+    /// Admission's claim (`Buffer.admit`), its references counted as this process's uses like
+    /// a flusher's claim; released with `release_taken`. Returns how many were admitted.
+    pub fn take_admitted(queue: *Queue, ids: []const BlockId, shards: []const u32, rule: Buffer.AdmitRule, slots: []u32) u32 {
+        assert(ids.len == shards.len and slots.len == ids.len);
+        if (queue.buffer == null) {
+            @memset(slots, buffer_module.slot_none); // no slots, no reuse counts
+            return 0;
+        }
+        queue.refs_mutex.lock();
+        defer queue.refs_mutex.unlock();
+        const admitted = queue.buffer.?.admit(ids, shards, rule, slots);
+        for (slots) |slot| {
+            if (slot == buffer_module.slot_none) continue;
+            // admit skips slots this holder references: no local use yet.
+            assert(queue.uses[slot] == 0);
+            queue.uses[slot] = 1;
+            queue.claimed += 1;
+            queue.local_flags[slot] = local_flag_ready;
+        }
+        return admitted;
+    }
+
     /// Drops references the caller took through `take_dirty` (validated: never more uses than
     /// the caller holds). False, and nothing released, when the list is not valid.
     pub fn release_taken(queue: *Queue, slots: []u32) bool {

@@ -58,9 +58,13 @@ def test_every_export_is_declared_from_the_generated_signatures() -> None:
     from ucm.native import _abi, lib
 
     exports = _exports()
-    assert (
-        len(exports) == 60
-    )  # saves: ucm_buffer_count_write_through_skipped; namespaces: ucm_buffer_list_ready
+    # saves: ucm_buffer_count_write_through_skipped; namespaces: ucm_buffer_list_ready;
+    # admission: ucm_buffer_reuses, ucm_queue_take_admitted
+    assert len(exports) == 62
+    assert _abi.SIGNATURES["ucm_buffer_reuses"] == (
+        ctypes.c_int32,
+        [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],
+    )
     assert list(_abi.SIGNATURES) == exports
     assert list(_abi.DEBUG_SIGNATURES) == _debug_hooks()
     assert _abi.SIGNATURES["ucm_queue_pin"] == (

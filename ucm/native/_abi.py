@@ -57,7 +57,7 @@ POPULATE_CHUNK_BYTES = 33554432
 POPULATE_THREADS_MAX = 8
 POPULATE_CHUNKS_MAX = 524288
 BUFFER_MAGIC = 3544410238739104597
-BUFFER_LAYOUT_VERSION = 4
+BUFFER_LAYOUT_VERSION = 5
 BUFFER_CACHE_LINE_BYTES = 64
 BUFFER_HEADER_SIZE_BYTES = 256
 BUFFER_CLOCK_SIZE_BYTES = 64
@@ -204,6 +204,8 @@ BUFFER_COUNTER_NAMES = (
 )
 SLOT_NONE = 4294967295
 COMMIT_DIRTY_BIT = 128
+BUFFER_REUSES_MAX = 65535
+BUFFER_ADMISSION_TIERS_MAX = 8
 
 
 class State(enum.IntEnum):
@@ -313,7 +315,8 @@ class Slot(ctypes.Structure):
         ("flags", ctypes.c_uint32),
         ("holders", ctypes.c_uint64),
         ("flusher", ctypes.c_uint32),
-        ("_pad", ctypes.c_uint8 * 4),
+        ("_pad", ctypes.c_uint8 * 2),
+        ("reuses", ctypes.c_uint16),
     )
 
 
@@ -469,6 +472,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ucm_buffer_prealloc": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
     "ucm_buffer_touch": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p]),
     "ucm_buffer_lookup": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
+    "ucm_buffer_reuses": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
     "ucm_buffer_lookup_blocks": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p]),
     "ucm_buffer_remove": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_bool]),
     "ucm_buffer_remove_blocks": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_bool]),
@@ -488,6 +492,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ucm_queue_stop": (ctypes.c_int32, [ctypes.c_size_t]),
     "ucm_queue_destroy": (ctypes.c_int32, [ctypes.c_size_t]),
     "ucm_queue_take_dirty": (ctypes.c_int64, [ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32), ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
+    "ucm_queue_take_admitted": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_bool, ctypes.c_bool, ctypes.c_void_p]),
     "ucm_queue_pin": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
     "ucm_queue_unpin": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p]),
     "ucm_queue_release": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p]),

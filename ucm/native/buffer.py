@@ -810,6 +810,17 @@ class BufferCore:
         self._check(status, "lookup")
         return [bool(present) for present in out]
 
+    def reuses(self, keys: Sequence[Key] | KeyBatch) -> list[int]:
+        """Per key, the uses counted on its resident slot (``Slot.reuses``: Gets that found it
+        resident, hits and waiters, node-wide; saturating at 65535), 0 when absent."""
+        batch = KeyBatch.of(keys)
+        out = array("H", bytes(2 * len(batch)))
+        status = self._native.ucm_buffer_reuses(
+            self._ctrl, len(batch), batch.ids, _address(batch.shards), _address(out)
+        )
+        self._check(status, "reuses")
+        return list(out)
+
     def lookup_blocks(self, block_ids: Sequence[bytes], shards_per_block: int) -> list[bool]:
         ids = _pack_block_ids(block_ids)
         _check_int("shards_per_block", shards_per_block, 1, _U32_MAX, "")

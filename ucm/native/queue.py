@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..config import LoadSettings
 from ..errors import InvalidArgumentError, StoreClosedError, UcmError
-from ..layout import BLOCK_ID_BYTES
+from ..layout import BLOCK_ID_BYTES, Key
 from . import _abi, lib
 from .buffer import SLOT_NONE, BufferCore, DirtyBatch
 
@@ -348,6 +348,47 @@ class NativeQueue:
             (raw[i * BLOCK_ID_BYTES : (i + 1) * BLOCK_ID_BYTES], shards[i]) for i in range(taken)
         ]
         return DirtyBatch(slots[:taken], keys)
+
+    def take_admitted(
+        self,
+        keys: Sequence[Key],
+        *,
+        reuses_min: int,
+        tier: int,
+        mature: bool = False,
+        needs_mature: bool = False,
+    ) -> DirtyBatch:
+        """Admission (``Buffer.admit``): the keys Ready in the buffer that meet the rule and
+        were not yet admitted to lower tier ``tier`` (its admission index, 0..7) are marked
+        admitted node-wide and held for this process to write down; release them with
+        :meth:`release`. ``mature``: this is the tier's residency check (mark the keys matured
+        first); ``needs_mature``: admit only matured keys. Never counts a use."""
+        slots_out = array("I")
+        taken: list[Key] = []
+        for start in range(0, len(keys), STEP_KEYS_MAX):
+            part = keys[start : start + STEP_KEYS_MAX]
+            ids = b"".join(block_id for block_id, _ in part)
+            shards = array("I", [shard for _, shard in part])
+            out = array("I", bytes(4 * len(part)))
+            admitted = self._native.ucm_queue_take_admitted(
+                self._handle,
+                len(part),
+                ids,
+                shards.buffer_info()[0],
+                reuses_min,
+                tier,
+                mature,
+                needs_mature,
+                out.buffer_info()[0],
+            )
+            if admitted < 0:
+                self.release(slots_out)
+                self._raise(admitted, "take_admitted")
+            for key, slot in zip(part, out, strict=True):
+                if slot != SLOT_NONE:
+                    slots_out.append(slot)
+                    taken.append(key)
+        return DirtyBatch(slots_out, taken)
 
     def release(self, slots: array[int]) -> None:
         """Drops references taken by :meth:`take_dirty`."""
