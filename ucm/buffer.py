@@ -40,8 +40,8 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat
 
-from . import shm_gc
-from .config import LoadSettings, Size, TierConfig
+from . import namespaces, shm_gc
+from .config import BufferQuota, LoadSettings, Size, TierConfig
 from .errors import (
     BufferLockTimeoutError,
     InvalidArgumentError,
@@ -235,6 +235,21 @@ class BufferTier(Tier):
         return self._queue
 
     # ---- the Tier interface ----------------------------------------------------------------
+
+    def register_quota(self, namespace: str, quota: BufferQuota) -> int:
+        """Registers ``namespace``'s CacheBuffer quota (guarantee and cap, resolved to whole
+        regular slots) in the node-wide namespace table; returns its index there. The default
+        namespace is entry 0 (its keys carry no tag)."""
+        geometry = self.geometry
+        guarantee, cap = quota.slots(geometry.slot_count_regular, geometry.shard_size_bytes)
+        if quota.cap is None:
+            cap = geometry.slot_count_total
+        tag = (
+            bytes(namespaces.TAG_BYTES)
+            if namespace == namespaces.DEFAULT_NAMESPACE
+            else namespaces.tag(namespace)
+        )
+        return self.core.register_namespace(tag, guarantee, cap)
 
     def lookup(self, keys: Sequence[Key]) -> list[bool]:
         return self.core.lookup(list(keys))

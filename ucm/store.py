@@ -136,6 +136,12 @@ class Store:
         top = self.tiers[0]
         # The shared CacheBuffer (native core), typed: it brings the native load queue.
         self._buffer: BufferTier | None = top if isinstance(top, BufferTier) else None
+        # Namespace quotas: the named ones and this store's own now, each other namespace when
+        # a call first names it (`_scoped`), in the buffer's node-wide namespace table.
+        self._quota_registered: set[str] = set()
+        if self._buffer is not None and config.quotas is not None:
+            for name in (*config.quotas.namespaces, self.namespace):
+                self._register_quota(name)
         # One settings model with or without a buffer (the buffer tier's config is one).
         settings = config.load_settings
         if write_queue_bytes is not None:
@@ -548,7 +554,18 @@ class Store:
             namespace = self.namespace
         elif namespace != self.namespace:
             namespaces.check_namespace(namespace)
+            if namespace not in self._quota_registered:
+                self._register_quota(namespace)
         return namespaces.scope(namespace, blocks)
+
+    def _register_quota(self, namespace: str) -> None:
+        """Registers ``namespace``'s CacheBuffer quota (its own, else ``quotas.others``) once
+        per store; without quotas or a buffer there is nothing to register."""
+        self._quota_registered.add(namespace)
+        quotas = self.config.quotas
+        if self._buffer is None or quotas is None:
+            return
+        self._buffer.register_quota(namespace, quotas.for_namespace(namespace).buffer)
 
     def _prepare(
         self,

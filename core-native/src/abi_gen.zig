@@ -64,6 +64,7 @@ pub fn generate(writer: *std.Io.Writer) !void {
     try write_struct(writer, "Header", buffer.Header);
     try write_struct(writer, "Slot", buffer.Slot);
     try write_struct(writer, "HolderEntry", buffer.HolderEntry);
+    try write_struct(writer, "NamespaceEntry", buffer.NamespaceEntry);
     try write_struct(writer, "Occupancy", buffer.Occupancy);
     try writer.writeAll("\n# ---- shm.zig, populate.zig, seg_region.zig ----\n");
     try write_struct(writer, "SegAttachEntry", shm.AttachEntry);
@@ -85,6 +86,7 @@ const named_structs = .{
     .{ "Header", buffer.Header },
     .{ "Slot", buffer.Slot },
     .{ "HolderEntry", buffer.HolderEntry },
+    .{ "NamespaceEntry", buffer.NamespaceEntry },
     .{ "Occupancy", buffer.Occupancy },
     .{ "SegAttachEntry", shm.AttachEntry },
     .{ "SegHeader", shm.Header },
@@ -178,6 +180,7 @@ fn ctype_of(comptime T: type) []const u8 {
     inline for (named_structs) |entry| {
         if (T == entry[1]) return entry[0];
     }
+    if (T == std.atomic.Value(u16)) return "ctypes.c_uint16";
     if (T == std.atomic.Value(u32)) return "ctypes.c_uint32";
     if (T == std.atomic.Value(u64)) return "ctypes.c_uint64";
     switch (@typeInfo(T)) {

@@ -117,7 +117,14 @@ const SlotModel = struct {
     flusher: ?u32 = null,
     /// Commits so far (never reset).
     version: u32 = 0,
+    /// `Slot.namespace`: the namespace index + 1 the slot counts in, 0 when it counts nowhere.
+    namespace: u16 = 0,
 };
+
+/// Registered namespaces per epoch besides the default one (entry 0).
+const namespace_count_max = 3;
+/// What an allocation may take (`buffer.zig`'s `Quota`).
+const Quota = struct { namespace: u16, grow: bool };
 
 const EntryModel = struct {
     state: HolderState = .free,
@@ -140,6 +147,17 @@ const Model = struct {
     block_count: u32,
     /// The bucket of each block: the buffer's hash is an input to the model, not under test.
     block_buckets: [block_count_max]u32,
+    bucket_count: u32,
+    /// The namespace index of each block's keys (0: the default namespace).
+    block_namespaces: [block_count_max]u16 = @splat(0),
+    /// Namespace entries in use (1 + the registered ones) and their quotas and occupancy.
+    namespace_count: u32 = 1,
+    guarantees: [namespace_count_max + 1]u32 = @splat(0),
+    caps: [namespace_count_max + 1]u32 = @splat(0),
+    occupancy: [namespace_count_max + 1]u32 = @splat(0),
+    /// A kill between a slot's namespace field and its counter was injected and no recount
+    /// has run since: the counters may disagree with the fields (the model tracks both).
+    drift: bool = false,
 
     slots: [slot_count_max]SlotModel = @splat(.{}),
     /// The chains: key -> the slot linked for it.
@@ -290,11 +308,14 @@ const Model = struct {
         assert(model.resident[slot.key] == slot_index);
         model.resident[slot.key] = null;
         slot.place = .detached;
+        // Every way off a chain stops counting (an eviction's `take_counted` already did).
+        model.uncount(slot_index);
     }
 
     fn free_slot(model: *Model, slot_index: u32) void {
         const slot = &model.slots[slot_index];
         assert(slot.holders == 0 and slot.place != .linked);
+        model.uncount(slot_index);
         if (slot.dirty) model.dirty_gauge_down();
         slot.* = .{ .version = slot.version };
     }
@@ -317,6 +338,64 @@ const Model = struct {
         slot.preallocated = !owner;
         if (owner) slot.holders = holder_bit(caller.holder.?);
         model.resident[key] = slot_index;
+        const namespace = model.namespace_of(key);
+        assert(slot.namespace == 0);
+        slot.namespace = namespace + 1;
+        model.occupancy[namespace] += 1;
+    }
+
+    // --- Namespaces ---------------------------------------------------------------------
+
+    fn namespace_of(model: *const Model, key: u32) u16 {
+        return model.block_namespaces[model.key_block(key)];
+    }
+
+    fn uncount(model: *Model, slot_index: u32) void {
+        const slot = &model.slots[slot_index];
+        if (slot.namespace == 0) return;
+        const counter = &model.occupancy[slot.namespace - 1];
+        if (counter.* > 0) counter.* -= 1;
+        slot.namespace = 0;
+    }
+
+    fn quota_for(model: *const Model, namespace: u16) Quota {
+        return .{ .namespace = namespace, .grow = model.occupancy[namespace] < model.caps[namespace] };
+    }
+
+    fn evictable(model: *const Model, field: u16, quota: Quota) bool {
+        if (field == quota.namespace + 1) return true;
+        if (!quota.grow) return false;
+        if (field == 0) return true;
+        return model.occupancy[field - 1] > model.guarantees[field - 1];
+    }
+
+    fn take_counted(model: *Model, slot_index: u32, quota: Quota) bool {
+        const slot = &model.slots[slot_index];
+        if (slot.namespace == 0) return quota.grow;
+        if (slot.namespace == quota.namespace + 1) {
+            model.uncount(slot_index);
+            return true;
+        }
+        if (!quota.grow) return false;
+        const index = slot.namespace - 1;
+        if (model.occupancy[index] <= model.guarantees[index]) return false;
+        model.occupancy[index] -= 1;
+        slot.namespace = 0;
+        return true;
+    }
+
+    /// `recount_namespaces`: every bucket lock in order, then the counters from the chains.
+    fn recount(model: *Model, caller: Caller) void {
+        for (0..model.bucket_count) |bucket| model.acquire(caller, @intCast(bucket));
+        model.occupancy = @splat(0);
+        for (model.slots[0..model.slot_count()]) |*slot| {
+            slot.namespace = 0;
+            if (slot.place != .linked) continue;
+            const namespace = model.namespace_of(slot.key);
+            slot.namespace = namespace + 1;
+            model.occupancy[namespace] += 1;
+        }
+        model.drift = false;
     }
 
     // --- Allocation: fresh slots, then CLOCK ---------------------------------------------
@@ -344,7 +423,7 @@ const Model = struct {
     /// (or not yet marked dead) holder references, dirty slots, detached slots, slots whose
     /// bucket lock is held by someone else, and with `idle_only` Ready slots. A victim's dead
     /// references are dropped; a Ready victim is an eviction.
-    fn clock(model: *Model, pool: Pool, bucket: u32, idle_only: bool) ?u32 {
+    fn clock(model: *Model, pool: Pool, bucket: u32, idle_only: bool, quota: Quota) ?u32 {
         const pool_slots = model.pool_count(pool);
         if (pool_slots == 0) return null;
         const cursor = &model.cursor[@intFromEnum(pool)];
@@ -352,6 +431,7 @@ const Model = struct {
             const slot_index = model.pool_first(pool) + cursor.*;
             cursor.* = (cursor.* + 1) % pool_slots;
             const slot = &model.slots[slot_index];
+            if (!model.evictable(slot.namespace, quota)) continue;
             if (step < pool_slots) {
                 const accessed = slot.accessed;
                 slot.accessed = false;
@@ -360,7 +440,7 @@ const Model = struct {
             if (slot.holders & ~model.dead_mask() != 0) continue;
             if (slot.dirty) continue;
             switch (slot.place) {
-                .free => return slot_index,
+                .free => if (quota.grow) return slot_index else continue,
                 .detached => continue,
                 .linked => {},
             }
@@ -368,6 +448,7 @@ const Model = struct {
             if (victim_bucket != bucket and !model.try_acquire(victim_bucket)) continue;
             assert(model.drop_dead_refs(slot_index));
             if (idle_only and slot.state == .ready) continue;
+            if (!model.take_counted(slot_index, quota)) continue;
             if (slot.state == .ready) model.count(.evictions, 1);
             model.unlink(slot_index);
             slot.place = .free; // claimed by the caller: `install` links it
@@ -376,19 +457,25 @@ const Model = struct {
         return null;
     }
 
-    fn allocate_once(model: *Model, bucket: u32) ?u32 {
-        return model.take_fresh(.regular) orelse
-            model.clock(.regular, bucket, false) orelse
-            model.take_fresh(.reserved) orelse
-            model.clock(.reserved, bucket, false);
+    /// A namespace at its cap takes only its own slots (no fresh ones).
+    fn allocate_once(model: *Model, bucket: u32, namespace: u16) ?u32 {
+        const quota = model.quota_for(namespace);
+        if (quota.grow) {
+            if (model.take_fresh(.regular)) |slot_index| return slot_index;
+        }
+        if (model.clock(.regular, bucket, false, quota)) |slot_index| return slot_index;
+        if (quota.grow) {
+            if (model.take_fresh(.reserved)) |slot_index| return slot_index;
+        }
+        return model.clock(.reserved, bucket, false, quota);
     }
 
     /// A full buffer looks for dead holders (every time: the fuzzer resets the rate limit)
     /// and tries once more when it found any.
-    fn allocate_for_get(model: *Model, caller: Caller, bucket: u32) ?u32 {
-        if (model.allocate_once(bucket)) |slot_index| return slot_index;
+    fn allocate_for_get(model: *Model, caller: Caller, bucket: u32, namespace: u16) ?u32 {
+        if (model.allocate_once(bucket, namespace)) |slot_index| return slot_index;
         if (model.scan(caller) == 0) return null;
-        return model.allocate_once(bucket);
+        return model.allocate_once(bucket, namespace);
     }
 
     // --- Operations -------------------------------------------------------------------------
@@ -403,7 +490,7 @@ const Model = struct {
                 continue;
             }
             model.count(.misses, 1);
-            if (model.allocate_for_get(caller, model.key_bucket(key))) |slot_index| {
+            if (model.allocate_for_get(caller, model.key_bucket(key), model.namespace_of(key))) |slot_index| {
                 model.install(caller, slot_index, key, true);
                 slot_out.* = slot_index;
                 result.* = .owner;
@@ -448,9 +535,10 @@ const Model = struct {
                 result.* = .exists;
                 continue;
             }
-            const found = model.take_fresh(.regular) orelse
+            const quota = model.quota_for(model.namespace_of(key));
+            const found = if (!quota.grow) null else model.take_fresh(.regular) orelse
                 model.take_fresh(.reserved) orelse
-                model.clock(.reserved, bucket, true);
+                model.clock(.reserved, bucket, true, quota);
             if (found) |slot_index| {
                 model.install(caller, slot_index, key, false);
                 model.count(.preallocs, 1);
@@ -738,6 +826,7 @@ const Model = struct {
             report.holders += 1;
         }
         model.count(.holders_freed, report.holders);
+        model.recount(caller);
         return report;
     }
 
@@ -870,6 +959,9 @@ const Config = struct {
     block_count: u32,
     shards_per_block: u32,
     process_count: u32,
+    /// Draw registered namespaces with quotas and spread the blocks over them (the random
+    /// epochs); the scripted scenarios keep every key in the default namespace.
+    namespaces: bool = false,
 };
 
 /// A view and who it is, for calls that take no references.
@@ -907,6 +999,7 @@ const World = struct {
             .block_count = random.intRangeAtMost(u32, 1, block_count_max),
             .shards_per_block = random.intRangeAtMost(u32, 1, shards_per_block_max),
             .process_count = random.intRangeAtMost(u32, 1, process_count_max),
+            .namespaces = true,
         }, random, stats);
     }
 
@@ -931,6 +1024,7 @@ const World = struct {
                 .shards_per_block = config.shards_per_block,
                 .block_count = config.block_count,
                 .block_buckets = undefined,
+                .bucket_count = geometry.bucket_count,
             },
             .base = base,
             .process_count = config.process_count,
@@ -946,10 +1040,31 @@ const World = struct {
             random.intRangeAtMost(u32, 1, slots_total)
         else
             random.intRangeAtMost(u32, 1, @max(1, slots_total / world.process_count));
+        // Namespaces: entry 0 (the default) has no guarantee and no cap; up to three more get
+        // guarantees that add up to at most the regular slots, and caps at or above them.
+        const model = &world.model;
+        model.caps[0] = slots_total;
+        model.namespace_count = if (config.namespaces) 1 + random.uintAtMost(u32, namespace_count_max) else 1;
+        var tags: [namespace_count_max + 1]u64 = @splat(0);
+        var guaranteed: u32 = 0;
+        for (1..model.namespace_count) |index| {
+            tags[index] = (random.int(u64) | 1) +% (@as(u64, index) << 56); // distinct, not 0
+            const guarantee = random.uintAtMost(u32, geometry.slot_count_regular - guaranteed);
+            const cap = random.intRangeAtMost(u32, guarantee, slots_total);
+            guaranteed += guarantee;
+            const registered = base.register_namespace(tags[index], guarantee, cap) catch return error.ModelMismatch;
+            try check("namespace index", index, index, registered);
+            model.guarantees[index] = guarantee;
+            model.caps[index] = cap;
+        }
         for (&world.block_ids, 0..) |*id, block| {
             random.bytes(id);
-            id[0] = @intCast(block); // distinct blocks
-            world.model.block_buckets[block] = base.bucket_of(id);
+            const namespace: u16 = @intCast(random.uintLessThan(u32, model.namespace_count));
+            if (namespace != 0) std.mem.writeInt(u64, id[0..8], tags[namespace], .little);
+            id[8] = @intCast(block); // distinct blocks
+            model.block_namespaces[block] = namespace;
+            model.block_buckets[block] = base.bucket_of(id);
+            try check("block namespace", block, namespace, base.namespace_of(id));
         }
         // Swarm testing: each epoch scales every weight by 0..3 (some operations never run).
         world.weight_total = 0;
@@ -1154,8 +1269,10 @@ const World = struct {
             ids[index] = world.block_ids[world.model.key_block(key)];
             shards[index] = world.model.key_shard(key);
         }
+        const before = world.model.occupancy;
         world.model.get(caller, keys, results, slots);
         world.log.add("p{d}/h{d} get keys {any} -> {any} slots {any}", .{ process, caller.holder.?, keys, results, slots });
+        try world.check_guarantees(keys, before);
         var real_results: [batch_max]GetResult = undefined;
         var real_slots: [batch_max]u32 = undefined;
         const n = keys.len;
@@ -1281,8 +1398,10 @@ const World = struct {
             ids[index] = world.block_ids[world.model.key_block(key)];
             shards[index] = world.model.key_shard(key);
         }
+        const before = world.model.occupancy;
         world.model.prealloc(who.caller, keys, results);
         world.log.add("pid {d} prealloc keys {any} -> {any}", .{ who.caller.pid, keys, results });
+        try world.check_guarantees(keys, before);
         var real: [batch_max]PreallocResult = undefined;
         who.view.prealloc(ids[0..keys.len], shards[0..keys.len], real[0..keys.len]);
         for (results, 0..) |result, index| {
@@ -1510,9 +1629,47 @@ const World = struct {
         const caller = world.caller_of(process);
         world.model.hold_lock(caller, bucket);
         try world.processes[process].view.debug_hold_lock(bucket);
+        // Now and then it dies between a slot's namespace field and the counter (either side).
+        if (world.random.boolean()) world.inject_namespace_drift(bucket);
         identities[process].alive = false;
         world.processes[process].pid_retired = true;
         world.log.add("p{d}/h{d} killed holding bucket {d}'s lock", .{ process, caller.holder.?, bucket });
+    }
+
+    /// No insert pushed another namespace below its guarantee: every namespace none of `keys`
+    /// belongs to holds at least min(what it held before, its guarantee).
+    fn check_guarantees(world: *World, keys: []const u32, before: [namespace_count_max + 1]u32) !void {
+        const model = &world.model;
+        if (model.drift) return;
+        for (0..model.namespace_count) |index| {
+            var inserting = false;
+            for (keys) |key| inserting = inserting or model.namespace_of(key) == index;
+            if (inserting) continue;
+            const floor = @min(before[index], model.guarantees[index]);
+            try check_true("namespace guarantee holds", index, model.occupancy[index] >= floor);
+        }
+    }
+
+    /// A kill inside a namespace update of a slot of `bucket`: the field cleared without the
+    /// counter (counter one too high), or the counter decremented without the field (one too
+    /// low). Only `reclaim_dead`'s recount repairs it.
+    fn inject_namespace_drift(world: *World, bucket: u32) void {
+        const model = &world.model;
+        for (model.slots[0..model.slot_count()], 0..) |*slot, index| {
+            if (slot.place != .linked or slot.namespace == 0) continue;
+            if (model.key_bucket(slot.key) != bucket) continue;
+            const counter = &world.base.namespace_table.entries[slot.namespace - 1].occupancy_slots;
+            if (world.random.boolean()) {
+                slot.namespace = 0;
+                world.base.slots[index].namespace.store(0, .monotonic);
+            } else if (model.occupancy[slot.namespace - 1] > 0) {
+                model.occupancy[slot.namespace - 1] -= 1;
+                _ = counter.fetchSub(1, .monotonic);
+            }
+            model.drift = true;
+            world.log.add("  drift injected at slot {d}", .{index});
+            return;
+        }
     }
 
     /// Prints every slot as the model and the buffer see it.
@@ -1597,6 +1754,26 @@ const World = struct {
             if (slot.preallocated) flags |= buffer_module.slot_flag_preallocated;
             if (slot.dirty) flags |= buffer_module.slot_flag_dirty;
             try check("slot flags", index, flags, real.flags.load(.monotonic));
+            try check("slot namespace", index, slot.namespace, real.namespace.load(.monotonic));
+        }
+        // Namespaces: the model's counters are the buffer's; without injected drift they are
+        // exact (each counts exactly the linked slots of its keys, every other slot counts
+        // nowhere), and no namespace holds more than its cap.
+        for (0..constants.buffer_namespaces_max) |index| {
+            const expected: u32 = if (index < model.namespace_count) model.occupancy[index] else 0;
+            try check("namespace occupancy", index, expected, buffer.namespace_occupancy(@intCast(index)));
+        }
+        if (!model.drift) {
+            var exact: [namespace_count_max + 1]u32 = @splat(0);
+            for (model.slots[0..total], 0..) |slot, index| {
+                const field: u16 = if (slot.place == .linked) model.namespace_of(slot.key) + 1 else 0;
+                try check("namespace field exact", index, field, slot.namespace);
+                if (field != 0) exact[field - 1] += 1;
+            }
+            for (exact, model.occupancy, model.caps, 0..) |count, occupancy, cap, index| {
+                try check("namespace counter exact", index, count, occupancy);
+                try check_true("namespace within its cap", index, occupancy <= cap);
+            }
         }
         try check("fresh regular", 0, model.fresh[0], buffer.clock.fresh_regular.load(.monotonic));
         try check("fresh reserved", 0, model.fresh[1], buffer.clock.fresh_reserved.load(.monotonic));
