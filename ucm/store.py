@@ -587,6 +587,8 @@ class Store:
             )
         ids: dict[bytes, bytes] | None = None
         space = self.namespace if namespace is None else namespaces.check_namespace(namespace)
+        if space not in self._quota_registered:
+            self._register_quota(space)
         if space != namespaces.DEFAULT_NAMESPACE:
             originals = arguments.check_block_ids(block_ids)
             block_ids = namespaces.scope(space, originals)

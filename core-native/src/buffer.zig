@@ -1891,11 +1891,15 @@ pub const Buffer = struct {
                 result.* = .exists;
                 continue;
             }
-            // Speculation never grows a namespace past its cap.
+            // Speculation never grows a namespace past its cap: at it, only one of its own
+            // unused prewarms is recycled.
             const namespace = buffer.namespace_of(block_id);
             const quota = buffer.quota_for(namespace);
-            const slot_index = if (!quota.grow) null else buffer.take_fresh(.regular, bucket_index) orelse
-                buffer.take_fresh(.reserved, bucket_index) orelse
+            const fresh = if (quota.grow)
+                buffer.take_fresh(.regular, bucket_index) orelse buffer.take_fresh(.reserved, bucket_index)
+            else
+                null;
+            const slot_index = fresh orelse
                 if (buffer.clock_victim(.reserved, bucket_index, true, quota)) |victim| victim.slot else null;
             if (slot_index) |index| {
                 buffer.install(bucket_index, index, block_id, shard_index, false, namespace);

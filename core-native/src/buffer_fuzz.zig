@@ -158,6 +158,11 @@ const Model = struct {
     /// A kill between a slot's namespace field and its counter was injected and no recount
     /// has run since: the counters may disagree with the fields (the model tracks both).
     drift: bool = false,
+    /// Coverage: recounts that repaired injected drift, victims refused to keep a guarantee,
+    /// allocations of a namespace at its cap.
+    drifts_repaired: u64 = 0,
+    guarantee_refusals: u64 = 0,
+    allocations_at_cap: u64 = 0,
 
     slots: [slot_count_max]SlotModel = @splat(.{}),
     /// The chains: key -> the slot linked for it.
@@ -369,6 +374,12 @@ const Model = struct {
         return model.occupancy[field - 1] > model.guarantees[field - 1];
     }
 
+    fn evictable_counted(model: *Model, field: u16, quota: Quota) bool {
+        const allowed = model.evictable(field, quota);
+        if (!allowed and quota.grow and field != 0) model.guarantee_refusals += 1;
+        return allowed;
+    }
+
     fn take_counted(model: *Model, slot_index: u32, quota: Quota) bool {
         const slot = &model.slots[slot_index];
         if (slot.namespace == 0) return quota.grow;
@@ -378,7 +389,10 @@ const Model = struct {
         }
         if (!quota.grow) return false;
         const index = slot.namespace - 1;
-        if (model.occupancy[index] <= model.guarantees[index]) return false;
+        if (model.occupancy[index] <= model.guarantees[index]) {
+            model.guarantee_refusals += 1;
+            return false;
+        }
         model.occupancy[index] -= 1;
         slot.namespace = 0;
         return true;
@@ -395,6 +409,7 @@ const Model = struct {
             slot.namespace = namespace + 1;
             model.occupancy[namespace] += 1;
         }
+        if (model.drift) model.drifts_repaired += 1;
         model.drift = false;
     }
 
@@ -431,7 +446,7 @@ const Model = struct {
             const slot_index = model.pool_first(pool) + cursor.*;
             cursor.* = (cursor.* + 1) % pool_slots;
             const slot = &model.slots[slot_index];
-            if (!model.evictable(slot.namespace, quota)) continue;
+            if (!model.evictable_counted(slot.namespace, quota)) continue;
             if (step < pool_slots) {
                 const accessed = slot.accessed;
                 slot.accessed = false;
@@ -460,6 +475,7 @@ const Model = struct {
     /// A namespace at its cap takes only its own slots (no fresh ones).
     fn allocate_once(model: *Model, bucket: u32, namespace: u16) ?u32 {
         const quota = model.quota_for(namespace);
+        if (!quota.grow) model.allocations_at_cap += 1;
         if (quota.grow) {
             if (model.take_fresh(.regular)) |slot_index| return slot_index;
         }
@@ -536,9 +552,8 @@ const Model = struct {
                 continue;
             }
             const quota = model.quota_for(model.namespace_of(key));
-            const found = if (!quota.grow) null else model.take_fresh(.regular) orelse
-                model.take_fresh(.reserved) orelse
-                model.clock(.reserved, bucket, true, quota);
+            const fresh = if (quota.grow) model.take_fresh(.regular) orelse model.take_fresh(.reserved) else null;
+            const found = fresh orelse model.clock(.reserved, bucket, true, quota);
             if (found) |slot_index| {
                 model.install(caller, slot_index, key, false);
                 model.count(.preallocs, 1);
@@ -1869,6 +1884,11 @@ pub const Summary = struct {
     wait_results: [@typeInfo(WaitResult).@"enum".fields.len]u64 = @splat(0),
     /// Registrations into a full holder table (which reclaims the dead first).
     full_table_registrations: u64 = 0,
+    /// Namespaces: recounts that repaired an injected kill between a slot's field and its
+    /// counter, victims passed over to keep a guarantee, allocations at a namespace's cap.
+    drifts_repaired: u64 = 0,
+    guarantee_refusals: u64 = 0,
+    allocations_at_cap: u64 = 0,
 };
 
 /// Runs `steps` fuzz steps from `seed` (epochs of `epoch_steps`). On a mismatch prints the
@@ -1894,6 +1914,9 @@ pub fn run(seed: u64, steps: u64) !Summary {
         world.finish() catch |err| return report_failure(seed, steps, done, summary.epochs, &world, err);
         for (&summary.counters, world.model.counters) |*total, value| total.* += value;
         summary.full_table_registrations += world.model.full_table_registrations;
+        summary.drifts_repaired += world.model.drifts_repaired;
+        summary.guarantee_refusals += world.model.guarantee_refusals;
+        summary.allocations_at_cap += world.model.allocations_at_cap;
     }
     summary.steps = done;
     return summary;
@@ -1921,6 +1944,9 @@ pub fn print_coverage(summary: *const Summary) void {
     std.debug.print("\n  wait results:", .{});
     for (summary.wait_results, 0..) |value, index| std.debug.print(" {s} {d}", .{ @tagName(@as(WaitResult, @enumFromInt(index))), value });
     std.debug.print("\n  registrations into a full holder table: {d}", .{summary.full_table_registrations});
+    std.debug.print("\n  namespaces: drifts repaired {d}, guarantee refusals {d}, allocations at a cap {d}", .{
+        summary.drifts_repaired, summary.guarantee_refusals, summary.allocations_at_cap,
+    });
     std.debug.print("\n  counters:", .{});
     for (summary.counters, 0..) |value, index| std.debug.print(" {s} {d}", .{ buffer_module.counter_names[index], value });
     std.debug.print("\n", .{});
@@ -1939,7 +1965,17 @@ pub fn fresh_seed() !u64 {
 
 test "buffer fuzz: model-based, fixed seeds" {
     const seeds = [_]u64{ 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233 };
-    for (seeds) |seed| _ = try run(seed, fixed_seed_steps);
+    var drifts_repaired: u64 = 0;
+    var guarantee_refusals: u64 = 0;
+    var allocations_at_cap: u64 = 0;
+    for (seeds) |seed| {
+        const summary = try run(seed, fixed_seed_steps);
+        drifts_repaired += summary.drifts_repaired;
+        guarantee_refusals += summary.guarantee_refusals;
+        allocations_at_cap += summary.allocations_at_cap;
+    }
+    // The fixed seeds reach every namespace path: the recount's repair, the guarantee, the cap.
+    try expect(drifts_repaired > 0 and guarantee_refusals > 0 and allocations_at_cap > 0);
 }
 
 const fixed_seed_steps = 4 * epoch_steps;

@@ -59,8 +59,9 @@ def test_every_export_is_declared_from_the_generated_signatures() -> None:
 
     exports = _exports()
     assert (
-        len(exports) == 60
-    )  # saves: ucm_buffer_count_write_through_skipped; namespaces: ucm_buffer_list_ready
+        len(exports) == 62
+    )  # saves: ucm_buffer_count_write_through_skipped; namespaces: ucm_buffer_list_ready;
+    # quotas: ucm_buffer_register_namespace, ucm_buffer_namespace_info
     assert list(_abi.SIGNATURES) == exports
     assert list(_abi.DEBUG_SIGNATURES) == _debug_hooks()
     assert _abi.SIGNATURES["ucm_queue_pin"] == (

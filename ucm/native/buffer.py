@@ -392,6 +392,8 @@ class SlotInfo:
     """Write-back debt: the Ready shard is not yet in the ``write: back`` tiers below."""
     flusher_holder: int | None = None
     """Holder index of the process writing the dirty shard down, if any."""
+    namespace: int | None = None
+    """Index in the namespace table the slot counts in (while linked), else None."""
 
 
 @dataclass(frozen=True)
@@ -1025,6 +1027,7 @@ class BufferCore:
             owner_holder=owner_holder,
             dirty=bool(raw.flags & 4),
             flusher_holder=raw.flusher - 1 if raw.flusher else None,
+            namespace=raw.namespace - 1 if raw.namespace else None,
         )
 
     def ready_slots(self, keys: Sequence[Key]) -> list[int]:

@@ -1,0 +1,127 @@
+"""Namespace quotas through ``ucm.open`` (issue 22): the stack's ``quotas:`` reach the node-wide
+CacheBuffer's namespace table at open (named namespaces) or at a namespace's first call
+(``others``); a guaranteed namespace keeps its blocks byte-exact through another namespace's
+flood, which without quotas evicts them all; a namespace at its cap evicts its own blocks."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from typing import Any
+
+import torch
+
+import ucm
+from ucm import namespaces
+from ucm.buffer import BufferTier
+
+SHARD = 4096
+SPB = 2
+SLOTS = 64
+
+
+def stack(quotas: dict[str, Any] | None) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "unique_id": f"quota-{uuid.uuid4().hex[:12]}",
+        "shard_size": SHARD,
+        "shards_per_block": SPB,
+        "buffer": {"capacity": SLOTS * SHARD},
+    }
+    if quotas is not None:
+        data["quotas"] = quotas
+    return data
+
+
+def ids(count: int, seed: int) -> list[bytes]:
+    return [bytes([seed, i % 256, i // 256]) + bytes(13) for i in range(count)]
+
+
+def content(value: int) -> torch.Tensor:
+    return torch.arange(SHARD, dtype=torch.int64).to(torch.uint8) ^ value
+
+
+def dump_all(store: ucm.Store, blocks: list[bytes], value: int, namespace: str) -> None:
+    for shard in range(SPB):
+        src = [[content(value + shard)] for _ in blocks]
+        store.wait(store.dump(blocks, shard, src, namespace=namespace))
+    store.drain()
+
+
+def usage(store: ucm.Store) -> Counter[str]:
+    """Occupancy in slots per namespace name, from the native table."""
+    buffer = store.tiers[0]
+    assert isinstance(buffer, BufferTier)
+    names = {namespaces.tag(name): name for name in ("tenant-a", "tenant-b", "tenant-c")}
+    names[bytes(8)] = namespaces.DEFAULT_NAMESPACE
+    return Counter({names[row.tag]: row.occupancy_slots for row in buffer.core.namespaces()})
+
+
+def quotas_of(store: ucm.Store) -> dict[bytes, tuple[int, int]]:
+    buffer = store.tiers[0]
+    assert isinstance(buffer, BufferTier)
+    return {row.tag: (row.guarantee_slots, row.cap_slots) for row in buffer.core.namespaces()}
+
+
+def flood_then_replay(quotas: dict[str, Any] | None) -> tuple[list[bool], Counter[str]]:
+    working_set = ids(8, seed=1)  # 16 shards: tenant-a's guarantee
+    with ucm.open(stack(quotas), device_id=0, namespace="tenant-a") as store:
+        dump_all(store, working_set, 10, "tenant-a")
+        for round_index in range(10):  # tenant-b: 10 x 32 blocks, five times the buffer
+            dump_all(store, ids(32, seed=100 + round_index), 20, "tenant-b")
+        present = store.lookup(working_set)
+        if all(present):
+            for shard in range(SPB):
+                dst = [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in working_set]
+                store.wait(store.load(working_set, shard, dst))
+                assert all(torch.equal(d[0], content(10 + shard)) for d in dst)
+        return present, usage(store)
+
+
+def test_quotas_reach_the_native_table_at_open_and_at_first_use() -> None:
+    quotas = {
+        "namespaces": {
+            "tenant-a": {"buffer": {"guarantee": "25%", "cap": "50%"}},
+            "tenant-c": {"buffer": {"cap": f"{8 * SHARD}"}},
+        },
+        "others": {"buffer": {"cap": "75%"}},
+    }
+    with ucm.open(stack(quotas), device_id=0) as store:
+        assert quotas_of(store) == {
+            bytes(8): (0, 48),  # the default namespace: others
+            namespaces.tag("tenant-a"): (16, 32),
+            namespaces.tag("tenant-c"): (0, 8),
+        }
+        store.lookup(ids(1, seed=0), namespace="tenant-b")  # first use: others' cap
+        assert quotas_of(store)[namespaces.tag("tenant-b")] == (0, 48)
+
+
+def test_a_guarantee_keeps_a_working_set_through_a_flood_that_evicts_it_without_quotas() -> None:
+    guaranteed = {"namespaces": {"tenant-a": {"buffer": {"guarantee": "25%"}}}}
+    present, used = flood_then_replay(guaranteed)
+    assert present == [True] * 8
+    assert used == Counter({"tenant-a": 16, "tenant-b": 48, "default": 0})
+    present, _ = flood_then_replay(None)
+    assert present == [False] * 8
+
+
+def test_a_namespace_at_its_cap_evicts_its_own_blocks() -> None:
+    quotas = {"namespaces": {"tenant-c": {"buffer": {"cap": f"{8 * SHARD}"}}}}
+    with ucm.open(stack(quotas), device_id=0) as store:
+        dump_all(store, ids(4, seed=7), 30, "tenant-a")  # 8 shards, unnamed: no cap
+        for block in ids(10, seed=8):  # 20 shards into a cap of 8, a block at a time
+            dump_all(store, [block], 40, "tenant-c")
+        assert usage(store) == Counter({"tenant-a": 8, "tenant-c": 8, "default": 0})
+        assert store.lookup(ids(4, seed=7), namespace="tenant-a") == [True] * 4
+        assert store.lookup(ids(10, seed=8), namespace="tenant-c") == [False] * 6 + [True] * 4
+        # One task holds every slot it takes until it finishes: beyond the cap, its keys find
+        # no slot (as in a full buffer), never another namespace's.
+        src = [[content(50)] for _ in range(10)]
+        task = store.dump(ids(10, seed=9), 0, src, namespace="tenant-c")
+        try:
+            store.wait(task)
+        except ucm.TaskError as failed:
+            assert len(failed.failures) == 2
+            assert all("NO_SLOT" in str(error) for error in failed.failures.values())
+        else:
+            raise AssertionError("a 10-key task into a cap of 8 slots")
+        assert usage(store)["tenant-a"] == 8
