@@ -236,6 +236,27 @@ class BufferTier(Tier):
 
     # ---- the Tier interface ----------------------------------------------------------------
 
+    def namespace_stats(self) -> dict[str, dict[str, int]]:
+        """Node-wide figures of every namespace in the buffer's namespace table, by name: slots
+        and bytes it holds, its guarantee and cap in slots, and the Get hits, misses and
+        evictions of its keys. A tag no name of this process matches is ``#<tag hex>``;
+        ``default`` also holds every namespace not registered in the table."""
+        names = {namespaces.tag(name): name for name in namespaces.known()}
+        names[bytes(namespaces.TAG_BYTES)] = namespaces.DEFAULT_NAMESPACE
+        shard = self.layout.shard_size
+        return {
+            names.get(row.tag, f"#{row.tag.hex()}"): {
+                "occupancy_slots": row.occupancy_slots,
+                "occupancy_bytes": row.occupancy_slots * shard,
+                "guarantee_slots": row.guarantee_slots,
+                "cap_slots": row.cap_slots,
+                "hits": row.hits,
+                "misses": row.misses,
+                "evictions": row.evictions,
+            }
+            for row in self.core.namespaces()
+        }
+
     def register_quota(self, namespace: str, quota: BufferQuota) -> int:
         """Registers ``namespace``'s CacheBuffer quota (guarantee and cap, resolved to whole
         regular slots) in the node-wide namespace table; returns its index there. The default

@@ -456,7 +456,9 @@ class Store:
             self._dumps.drain()
 
     def stats(self) -> dict[str, Any]:
-        """Store counters plus each tier's own counters under ``tiers``."""
+        """Store counters plus each tier's own counters under ``tiers`` and, under
+        ``namespaces``, each namespace's node-wide CacheBuffer figures (slots and bytes held,
+        guarantee and cap, Get hits, misses, evictions; see ``BufferTier.namespace_stats``)."""
         with self._counters_lock:
             counters: dict[str, Any] = dict(self._counters)
         # The load engine's counters: the queue owns these names (the store never counts them).
@@ -481,6 +483,10 @@ class Store:
         counters["write_queue_bytes"] = writer.pending_bytes if writer is not None else 0
         # A closed tier may have unmapped its counters: report what it had at close.
         counters["tiers"] = self._final_tier_stats or self._tier_stats()
+        # Node-wide, per namespace (the buffer's namespace table): {} without a buffer.
+        counters["namespaces"] = (
+            self._buffer.namespace_stats() if self._buffer is not None and not self._closed else {}
+        )
         return counters
 
     def close(self) -> None:
@@ -562,6 +568,7 @@ class Store:
         """Registers ``namespace``'s CacheBuffer quota (its own, else ``quotas.others``) once
         per store; without quotas or a buffer there is nothing to register."""
         self._quota_registered.add(namespace)
+        namespaces.register(namespace)  # its keys resolve to its name (stats, listings)
         quotas = self.config.quotas
         if self._buffer is None or quotas is None:
             return

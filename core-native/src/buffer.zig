@@ -269,7 +269,12 @@ pub const NamespaceEntry = extern struct {
     cap_slots: Atomic(u32),
     /// Slots linked into a chain with `Slot.namespace` == index + 1.
     occupancy_slots: Atomic(u32),
-    _pad: u64,
+    /// Gets of this namespace's keys that found them Ready, or not (the buffer's `hits` and
+    /// `misses`, per namespace), and its Ready slots evicted (for any namespace's insert).
+    hits: Atomic(u64),
+    misses: Atomic(u64),
+    evictions: Atomic(u64),
+    _pad: [16]u8,
 };
 
 pub const NamespaceState = enum(u32) { free = 0, registering = 1, live = 2 };
@@ -983,6 +988,20 @@ pub const Buffer = struct {
         return buffer.namespace_find(tag) orelse 0;
     }
 
+    /// Counts a Get outcome or an eviction for the namespace a slot field (index + 1, or 0
+    /// for the default) names.
+    fn namespace_event(buffer: Buffer, field: u16, comptime event: enum { hit, miss, eviction }) void {
+        assert(field <= constants.buffer_namespaces_max);
+        const entry = &buffer.namespace_table.entries[if (field == 0) 0 else field - 1];
+        const counter = switch (event) {
+            .hit => &entry.hits,
+            .miss => &entry.misses,
+            .eviction => &entry.evictions,
+        };
+        // Monotonic: statistics order nothing else.
+        _ = counter.fetchAdd(1, .monotonic);
+    }
+
     pub fn namespace_occupancy(buffer: Buffer, index: u16) u32 {
         assert(index < constants.buffer_namespaces_max);
         return buffer.namespace_table.entries[index].occupancy_slots.load(.monotonic);
@@ -1411,9 +1430,13 @@ pub const Buffer = struct {
         if (slot.flags.load(.monotonic) & slot_flag_dirty != 0) return null;
         const ready = slot.state.load(.monotonic) == @intFromEnum(State.ready);
         if (idle_only and ready) return null;
+        const victim_field = slot.namespace.load(.monotonic);
         if (!buffer.take_counted(slot, quota)) return null;
         const victim = Victim{ .slot = slot_index };
-        if (ready) buffer.count(.evictions, 1);
+        if (ready) {
+            buffer.count(.evictions, 1);
+            buffer.namespace_event(victim_field, .eviction);
+        }
         buffer.unlink(owner_bucket, slot_index);
         // Monotonic: both bucket locks are held; their release stores publish this.
         slot.bucket.store(bucket_index, .monotonic);
@@ -1486,6 +1509,7 @@ pub const Buffer = struct {
             }
             buffer.count(.misses, 1);
             const namespace = buffer.namespace_of(block_id);
+            buffer.namespace_event(namespace + 1, .miss);
             const victim = buffer.allocate_for_get(bucket_index, namespace) orelse {
                 buffer.count(.no_slot, 1);
                 out.results[index] = .no_slot;
@@ -1510,9 +1534,11 @@ pub const Buffer = struct {
             _ = slot.holders.fetchOr(mine, .monotonic);
             slot.accessed.store(1, .monotonic);
             buffer.count(.hits, 1);
+            buffer.namespace_event(slot.namespace.load(.monotonic), .hit);
             return .hit;
         }
         buffer.count(.misses, 1);
+        buffer.namespace_event(slot.namespace.load(.monotonic), .miss);
         if (holders == 0) {
             // Hit-or-takeover fast path: an idle slot hung by Prealloc (or left by an owner
             // that gave up or died): become its owner without searching for a victim.

@@ -121,6 +121,11 @@ const SlotModel = struct {
     namespace: u16 = 0,
 };
 
+/// The namespace a slot field (index + 1, or 0) counts its events in: 0 counts in the default.
+fn field_index(field: u16) usize {
+    return if (field == 0) 0 else field - 1;
+}
+
 /// Registered namespaces per epoch besides the default one (entry 0).
 const namespace_count_max = 3;
 /// What an allocation may take (`buffer.zig`'s `Quota`).
@@ -155,6 +160,10 @@ const Model = struct {
     guarantees: [namespace_count_max + 1]u32 = @splat(0),
     caps: [namespace_count_max + 1]u32 = @splat(0),
     occupancy: [namespace_count_max + 1]u32 = @splat(0),
+    /// Per namespace: Get hits, Get misses, Ready slots evicted.
+    namespace_hits: [namespace_count_max + 1]u64 = @splat(0),
+    namespace_misses: [namespace_count_max + 1]u64 = @splat(0),
+    namespace_evictions: [namespace_count_max + 1]u64 = @splat(0),
     /// A kill between a slot's namespace field and its counter was injected and no recount
     /// has run since: the counters may disagree with the fields (the model tracks both).
     drift: bool = false,
@@ -463,8 +472,12 @@ const Model = struct {
             if (victim_bucket != bucket and !model.try_acquire(victim_bucket)) continue;
             assert(model.drop_dead_refs(slot_index));
             if (idle_only and slot.state == .ready) continue;
+            const victim_field = slot.namespace;
             if (!model.take_counted(slot_index, quota)) continue;
-            if (slot.state == .ready) model.count(.evictions, 1);
+            if (slot.state == .ready) {
+                model.count(.evictions, 1);
+                model.namespace_evictions[field_index(victim_field)] += 1;
+            }
             model.unlink(slot_index);
             slot.place = .free; // claimed by the caller: `install` links it
             return slot_index;
@@ -506,6 +519,7 @@ const Model = struct {
                 continue;
             }
             model.count(.misses, 1);
+            model.namespace_misses[model.namespace_of(key)] += 1;
             if (model.allocate_for_get(caller, model.key_bucket(key), model.namespace_of(key))) |slot_index| {
                 model.install(caller, slot_index, key, true);
                 slot_out.* = slot_index;
@@ -527,9 +541,11 @@ const Model = struct {
             slot.holders |= holder_bit(me);
             slot.accessed = true;
             model.count(.hits, 1);
+            model.namespace_hits[field_index(slot.namespace)] += 1;
             return .hit;
         }
         model.count(.misses, 1);
+        model.namespace_misses[field_index(slot.namespace)] += 1;
         if (slot.holders == 0) {
             // An idle slot nobody holds (prewarmed, or given up by its owner): take it over.
             if (slot.preallocated) model.count(.prealloc_hits, 1);
@@ -1777,7 +1793,22 @@ const World = struct {
         for (0..constants.buffer_namespaces_max) |index| {
             const expected: u32 = if (index < model.namespace_count) model.occupancy[index] else 0;
             try check("namespace occupancy", index, expected, buffer.namespace_occupancy(@intCast(index)));
+            const entry = &buffer.namespace_table.entries[index];
+            const used = index < model.namespace_count;
+            try check("namespace hits", index, if (used) model.namespace_hits[index] else 0, entry.hits.load(.monotonic));
+            try check("namespace misses", index, if (used) model.namespace_misses[index] else 0, entry.misses.load(.monotonic));
+            try check("namespace evictions", index, if (used) model.namespace_evictions[index] else 0, entry.evictions.load(.monotonic));
         }
+        // Every Get hit, miss and eviction is some namespace's, exactly once.
+        var sums: [3]u64 = @splat(0);
+        for (0..model.namespace_count) |index| {
+            sums[0] += model.namespace_hits[index];
+            sums[1] += model.namespace_misses[index];
+            sums[2] += model.namespace_evictions[index];
+        }
+        try check("namespace hits add up", 0, model.counters[@intFromEnum(Counter.hits)], sums[0]);
+        try check("namespace misses add up", 0, model.counters[@intFromEnum(Counter.misses)], sums[1]);
+        try check("namespace evictions add up", 0, model.counters[@intFromEnum(Counter.evictions)], sums[2]);
         if (!model.drift) {
             var exact: [namespace_count_max + 1]u32 = @splat(0);
             for (model.slots[0..total], 0..) |slot, index| {

@@ -158,7 +158,7 @@ pub const buffer_holder_table_size_bytes: usize = 64 + buffer_holders_max * buff
 /// Namespaces with their own quota and occupancy counter; entry 0 is the default namespace's
 /// (and every key whose tag no registered entry has). Slots record an index below this in u16.
 pub const buffer_namespaces_max: u32 = 32;
-pub const buffer_namespace_entry_size_bytes: usize = 32;
+pub const buffer_namespace_entry_size_bytes: usize = 64;
 pub const buffer_namespace_table_size_bytes: usize = buffer_namespaces_max * buffer_namespace_entry_size_bytes;
 /// Minimum spacing of the dead-holder scans a full buffer triggers (each reads /proc per holder).
 pub const buffer_holder_scan_interval_ns: u64 = 100 * std.time.ns_per_ms;

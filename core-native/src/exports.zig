@@ -176,7 +176,8 @@ pub export fn ucm_buffer_register_namespace(ctrl: usize, tag: u64, guarantee_slo
     return index;
 }
 
-/// Copies namespace entry `index` (tag, state, guarantee, cap, occupancy in slots).
+/// Copies namespace entry `index` (tag, state, guarantee, cap, occupancy in slots, hits,
+/// misses, evictions).
 pub export fn ucm_buffer_namespace_info(ctrl: usize, index: u32, out: *buffer.NamespaceEntry) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
     if (index >= view.namespace_table.entries.len) return buffer_status(.invalid_argument);
@@ -188,7 +189,10 @@ pub export fn ucm_buffer_namespace_info(ctrl: usize, index: u32, out: *buffer.Na
         .guarantee_slots = .init(entry.guarantee_slots.load(.monotonic)),
         .cap_slots = .init(entry.cap_slots.load(.monotonic)),
         .occupancy_slots = .init(entry.occupancy_slots.load(.monotonic)),
-        ._pad = 0,
+        .hits = .init(entry.hits.load(.monotonic)),
+        .misses = .init(entry.misses.load(.monotonic)),
+        .evictions = .init(entry.evictions.load(.monotonic)),
+        ._pad = @splat(0),
     };
     return 0;
 }

@@ -125,3 +125,86 @@ def test_a_namespace_at_its_cap_evicts_its_own_blocks() -> None:
         else:
             raise AssertionError("a 10-key task into a cap of 8 slots")
         assert usage(store)["tenant-a"] == 8
+
+
+def test_per_namespace_figures_in_stats_prometheus_and_the_stats_view() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from rich.console import Console
+
+    from ucm import cli_ops, metrics
+
+    guaranteed = {"namespaces": {"tenant-a": {"buffer": {"guarantee": "25%"}}}}
+    working_set = ids(8, seed=1)
+    with ucm.open(stack(guaranteed), device_id=0, namespace="tenant-a") as store:
+        dump_all(store, working_set, 10, "tenant-a")  # 16 misses (new shards)
+        for round_index in range(10):  # 640 misses; B keeps 48 slots, evicts its own 592
+            dump_all(store, ids(32, seed=100 + round_index), 20, "tenant-b")
+        for shard in range(SPB):  # 16 hits
+            dst = [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in working_set]
+            store.wait(store.load(working_set, shard, dst))
+        figures = store.stats()["namespaces"]
+        assert figures == {
+            "default": {
+                "occupancy_slots": 0,
+                "occupancy_bytes": 0,
+                "guarantee_slots": 0,
+                "cap_slots": SLOTS,
+                "hits": 0,
+                "misses": 0,
+                "evictions": 0,
+            },
+            "tenant-a": {
+                "occupancy_slots": 16,
+                "occupancy_bytes": 16 * SHARD,
+                "guarantee_slots": 16,
+                "cap_slots": SLOTS,
+                "hits": 16,
+                "misses": 16,
+                "evictions": 0,
+            },
+            "tenant-b": {
+                "occupancy_slots": 48,
+                "occupancy_bytes": 48 * SHARD,
+                "guarantee_slots": 0,
+                "cap_slots": SLOTS,
+                "hits": 0,
+                "misses": 640,
+                "evictions": 592,
+            },
+        }
+        registry = CollectorRegistry()
+        registry.register(metrics.StoreCollector(store))
+        text = generate_latest(registry).decode()
+        uid = store.config.unique_id
+        assert (
+            f'ucm_buffer_namespace_occupancy_slots{{namespace="tenant-a",unique_id="{uid}"}} 16.0'
+            in text
+        )
+        assert (
+            f'ucm_buffer_namespace_evictions_total{{namespace="tenant-b",unique_id="{uid}"}} 592.0'
+            in text
+        )
+        console = Console(width=200, record=True)
+        console.print(cli_ops.namespace_view(metrics.snapshot(store)))
+        rows = [line.split("│") for line in console.export_text().splitlines()]
+        cells = [[cell.strip() for cell in row[1:-1]] for row in rows if len(row) > 2]
+        assert ["tenant-b", "48", str(48 * SHARD), "0", "64", "0", "640", "592"] in cells
+        assert cells.index(["tenant-b", "48", str(48 * SHARD), "0", "64", "0", "640", "592"]) < (
+            cells.index(["tenant-a", "16", str(16 * SHARD), "16", "64", "16", "16", "0"])
+        )
+
+
+def test_the_namespace_label_keeps_16_values_and_groups_the_rest() -> None:
+    from ucm import metrics
+
+    def figures(slots: int) -> dict[str, int]:
+        return {name: slots for name, _, _ in metrics._NAMESPACE_FIGURES}
+
+    many = {f"t{index:02d}": figures(index) for index in range(20)}
+    grouped = metrics.namespace_labels(many)
+    assert len(grouped) == metrics.NAMESPACE_LABELS_MAX + 1 == 17
+    assert sorted(grouped) == sorted([*(f"t{index:02d}" for index in range(4, 20)), "_other"])
+    assert grouped["_other"] == figures(0 + 1 + 2 + 3)
+    assert metrics.namespace_labels(dict(list(many.items())[:16])) == {
+        name: figures(int(name[1:])) for name in list(many)[:16]
+    }

@@ -67,8 +67,8 @@ BUFFER_HOLDERS_MAX = 64
 BUFFER_HOLDER_ENTRY_SIZE_BYTES = 32
 BUFFER_HOLDER_TABLE_SIZE_BYTES = 2112
 BUFFER_NAMESPACES_MAX = 32
-BUFFER_NAMESPACE_ENTRY_SIZE_BYTES = 32
-BUFFER_NAMESPACE_TABLE_SIZE_BYTES = 1024
+BUFFER_NAMESPACE_ENTRY_SIZE_BYTES = 64
+BUFFER_NAMESPACE_TABLE_SIZE_BYTES = 2048
 BUFFER_HOLDER_SCAN_INTERVAL_NS = 100000000
 BUFFER_SLOT_SIZE_BYTES = 64
 BUFFER_SLOT_COUNT_MAX = 1073741824
@@ -346,11 +346,14 @@ class NamespaceEntry(ctypes.Structure):
         ("guarantee_slots", ctypes.c_uint32),
         ("cap_slots", ctypes.c_uint32),
         ("occupancy_slots", ctypes.c_uint32),
-        ("_pad", ctypes.c_uint64),
+        ("hits", ctypes.c_uint64),
+        ("misses", ctypes.c_uint64),
+        ("evictions", ctypes.c_uint64),
+        ("_pad", ctypes.c_uint8 * 16),
     )
 
 
-assert ctypes.sizeof(NamespaceEntry) == 32
+assert ctypes.sizeof(NamespaceEntry) == 64
 
 
 class Occupancy(ctypes.Structure):

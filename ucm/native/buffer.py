@@ -431,6 +431,11 @@ class NamespaceUsage:
     cap_slots: int
     occupancy_slots: int
     """Slots linked into a chain that count for this namespace (exact; see buffer.zig)."""
+    hits: int = 0
+    """Gets of the namespace's keys that found them Ready (node-wide, every rank)."""
+    misses: int = 0
+    evictions: int = 0
+    """Ready slots of the namespace evicted (by any namespace's insert)."""
 
 
 NAMESPACES_MAX = _abi.BUFFER_NAMESPACES_MAX
@@ -554,6 +559,9 @@ class BufferCore:
                     guarantee_slots=int(raw.guarantee_slots),
                     cap_slots=int(raw.cap_slots),
                     occupancy_slots=int(raw.occupancy_slots),
+                    hits=int(raw.hits),
+                    misses=int(raw.misses),
+                    evictions=int(raw.evictions),
                 )
             )
         return rows
