@@ -257,19 +257,26 @@ class BufferTier(Tier):
             for row in self.core.namespaces()
         }
 
-    def register_quota(self, namespace: str, quota: BufferQuota) -> int:
-        """Registers ``namespace``'s CacheBuffer quota (guarantee and cap, resolved to whole
-        regular slots) in the node-wide namespace table; returns its index there. The default
-        namespace is entry 0 (its keys carry no tag)."""
-        geometry = self.geometry
-        guarantee, cap = quota.slots(geometry.slot_count_regular, geometry.shard_size_bytes)
-        if quota.cap is None:
-            cap = geometry.slot_count_total
+    def register_quota(self, namespace: str, quota: BufferQuota | None) -> int:
+        """Registers ``namespace`` in the node-wide namespace table with its CacheBuffer quota
+        (guarantee and cap, resolved to whole regular slots); returns its index there. Without
+        a quota (a stack without ``quotas:``) a namespace already in the table keeps the quota
+        another process gave it, and a new one gets none. The default namespace is entry 0
+        (its keys carry no tag)."""
         tag = (
             bytes(namespaces.TAG_BYTES)
             if namespace == namespaces.DEFAULT_NAMESPACE
             else namespaces.tag(namespace)
         )
+        geometry = self.geometry
+        if quota is None:
+            for row in self.core.namespaces():
+                if row.tag == tag:
+                    return row.index
+            quota = BufferQuota()
+        guarantee, cap = quota.slots(geometry.slot_count_regular, geometry.shard_size_bytes)
+        if quota.cap is None:
+            cap = geometry.slot_count_total
         return self.core.register_namespace(tag, guarantee, cap)
 
     def lookup(self, keys: Sequence[Key]) -> list[bool]:

@@ -36,7 +36,7 @@ from .errors import (
 )
 from .layout import Key, Layout
 from .loadqueue import DumpItem, DumpQueue, LoadPath
-from .native.buffer import SLOT_NONE
+from .native.buffer import SLOT_NONE, NamespaceTableFullError
 from .native.queue import LOCAL_RANK_SIZE_MAX, NativeQueue, TaskKind
 from .plugins import tier_types
 from .stack import StackConfig, load_stack
@@ -136,12 +136,12 @@ class Store:
         top = self.tiers[0]
         # The shared CacheBuffer (native core), typed: it brings the native load queue.
         self._buffer: BufferTier | None = top if isinstance(top, BufferTier) else None
-        # Namespace quotas: the named ones and this store's own now, each other namespace when
-        # a call first names it (`_scoped`), in the buffer's node-wide namespace table.
+        # Namespaces in the buffer's node-wide table (quotas, per-namespace figures): the
+        # quotas' named ones and this store's own now, any other when a call first names it.
         self._quota_registered: set[str] = set()
-        if self._buffer is not None and config.quotas is not None:
-            for name in (*config.quotas.namespaces, self.namespace):
-                self._register_quota(name)
+        named = config.quotas.namespaces if config.quotas is not None else {}
+        for name in (*named, self.namespace):
+            self._register_quota(name)
         # One settings model with or without a buffer (the buffer tier's config is one).
         settings = config.load_settings
         if write_queue_bytes is not None:
@@ -565,14 +565,21 @@ class Store:
         return namespaces.scope(namespace, blocks)
 
     def _register_quota(self, namespace: str) -> None:
-        """Registers ``namespace``'s CacheBuffer quota (its own, else ``quotas.others``) once
-        per store; without quotas or a buffer there is nothing to register."""
+        """Registers ``namespace`` in the buffer's namespace table once per store, with its
+        CacheBuffer quota (its own, else ``quotas.others``; none without ``quotas:``), so that
+        its slots, hits, misses and evictions are its own. A full table leaves it counted in
+        the default namespace's entry."""
         self._quota_registered.add(namespace)
         namespaces.register(namespace)  # its keys resolve to its name (stats, listings)
-        quotas = self.config.quotas
-        if self._buffer is None or quotas is None:
+        if self._buffer is None:
             return
-        self._buffer.register_quota(namespace, quotas.for_namespace(namespace).buffer)
+        quotas = self.config.quotas
+        quota = quotas.for_namespace(namespace).buffer if quotas is not None else None
+        try:
+            self._buffer.register_quota(namespace, quota)
+        except NamespaceTableFullError:
+            if quotas is not None and namespace in quotas.namespaces:
+                raise  # a named quota that cannot be kept is an error, not a fallback
 
     def _prepare(
         self,

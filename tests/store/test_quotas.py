@@ -208,3 +208,24 @@ def test_the_namespace_label_keeps_16_values_and_groups_the_rest() -> None:
     assert metrics.namespace_labels(dict(list(many.items())[:16])) == {
         name: figures(int(name[1:])) for name in list(many)[:16]
     }
+
+
+def test_without_quotas_namespaces_still_have_figures_and_a_full_table_is_no_error() -> None:
+    with ucm.open(stack(None), device_id=0) as store:
+        dump_all(store, ids(2, seed=3), 60, "tenant-a")
+        figures = store.stats()["namespaces"]
+        assert figures["tenant-a"]["occupancy_slots"] == 4
+        assert figures["tenant-a"]["misses"] == 4
+        assert (figures["tenant-a"]["guarantee_slots"], figures["tenant-a"]["cap_slots"]) == (
+            0,
+            SLOTS,
+        )
+        # 40 more namespaces: the table keeps 32 (default, tenant-a, 30 of them); the others
+        # count in the default namespace's entry, and nothing fails.
+        for index in range(40):
+            assert store.lookup(ids(1, seed=4), namespace=f"extra-{index}") == [False]
+        dump_all(store, ids(1, seed=5), 70, "extra-39")
+        figures = store.stats()["namespaces"]
+        assert len(figures) == 32
+        assert "extra-39" not in figures
+        assert figures["default"]["occupancy_slots"] == 2

@@ -441,6 +441,11 @@ class NamespaceUsage:
 NAMESPACES_MAX = _abi.BUFFER_NAMESPACES_MAX
 
 
+class NamespaceTableFullError(InvalidArgumentError):
+    """Every entry of the buffer's namespace table is taken: a namespace registered now counts
+    in the default namespace's entry (and takes its quota)."""
+
+
 @dataclass(frozen=True)
 class ReclaimReport:
     holders: int
@@ -528,7 +533,7 @@ class BufferCore:
             )
         )
         if index == _Status.NAMESPACES_FULL:
-            raise InvalidArgumentError(
+            raise NamespaceTableFullError(
                 f"cannot register namespace tag {tag.hex()}: all {NAMESPACES_MAX} entries of "
                 "the buffer's namespace table are taken (namespaces with quotas per unique_id)"
             )
