@@ -41,7 +41,15 @@ from .native.queue import LOCAL_RANK_SIZE_MAX, NativeQueue, TaskKind
 from .plugins import tier_types
 from .stack import StackConfig, load_stack
 from .task import Progress, Task
-from .tier import HOST_MEMORY_OPTION, Outcome, ShardViews, Tier, TierContext
+from .tier import (
+    HOST_MEMORY_OPTION,
+    NAMESPACE_BYTES_OPTION,
+    NamespaceBytes,
+    Outcome,
+    ShardViews,
+    Tier,
+    TierContext,
+)
 
 DEFAULT_WRITE_QUEUE_BYTES = 256 * 1024 * 1024
 
@@ -105,6 +113,10 @@ class Store:
         host_memory: tuple[tuple[int, int], ...] = ()
         try:
             for position, tier_config in enumerate(config.tiers):
+                options: dict[str, Any] = {HOST_MEMORY_OPTION: host_memory} if host_memory else {}
+                namespace_bytes = _namespace_bytes(config, tier_config.label)
+                if namespace_bytes is not None:
+                    options[NAMESPACE_BYTES_OPTION] = namespace_bytes
                 context = TierContext(
                     layout=self.layout,
                     unique_id=config.unique_id,
@@ -112,7 +124,7 @@ class Store:
                     local_rank_size=local_rank_size,
                     position=position,
                     evict_sink=self._evict_sink_for(position),
-                    options={HOST_MEMORY_OPTION: host_memory} if host_memory else {},
+                    options=options,
                 )
                 try:
                     self.tiers.append(installed[tier_config.type](tier_config, context))
@@ -865,3 +877,20 @@ def open_store(
 ) -> Store:
     """Opens a store for one rank: ``ucm.open("stack.yaml", device_id=0, local_rank_size=4)``."""
     return Store(load_stack(stack), device_id=device_id, local_rank_size=local_rank_size, **options)
+
+
+def _namespace_bytes(config: StackConfig, label: str) -> NamespaceBytes | None:
+    """The byte quotas of ``quotas:`` for the tier labelled ``label``, or None when none
+    applies to it."""
+    quotas = config.quotas
+    if quotas is None or (config.buffer is not None and label == config.buffer.label):
+        return None
+    named = {
+        name: quota.tiers[label]
+        for name, quota in quotas.namespaces.items()
+        if label in quota.tiers
+    }
+    others = quotas.others.tiers.get(label)
+    if not named and others is None:
+        return None
+    return NamespaceBytes(named=named, others=others)

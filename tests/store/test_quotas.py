@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -229,3 +230,65 @@ def test_without_quotas_namespaces_still_have_figures_and_a_full_table_is_no_err
         assert len(figures) == 32
         assert "extra-39" not in figures
         assert figures["default"]["occupancy_slots"] == 2
+
+
+def _tier_usage(path: Path, namespace: str) -> int:
+    """Bytes of ``namespace``'s files under a posix root or a file:// fsspec root, as the tiers
+    count them (disk blocks for posix, object sizes for fsspec)."""
+    root = path / "ns" / namespace
+    return sum(
+        (file.stat().st_blocks * 512 if "nvme" in str(path) else file.stat().st_size)
+        for file in root.rglob("*")
+        if file.is_file()
+    )
+
+
+def test_lower_tiers_keep_each_namespace_within_its_bytes_oldest_blocks_first(
+    tmp_path: Path,
+) -> None:
+    import time
+
+    nvme, objects = tmp_path / "nvme", tmp_path / "objects"
+    lower = [
+        {"type": "posix", "path": str(nvme)},
+        {"type": "fsspec", "url": f"file://{objects}"},
+    ]
+    # One block (2 shards) per tier, measured first: the quotas are 4 blocks' worth.
+    probe = stack(None) | {"tiers": lower}
+    probe["buffer"] = {"capacity": SLOTS * SHARD}
+    with ucm.open(probe, device_id=0) as store:
+        dump_all(store, ids(1, seed=9), 5, "probe")
+    block_bytes = {"posix": _tier_usage(nvme, "probe"), "fsspec": _tier_usage(objects, "probe")}
+    assert block_bytes["posix"] >= 2 * SHARD and block_bytes["fsspec"] >= 2 * SHARD
+    quotas = {
+        "namespaces": {
+            "tenant-a": {
+                "tiers": {"posix": 4 * block_bytes["posix"], "fsspec": 4 * block_bytes["fsspec"]}
+            }
+        },
+        "others": {"tiers": {"posix": 2 * block_bytes["posix"]}},
+    }
+    config = probe | {"quotas": quotas, "unique_id": f"quota-{uuid.uuid4().hex[:12]}"}
+    blocks = ids(10, seed=10)
+    with ucm.open(config, device_id=0) as store:
+        for block in blocks:  # one at a time, oldest first (mtimes 10 ms apart)
+            dump_all(store, [block], 7, "tenant-a")
+            dump_all(store, [block], 8, "tenant-b")  # unnamed: others' posix bytes only
+            for tier in ("posix", "fsspec"):
+                root = nvme if tier == "posix" else objects
+                assert _tier_usage(root, "tenant-a") <= 4 * block_bytes[tier]
+            assert _tier_usage(nvme, "tenant-b") <= 2 * block_bytes["posix"]
+            time.sleep(0.01)
+        # The newest blocks stayed, on each tier; the oldest went first.
+        posix, fsspec = store.tiers[1], store.tiers[2]
+        for tier, keep in ((posix, 4), (fsspec, 4)):
+            present = tier.lookup([(block, 0) for block in namespaces.scope("tenant-a", blocks)])
+            assert present == [False] * (10 - keep) + [True] * keep, tier.label
+        present = posix.lookup([(block, 0) for block in namespaces.scope("tenant-b", blocks)])
+        assert present == [False] * 8 + [True] * 2
+        # fsspec has no quota for tenant-b: all ten blocks are there.
+        assert (
+            fsspec.lookup([(block, 0) for block in namespaces.scope("tenant-b", blocks)])
+            == [True] * 10
+        )
+        assert posix.stats()["namespace_eviction_passes"] > 0
