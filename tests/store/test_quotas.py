@@ -292,3 +292,52 @@ def test_lower_tiers_keep_each_namespace_within_its_bytes_oldest_blocks_first(
             == [True] * 10
         )
         assert posix.stats()["namespace_eviction_passes"] > 0
+
+
+def test_counters_are_exact_after_ranks_are_killed_mid_dump() -> None:
+    """Real rank processes (ucm.open, dumps in two namespaces) SIGKILLed in the middle of their
+    dumps, three times, while this process keeps the buffer open as rank 0; after
+    ``reclaim_dead`` (which a rank's open also runs) every namespace's counter equals the slots
+    its keys hold, counted slot by slot."""
+    import os
+    import signal
+    import time
+
+    from ucm.native.buffer import DETACHED
+    from ucm.ranks import RankGroup
+
+    from ._quota_ranks import insert_forever
+
+    config = stack({"namespaces": {"tenant-a": {"buffer": {"guarantee": "25%", "cap": "75%"}}}})
+    with ucm.open(config, device_id=0, local_rank_size=3) as store:
+        buffer = store.tiers[0]
+        assert isinstance(buffer, BufferTier)
+        for round_index in range(3):
+            with RankGroup(parties=1, join_timeout=0) as group:
+                pipes = []
+                for rank in (1, 2):
+                    parent, child = group.context.Pipe()
+                    group.spawn(insert_forever, config, rank, 3, round_index * 2 + rank, child)
+                    pipes.append(parent)
+                for parent in pipes:
+                    assert parent.poll(120)
+                    message, detail = parent.recv()
+                    assert message == "inserting", detail
+                time.sleep(0.2 + 0.1 * round_index)
+                for process in group.processes:
+                    os.kill(process.pid, signal.SIGKILL)  # mid-dump: locks, owners, references
+                for process in group.processes:
+                    process.join(10)
+            assert buffer.core.reclaim_dead().holders == 2
+            indices = {row.tag: row.index for row in buffer.core.namespaces()}
+            exact: Counter[int] = Counter()
+            for slot in range(buffer.geometry.slot_count_total):
+                info = buffer.core.slot_info(slot)
+                if info.bucket is None or info.bucket == DETACHED:
+                    continue
+                exact[indices.get(info.block_id[:8], 0)] += 1
+            counted = Counter({row.index: row.occupancy_slots for row in buffer.core.namespaces()})
+            assert +counted == +exact, round_index
+            a, b = indices[namespaces.tag("tenant-a")], indices[namespaces.tag("tenant-b")]
+            assert exact[a] > 0 and exact[b] > 0  # the ranks did fill the buffer
+            assert counted[a] <= 48  # tenant-a's cap, 75% of 64 slots
