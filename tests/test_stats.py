@@ -76,7 +76,25 @@ def test_stats_json_is_the_live_buffers_node_wide_state(live: LiveBuffer) -> Non
         "resident_fraction": 1.0,
     }
     assert worker["resident"] == SLOTS
-    assert data["node_wide"] == ["buffer", "occupancy", "hit_rate", "attached_pids"]
+    assert data["node_wide"] == [
+        "buffer",
+        "occupancy",
+        "hit_rate",
+        "attached_pids",
+        "namespaces",
+    ]
+    # Every key here is the default namespace's: its figures are the buffer's own.
+    assert data["namespaces"] == {
+        "default": {
+            "occupancy_slots": SLOTS + PREALLOCATED,  # linked: Ready and prewarmed
+            "occupancy_bytes": (SLOTS + PREALLOCATED) * SHARD,
+            "guarantee_slots": 0,
+            "cap_slots": SLOTS + RESERVED,
+            "hits": data["buffer"]["hits"],
+            "misses": data["buffer"]["misses"],
+            "evictions": data["buffer"]["evictions"],
+        }
+    }
     if hasattr(BufferCore, "holders"):  # the holder table: processes registered on the buffer
         assert data["attached_pids"] == [live.pid]
     # This process (the scheduler) did nothing itself; the worker's own Store counters differ.

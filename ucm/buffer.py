@@ -40,8 +40,8 @@ from typing import Literal
 
 from pydantic import Field, PositiveFloat
 
-from . import shm_gc
-from .config import LoadSettings, Size, TierConfig
+from . import namespaces, shm_gc
+from .config import BufferQuota, LoadSettings, Size, TierConfig
 from .errors import (
     BufferLockTimeoutError,
     InvalidArgumentError,
@@ -235,6 +235,49 @@ class BufferTier(Tier):
         return self._queue
 
     # ---- the Tier interface ----------------------------------------------------------------
+
+    def namespace_stats(self) -> dict[str, dict[str, int]]:
+        """Node-wide figures of every namespace in the buffer's namespace table, by name: slots
+        and bytes it holds, its guarantee and cap in slots, and the Get hits, misses and
+        evictions of its keys. A tag no name of this process matches is ``#<tag hex>``;
+        ``default`` also holds every namespace not registered in the table."""
+        names = {namespaces.tag(name): name for name in namespaces.known()}
+        names[bytes(namespaces.TAG_BYTES)] = namespaces.DEFAULT_NAMESPACE
+        shard = self.layout.shard_size
+        return {
+            names.get(row.tag, f"#{row.tag.hex()}"): {
+                "occupancy_slots": row.occupancy_slots,
+                "occupancy_bytes": row.occupancy_slots * shard,
+                "guarantee_slots": row.guarantee_slots,
+                "cap_slots": row.cap_slots,
+                "hits": row.hits,
+                "misses": row.misses,
+                "evictions": row.evictions,
+            }
+            for row in self.core.namespaces()
+        }
+
+    def register_quota(self, namespace: str, quota: BufferQuota | None) -> int:
+        """Registers ``namespace`` in the node-wide namespace table with its CacheBuffer quota
+        (guarantee and cap, resolved to whole regular slots); returns its index there. Without
+        a quota (a stack without ``quotas:``) a namespace already in the table keeps the quota
+        another process gave it, and a new one gets none. The default namespace is entry 0
+        (its keys carry no tag)."""
+        tag = (
+            bytes(namespaces.TAG_BYTES)
+            if namespace == namespaces.DEFAULT_NAMESPACE
+            else namespaces.tag(namespace)
+        )
+        geometry = self.geometry
+        if quota is None:
+            for row in self.core.namespaces():
+                if row.tag == tag:
+                    return row.index
+            quota = BufferQuota()
+        guarantee, cap = quota.slots(geometry.slot_count_regular, geometry.shard_size_bytes)
+        if quota.cap is None:
+            cap = geometry.slot_count_total
+        return self.core.register_namespace(tag, guarantee, cap)
 
     def lookup(self, keys: Sequence[Key]) -> list[bool]:
         return self.core.lookup(list(keys))

@@ -296,6 +296,14 @@ def stats(
             help="Also serve Prometheus metrics on 127.0.0.1:PORT (0 picks one) until Ctrl-C.",
         ),
     ] = None,
+    by_namespace: Annotated[
+        bool,
+        typer.Option(
+            "--by-namespace",
+            help="Also show each namespace's slots, bytes, guarantee, cap, hits, misses and "
+            "evictions (node-wide; --json always has them).",
+        ),
+    ] = False,
 ) -> None:
     """Attach to a live CacheBuffer as the scheduler role and show its counters.
 
@@ -332,7 +340,7 @@ def stats(
             server = cleanup.enter_context(metrics.serve(store, port=serve))
             errors.print(f"serving Prometheus metrics on {server.url}", highlight=False)
         readings = count if count is not None else (None if watch or serve is not None else 1)
-        _stats_loop(console, store, readings, interval, json_out, watch)
+        _stats_loop(console, store, readings, interval, json_out, watch, by_namespace)
 
 
 class NoLiveBuffer(Exception):
@@ -408,6 +416,7 @@ def _stats_loop(
     interval: float,
     json_out: bool,
     watch: bool,
+    by_namespace: bool = False,
 ) -> None:
     """Takes ``readings`` snapshots ``interval`` apart (None: until Ctrl-C). With ``watch`` each
     one is shown (rich Live, or one JSON line each); otherwise only the first is, and the loop
@@ -435,16 +444,19 @@ def _stats_loop(
                     sys.stdout.write(text + "\n")
                     sys.stdout.flush()
                 elif view is not None:
-                    view.update(stats_view(shot, previous), refresh=True)
+                    view.update(stats_view(shot, previous, by_namespace), refresh=True)
                 else:
-                    console.print(stats_view(shot, previous))
+                    console.print(stats_view(shot, previous, by_namespace))
                 previous = shot
         except KeyboardInterrupt:
             pass
 
 
-def stats_view(shot: Snapshot, previous: Snapshot | None = None) -> RenderableType:
-    """The rich rendering of a snapshot; with ``previous``, counters also show a rate per second."""
+def stats_view(
+    shot: Snapshot, previous: Snapshot | None = None, by_namespace: bool = False
+) -> RenderableType:
+    """The rich rendering of a snapshot; with ``previous``, counters also show a rate per second;
+    with ``by_namespace``, a table of each namespace's node-wide figures."""
     parts: list[RenderableType] = []
     stamp = time.strftime("%H:%M:%S", time.localtime(shot.taken_at))
     if shot.buffer is not None and shot.occupancy is not None:
@@ -511,7 +523,36 @@ def stats_view(shot: Snapshot, previous: Snapshot | None = None) -> RenderableTy
         )
         tiers.add_row(str(position), escape(str(tier.get("type"))), escape(values))
     parts.append(tiers)
+    if by_namespace:
+        parts.append(namespace_view(shot))
     return Group(*parts)
+
+
+NAMESPACE_COLUMNS = (
+    "occupancy_slots",
+    "occupancy_bytes",
+    "guarantee_slots",
+    "cap_slots",
+    "hits",
+    "misses",
+    "evictions",
+)
+
+
+def namespace_view(shot: Snapshot) -> RenderableType:
+    """Each namespace's CacheBuffer figures (node-wide), the most slots first."""
+    if not shot.namespaces:
+        return Text("No namespace figures: this stack has no buffer tier.")
+    table = Table(title="namespaces in the CacheBuffer (node-wide, since creation)")
+    table.add_column("namespace")
+    for column in NAMESPACE_COLUMNS:
+        table.add_column(column.replace("_", " "), justify="right")
+    ranked = sorted(
+        shot.namespaces.items(), key=lambda item: (-item[1]["occupancy_slots"], item[0])
+    )
+    for name, figures in ranked:
+        table.add_row(escape(name), *(str(figures[column]) for column in NAMESPACE_COLUMNS))
+    return table
 
 
 def _stat(value: object) -> str:

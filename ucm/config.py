@@ -12,7 +12,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeFloat, PositiveFloat
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PlainSerializer,
+    PositiveFloat,
+)
 from pydantic_core import PydanticCustomError
 
 from .codecs import CodecConfig, NoCodec
@@ -250,3 +258,153 @@ class LoadSettings(BaseModel):
         if type(self) is LoadSettings:
             return self
         return LoadSettings.model_validate(self.model_dump(include=set(LoadSettings.model_fields)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Namespace quotas (YAML ``quotas:``; the namespaces themselves are ``ucm.namespaces``).
+
+QUOTA_BYTES_MAX = 1 << 60
+"""Largest byte quota (1 EiB): anything larger is a typo, not a plan."""
+
+SHARE_HINT = "a share of the CacheBuffer such as '40%' (0% to 100%) or a byte size such as '4GiB'"
+
+
+class Share(BaseModel):
+    """A part of the CacheBuffer's regular slots: a fraction of them (``'40%'``) or a byte size
+    (``'4GiB'``). ``percent`` or ``bytes`` is set, never both."""
+
+    model_config = ConfigDict(frozen=True)
+
+    percent: float | None = None
+    bytes: int | None = None
+
+    def slots(self, slot_count_regular: int, shard_size_bytes: int) -> int:
+        """Whole slots this share stands for in a buffer of ``slot_count_regular`` slots of
+        ``shard_size_bytes`` (rounded down: a share never promises a slot it does not cover)."""
+        if self.percent is not None:
+            return int(slot_count_regular * self.percent / 100.0)
+        assert self.bytes is not None
+        return min(self.bytes // shard_size_bytes, slot_count_regular)
+
+    def fraction(self, capacity_bytes: int) -> float:
+        """This share as a fraction of ``capacity_bytes`` (the buffer's regular bytes)."""
+        if self.percent is not None:
+            return self.percent / 100.0
+        assert self.bytes is not None
+        return self.bytes / capacity_bytes if capacity_bytes > 0 else float("inf")
+
+    def __str__(self) -> str:
+        return f"{self.percent:g}%" if self.percent is not None else f"{self.bytes} bytes"
+
+
+def _parse_share(value: object) -> Share:
+    if isinstance(value, Share):
+        return value
+    if isinstance(value, str) and value.strip().endswith("%"):
+        text = value.strip()[:-1].strip()
+        try:
+            percent = float(text)
+        except ValueError:
+            raise ValueError(f"invalid share {value!r}: expected {SHARE_HINT}") from None
+        if not 0.0 <= percent <= 100.0:
+            raise ValueError(f"invalid share {value!r}: a percentage must be 0% to 100%")
+        return Share(percent=percent)
+    if isinstance(value, float) and not isinstance(value, bool):
+        raise ValueError(
+            f"invalid share {value!r}: expected {SHARE_HINT} (write a fraction as a percentage)"
+        )
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        raise ValueError(f"invalid share {value!r}: must not be negative")
+    try:
+        size = parse_size(value)
+    except ValueError:
+        raise ValueError(f"invalid share {value!r}: expected {SHARE_HINT}") from None
+    return Share(bytes=_quota_bytes(size))
+
+
+def _share_yaml(share: Share) -> str | int:
+    if share.percent is not None:
+        return f"{share.percent!r}%"
+    assert share.bytes is not None
+    return share.bytes
+
+
+ShareValue = Annotated[Share, BeforeValidator(_parse_share), PlainSerializer(_share_yaml)]
+"""A ``Share`` written as ``'40%'`` or as a byte size."""
+
+
+def _quota_bytes(value: object) -> int:
+    size = parse_size(value)
+    if size > QUOTA_BYTES_MAX:
+        raise ValueError(f"invalid size {value!r}: more than the 1 EiB limit on a quota")
+    return size
+
+
+QuotaBytes = Annotated[int, BeforeValidator(_quota_bytes)]
+"""A lower tier's byte quota; accepts ``20GiB``-style strings, at most 1 EiB."""
+
+
+class BufferQuota(BaseModel):
+    """A namespace's part of the CacheBuffer (YAML ``quotas.namespaces.<name>.buffer``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    guarantee: ShareValue | None = Field(
+        default=None,
+        description="Slots no other namespace's inserts can take from this namespace: "
+        "eviction for another namespace never pushes it below this. A share ('40%') or bytes.",
+    )
+    cap: ShareValue | None = Field(
+        default=None,
+        description="Most of the CacheBuffer this namespace holds: an insert beyond it evicts "
+        "one of this namespace's own blocks. A share ('60%') or bytes.",
+    )
+
+    def slots(self, slot_count_regular: int, shard_size_bytes: int) -> tuple[int, int]:
+        """(guarantee, cap) in whole slots of a buffer of ``slot_count_regular`` regular slots
+        of ``shard_size_bytes``: what the native namespace table holds. No guarantee is 0
+        slots; no cap is every regular slot."""
+        guarantee = 0
+        if self.guarantee is not None:
+            guarantee = self.guarantee.slots(slot_count_regular, shard_size_bytes)
+        cap = slot_count_regular
+        if self.cap is not None:
+            cap = self.cap.slots(slot_count_regular, shard_size_bytes)
+        # Rounding a byte cap and a percent guarantee to slots may cross by one slot.
+        return guarantee, max(cap, guarantee)
+
+
+class NamespaceQuota(BaseModel):
+    """One namespace's quotas: its part of the CacheBuffer and its bytes on lower tiers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    buffer: BufferQuota = Field(
+        default_factory=BufferQuota, description="Guarantee and cap in the CacheBuffer."
+    )
+    tiers: dict[str, QuotaBytes] = Field(
+        default_factory=dict,
+        description="Most bytes this namespace holds on each lower tier, by tier label "
+        "(its `name`, else its type); the oldest of its blocks there go first.",
+    )
+
+
+class QuotasConfig(BaseModel):
+    """YAML ``quotas:``: per named namespace, and ``others`` for every namespace not named
+    (each of them on its own). Checked against the stack (tier labels, the buffer's capacity)
+    by ``ucm.stack``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    namespaces: dict[str, NamespaceQuota] = Field(
+        default_factory=dict, description="Quotas of named namespaces ('default' included)."
+    )
+    others: NamespaceQuota = Field(
+        default_factory=NamespaceQuota,
+        description="Quotas of each namespace not named under `namespaces` (a cap and tier "
+        "bytes; a guarantee must name its namespace).",
+    )
+
+    def for_namespace(self, namespace: str) -> NamespaceQuota:
+        """The quotas that apply to ``namespace``: its own, else ``others``."""
+        return self.namespaces.get(namespace, self.others)

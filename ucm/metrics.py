@@ -115,6 +115,9 @@ class Snapshot:
     tiers: list[dict[str, Any]] = field(default_factory=list)
     """Each tier's ``stats()`` as seen by this process (for the buffer tier: only its
     per-process counters; the native ones are in ``buffer``)."""
+    namespaces: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Node-wide, per namespace: CacheBuffer slots and bytes held, guarantee and cap, Get
+    hits, misses and evictions (``Store.stats()["namespaces"]``); empty without a buffer."""
 
     @property
     def hit_rate(self) -> float | None:
@@ -130,7 +133,7 @@ class Snapshot:
         data["hit_rate"] = self.hit_rate
         if self.occupancy is not None:
             data["occupancy"]["resident_fraction"] = self.occupancy.resident_fraction
-        data["node_wide"] = ["buffer", "occupancy", "hit_rate", "attached_pids"]
+        data["node_wide"] = ["buffer", "occupancy", "hit_rate", "attached_pids", "namespaces"]
         return data
 
 
@@ -138,6 +141,7 @@ def snapshot(store: Store) -> Snapshot:
     """Reads every counter of ``store`` now (works on a scheduler: nothing reads shard data)."""
     stats = store.stats()
     tier_stats: list[dict[str, Any]] = stats.pop("tiers")
+    namespace_stats: dict[str, dict[str, int]] = stats.pop("namespaces")
     buffer_counters: dict[str, int] | None = None
     occupancy: Occupancy | None = None
     attached_pids: list[int] | None = None
@@ -160,6 +164,7 @@ def snapshot(store: Store) -> Snapshot:
         attached_pids=attached_pids,
         process=stats,
         tiers=tier_stats,
+        namespaces=namespace_stats,
     )
 
 
@@ -169,6 +174,38 @@ def _attached_pids(core: BufferCore) -> list[int]:
 
 
 # ---- Prometheus ---------------------------------------------------------------------------------
+
+NAMESPACE_LABELS_MAX = 16
+"""Most namespaces with a ``namespace`` label value of their own in Prometheus: those holding
+the most slots (ties by name); every other namespace is summed under :data:`OTHER_NAMESPACES`,
+so the label's cardinality stays at most 17 per ``unique_id``."""
+OTHER_NAMESPACES = "_other"
+"""The ``namespace`` label value of the namespaces beyond :data:`NAMESPACE_LABELS_MAX` (not a
+valid namespace name, so it never collides with one)."""
+_NAMESPACE_FIGURES = (
+    ("occupancy_slots", "gauge", "CacheBuffer slots the namespace holds"),
+    ("occupancy_bytes", "gauge", "CacheBuffer bytes the namespace holds"),
+    ("guarantee_slots", "gauge", "CacheBuffer slots guaranteed to the namespace"),
+    ("cap_slots", "gauge", "Most CacheBuffer slots the namespace may hold"),
+    ("hits", "counter", "CacheBuffer Get hits of the namespace's keys"),
+    ("misses", "counter", "CacheBuffer Get misses of the namespace's keys"),
+    ("evictions", "counter", "The namespace's Ready CacheBuffer slots evicted"),
+)
+
+
+def namespace_labels(namespaces: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """``namespaces`` with at most :data:`NAMESPACE_LABELS_MAX` of their own (the most slots
+    held first) and the rest summed under :data:`OTHER_NAMESPACES`."""
+    ranked = sorted(namespaces, key=lambda name: (-namespaces[name]["occupancy_slots"], name))
+    kept = {name: dict(namespaces[name]) for name in ranked[:NAMESPACE_LABELS_MAX]}
+    rest = ranked[NAMESPACE_LABELS_MAX:]
+    if rest:
+        kept[OTHER_NAMESPACES] = {
+            figure: sum(namespaces[name][figure] for name in rest)
+            for figure, _, _ in _NAMESPACE_FIGURES
+        }
+    return kept
+
 
 _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
 _OCCUPANCY_STATES = ("resident", "filling", "preallocated", "free", "detached")
@@ -257,6 +294,18 @@ class StoreCollector:
             )
             ratio.add_metric(uid_value, shot.hit_rate)
             yield ratio
+        if shot.namespaces:
+            grouped = namespace_labels(shot.namespaces)
+            for figure, figure_kind, help_text in _NAMESPACE_FIGURES:
+                family_type = GaugeMetricFamily if figure_kind == "gauge" else CounterMetricFamily
+                by_namespace = family_type(
+                    f"ucm_buffer_namespace_{figure}",
+                    f"{help_text} (node-wide).",
+                    labels=[*uid, "namespace"],
+                )
+                for name, figures in grouped.items():
+                    by_namespace.add_metric([*uid_value, name], figures[figure])
+                yield by_namespace
         labels = [*uid, "device_id"]
         label_values = [*uid_value, str(shot.device_id)]
         for name, value in sorted(shot.process.items()):

@@ -34,8 +34,9 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .buffer import BufferTierConfig
-from .config import AdmitConfig, LoadSettings, Size, TierConfig
+from .config import AdmitConfig, LoadSettings, QuotasConfig, Share, Size, TierConfig
 from .errors import ConfigError
+from .namespaces import NAME_PATTERN, NAME_RULE
 from .native import _abi
 from .plugins import tier_types
 
@@ -95,6 +96,11 @@ class StackConfig(BaseModel):
         description="The load path's settings (queue depths, load_workers, step_keys, ...) of "
         "a stack without a buffer tier; with one, they are keys of the buffer tier.",
     )
+    quotas: QuotasConfig | None = Field(
+        default=None,
+        description="Per-namespace quotas: a guarantee and a cap in the CacheBuffer, bytes on "
+        "each lower tier; `others` for every namespace not named (docs/namespaces.md).",
+    )
 
     @model_validator(mode="after")
     def _check_geometry(self) -> StackConfig:
@@ -126,7 +132,109 @@ class StackConfig(BaseModel):
                 "buffer (its buffer section or tiers[0]); remove the load section or move its "
                 "keys there",
             )
+        if self.quotas is not None:
+            self._check_quotas(self.quotas)
         return self
+
+    def _check_quotas(self, quotas: QuotasConfig) -> None:
+        """Cross-checks ``quotas:`` against the stack: valid names, a buffer for buffer quotas,
+        shares within the buffer's capacity, guarantees within caps and within 100% in all,
+        tier labels naming exactly one lower tier."""
+        for name in quotas.namespaces:
+            if NAME_PATTERN.fullmatch(name) is None:
+                raise _located(
+                    f"quotas.namespaces.{name}",
+                    f"not a valid namespace name: expected {NAME_RULE}",
+                    name,
+                )
+        if quotas.others.buffer.guarantee is not None:
+            raise _located(
+                "quotas.others.buffer.guarantee",
+                "a guarantee is given per named namespace (any number of namespaces may be "
+                "unnamed, so theirs could not add up); name the namespace under "
+                "quotas.namespaces",
+                str(quotas.others.buffer.guarantee),
+            )
+        entries = [(f"quotas.namespaces.{name}", q) for name, q in quotas.namespaces.items()]
+        entries.append(("quotas.others", quotas.others))
+        capacity = self.buffer.capacity if self.buffer is not None else 0
+        guaranteed: list[tuple[str, Share]] = []
+        for path, quota in entries:
+            guarantee, cap = quota.buffer.guarantee, quota.buffer.cap
+            for key, share in (("guarantee", guarantee), ("cap", cap)):
+                if share is None:
+                    continue
+                if self.buffer is None:
+                    raise _located(
+                        f"{path}.buffer.{key}",
+                        "this stack has no buffer tier: a CacheBuffer quota needs one",
+                        str(share),
+                    )
+                if share.bytes is not None and share.bytes > capacity:
+                    raise _located(
+                        f"{path}.buffer.{key}",
+                        f"{share.bytes} bytes is more than the CacheBuffer's capacity "
+                        f"({capacity} bytes); give at most the capacity or a share such as '50%'",
+                        share.bytes,
+                    )
+            if (
+                guarantee is not None
+                and cap is not None
+                and guarantee.fraction(capacity) > cap.fraction(capacity)
+            ):
+                raise _located(
+                    f"{path}.buffer.guarantee",
+                    f"the guarantee ({guarantee}) is more than the cap ({cap})",
+                    str(guarantee),
+                )
+            if guarantee is not None:
+                guaranteed.append((path.rsplit(".", 1)[1], guarantee))
+            self._check_tier_quotas(path, quota.tiers)
+        total = sum(share.fraction(capacity) for _, share in guaranteed)
+        if total > 1.0 + 1e-9:
+            parts = ", ".join(f"{name} {share}" for name, share in guaranteed)
+            raise _located(
+                "quotas.namespaces",
+                f"the CacheBuffer guarantees add up to {total * 100:g}% ({parts}); they may "
+                "add up to 100% at most",
+                {name: str(share) for name, share in guaranteed},
+            )
+
+    def _check_tier_quotas(self, path: str, tiers: Mapping[str, int]) -> None:
+        lower = [tier.label for tier in self.tiers if tier is not self.buffer]
+        for label in tiers:
+            where = f"{path}.tiers.{label}"
+            if self.buffer is not None and label == self.buffer.label:
+                raise _located(
+                    where,
+                    "the CacheBuffer's quota is the namespace's `buffer:` (guarantee, cap), "
+                    "not bytes under tiers",
+                    label,
+                )
+            matches = lower.count(label)
+            if matches == 0:
+                known = ", ".join(lower) if lower else "none"
+                raise _located(
+                    where,
+                    f"unknown tier {label!r}; the lower tiers of this stack are: {known} "
+                    "(a tier's label is its `name`, else its type)",
+                    label,
+                )
+            if matches > 1:
+                raise _located(
+                    where,
+                    f"{matches} tiers are labelled {label!r}; give them distinct `name`s",
+                    label,
+                )
+            tier = next(tier for tier in self.tiers if tier.label == label)
+            tier_capacity = getattr(tier, "capacity", None)
+            if isinstance(tier_capacity, int) and tiers[label] > tier_capacity:
+                raise _located(
+                    where,
+                    f"{tiers[label]} bytes is more than the tier's capacity ({tier_capacity} "
+                    "bytes)",
+                    tiers[label],
+                )
 
     def _place_buffer(self) -> None:
         """One buffer, first: the ``buffer:`` section or ``tiers[0]``, never both, never lower.

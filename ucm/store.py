@@ -37,12 +37,20 @@ from .errors import (
 )
 from .layout import Key, Layout
 from .loadqueue import DumpItem, DumpQueue, LoadPath
-from .native.buffer import SLOT_NONE
+from .native.buffer import SLOT_NONE, NamespaceTableFullError
 from .native.queue import LOCAL_RANK_SIZE_MAX, NativeQueue, TaskKind
 from .plugins import tier_types
 from .stack import StackConfig, load_stack
 from .task import Progress, Task
-from .tier import HOST_MEMORY_OPTION, Outcome, ShardViews, Tier, TierContext
+from .tier import (
+    HOST_MEMORY_OPTION,
+    NAMESPACE_BYTES_OPTION,
+    NamespaceBytes,
+    Outcome,
+    ShardViews,
+    Tier,
+    TierContext,
+)
 
 DEFAULT_WRITE_QUEUE_BYTES = 256 * 1024 * 1024
 
@@ -106,6 +114,10 @@ class Store:
         host_memory: tuple[tuple[int, int], ...] = ()
         try:
             for position, tier_config in enumerate(config.tiers):
+                options: dict[str, Any] = {HOST_MEMORY_OPTION: host_memory} if host_memory else {}
+                namespace_bytes = _namespace_bytes(config, tier_config.label)
+                if namespace_bytes is not None:
+                    options[NAMESPACE_BYTES_OPTION] = namespace_bytes
                 context = TierContext(
                     layout=self.layout,
                     unique_id=config.unique_id,
@@ -113,7 +125,7 @@ class Store:
                     local_rank_size=local_rank_size,
                     position=position,
                     evict_sink=self._evict_sink_for(position),
-                    options={HOST_MEMORY_OPTION: host_memory} if host_memory else {},
+                    options=options,
                 )
                 try:
                     self.tiers.append(installed[tier_config.type](tier_config, context))
@@ -137,6 +149,12 @@ class Store:
         top = self.tiers[0]
         # The shared CacheBuffer (native core), typed: it brings the native load queue.
         self._buffer: BufferTier | None = top if isinstance(top, BufferTier) else None
+        # Namespaces in the buffer's node-wide table (quotas, per-namespace figures): the
+        # quotas' named ones and this store's own now, any other when a call first names it.
+        self._quota_registered: set[str] = set()
+        named = config.quotas.namespaces if config.quotas is not None else {}
+        for name in (*named, self.namespace):
+            self._register_quota(name)
         # One settings model with or without a buffer (the buffer tier's config is one).
         settings = config.load_settings
         if write_queue_bytes is not None:
@@ -478,7 +496,9 @@ class Store:
             self._admission.settle()
 
     def stats(self) -> dict[str, Any]:
-        """Store counters plus each tier's own counters under ``tiers``."""
+        """Store counters plus each tier's own counters under ``tiers`` and, under
+        ``namespaces``, each namespace's node-wide CacheBuffer figures (slots and bytes held,
+        guarantee and cap, Get hits, misses, evictions; see ``BufferTier.namespace_stats``)."""
         with self._counters_lock:
             counters: dict[str, Any] = dict(self._counters)
         # The load engine's counters: the queue owns these names (the store never counts them).
@@ -507,6 +527,10 @@ class Store:
         counters["write_queue_bytes"] = writer.pending_bytes if writer is not None else 0
         # A closed tier may have unmapped its counters: report what it had at close.
         counters["tiers"] = self._final_tier_stats or self._tier_stats()
+        # Node-wide, per namespace (the buffer's namespace table): {} without a buffer.
+        counters["namespaces"] = (
+            self._buffer.namespace_stats() if self._buffer is not None and not self._closed else {}
+        )
         return counters
 
     def close(self) -> None:
@@ -590,7 +614,26 @@ class Store:
             namespace = self.namespace
         elif namespace != self.namespace:
             namespaces.check_namespace(namespace)
+            if namespace not in self._quota_registered:
+                self._register_quota(namespace)
         return namespaces.scope(namespace, blocks)
+
+    def _register_quota(self, namespace: str) -> None:
+        """Registers ``namespace`` in the buffer's namespace table once per store, with its
+        CacheBuffer quota (its own, else ``quotas.others``; none without ``quotas:``), so that
+        its slots, hits, misses and evictions are its own. A full table leaves it counted in
+        the default namespace's entry."""
+        self._quota_registered.add(namespace)
+        namespaces.register(namespace)  # its keys resolve to its name (stats, listings)
+        if self._buffer is None:
+            return
+        quotas = self.config.quotas
+        quota = quotas.for_namespace(namespace).buffer if quotas is not None else None
+        try:
+            self._buffer.register_quota(namespace, quota)
+        except NamespaceTableFullError:
+            if quotas is not None and namespace in quotas.namespaces:
+                raise  # a named quota that cannot be kept is an error, not a fallback
 
     def _prepare(
         self,
@@ -612,6 +655,8 @@ class Store:
             )
         ids: dict[bytes, bytes] | None = None
         space = self.namespace if namespace is None else namespaces.check_namespace(namespace)
+        if space not in self._quota_registered:
+            self._register_quota(space)
         if space != namespaces.DEFAULT_NAMESPACE:
             originals = arguments.check_block_ids(block_ids)
             block_ids = namespaces.scope(space, originals)
@@ -892,3 +937,20 @@ def open_store(
 ) -> Store:
     """Opens a store for one rank: ``ucm.open("stack.yaml", device_id=0, local_rank_size=4)``."""
     return Store(load_stack(stack), device_id=device_id, local_rank_size=local_rank_size, **options)
+
+
+def _namespace_bytes(config: StackConfig, label: str) -> NamespaceBytes | None:
+    """The byte quotas of ``quotas:`` for the tier labelled ``label``, or None when none
+    applies to it."""
+    quotas = config.quotas
+    if quotas is None or (config.buffer is not None and label == config.buffer.label):
+        return None
+    named = {
+        name: quota.tiers[label]
+        for name, quota in quotas.namespaces.items()
+        if label in quota.tiers
+    }
+    others = quotas.others.tiers.get(label)
+    if not named and others is None:
+        return None
+    return NamespaceBytes(named=named, others=others)

@@ -33,6 +33,25 @@ ShardViews = Sequence[memoryview]
 
 Outcome = BaseException | None
 
+NAMESPACE_BYTES_OPTION = "namespace_bytes"
+"""``TierContext.options`` key: a :class:`NamespaceBytes`, the most bytes each namespace may
+hold on this tier (the stack's ``quotas:`` for this tier's label). Absent: no quota. A tier that
+enforces it (posix, fsspec) evicts a namespace's oldest blocks first when it is over."""
+
+
+@dataclass(frozen=True)
+class NamespaceBytes:
+    """Byte quotas of namespaces on one tier: ``named`` by namespace name, ``others`` for any
+    other namespace (None: no quota)."""
+
+    named: dict[str, int]
+    others: int | None = None
+
+    def limit(self, namespace: str) -> int | None:
+        """The most bytes ``namespace`` may hold here, or None."""
+        return self.named.get(namespace, self.others)
+
+
 HOST_MEMORY_OPTION = "host_memory"
 """``TierContext.options`` key: ``((address, nbytes), ...)``, host memory that tiers above this
 one keep mapped for the store's whole life (the CacheBuffer's data plane). Loads from below are

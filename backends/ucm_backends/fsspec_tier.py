@@ -41,7 +41,17 @@ from ucm import envelope, namespaces
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
-from ucm.tier import REMOVE_CHUNK_KEYS, Outcome, ShardViews, Tier, TierContext, chunks, scatter
+from ucm.tier import (
+    NAMESPACE_BYTES_OPTION,
+    REMOVE_CHUNK_KEYS,
+    NamespaceBytes,
+    Outcome,
+    ShardViews,
+    Tier,
+    TierContext,
+    chunks,
+    scatter,
+)
 
 HEADER_BYTES = envelope.HEADER_BYTES
 """Bytes before the shard in every object (capacity counts them)."""
@@ -181,6 +191,7 @@ class FsspecTier(Tier):
                 "remove_lock_acquisitions",
                 "evictions",
                 "eviction_passes",
+                "namespace_eviction_passes",
                 "evict_sink_failures",
                 "touches",
             ),
@@ -191,6 +202,13 @@ class FsspecTier(Tier):
         self._closed = False
         if config.capacity is not None:
             self._usage = sum(size for _t, size, _b, _p in self._scan())
+        # Namespace byte quotas (the stack's `quotas:` for this tier): this process's estimate
+        # of each namespace's stored bytes here, exact after every scan.
+        self._namespace_bytes: NamespaceBytes | None = context.options.get(NAMESPACE_BYTES_OPTION)
+        self._namespace_usage: dict[str, int] = {}
+        self._namespace_written: dict[str, int] = {}
+        if self._namespace_bytes is not None:
+            self.evict_namespace_quotas()
 
     # --------------------------------------------------------------------------------- paths
 
@@ -366,7 +384,29 @@ class FsspecTier(Tier):
             )
         if over:
             self.evict_to_capacity()
+        if self._namespace_bytes is not None and self._namespace_over(keys, results):
+            self.evict_namespace_quotas()
         return outcomes
+
+    def _namespace_over(self, keys: Sequence[Key], results: list[tuple[Outcome, int]]) -> bool:
+        """Adds what a dump stored to its namespaces' estimates; whether a namespace is now over
+        its quota here, or stored an eighth of it since the last scan (other processes' writes
+        are then seen)."""
+        quotas = self._namespace_bytes
+        assert quotas is not None
+        over = False
+        with self._stats_lock:
+            for (block_id, _shard), (outcome, stored) in zip(keys, results, strict=True):
+                name = namespaces.namespace_of(block_id)
+                limit = quotas.limit(name)
+                if limit is None or outcome is not None:
+                    continue
+                usage = self._namespace_usage.get(name, 0) + stored
+                since = self._namespace_written.get(name, 0) + stored
+                self._namespace_usage[name] = usage
+                self._namespace_written[name] = since
+                over = over or usage > limit or since > max(limit // 8, 1)
+        return over
 
     def _dump_one(self, item: tuple[Key, ShardViews]) -> tuple[Outcome, int]:
         """(outcome, bytes stored) of one shard; its codec runs here, on an I/O thread."""
@@ -505,6 +545,8 @@ class FsspecTier(Tier):
             parts = str(path).rstrip("/").split("/")
             if len(parts) < 2 or len(parts[-2]) != 32:
                 continue
+            if len(parts) >= 5 and parts[-5] == "ns":  # <root>/ns/<name>/<stripe>/<id>/<object>
+                namespaces.register(parts[-4])  # its keys resolve to it (quotas)
             try:
                 block_id = bytes.fromhex(parts[-2])
             except ValueError:
@@ -531,10 +573,15 @@ class FsspecTier(Tier):
         if total <= capacity:
             return 0
         self._bump(eviction_passes=1)
-        entries.sort(key=lambda e: (e[0], e[2]))
-        excess = total - capacity
+        return self._evict_entries(entries, self._oldest(entries, total - capacity))
+
+    def _oldest(
+        self, entries: list[tuple[float, int, bytes, list[str]]], excess: int
+    ) -> list[tuple[bytes, list[int]]]:
+        """The oldest unpinned blocks of ``entries`` (newest object oldest first) that make up
+        ``excess`` bytes, with their shards."""
         victims: list[tuple[bytes, list[int]]] = []
-        for _when, size, block_id, paths in entries:
+        for _when, size, block_id, paths in sorted(entries, key=lambda e: (e[0], e[2])):
             if excess <= 0:
                 break
             shards = sorted(
@@ -544,6 +591,43 @@ class FsspecTier(Tier):
                 continue
             victims.append((block_id, shards))
             excess -= size
+        return victims
+
+    def evict_namespace_quotas(self) -> int:
+        """One pass over the namespace byte quotas (a no-op without any): each namespace over
+        its bytes here loses its oldest blocks first, down to them. Returns shards evicted."""
+        quotas = self._namespace_bytes
+        if quotas is None:
+            return 0
+        entries = self._scan()
+        by_namespace: dict[str, list[tuple[float, int, bytes, list[str]]]] = {}
+        for entry in entries:
+            by_namespace.setdefault(namespaces.namespace_of(entry[2]), []).append(entry)
+        usage = {name: sum(e[1] for e in group) for name, group in by_namespace.items()}
+        victims: list[tuple[bytes, list[int]]] = []
+        for name, group in by_namespace.items():
+            limit = quotas.limit(name)
+            if limit is not None and usage[name] > limit:
+                victims += self._oldest(group, usage[name] - limit)
+        sizes = {entry[2]: entry[1] for entry in entries}
+        with self._stats_lock:
+            for block_id, _shards in victims:
+                name = namespaces.namespace_of(block_id)
+                usage[name] = max(0, usage[name] - sizes[block_id])
+            self._namespace_usage = usage
+            self._namespace_written = {}
+        if not victims:
+            return 0
+        self._bump(namespace_eviction_passes=1)
+        return self._evict_entries(entries, victims)
+
+    def _evict_entries(
+        self,
+        entries: list[tuple[float, int, bytes, list[str]]],
+        victims: list[tuple[bytes, list[int]]],
+    ) -> int:
+        """Writes the victims down (a `write: back` tier below) and removes them, keeping what
+        could not be written down; returns the shards evicted."""
         # A block dir holding only a touch marker (its shards removed by a node without a
         # capacity) has nothing to write down: drop the marker so it stops counting.
         leftovers = [p for _w, _s, b, paths in entries for p in paths if (b, []) in victims]

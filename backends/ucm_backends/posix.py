@@ -69,7 +69,17 @@ from ucm import envelope, namespaces
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
-from ucm.tier import REMOVE_CHUNK_KEYS, Outcome, ShardViews, Tier, TierContext, chunks, scatter
+from ucm.tier import (
+    NAMESPACE_BYTES_OPTION,
+    REMOVE_CHUNK_KEYS,
+    NamespaceBytes,
+    Outcome,
+    ShardViews,
+    Tier,
+    TierContext,
+    chunks,
+    scatter,
+)
 
 MAGIC = b"UCMEBLK1"
 VERSION = 1
@@ -222,6 +232,7 @@ class PosixTier(Tier):
                 "remove_lock_acquisitions",
                 "evictions",
                 "eviction_passes",
+                "namespace_eviction_passes",
                 "evict_sink_failures",
                 "touches",
             ),
@@ -235,6 +246,13 @@ class PosixTier(Tier):
         self._made_dirs: set[str] = set()
         if config.capacity is not None:
             self._usage = self._scan()[0]
+        # Namespace byte quotas (the stack's `quotas:` for this tier): this process's estimate
+        # of each namespace's bytes here, exact after every scan.
+        self._namespace_bytes: NamespaceBytes | None = context.options.get(NAMESPACE_BYTES_OPTION)
+        self._namespace_usage: dict[str, int] = {}
+        self._namespace_written: dict[str, int] = {}
+        if self._namespace_bytes is not None:
+            self.evict_namespace_quotas()
 
     # ----------------------------------------------------------------- paths, locks, buffers
 
@@ -774,7 +792,30 @@ class PosixTier(Tier):
             )
         if over:
             self.evict_to_capacity()
+        if self._namespace_bytes is not None and self._namespace_over(groups, outcomes):
+            self.evict_namespace_quotas()
         return outcomes
+
+    def _namespace_over(self, groups: dict[bytes, list[int]], outcomes: list[Outcome]) -> bool:
+        """Adds what a dump wrote to its namespaces' estimates; whether a namespace is now over
+        its quota here, or wrote an eighth of it since the last scan (other processes' writes
+        are then seen)."""
+        quotas = self._namespace_bytes
+        assert quotas is not None
+        over = False
+        with self._stats_lock:
+            for block_id, positions in groups.items():
+                written = self.shard_size * sum(1 for p in positions if outcomes[p] is None)
+                name = namespaces.namespace_of(block_id)
+                limit = quotas.limit(name)
+                if limit is None or written == 0:
+                    continue
+                usage = self._namespace_usage.get(name, 0) + written
+                since = self._namespace_written.get(name, 0) + written
+                self._namespace_usage[name] = usage
+                self._namespace_written[name] = since
+                over = over or usage > limit or since > max(limit // 8, 1)
+        return over
 
     def _dump_block(
         self,
@@ -1062,23 +1103,63 @@ class PosixTier(Tier):
             if total <= capacity:
                 return 0
             self._bump("eviction_passes")
-            entries.sort()
-            victims: list[tuple[int, int, int, bytes]] = []
-            excess = total - capacity
+            return self._evict_entries(self._oldest(entries, total - capacity))
+
+    def _oldest(
+        self, entries: list[tuple[int, int, int, bytes]], excess: int
+    ) -> list[tuple[int, int, int, bytes]]:
+        """The oldest unpinned blocks of ``entries`` (oldest mtime first) that make up
+        ``excess`` bytes."""
+        victims: list[tuple[int, int, int, bytes]] = []
+        for entry in sorted(entries):
+            if excess <= 0:
+                break
+            block_id = entry[3]
+            if any(self.pins.is_pinned((block_id, s)) for s in range(self.spb)):
+                continue
+            victims.append(entry)
+            excess -= entry[1]
+        return victims
+
+    def _evict_entries(self, victims: list[tuple[int, int, int, bytes]]) -> int:
+        """Writes the victims down (a `write: back` tier below) and drops them, keeping what
+        could not be written down or changed since the scan; returns the shards evicted."""
+        evicted = 0
+        for chunk in chunks(victims):
+            keep = self._write_down(chunk)
+            with self._global(exclusive=True):
+                for mtime_ns, size, inode, block_id in chunk:
+                    evicted += self._evict_locked(block_id, mtime_ns, size, inode, keep)
+        return evicted
+
+    def evict_namespace_quotas(self) -> int:
+        """One pass over the namespace byte quotas (a no-op without any): each namespace over
+        its bytes here loses its oldest blocks first, down to them. Returns shards evicted."""
+        quotas = self._namespace_bytes
+        if quotas is None:
+            return 0
+        with self._evict_lock:
+            _total, entries = self._scan()
+            by_namespace: dict[str, list[tuple[int, int, int, bytes]]] = {}
             for entry in entries:
-                if excess <= 0:
-                    break
-                block_id = entry[3]
-                if any(self.pins.is_pinned((block_id, s)) for s in range(self.spb)):
-                    continue
-                victims.append(entry)
-                excess -= entry[1]
-            evicted = 0
-            for chunk in chunks(victims):
-                keep = self._write_down(chunk)
-                with self._global(exclusive=True):
-                    for mtime_ns, size, inode, block_id in chunk:
-                        evicted += self._evict_locked(block_id, mtime_ns, size, inode, keep)
+                by_namespace.setdefault(namespaces.namespace_of(entry[3]), []).append(entry)
+            usage = {name: sum(e[1] for e in group) for name, group in by_namespace.items()}
+            victims: list[tuple[int, int, int, bytes]] = []
+            for name, group in by_namespace.items():
+                limit = quotas.limit(name)
+                if limit is not None and usage[name] > limit:
+                    victims += self._oldest(group, usage[name] - limit)
+            with self._stats_lock:
+                self._namespace_usage = usage
+                self._namespace_written = {}
+            if not victims:
+                return 0
+            self._bump("namespace_eviction_passes")
+            evicted = self._evict_entries(victims)
+            with self._stats_lock:
+                for entry in victims:
+                    name = namespaces.namespace_of(entry[3])
+                    self._namespace_usage[name] = max(0, self._namespace_usage[name] - entry[1])
             return evicted
 
     def _write_down(self, victims: Sequence[tuple[int, int, int, bytes]]) -> set[Key]:

@@ -66,6 +66,7 @@ pub fn generate(writer: *std.Io.Writer) !void {
     try write_struct(writer, "Header", buffer.Header);
     try write_struct(writer, "Slot", buffer.Slot);
     try write_struct(writer, "HolderEntry", buffer.HolderEntry);
+    try write_struct(writer, "NamespaceEntry", buffer.NamespaceEntry);
     try write_struct(writer, "Occupancy", buffer.Occupancy);
     try writer.writeAll("\n# ---- shm.zig, populate.zig, seg_region.zig ----\n");
     try write_struct(writer, "SegAttachEntry", shm.AttachEntry);
@@ -87,6 +88,7 @@ const named_structs = .{
     .{ "Header", buffer.Header },
     .{ "Slot", buffer.Slot },
     .{ "HolderEntry", buffer.HolderEntry },
+    .{ "NamespaceEntry", buffer.NamespaceEntry },
     .{ "Occupancy", buffer.Occupancy },
     .{ "SegAttachEntry", shm.AttachEntry },
     .{ "SegHeader", shm.Header },

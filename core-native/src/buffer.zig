@@ -5,7 +5,7 @@
 //! validated by `attach`. It holds no pointers, only indices and offsets, so every process may
 //! map it at a different address:
 //!
-//!   [Header][Clock][Counters][Holders][Bucket × bucket_count][Slot × (regular + reserved)]
+//!   [Header][Clock][Counters][Holders][Namespaces][Bucket × bucket_count][Slot × (regular + reserved)]
 //!
 //! Locking: each hash bucket has a cross-process lock word holding the holder's pid. A slot's
 //! key, chain link, holders, owner and state transitions are changed only under the lock of the
@@ -26,6 +26,17 @@
 //! `reclaim_dead` sweeps every slot, then frees the entries for reuse.
 //! Eviction holds the new key's bucket lock and only *tries* the victim's bucket lock, so two
 //! bucket locks are never waited for at once and there is no lock-order deadlock.
+//!
+//! Namespaces (quotas): a key's first 8 bytes are its namespace's tag (`ucm/namespaces.py`).
+//! A fixed table maps registered tags to an index (entry 0: the default namespace, and every
+//! key whose tag is not registered) holding the namespace's guarantee and cap in slots and
+//! its occupancy: the number of slots linked into a chain whose `Slot.namespace` is index + 1.
+//! Both change together, under the slot's bucket lock (install, eviction, detach, remove,
+//! free). A kill between the two is repaired by `reclaim_dead`, which recounts every
+//! namespace from the chains while holding every bucket lock. CLOCK skips the slots of a
+//! namespace at or below its guarantee when another namespace inserts (the occupancy is
+//! decremented by a CAS that refuses to cross the guarantee), and a namespace at its cap
+//! evicts its own slots only.
 //!
 //! Data slots are addressed as segment_base[segment] + offset; `slot_location` computes the
 //! pair with shift+mask when slots_per_segment is a power of two, else with div/mod.
@@ -222,8 +233,9 @@ pub const Slot = extern struct {
     holders: Atomic(u64),
     /// Holder index + 1 of the process writing this dirty slot down (`take_dirty`), else 0.
     flusher: Atomic(u32),
-    /// Bytes 60..61: reserved for the per-namespace quota's namespace index.
-    _pad: [2]u8,
+    /// Namespace index + 1 this slot counts for (while linked into a chain), else 0. Written
+    /// under the bucket lock with the namespace's occupancy; read without it as a hint.
+    namespace: Atomic(u16),
     /// Uses of the shard since it was installed in this slot, saturating at the u16 maximum:
     /// Gets that found the key resident (`hit`, `waiter` of a fill, `held` by the caller
     /// already: a pin, a flush or admission claim, another task of its own; a pin is a Get).
@@ -260,6 +272,36 @@ pub const HolderEntry = extern struct {
     }
 };
 
+/// One namespace of the table. `tag` and the quotas are written once per registration
+/// (before `state` turns live, release); `occupancy_slots` changes under bucket locks.
+pub const NamespaceEntry = extern struct {
+    /// The namespace's tag (first 8 bytes of its keys, little-endian); 0 for entry 0.
+    tag: Atomic(u64),
+    state: Atomic(u32),
+    /// Slots other namespaces' inserts never take below.
+    guarantee_slots: Atomic(u32),
+    /// Most slots the namespace holds; at it, an insert evicts one of its own.
+    cap_slots: Atomic(u32),
+    /// Slots linked into a chain with `Slot.namespace` == index + 1.
+    occupancy_slots: Atomic(u32),
+    /// Gets of this namespace's keys that found them Ready, or not (the buffer's `hits` and
+    /// `misses`, per namespace), and its Ready slots evicted (for any namespace's insert).
+    hits: Atomic(u64),
+    misses: Atomic(u64),
+    evictions: Atomic(u64),
+    _pad: [16]u8,
+};
+
+pub const NamespaceState = enum(u32) { free = 0, registering = 1, live = 2 };
+
+pub const Namespaces = extern struct {
+    entries: [constants.buffer_namespaces_max]NamespaceEntry,
+};
+
+/// What a namespace-aware allocation may take: free slots and any victim (`grow`), or only
+/// the inserting namespace's own slots (it is at its cap).
+const Quota = struct { namespace: u16, grow: bool };
+
 pub const Holders = extern struct {
     /// Bit h set: holder h is dead and its references are being dropped. Read under a bucket
     /// lock before clearing a slot's bits: the bit is cleared before the entry is freed, so a
@@ -287,6 +329,9 @@ comptime {
     assert(@offsetOf(Slot, "holders") % 8 == 0);
     assert(@sizeOf(HolderEntry) == constants.buffer_holder_entry_size_bytes);
     assert(@sizeOf(Holders) == constants.buffer_holder_table_size_bytes);
+    assert(@sizeOf(NamespaceEntry) == constants.buffer_namespace_entry_size_bytes);
+    assert(@sizeOf(Namespaces) == constants.buffer_namespace_table_size_bytes);
+    assert(@offsetOf(Slot, "namespace") == 60);
     assert(@offsetOf(Slot, "version") % constants.futex_word_size_bytes == 0);
     assert(@offsetOf(Bucket, "lock") % constants.futex_word_size_bytes == 0);
 }
@@ -294,7 +339,8 @@ comptime {
 const clock_offset_bytes = constants.buffer_header_size_bytes;
 const counters_offset_bytes = clock_offset_bytes + constants.buffer_clock_size_bytes;
 const holders_offset_bytes = counters_offset_bytes + constants.buffer_counters_size_bytes;
-const buckets_offset_bytes = holders_offset_bytes + constants.buffer_holder_table_size_bytes;
+const namespaces_offset_bytes = holders_offset_bytes + constants.buffer_holder_table_size_bytes;
+const buckets_offset_bytes = namespaces_offset_bytes + constants.buffer_namespace_table_size_bytes;
 
 pub const Status = enum(i32) {
     ok = 0,
@@ -310,6 +356,10 @@ pub const Status = enum(i32) {
     holders_full = -107,
     /// The holder index is not registered to the calling process (e.g. after fork()).
     not_registered = -108,
+    /// Every namespace entry is taken (`constants.buffer_namespaces_max`).
+    namespaces_full = -109,
+    /// The guarantees of the registered namespaces would exceed the regular slots.
+    guarantees_over = -110,
 };
 
 pub const GetResult = enum(u8) {
@@ -442,6 +492,7 @@ pub const Buffer = struct {
     clock: *Clock,
     counters: *Counters,
     holder_table: *Holders,
+    namespace_table: *Namespaces,
     buckets: []Bucket,
     slots: []Slot,
     geometry: Geometry,
@@ -492,6 +543,10 @@ pub const Buffer = struct {
             entry.tag = Atomic(u64).init(holder_tag(.free, 0));
             entry.reclaimer = Atomic(u32).init(0);
         }
+        // Entry 0, the default namespace: live from the start, no guarantee, no cap.
+        const default_entry = &buffer.namespace_table.entries[0];
+        default_entry.state = Atomic(u32).init(@intFromEnum(NamespaceState.live));
+        default_entry.cap_slots = Atomic(u32).init(geometry.slot_count_total());
         for (buffer.buckets) |*bucket| {
             bucket.lock = Atomic(u32).init(0);
             bucket.head = slot_none;
@@ -549,6 +604,7 @@ pub const Buffer = struct {
             .clock = @ptrFromInt(ctrl_base + clock_offset_bytes),
             .counters = @ptrFromInt(ctrl_base + counters_offset_bytes),
             .holder_table = @ptrFromInt(ctrl_base + holders_offset_bytes),
+            .namespace_table = @ptrFromInt(ctrl_base + namespaces_offset_bytes),
             .buckets = buckets[0..geometry.bucket_count],
             .slots = slots[0..geometry.slot_count_total()],
             .geometry = geometry,
@@ -830,6 +886,8 @@ pub const Buffer = struct {
             report.holders += 1;
         }
         buffer.count(.holders_freed, report.holders);
+        // A dead process may have died between a slot's namespace field and its counter.
+        try buffer.recount_namespaces();
         return report;
     }
 
@@ -879,6 +937,188 @@ pub const Buffer = struct {
     pub fn debug_set_start_time(buffer: Buffer, holder: u32, start_time: u64) void {
         assert(holder < constants.buffer_holders_max);
         buffer.holder_table.entries[holder].start_time.store(start_time, .monotonic);
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Namespaces: the table, the occupancy counters, the recount after a death.
+
+    /// Registers namespace `tag` with its quotas (or updates them), returning its index. Tag 0
+    /// is the default namespace (entry 0). Entries are never freed: a tag keeps its index for
+    /// the region's life. Two processes registering one new tag at once may take two entries;
+    /// keys then count in the first one live when they are installed (the counters stay exact).
+    pub fn register_namespace(
+        buffer: Buffer,
+        tag: u64,
+        guarantee_slots: u32,
+        cap_slots: u32,
+    ) error{ InvalidArgument, NamespacesFull, GuaranteesOver }!u16 {
+        if (guarantee_slots > cap_slots) return error.InvalidArgument;
+        if (cap_slots > buffer.geometry.slot_count_total()) return error.InvalidArgument;
+        const table = &buffer.namespace_table.entries;
+        const existing: ?u16 = if (tag == 0) 0 else buffer.namespace_find(tag);
+        var guaranteed: u64 = guarantee_slots;
+        for (table, 0..) |*entry, index| {
+            if (existing != null and index == existing.?) continue;
+            if (entry.state.load(.acquire) != @intFromEnum(NamespaceState.live)) continue;
+            guaranteed += entry.guarantee_slots.load(.monotonic);
+        }
+        if (guaranteed > buffer.geometry.slot_count_regular) return error.GuaranteesOver;
+        if (existing) |index| {
+            // Monotonic: quotas are limits read as hints; the occupancy CAS enforces them.
+            table[index].guarantee_slots.store(guarantee_slots, .monotonic);
+            table[index].cap_slots.store(cap_slots, .monotonic);
+            return index;
+        }
+        for (table[1..], 1..) |*entry, index| {
+            // Acquire on success: nothing to see; the entry is ours to write.
+            if (entry.state.cmpxchgStrong(
+                @intFromEnum(NamespaceState.free),
+                @intFromEnum(NamespaceState.registering),
+                .acquire,
+                .monotonic,
+            ) != null) continue;
+            assert(entry.occupancy_slots.load(.monotonic) == 0);
+            entry.tag.store(tag, .monotonic);
+            entry.guarantee_slots.store(guarantee_slots, .monotonic);
+            entry.cap_slots.store(cap_slots, .monotonic);
+            // Release: whoever sees the entry live sees its tag and quotas.
+            entry.state.store(@intFromEnum(NamespaceState.live), .release);
+            return @intCast(index);
+        }
+        return error.NamespacesFull;
+    }
+
+    /// The live entry of `tag` (not 0), if any: the first one.
+    fn namespace_find(buffer: Buffer, tag: u64) ?u16 {
+        assert(tag != 0);
+        for (buffer.namespace_table.entries[1..], 1..) |*entry, index| {
+            // Acquire: pairs with the release store that made the entry live.
+            if (entry.state.load(.acquire) != @intFromEnum(NamespaceState.live)) continue;
+            if (entry.tag.load(.monotonic) == tag) return @intCast(index);
+        }
+        return null;
+    }
+
+    /// The namespace index a key counts in: its tag's entry, else 0 (the default namespace).
+    pub fn namespace_of(buffer: Buffer, block_id: *const BlockId) u16 {
+        const tag = std.mem.readInt(u64, block_id[0..8], .little);
+        if (tag == 0) return 0;
+        return buffer.namespace_find(tag) orelse 0;
+    }
+
+    /// Counts a Get outcome or an eviction for the namespace a slot field (index + 1, or 0
+    /// for the default) names.
+    fn namespace_event(buffer: Buffer, field: u16, comptime event: enum { hit, miss, eviction }) void {
+        assert(field <= constants.buffer_namespaces_max);
+        const entry = &buffer.namespace_table.entries[if (field == 0) 0 else field - 1];
+        const counter = switch (event) {
+            .hit => &entry.hits,
+            .miss => &entry.misses,
+            .eviction => &entry.evictions,
+        };
+        // Monotonic: statistics order nothing else.
+        _ = counter.fetchAdd(1, .monotonic);
+    }
+
+    pub fn namespace_occupancy(buffer: Buffer, index: u16) u32 {
+        assert(index < constants.buffer_namespaces_max);
+        return buffer.namespace_table.entries[index].occupancy_slots.load(.monotonic);
+    }
+
+    /// Counts a freshly linked slot in `index`. The caller holds the slot's bucket lock.
+    fn namespace_count(buffer: Buffer, slot: *Slot, index: u16) void {
+        assert(index < constants.buffer_namespaces_max);
+        assert(slot.namespace.load(.monotonic) == 0);
+        // Monotonic: the bucket lock orders the slot's field; the counter orders nothing.
+        _ = buffer.namespace_table.entries[index].occupancy_slots.fetchAdd(1, .monotonic);
+        slot.namespace.store(index + 1, .monotonic);
+    }
+
+    /// Stops counting a slot that leaves its chain. The caller holds the slot's bucket lock
+    /// (or the slot exclusively).
+    fn namespace_uncount(buffer: Buffer, slot: *Slot) void {
+        const field = slot.namespace.load(.monotonic);
+        if (field == 0) return;
+        assert(field <= constants.buffer_namespaces_max);
+        slot.namespace.store(0, .monotonic);
+        const counter = &buffer.namespace_table.entries[field - 1].occupancy_slots;
+        // Monotonic: as in namespace_count. A counter at 0 here is drift left by a kill
+        // (repaired by the next recount), never a wrap.
+        const previous = counter.load(.monotonic);
+        if (previous > 0) _ = counter.fetchSub(1, .monotonic);
+    }
+
+    /// Whether a slot counted in namespace `field` - 1 may be taken by an insert under
+    /// `quota` (a hint read without the victim's lock; `take_counted` decides).
+    fn namespace_evictable(buffer: Buffer, field: u16, quota: Quota) bool {
+        if (field == quota.namespace + 1) return true;
+        if (!quota.grow) return false;
+        if (field == 0) return true;
+        const entry = &buffer.namespace_table.entries[field - 1];
+        return entry.occupancy_slots.load(.monotonic) > entry.guarantee_slots.load(.monotonic);
+    }
+
+    /// Uncounts a victim for an insert under `quota`: its own namespace's slot always, another
+    /// namespace's only while that one stays at or above its guarantee (a CAS, so two
+    /// evictors never both take the last slot above it). The caller holds the victim's lock.
+    fn take_counted(buffer: Buffer, slot: *Slot, quota: Quota) bool {
+        const field = slot.namespace.load(.monotonic);
+        if (field == 0) return quota.grow;
+        if (field == quota.namespace + 1) {
+            buffer.namespace_uncount(slot);
+            return true;
+        }
+        if (!quota.grow) return false;
+        const entry = &buffer.namespace_table.entries[field - 1];
+        var attempts: u32 = 0;
+        while (attempts < constants.buffer_cas_attempts_max) : (attempts += 1) {
+            const slots_now = entry.occupancy_slots.load(.monotonic);
+            if (slots_now <= entry.guarantee_slots.load(.monotonic)) return false;
+            // Monotonic: the counter orders nothing; the CAS only keeps it above the guarantee.
+            if (entry.occupancy_slots.cmpxchgWeak(slots_now, slots_now - 1, .monotonic, .monotonic) == null) {
+                slot.namespace.store(0, .monotonic);
+                return true;
+            }
+        }
+        return false;
+    }
+
+    /// What an insert of `namespace` may take: anything while it is below its cap, else only
+    /// its own slots.
+    fn quota_for(buffer: Buffer, namespace: u16) Quota {
+        const entry = &buffer.namespace_table.entries[namespace];
+        const grow = entry.occupancy_slots.load(.monotonic) < entry.cap_slots.load(.monotonic);
+        return .{ .namespace = namespace, .grow = grow };
+    }
+
+    /// Recounts every namespace from the chains, holding every bucket lock (taken in index
+    /// order, so two recounts never deadlock; nobody else waits for a second lock): repairs the
+    /// drift a process killed between a slot's field and its counter left. Bounded by the
+    /// bucket and slot counts.
+    pub fn recount_namespaces(buffer: Buffer) error{LockTimeout}!void {
+        var locked: u32 = 0;
+        defer {
+            var index: u32 = 0;
+            while (index < locked) : (index += 1) buffer.lock_release(index);
+        }
+        while (locked < buffer.buckets.len) : (locked += 1) try buffer.lock_acquire(locked);
+        var counts: [constants.buffer_namespaces_max]u32 = @splat(0);
+        for (buffer.slots) |*slot| slot.namespace.store(0, .monotonic);
+        for (buffer.buckets) |*bucket| {
+            var current = bucket.head;
+            var steps: u32 = 0;
+            while (current != slot_none) : (steps += 1) {
+                assert(steps < buffer.slots.len);
+                const slot = &buffer.slots[current];
+                const index = buffer.namespace_of(&slot.block_id);
+                slot.namespace.store(index + 1, .monotonic);
+                counts[index] += 1;
+                current = slot.next;
+            }
+        }
+        for (&buffer.namespace_table.entries, counts) |*entry, value| {
+            entry.occupancy_slots.store(value, .monotonic);
+        }
     }
 
     // ---------------------------------------------------------------------------------------
@@ -980,6 +1220,7 @@ pub const Buffer = struct {
             if (slot.holders.load(.monotonic) == 0) {
                 buffer.free_slot(@intCast(index));
             } else {
+                buffer.namespace_uncount(slot);
                 // Release: pairs with the acquire load in `release`.
                 slot.bucket.store(bucket_detached, .release);
             }
@@ -1060,6 +1301,7 @@ pub const Buffer = struct {
     fn free_slot(buffer: Buffer, slot_index: u32) void {
         const slot = &buffer.slots[slot_index];
         assert(slot.holders.load(.monotonic) == 0);
+        buffer.namespace_uncount(slot);
         slot.block_id = @splat(0);
         slot.shard_index = 0;
         slot.next = slot_none;
@@ -1134,7 +1376,7 @@ pub const Buffer = struct {
 
     /// CLOCK over one pool: one lap of second chances (clearing bits), then one lap on the raw
     /// cursor taking the first slot not in use. Null when every slot is in use (or locked).
-    fn clock_victim(buffer: Buffer, pool: Pool, bucket_index: u32, idle_only: bool) ?Victim {
+    fn clock_victim(buffer: Buffer, pool: Pool, bucket_index: u32, idle_only: bool, quota: Quota) ?Victim {
         const range = buffer.pool_range(pool);
         if (range.count == 0) return null;
         const cursor = switch (pool) {
@@ -1146,7 +1388,7 @@ pub const Buffer = struct {
             const second_chance = step < range.count;
             const position = buffer.advance_cursor(cursor, range.count);
             const slot_index = range.first + position;
-            if (buffer.try_evict(slot_index, bucket_index, second_chance, idle_only)) |victim| {
+            if (buffer.try_evict(slot_index, bucket_index, second_chance, idle_only, quota)) |victim| {
                 return victim;
             }
         }
@@ -1175,9 +1417,12 @@ pub const Buffer = struct {
         bucket_index: u32,
         second_chance: bool,
         idle_only: bool,
+        quota: Quota,
     ) ?Victim {
         assert(slot_index < buffer.slots.len);
         const slot = &buffer.slots[slot_index];
+        // Quotas first: a slot the insert may not take keeps its second chance.
+        if (!buffer.namespace_evictable(slot.namespace.load(.monotonic), quota)) return null;
         if (second_chance) {
             // Monotonic: the accessed bit is a hint; clearing it never breaks an invariant.
             if (slot.accessed.swap(0, .monotonic) != 0) return null;
@@ -1190,7 +1435,7 @@ pub const Buffer = struct {
         if (slot.flags.load(.monotonic) & slot_flag_dirty != 0) return null;
         const owner_bucket = slot.bucket.load(.monotonic);
         if (owner_bucket == bucket_free) {
-            if (buffer.claim_free(slot_index, bucket_index)) return .{ .slot = slot_index };
+            if (quota.grow and buffer.claim_free(slot_index, bucket_index)) return .{ .slot = slot_index };
             return null;
         }
         if (owner_bucket == bucket_detached) return null;
@@ -1204,8 +1449,13 @@ pub const Buffer = struct {
         if (slot.flags.load(.monotonic) & slot_flag_dirty != 0) return null;
         const ready = slot.state.load(.monotonic) == @intFromEnum(State.ready);
         if (idle_only and ready) return null;
+        const victim_field = slot.namespace.load(.monotonic);
+        if (!buffer.take_counted(slot, quota)) return null;
         const victim = Victim{ .slot = slot_index };
-        if (ready) buffer.count(.evictions, 1);
+        if (ready) {
+            buffer.count(.evictions, 1);
+            buffer.namespace_event(victim_field, .eviction);
+        }
         buffer.unlink(owner_bucket, slot_index);
         // Monotonic: both bucket locks are held; their release stores publish this.
         slot.bucket.store(bucket_index, .monotonic);
@@ -1221,9 +1471,11 @@ pub const Buffer = struct {
         block_id: *const BlockId,
         shard_index: u32,
         owner: bool,
+        namespace: u16,
     ) void {
         const slot = &buffer.slots[slot_index];
         assert(slot.bucket.load(.monotonic) == bucket_index);
+        assert(namespace == buffer.namespace_of(block_id));
         assert(slot.holders.load(.monotonic) == 0);
         assert(slot.flags.load(.monotonic) & slot_flag_dirty == 0); // Dirty slots are never victims.
         assert(!owner or buffer.holder < constants.buffer_holders_max);
@@ -1242,6 +1494,7 @@ pub const Buffer = struct {
             _ = slot.flags.fetchOr(slot_flag_preallocated, .monotonic);
         }
         buffer.link(bucket_index, slot_index);
+        buffer.namespace_count(slot, namespace);
         if (owner) slot.holders.store(holder_bit(buffer.holder), .monotonic);
     }
 
@@ -1276,12 +1529,14 @@ pub const Buffer = struct {
                 continue;
             }
             buffer.count(.misses, 1);
-            const victim = buffer.allocate_for_get(bucket_index) orelse {
+            const namespace = buffer.namespace_of(block_id);
+            buffer.namespace_event(namespace + 1, .miss);
+            const victim = buffer.allocate_for_get(bucket_index, namespace) orelse {
                 buffer.count(.no_slot, 1);
                 out.results[index] = .no_slot;
                 continue;
             };
-            buffer.install(bucket_index, victim.slot, block_id, shard_index, true);
+            buffer.install(bucket_index, victim.slot, block_id, shard_index, true, namespace);
             out.slots[index] = victim.slot;
             out.results[index] = .owner;
         }
@@ -1304,9 +1559,11 @@ pub const Buffer = struct {
             slot.accessed.store(1, .monotonic);
             count_reuse(slot);
             buffer.count(.hits, 1);
+            buffer.namespace_event(slot.namespace.load(.monotonic), .hit);
             return .hit;
         }
         buffer.count(.misses, 1);
+        buffer.namespace_event(slot.namespace.load(.monotonic), .miss);
         if (holders == 0) {
             // Hit-or-takeover fast path: an idle slot hung by Prealloc (or left by an owner
             // that gave up or died): become its owner without searching for a victim.
@@ -1329,19 +1586,26 @@ pub const Buffer = struct {
         if (uses < reuses_max) slot.reuses.store(uses + 1, .monotonic);
     }
 
-    fn allocate_for_get(buffer: Buffer, bucket_index: u32) ?Victim {
-        if (buffer.allocate_once(bucket_index)) |victim| return victim;
+    fn allocate_for_get(buffer: Buffer, bucket_index: u32, namespace: u16) ?Victim {
+        if (buffer.allocate_once(bucket_index, namespace)) |victim| return victim;
         // Full: slots pinned by processes that died are reclaimable. Look for dead holders
         // (rate limited) and retry once if there are any.
         if (buffer.scan_holders_rate_limited() == 0) return null;
-        return buffer.allocate_once(bucket_index);
+        return buffer.allocate_once(bucket_index, namespace);
     }
 
-    fn allocate_once(buffer: Buffer, bucket_index: u32) ?Victim {
-        if (buffer.take_fresh(.regular, bucket_index)) |slot_index| return .{ .slot = slot_index };
-        if (buffer.clock_victim(.regular, bucket_index, false)) |victim| return victim;
-        if (buffer.take_fresh(.reserved, bucket_index)) |slot_index| return .{ .slot = slot_index };
-        return buffer.clock_victim(.reserved, bucket_index, false);
+    /// Fresh slots, then CLOCK, per pool. A namespace at its cap takes neither fresh slots
+    /// nor other namespaces' slots: only its own (else no slot).
+    fn allocate_once(buffer: Buffer, bucket_index: u32, namespace: u16) ?Victim {
+        const quota = buffer.quota_for(namespace);
+        if (quota.grow) {
+            if (buffer.take_fresh(.regular, bucket_index)) |slot_index| return .{ .slot = slot_index };
+        }
+        if (buffer.clock_victim(.regular, bucket_index, false, quota)) |victim| return victim;
+        if (quota.grow) {
+            if (buffer.take_fresh(.reserved, bucket_index)) |slot_index| return .{ .slot = slot_index };
+        }
+        return buffer.clock_victim(.reserved, bucket_index, false, quota);
     }
 
     /// Whether `code` is a valid commit state code: ready, failed or missing, with
@@ -1421,6 +1685,7 @@ pub const Buffer = struct {
         slot.state.store(@intFromEnum(state), .release);
         if (slot.bucket.load(.monotonic) == bucket_index) {
             buffer.unlink(bucket_index, slot_index);
+            buffer.namespace_uncount(slot);
             slot.bucket.store(bucket_detached, .release);
         }
     }
@@ -1750,11 +2015,18 @@ pub const Buffer = struct {
                 result.* = .exists;
                 continue;
             }
-            const slot_index = buffer.take_fresh(.regular, bucket_index) orelse
-                buffer.take_fresh(.reserved, bucket_index) orelse
-                if (buffer.clock_victim(.reserved, bucket_index, true)) |victim| victim.slot else null;
+            // Speculation never grows a namespace past its cap: at it, only one of its own
+            // unused prewarms is recycled.
+            const namespace = buffer.namespace_of(block_id);
+            const quota = buffer.quota_for(namespace);
+            const fresh = if (quota.grow)
+                buffer.take_fresh(.regular, bucket_index) orelse buffer.take_fresh(.reserved, bucket_index)
+            else
+                null;
+            const slot_index = fresh orelse
+                if (buffer.clock_victim(.reserved, bucket_index, true, quota)) |victim| victim.slot else null;
             if (slot_index) |index| {
-                buffer.install(bucket_index, index, block_id, shard_index, false);
+                buffer.install(bucket_index, index, block_id, shard_index, false, namespace);
                 buffer.count(.preallocs, 1);
                 result.* = .allocated;
             } else {
@@ -1959,6 +2231,7 @@ pub const Buffer = struct {
             buffer.free_slot(slot_index);
         } else if (force) {
             buffer.unlink(bucket_index, slot_index);
+            buffer.namespace_uncount(slot);
             // SeqCst (includes the release that pairs with the acquire load in `release_one`):
             // detached first, then the debt cleared, against a racing dirty commit (see
             // `commit`).
@@ -2002,3 +2275,91 @@ pub const Buffer = struct {
         buffer.lock_release(bucket_index);
     }
 };
+
+// -------------------------------------------------------------------------------------------
+// Namespace quotas: deterministic scenarios (the fuzzer checks them under random operations).
+
+const quota_test_geometry = Geometry{
+    .shard_size_bytes = 64,
+    .slot_count_regular = 8,
+    .slot_count_reserved = 0,
+    .bucket_count = 4,
+    .slots_per_segment = 8,
+};
+var quota_test_memory: [8192]u8 align(constants.buffer_cache_line_bytes) = undefined;
+
+fn quota_test_buffer() !Buffer {
+    assert(ctrl_size_bytes(quota_test_geometry) <= quota_test_memory.len);
+    const base = @intFromPtr(&quota_test_memory);
+    try std.testing.expectEqual(Status.ok, Buffer.init(base, quota_test_memory.len, quota_test_geometry, 0));
+    var buffer = Buffer.open(base).?;
+    buffer.holder = try buffer.register();
+    return buffer;
+}
+
+fn quota_test_id(tag: u64, block: u32) BlockId {
+    var id: BlockId = @splat(0);
+    std.mem.writeInt(u64, id[0..8], tag, .little);
+    std.mem.writeInt(u32, id[8..12], block, .little);
+    return id;
+}
+
+/// Gets, commits Ready and releases one block of `tag`; returns the Get's result.
+fn quota_test_insert(buffer: Buffer, tag: u64, block: u32) GetResult {
+    const ids = [_]BlockId{quota_test_id(tag, block)};
+    var results: [1]GetResult = undefined;
+    var slots: [1]u32 = undefined;
+    buffer.get(&ids, &.{0}, .{ .results = &results, .slots = &slots });
+    if (results[0] == .owner) {
+        var committed: [1]CommitResult = undefined;
+        buffer.commit(&slots, &.{@intFromEnum(State.ready)}, &committed);
+        assert(committed[0] == .ok);
+    }
+    if (slots[0] != slot_none) _ = buffer.release(&slots);
+    return results[0];
+}
+
+test "namespaces: register, re-register, and the named errors" {
+    const buffer = try quota_test_buffer();
+    try std.testing.expectEqual(@as(u16, 0), try buffer.register_namespace(0, 2, 8));
+    try std.testing.expectEqual(@as(u16, 1), try buffer.register_namespace(0xA, 4, 6));
+    try std.testing.expectEqual(@as(u16, 1), try buffer.register_namespace(0xA, 3, 6)); // update
+    try std.testing.expectEqual(@as(u32, 3), buffer.namespace_table.entries[1].guarantee_slots.load(.monotonic));
+    try std.testing.expectError(error.InvalidArgument, buffer.register_namespace(0xB, 5, 4));
+    try std.testing.expectError(error.InvalidArgument, buffer.register_namespace(0xB, 0, 9));
+    // 2 (default) + 3 (A) + 4 > 8 regular slots.
+    try std.testing.expectError(error.GuaranteesOver, buffer.register_namespace(0xB, 4, 8));
+    var tag: u64 = 0x100;
+    while (tag < 0x100 + constants.buffer_namespaces_max - 2) : (tag += 1) {
+        _ = try buffer.register_namespace(tag, 0, 8);
+    }
+    try std.testing.expectError(error.NamespacesFull, buffer.register_namespace(0xC, 0, 8));
+    try std.testing.expectEqual(@as(u16, 1), buffer.namespace_of(&quota_test_id(0xA, 7)));
+    try std.testing.expectEqual(@as(u16, 0), buffer.namespace_of(&quota_test_id(0xD, 7)));
+}
+
+test "namespaces: a flood from B never pushes A below its guarantee; A at its cap evicts its own" {
+    const buffer = try quota_test_buffer();
+    const a = try buffer.register_namespace(0xA, 3, 4);
+    const b = try buffer.register_namespace(0xB, 0, 8);
+    for (0..4) |block| try std.testing.expectEqual(GetResult.owner, quota_test_insert(buffer, 0xA, @intCast(block)));
+    try std.testing.expectEqual(@as(u32, 4), buffer.namespace_occupancy(a));
+    // A at its cap (4): its fifth block evicts one of its own, never a free slot.
+    try std.testing.expectEqual(GetResult.owner, quota_test_insert(buffer, 0xA, 4));
+    try std.testing.expectEqual(@as(u32, 4), buffer.namespace_occupancy(a));
+    try std.testing.expectEqual(@as(u32, 4), buffer.clock.fresh_regular.load(.monotonic));
+    // B floods: 100 blocks through the 8 slots. A keeps exactly its guarantee.
+    for (0..100) |block| try std.testing.expectEqual(GetResult.owner, quota_test_insert(buffer, 0xB, @intCast(block)));
+    try std.testing.expectEqual(@as(u32, 3), buffer.namespace_occupancy(a));
+    try std.testing.expectEqual(@as(u32, 5), buffer.namespace_occupancy(b));
+    // The counters are exact: a recount from the chains finds the same.
+    try buffer.recount_namespaces();
+    try std.testing.expectEqual(@as(u32, 3), buffer.namespace_occupancy(a));
+    try std.testing.expectEqual(@as(u32, 5), buffer.namespace_occupancy(b));
+    // A remove uncounts; a recount repairs a drifted counter.
+    try std.testing.expectEqual(@as(u64, 1), try buffer.remove(&.{quota_test_id(0xB, 99)}, null, false));
+    try std.testing.expectEqual(@as(u32, 4), buffer.namespace_occupancy(b));
+    buffer.namespace_table.entries[b].occupancy_slots.store(7, .monotonic);
+    try buffer.recount_namespaces();
+    try std.testing.expectEqual(@as(u32, 4), buffer.namespace_occupancy(b));
+}

@@ -120,7 +120,19 @@ const SlotModel = struct {
     /// Uses since the slot was installed (`Slot.reuses`): Gets answered hit, waiter or held,
     /// saturating.
     reuses: u16 = 0,
+    /// `Slot.namespace`: the namespace index + 1 the slot counts in, 0 when it counts nowhere.
+    namespace: u16 = 0,
 };
+
+/// The namespace a slot field (index + 1, or 0) counts its events in: 0 counts in the default.
+fn field_index(field: u16) usize {
+    return if (field == 0) 0 else field - 1;
+}
+
+/// Registered namespaces per epoch besides the default one (entry 0).
+const namespace_count_max = 3;
+/// What an allocation may take (`buffer.zig`'s `Quota`).
+const Quota = struct { namespace: u16, grow: bool };
 
 const EntryModel = struct {
     state: HolderState = .free,
@@ -143,6 +155,30 @@ const Model = struct {
     block_count: u32,
     /// The bucket of each block: the buffer's hash is an input to the model, not under test.
     block_buckets: [block_count_max]u32,
+    bucket_count: u32,
+    /// The namespace index of each block's keys (0: the default namespace).
+    block_namespaces: [block_count_max]u16 = @splat(0),
+    /// Namespace entries in use (1 + the registered ones) and their quotas and occupancy.
+    namespace_count: u32 = 1,
+    guarantees: [namespace_count_max + 1]u32 = @splat(0),
+    caps: [namespace_count_max + 1]u32 = @splat(0),
+    occupancy: [namespace_count_max + 1]u32 = @splat(0),
+    /// Per namespace: Get hits, Get misses, Ready slots evicted.
+    namespace_hits: [namespace_count_max + 1]u64 = @splat(0),
+    namespace_misses: [namespace_count_max + 1]u64 = @splat(0),
+    namespace_evictions: [namespace_count_max + 1]u64 = @splat(0),
+    /// A kill between a slot's namespace field and its counter was injected and no recount
+    /// has run since: the counters may disagree with the fields (the model tracks both).
+    drift: bool = false,
+    /// Drift was injected this epoch: a counter that was one too low may have let a
+    /// namespace grow one slot past its cap, and the recount keeps the truth (it stays over
+    /// until its own slots turn over), so the cap is no longer checked.
+    drifted: bool = false,
+    /// Coverage: recounts that repaired injected drift, victims refused to keep a guarantee,
+    /// allocations of a namespace at its cap.
+    drifts_repaired: u64 = 0,
+    guarantee_refusals: u64 = 0,
+    allocations_at_cap: u64 = 0,
 
     slots: [slot_count_max]SlotModel = @splat(.{}),
     /// The chains: key -> the slot linked for it.
@@ -293,11 +329,14 @@ const Model = struct {
         assert(model.resident[slot.key] == slot_index);
         model.resident[slot.key] = null;
         slot.place = .detached;
+        // Every way off a chain stops counting (an eviction's `take_counted` already did).
+        model.uncount(slot_index);
     }
 
     fn free_slot(model: *Model, slot_index: u32) void {
         const slot = &model.slots[slot_index];
         assert(slot.holders == 0 and slot.place != .linked);
+        model.uncount(slot_index);
         if (slot.dirty) model.dirty_gauge_down();
         slot.* = .{ .version = slot.version };
     }
@@ -321,6 +360,74 @@ const Model = struct {
         slot.preallocated = !owner;
         if (owner) slot.holders = holder_bit(caller.holder.?);
         model.resident[key] = slot_index;
+        const namespace = model.namespace_of(key);
+        assert(slot.namespace == 0);
+        slot.namespace = namespace + 1;
+        model.occupancy[namespace] += 1;
+    }
+
+    // --- Namespaces ---------------------------------------------------------------------
+
+    fn namespace_of(model: *const Model, key: u32) u16 {
+        return model.block_namespaces[model.key_block(key)];
+    }
+
+    fn uncount(model: *Model, slot_index: u32) void {
+        const slot = &model.slots[slot_index];
+        if (slot.namespace == 0) return;
+        const counter = &model.occupancy[slot.namespace - 1];
+        if (counter.* > 0) counter.* -= 1;
+        slot.namespace = 0;
+    }
+
+    fn quota_for(model: *const Model, namespace: u16) Quota {
+        return .{ .namespace = namespace, .grow = model.occupancy[namespace] < model.caps[namespace] };
+    }
+
+    fn evictable(model: *const Model, field: u16, quota: Quota) bool {
+        if (field == quota.namespace + 1) return true;
+        if (!quota.grow) return false;
+        if (field == 0) return true;
+        return model.occupancy[field - 1] > model.guarantees[field - 1];
+    }
+
+    fn evictable_counted(model: *Model, field: u16, quota: Quota) bool {
+        const allowed = model.evictable(field, quota);
+        if (!allowed and quota.grow and field != 0) model.guarantee_refusals += 1;
+        return allowed;
+    }
+
+    fn take_counted(model: *Model, slot_index: u32, quota: Quota) bool {
+        const slot = &model.slots[slot_index];
+        if (slot.namespace == 0) return quota.grow;
+        if (slot.namespace == quota.namespace + 1) {
+            model.uncount(slot_index);
+            return true;
+        }
+        if (!quota.grow) return false;
+        const index = slot.namespace - 1;
+        if (model.occupancy[index] <= model.guarantees[index]) {
+            model.guarantee_refusals += 1;
+            return false;
+        }
+        model.occupancy[index] -= 1;
+        slot.namespace = 0;
+        return true;
+    }
+
+    /// `recount_namespaces`: every bucket lock in order, then the counters from the chains.
+    fn recount(model: *Model, caller: Caller) void {
+        for (0..model.bucket_count) |bucket| model.acquire(caller, @intCast(bucket));
+        model.occupancy = @splat(0);
+        for (model.slots[0..model.slot_count()]) |*slot| {
+            slot.namespace = 0;
+            if (slot.place != .linked) continue;
+            const namespace = model.namespace_of(slot.key);
+            slot.namespace = namespace + 1;
+            model.occupancy[namespace] += 1;
+        }
+        if (model.drift) model.drifts_repaired += 1;
+        model.drift = false;
     }
 
     // --- Allocation: fresh slots, then CLOCK ---------------------------------------------
@@ -348,7 +455,7 @@ const Model = struct {
     /// (or not yet marked dead) holder references, dirty slots, detached slots, slots whose
     /// bucket lock is held by someone else, and with `idle_only` Ready slots. A victim's dead
     /// references are dropped; a Ready victim is an eviction.
-    fn clock(model: *Model, pool: Pool, bucket: u32, idle_only: bool) ?u32 {
+    fn clock(model: *Model, pool: Pool, bucket: u32, idle_only: bool, quota: Quota) ?u32 {
         const pool_slots = model.pool_count(pool);
         if (pool_slots == 0) return null;
         const cursor = &model.cursor[@intFromEnum(pool)];
@@ -356,6 +463,7 @@ const Model = struct {
             const slot_index = model.pool_first(pool) + cursor.*;
             cursor.* = (cursor.* + 1) % pool_slots;
             const slot = &model.slots[slot_index];
+            if (!model.evictable_counted(slot.namespace, quota)) continue;
             if (step < pool_slots) {
                 const accessed = slot.accessed;
                 slot.accessed = false;
@@ -364,7 +472,7 @@ const Model = struct {
             if (slot.holders & ~model.dead_mask() != 0) continue;
             if (slot.dirty) continue;
             switch (slot.place) {
-                .free => return slot_index,
+                .free => if (quota.grow) return slot_index else continue,
                 .detached => continue,
                 .linked => {},
             }
@@ -372,7 +480,12 @@ const Model = struct {
             if (victim_bucket != bucket and !model.try_acquire(victim_bucket)) continue;
             assert(model.drop_dead_refs(slot_index));
             if (idle_only and slot.state == .ready) continue;
-            if (slot.state == .ready) model.count(.evictions, 1);
+            const victim_field = slot.namespace;
+            if (!model.take_counted(slot_index, quota)) continue;
+            if (slot.state == .ready) {
+                model.count(.evictions, 1);
+                model.namespace_evictions[field_index(victim_field)] += 1;
+            }
             model.unlink(slot_index);
             slot.place = .free; // claimed by the caller: `install` links it
             return slot_index;
@@ -380,19 +493,26 @@ const Model = struct {
         return null;
     }
 
-    fn allocate_once(model: *Model, bucket: u32) ?u32 {
-        return model.take_fresh(.regular) orelse
-            model.clock(.regular, bucket, false) orelse
-            model.take_fresh(.reserved) orelse
-            model.clock(.reserved, bucket, false);
+    /// A namespace at its cap takes only its own slots (no fresh ones).
+    fn allocate_once(model: *Model, bucket: u32, namespace: u16) ?u32 {
+        const quota = model.quota_for(namespace);
+        if (!quota.grow) model.allocations_at_cap += 1;
+        if (quota.grow) {
+            if (model.take_fresh(.regular)) |slot_index| return slot_index;
+        }
+        if (model.clock(.regular, bucket, false, quota)) |slot_index| return slot_index;
+        if (quota.grow) {
+            if (model.take_fresh(.reserved)) |slot_index| return slot_index;
+        }
+        return model.clock(.reserved, bucket, false, quota);
     }
 
     /// A full buffer looks for dead holders (every time: the fuzzer resets the rate limit)
     /// and tries once more when it found any.
-    fn allocate_for_get(model: *Model, caller: Caller, bucket: u32) ?u32 {
-        if (model.allocate_once(bucket)) |slot_index| return slot_index;
+    fn allocate_for_get(model: *Model, caller: Caller, bucket: u32, namespace: u16) ?u32 {
+        if (model.allocate_once(bucket, namespace)) |slot_index| return slot_index;
         if (model.scan(caller) == 0) return null;
-        return model.allocate_once(bucket);
+        return model.allocate_once(bucket, namespace);
     }
 
     // --- Operations -------------------------------------------------------------------------
@@ -407,7 +527,8 @@ const Model = struct {
                 continue;
             }
             model.count(.misses, 1);
-            if (model.allocate_for_get(caller, model.key_bucket(key))) |slot_index| {
+            model.namespace_misses[model.namespace_of(key)] += 1;
+            if (model.allocate_for_get(caller, model.key_bucket(key), model.namespace_of(key))) |slot_index| {
                 model.install(caller, slot_index, key, true);
                 slot_out.* = slot_index;
                 result.* = .owner;
@@ -432,9 +553,11 @@ const Model = struct {
             slot.accessed = true;
             slot.reuses +|= 1;
             model.count(.hits, 1);
+            model.namespace_hits[field_index(slot.namespace)] += 1;
             return .hit;
         }
         model.count(.misses, 1);
+        model.namespace_misses[field_index(slot.namespace)] += 1;
         if (slot.holders == 0) {
             // An idle slot nobody holds (prewarmed, or given up by its owner): take it over.
             if (slot.preallocated) model.count(.prealloc_hits, 1);
@@ -457,9 +580,9 @@ const Model = struct {
                 result.* = .exists;
                 continue;
             }
-            const found = model.take_fresh(.regular) orelse
-                model.take_fresh(.reserved) orelse
-                model.clock(.reserved, bucket, true);
+            const quota = model.quota_for(model.namespace_of(key));
+            const fresh = if (quota.grow) model.take_fresh(.regular) orelse model.take_fresh(.reserved) else null;
+            const found = fresh orelse model.clock(.reserved, bucket, true, quota);
             if (found) |slot_index| {
                 model.install(caller, slot_index, key, false);
                 model.count(.preallocs, 1);
@@ -747,6 +870,7 @@ const Model = struct {
             report.holders += 1;
         }
         model.count(.holders_freed, report.holders);
+        model.recount(caller);
         return report;
     }
 
@@ -879,6 +1003,9 @@ const Config = struct {
     block_count: u32,
     shards_per_block: u32,
     process_count: u32,
+    /// Draw registered namespaces with quotas and spread the blocks over them (the random
+    /// epochs); the scripted scenarios keep every key in the default namespace.
+    namespaces: bool = false,
 };
 
 /// A view and who it is, for calls that take no references.
@@ -916,6 +1043,7 @@ const World = struct {
             .block_count = random.intRangeAtMost(u32, 1, block_count_max),
             .shards_per_block = random.intRangeAtMost(u32, 1, shards_per_block_max),
             .process_count = random.intRangeAtMost(u32, 1, process_count_max),
+            .namespaces = true,
         }, random, stats);
     }
 
@@ -940,6 +1068,7 @@ const World = struct {
                 .shards_per_block = config.shards_per_block,
                 .block_count = config.block_count,
                 .block_buckets = undefined,
+                .bucket_count = geometry.bucket_count,
             },
             .base = base,
             .process_count = config.process_count,
@@ -955,10 +1084,31 @@ const World = struct {
             random.intRangeAtMost(u32, 1, slots_total)
         else
             random.intRangeAtMost(u32, 1, @max(1, slots_total / world.process_count));
+        // Namespaces: entry 0 (the default) has no guarantee and no cap; up to three more get
+        // guarantees that add up to at most the regular slots, and caps at or above them.
+        const model = &world.model;
+        model.caps[0] = slots_total;
+        model.namespace_count = if (config.namespaces) 1 + random.uintAtMost(u32, namespace_count_max) else 1;
+        var tags: [namespace_count_max + 1]u64 = @splat(0);
+        var guaranteed: u32 = 0;
+        for (1..model.namespace_count) |index| {
+            tags[index] = (random.int(u64) | 1) +% (@as(u64, index) << 56); // distinct, not 0
+            const guarantee = random.uintAtMost(u32, geometry.slot_count_regular - guaranteed);
+            const cap = random.intRangeAtMost(u32, guarantee, slots_total);
+            guaranteed += guarantee;
+            const registered = base.register_namespace(tags[index], guarantee, cap) catch return error.ModelMismatch;
+            try check("namespace index", index, index, registered);
+            model.guarantees[index] = guarantee;
+            model.caps[index] = cap;
+        }
         for (&world.block_ids, 0..) |*id, block| {
             random.bytes(id);
-            id[0] = @intCast(block); // distinct blocks
-            world.model.block_buckets[block] = base.bucket_of(id);
+            const namespace: u16 = @intCast(random.uintLessThan(u32, model.namespace_count));
+            if (namespace != 0) std.mem.writeInt(u64, id[0..8], tags[namespace], .little);
+            id[8] = @intCast(block); // distinct blocks
+            model.block_namespaces[block] = namespace;
+            model.block_buckets[block] = base.bucket_of(id);
+            try check("block namespace", block, namespace, base.namespace_of(id));
         }
         // Swarm testing: each epoch scales every weight by 0..3 (some operations never run).
         world.weight_total = 0;
@@ -1163,8 +1313,10 @@ const World = struct {
             ids[index] = world.block_ids[world.model.key_block(key)];
             shards[index] = world.model.key_shard(key);
         }
+        const before = world.model.occupancy;
         world.model.get(caller, keys, results, slots);
         world.log.add("p{d}/h{d} get keys {any} -> {any} slots {any}", .{ process, caller.holder.?, keys, results, slots });
+        try world.check_guarantees(keys, before);
         var real_results: [batch_max]GetResult = undefined;
         var real_slots: [batch_max]u32 = undefined;
         const n = keys.len;
@@ -1290,8 +1442,10 @@ const World = struct {
             ids[index] = world.block_ids[world.model.key_block(key)];
             shards[index] = world.model.key_shard(key);
         }
+        const before = world.model.occupancy;
         world.model.prealloc(who.caller, keys, results);
         world.log.add("pid {d} prealloc keys {any} -> {any}", .{ who.caller.pid, keys, results });
+        try world.check_guarantees(keys, before);
         var real: [batch_max]PreallocResult = undefined;
         who.view.prealloc(ids[0..keys.len], shards[0..keys.len], real[0..keys.len]);
         for (results, 0..) |result, index| {
@@ -1519,9 +1673,48 @@ const World = struct {
         const caller = world.caller_of(process);
         world.model.hold_lock(caller, bucket);
         try world.processes[process].view.debug_hold_lock(bucket);
+        // Now and then it dies between a slot's namespace field and the counter (either side).
+        if (world.random.boolean()) world.inject_namespace_drift(bucket);
         identities[process].alive = false;
         world.processes[process].pid_retired = true;
         world.log.add("p{d}/h{d} killed holding bucket {d}'s lock", .{ process, caller.holder.?, bucket });
+    }
+
+    /// No insert pushed another namespace below its guarantee: every namespace none of `keys`
+    /// belongs to holds at least min(what it held before, its guarantee).
+    fn check_guarantees(world: *World, keys: []const u32, before: [namespace_count_max + 1]u32) !void {
+        const model = &world.model;
+        if (model.drift) return;
+        for (0..model.namespace_count) |index| {
+            var inserting = false;
+            for (keys) |key| inserting = inserting or model.namespace_of(key) == index;
+            if (inserting) continue;
+            const floor = @min(before[index], model.guarantees[index]);
+            try check_true("namespace guarantee holds", index, model.occupancy[index] >= floor);
+        }
+    }
+
+    /// A kill inside a namespace update of a slot of `bucket`: the field cleared without the
+    /// counter (counter one too high), or the counter decremented without the field (one too
+    /// low). Only `reclaim_dead`'s recount repairs it.
+    fn inject_namespace_drift(world: *World, bucket: u32) void {
+        const model = &world.model;
+        for (model.slots[0..model.slot_count()], 0..) |*slot, index| {
+            if (slot.place != .linked or slot.namespace == 0) continue;
+            if (model.key_bucket(slot.key) != bucket) continue;
+            const counter = &world.base.namespace_table.entries[slot.namespace - 1].occupancy_slots;
+            if (world.random.boolean()) {
+                slot.namespace = 0;
+                world.base.slots[index].namespace.store(0, .monotonic);
+            } else if (model.occupancy[slot.namespace - 1] > 0) {
+                model.occupancy[slot.namespace - 1] -= 1;
+                _ = counter.fetchSub(1, .monotonic);
+            }
+            model.drift = true;
+            model.drifted = true;
+            world.log.add("  drift injected at slot {d}", .{index});
+            return;
+        }
     }
 
     /// Prints every slot as the model and the buffer see it.
@@ -1607,6 +1800,41 @@ const World = struct {
             if (slot.preallocated) flags |= buffer_module.slot_flag_preallocated;
             if (slot.dirty) flags |= buffer_module.slot_flag_dirty;
             try check("slot flags", index, flags, real.flags.load(.monotonic));
+            try check("slot namespace", index, slot.namespace, real.namespace.load(.monotonic));
+        }
+        // Namespaces: the model's counters are the buffer's; without injected drift they are
+        // exact (each counts exactly the linked slots of its keys, every other slot counts
+        // nowhere), and no namespace holds more than its cap.
+        for (0..constants.buffer_namespaces_max) |index| {
+            const expected: u32 = if (index < model.namespace_count) model.occupancy[index] else 0;
+            try check("namespace occupancy", index, expected, buffer.namespace_occupancy(@intCast(index)));
+            const entry = &buffer.namespace_table.entries[index];
+            const used = index < model.namespace_count;
+            try check("namespace hits", index, if (used) model.namespace_hits[index] else 0, entry.hits.load(.monotonic));
+            try check("namespace misses", index, if (used) model.namespace_misses[index] else 0, entry.misses.load(.monotonic));
+            try check("namespace evictions", index, if (used) model.namespace_evictions[index] else 0, entry.evictions.load(.monotonic));
+        }
+        // Every Get hit, miss and eviction is some namespace's, exactly once.
+        var sums: [3]u64 = @splat(0);
+        for (0..model.namespace_count) |index| {
+            sums[0] += model.namespace_hits[index];
+            sums[1] += model.namespace_misses[index];
+            sums[2] += model.namespace_evictions[index];
+        }
+        try check("namespace hits add up", 0, model.counters[@intFromEnum(Counter.hits)], sums[0]);
+        try check("namespace misses add up", 0, model.counters[@intFromEnum(Counter.misses)], sums[1]);
+        try check("namespace evictions add up", 0, model.counters[@intFromEnum(Counter.evictions)], sums[2]);
+        if (!model.drift) {
+            var exact: [namespace_count_max + 1]u32 = @splat(0);
+            for (model.slots[0..total], 0..) |slot, index| {
+                const field: u16 = if (slot.place == .linked) model.namespace_of(slot.key) + 1 else 0;
+                try check("namespace field exact", index, field, slot.namespace);
+                if (field != 0) exact[field - 1] += 1;
+            }
+            for (exact, model.occupancy, model.caps, 0..) |count, occupancy, cap, index| {
+                try check("namespace counter exact", index, count, occupancy);
+                try check_true("namespace within its cap", index, model.drifted or occupancy <= cap);
+            }
         }
         try check("fresh regular", 0, model.fresh[0], buffer.clock.fresh_regular.load(.monotonic));
         try check("fresh reserved", 0, model.fresh[1], buffer.clock.fresh_reserved.load(.monotonic));
@@ -1702,6 +1930,11 @@ pub const Summary = struct {
     wait_results: [@typeInfo(WaitResult).@"enum".fields.len]u64 = @splat(0),
     /// Registrations into a full holder table (which reclaims the dead first).
     full_table_registrations: u64 = 0,
+    /// Namespaces: recounts that repaired an injected kill between a slot's field and its
+    /// counter, victims passed over to keep a guarantee, allocations at a namespace's cap.
+    drifts_repaired: u64 = 0,
+    guarantee_refusals: u64 = 0,
+    allocations_at_cap: u64 = 0,
 };
 
 /// Runs `steps` fuzz steps from `seed` (epochs of `epoch_steps`). On a mismatch prints the
@@ -1727,6 +1960,9 @@ pub fn run(seed: u64, steps: u64) !Summary {
         world.finish() catch |err| return report_failure(seed, steps, done, summary.epochs, &world, err);
         for (&summary.counters, world.model.counters) |*total, value| total.* += value;
         summary.full_table_registrations += world.model.full_table_registrations;
+        summary.drifts_repaired += world.model.drifts_repaired;
+        summary.guarantee_refusals += world.model.guarantee_refusals;
+        summary.allocations_at_cap += world.model.allocations_at_cap;
     }
     summary.steps = done;
     return summary;
@@ -1754,6 +1990,9 @@ pub fn print_coverage(summary: *const Summary) void {
     std.debug.print("\n  wait results:", .{});
     for (summary.wait_results, 0..) |value, index| std.debug.print(" {s} {d}", .{ @tagName(@as(WaitResult, @enumFromInt(index))), value });
     std.debug.print("\n  registrations into a full holder table: {d}", .{summary.full_table_registrations});
+    std.debug.print("\n  namespaces: drifts repaired {d}, guarantee refusals {d}, allocations at a cap {d}", .{
+        summary.drifts_repaired, summary.guarantee_refusals, summary.allocations_at_cap,
+    });
     std.debug.print("\n  counters:", .{});
     for (summary.counters, 0..) |value, index| std.debug.print(" {s} {d}", .{ buffer_module.counter_names[index], value });
     std.debug.print("\n", .{});
@@ -1772,7 +2011,17 @@ pub fn fresh_seed() !u64 {
 
 test "buffer fuzz: model-based, fixed seeds" {
     const seeds = [_]u64{ 1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 233 };
-    for (seeds) |seed| _ = try run(seed, fixed_seed_steps);
+    var drifts_repaired: u64 = 0;
+    var guarantee_refusals: u64 = 0;
+    var allocations_at_cap: u64 = 0;
+    for (seeds) |seed| {
+        const summary = try run(seed, fixed_seed_steps);
+        drifts_repaired += summary.drifts_repaired;
+        guarantee_refusals += summary.guarantee_refusals;
+        allocations_at_cap += summary.allocations_at_cap;
+    }
+    // The fixed seeds reach every namespace path: the recount's repair, the guarantee, the cap.
+    try expect(drifts_repaired > 0 and guarantee_refusals > 0 and allocations_at_cap > 0);
 }
 
 const fixed_seed_steps = 4 * epoch_steps;

@@ -142,8 +142,9 @@ pub const buffer_magic: u64 = 0x3130_4655_424D_4355;
 /// 2: holder table after the counters; Slot.refcount/owner_pid replaced by a holder bitmap and
 /// the owner's holder index. 3: slot State `missing` (the owner found the key in no tier).
 /// 4: write-back debt (slot flag `dirty`, `Slot.flusher`, `HolderEntry.closing`, counters
-/// `dirty_slots` and `flushed`); dirty slots are never eviction victims. 5: `Slot.reuses` (bytes
-/// 62..63, uses counted for admission) and the admitted/matured slot flag bits.
+/// `dirty_slots` and `flushed`); dirty slots are never eviction victims. 5: the namespace
+/// table after the holder table; `Slot.namespace` (offset 60); `Slot.reuses` (bytes 62..63,
+/// uses counted for admission) and the admitted/matured slot flag bits.
 pub const buffer_layout_version: u32 = 5;
 pub const buffer_cache_line_bytes: u64 = 64;
 pub const buffer_header_size_bytes: usize = 256;
@@ -155,6 +156,11 @@ pub const buffer_bucket_size_bytes: usize = 8;
 pub const buffer_holders_max: u32 = 64;
 pub const buffer_holder_entry_size_bytes: usize = 32;
 pub const buffer_holder_table_size_bytes: usize = 64 + buffer_holders_max * buffer_holder_entry_size_bytes;
+/// Namespaces with their own quota and occupancy counter; entry 0 is the default namespace's
+/// (and every key whose tag no registered entry has). Slots record an index below this in u16.
+pub const buffer_namespaces_max: u32 = 32;
+pub const buffer_namespace_entry_size_bytes: usize = 64;
+pub const buffer_namespace_table_size_bytes: usize = buffer_namespaces_max * buffer_namespace_entry_size_bytes;
 /// Minimum spacing of the dead-holder scans a full buffer triggers (each reads /proc per holder).
 pub const buffer_holder_scan_interval_ns: u64 = 100 * std.time.ns_per_ms;
 pub const buffer_slot_size_bytes: usize = 64;
@@ -183,6 +189,8 @@ comptime {
     std.debug.assert(buffer_bucket_size_bytes == 2 * futex_word_size_bytes);
     std.debug.assert(buffer_holders_max == 64);
     std.debug.assert(buffer_holder_table_size_bytes % buffer_cache_line_bytes == 0);
+    std.debug.assert(buffer_namespace_table_size_bytes % buffer_cache_line_bytes == 0);
+    std.debug.assert(buffer_namespaces_max >= 2 and buffer_namespaces_max < std.math.maxInt(u16));
     std.debug.assert(buffer_slot_count_max < std.math.maxInt(u32) - 1);
     std.debug.assert(buffer_bucket_count_max < std.math.maxInt(u32) - 1);
     std.debug.assert(buffer_remove_chunk_keys == 1024);

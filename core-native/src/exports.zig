@@ -162,6 +162,41 @@ pub export fn ucm_buffer_holder_info(ctrl: usize, index: u32, out: *buffer.Holde
     return 0;
 }
 
+/// Registers namespace `tag` (the first 8 bytes of its keys, little-endian; 0: the default
+/// namespace) with its guarantee and cap in slots, or updates them. Returns its index in the
+/// namespace table, or a negative status: invalid_argument (guarantee > cap, cap > slots),
+/// namespaces_full, guarantees_over (the guarantees would exceed the regular slots).
+pub export fn ucm_buffer_register_namespace(ctrl: usize, tag: u64, guarantee_slots: u32, cap_slots: u32) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    const index = view.register_namespace(tag, guarantee_slots, cap_slots) catch |err| return switch (err) {
+        error.InvalidArgument => buffer_status(.invalid_argument),
+        error.NamespacesFull => buffer_status(.namespaces_full),
+        error.GuaranteesOver => buffer_status(.guarantees_over),
+    };
+    return index;
+}
+
+/// Copies namespace entry `index` (tag, state, guarantee, cap, occupancy in slots, hits,
+/// misses, evictions).
+pub export fn ucm_buffer_namespace_info(ctrl: usize, index: u32, out: *buffer.NamespaceEntry) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (index >= view.namespace_table.entries.len) return buffer_status(.invalid_argument);
+    const entry = &view.namespace_table.entries[index];
+    // Monotonic: a snapshot for stats; each field is read once.
+    out.* = .{
+        .tag = .init(entry.tag.load(.monotonic)),
+        .state = .init(entry.state.load(.acquire)),
+        .guarantee_slots = .init(entry.guarantee_slots.load(.monotonic)),
+        .cap_slots = .init(entry.cap_slots.load(.monotonic)),
+        .occupancy_slots = .init(entry.occupancy_slots.load(.monotonic)),
+        .hits = .init(entry.hits.load(.monotonic)),
+        .misses = .init(entry.misses.load(.monotonic)),
+        .evictions = .init(entry.evictions.load(.monotonic)),
+        ._pad = @splat(0),
+    };
+    return 0;
+}
+
 /// The dead-holder mask after checking every live holder (pid + start time).
 pub export fn ucm_buffer_scan_holders(ctrl: usize, out_mask: *u64) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);

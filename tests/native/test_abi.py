@@ -59,8 +59,9 @@ def test_every_export_is_declared_from_the_generated_signatures() -> None:
 
     exports = _exports()
     # saves: ucm_buffer_count_write_through_skipped; namespaces: ucm_buffer_list_ready;
-    # admission: ucm_buffer_reuses, ucm_queue_take_admitted
-    assert len(exports) == 62
+    # admission: ucm_buffer_reuses, ucm_queue_take_admitted; quotas:
+    # ucm_buffer_register_namespace, ucm_buffer_namespace_info
+    assert len(exports) == 64
     assert _abi.SIGNATURES["ucm_buffer_reuses"] == (
         ctypes.c_int32,
         [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],

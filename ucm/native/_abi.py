@@ -66,6 +66,9 @@ BUFFER_BUCKET_SIZE_BYTES = 8
 BUFFER_HOLDERS_MAX = 64
 BUFFER_HOLDER_ENTRY_SIZE_BYTES = 32
 BUFFER_HOLDER_TABLE_SIZE_BYTES = 2112
+BUFFER_NAMESPACES_MAX = 32
+BUFFER_NAMESPACE_ENTRY_SIZE_BYTES = 64
+BUFFER_NAMESPACE_TABLE_SIZE_BYTES = 2048
 BUFFER_HOLDER_SCAN_INTERVAL_NS = 100000000
 BUFFER_SLOT_SIZE_BYTES = 64
 BUFFER_SLOT_COUNT_MAX = 1073741824
@@ -259,6 +262,8 @@ class BufferStatus(enum.IntEnum):
     LOCK_TIMEOUT = -106
     HOLDERS_FULL = -107
     NOT_REGISTERED = -108
+    NAMESPACES_FULL = -109
+    GUARANTEES_OVER = -110
 
 
 class HolderState(enum.IntEnum):
@@ -315,7 +320,7 @@ class Slot(ctypes.Structure):
         ("flags", ctypes.c_uint32),
         ("holders", ctypes.c_uint64),
         ("flusher", ctypes.c_uint32),
-        ("_pad", ctypes.c_uint8 * 2),
+        ("namespace", ctypes.c_uint16),
         ("reuses", ctypes.c_uint16),
     )
 
@@ -334,6 +339,23 @@ class HolderEntry(ctypes.Structure):
 
 
 assert ctypes.sizeof(HolderEntry) == 32
+
+
+class NamespaceEntry(ctypes.Structure):
+    _fields_ = (
+        ("tag", ctypes.c_uint64),
+        ("state", ctypes.c_uint32),
+        ("guarantee_slots", ctypes.c_uint32),
+        ("cap_slots", ctypes.c_uint32),
+        ("occupancy_slots", ctypes.c_uint32),
+        ("hits", ctypes.c_uint64),
+        ("misses", ctypes.c_uint64),
+        ("evictions", ctypes.c_uint64),
+        ("_pad", ctypes.c_uint8 * 16),
+    )
+
+
+assert ctypes.sizeof(NamespaceEntry) == 64
 
 
 class Occupancy(ctypes.Structure):
@@ -459,6 +481,8 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ucm_buffer_register": (ctypes.c_int64, [ctypes.c_size_t]),
     "ucm_buffer_reclaim_dead": (ctypes.c_int64, [ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32)]),
     "ucm_buffer_holder_info": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.POINTER(HolderEntry)]),
+    "ucm_buffer_register_namespace": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32]),
+    "ucm_buffer_namespace_info": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.POINTER(NamespaceEntry)]),
     "ucm_buffer_scan_holders": (ctypes.c_int32, [ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)]),
     "ucm_buffer_get": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
     "ucm_buffer_commit": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),

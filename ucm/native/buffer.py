@@ -392,6 +392,8 @@ class SlotInfo:
     """Write-back debt: the Ready shard is not yet in the ``write: back`` tiers below."""
     flusher_holder: int | None = None
     """Holder index of the process writing the dirty shard down, if any."""
+    namespace: int | None = None
+    """Index in the namespace table the slot counts in (while linked), else None."""
 
 
 @dataclass(frozen=True)
@@ -415,6 +417,33 @@ class HolderInfo:
     reclaimer: int
     closing: bool = False
     """The process started closing the buffer (:meth:`BufferCore.mark_closing`)."""
+
+
+@dataclass(frozen=True)
+class NamespaceUsage:
+    """One live entry of the native namespace table (``ucm_buffer_namespace_info``)."""
+
+    index: int
+    tag: bytes
+    """The namespace's tag (first 8 bytes of its keys); ``b"\\0" * 8`` for entry 0, the
+    default namespace and every key whose tag is not registered."""
+    guarantee_slots: int
+    cap_slots: int
+    occupancy_slots: int
+    """Slots linked into a chain that count for this namespace (exact; see buffer.zig)."""
+    hits: int = 0
+    """Gets of the namespace's keys that found them Ready (node-wide, every rank)."""
+    misses: int = 0
+    evictions: int = 0
+    """Ready slots of the namespace evicted (by any namespace's insert)."""
+
+
+NAMESPACES_MAX = _abi.BUFFER_NAMESPACES_MAX
+
+
+class NamespaceTableFullError(InvalidArgumentError):
+    """Every entry of the buffer's namespace table is taken: a namespace registered now counts
+    in the default namespace's entry (and takes its quota)."""
 
 
 @dataclass(frozen=True)
@@ -486,6 +515,61 @@ class BufferCore:
         refs = int(self._native.ucm_buffer_reclaim_dead(self._ctrl, ctypes.byref(holders)))
         self._check(min(refs, 0), "reclaim_dead")
         return ReclaimReport(holders=int(holders.value), refs=refs)
+
+    # -- namespaces ----------------------------------------------------------------------------
+
+    def register_namespace(self, tag: bytes, guarantee_slots: int, cap_slots: int) -> int:
+        """Registers namespace ``tag`` (8 bytes; all zero: the default namespace) with its
+        guarantee and cap in slots, or updates them; returns its index in the native table.
+        Keys whose first 8 bytes are ``tag`` count in it from then on."""
+        if not isinstance(tag, bytes) or len(tag) != 8:
+            raise InvalidArgumentError(f"tag={tag!r} is not valid: expected 8 bytes")
+        total = self.geometry.slot_count_total
+        _check_int("cap_slots", cap_slots, 0, total, "at most every slot of the buffer")
+        _check_int("guarantee_slots", guarantee_slots, 0, cap_slots, "at most cap_slots")
+        index = int(
+            self._native.ucm_buffer_register_namespace(
+                self._ctrl, int.from_bytes(tag, "little"), guarantee_slots, cap_slots
+            )
+        )
+        if index == _Status.NAMESPACES_FULL:
+            raise NamespaceTableFullError(
+                f"cannot register namespace tag {tag.hex()}: all {NAMESPACES_MAX} entries of "
+                "the buffer's namespace table are taken (namespaces with quotas per unique_id)"
+            )
+        if index == _Status.GUARANTEES_OVER:
+            raise InvalidArgumentError(
+                f"cannot register namespace tag {tag.hex()} with guarantee_slots="
+                f"{guarantee_slots}: the registered guarantees would exceed the "
+                f"{self.geometry.slot_count_regular} regular slots"
+            )
+        self._check(min(index, 0), "register_namespace")
+        return index
+
+    def namespaces(self) -> list[NamespaceUsage]:
+        """Every live entry of the namespace table (entry 0 first)."""
+        rows = []
+        for index in range(NAMESPACES_MAX):
+            raw = _abi.NamespaceEntry()
+            self._check(
+                self._native.ucm_buffer_namespace_info(self._ctrl, index, ctypes.byref(raw)),
+                "namespaces",
+            )
+            if raw.state != 2:  # NamespaceState.live
+                continue
+            rows.append(
+                NamespaceUsage(
+                    index=index,
+                    tag=int(raw.tag).to_bytes(8, "little"),
+                    guarantee_slots=int(raw.guarantee_slots),
+                    cap_slots=int(raw.cap_slots),
+                    occupancy_slots=int(raw.occupancy_slots),
+                    hits=int(raw.hits),
+                    misses=int(raw.misses),
+                    evictions=int(raw.evictions),
+                )
+            )
+        return rows
 
     def scan_holders(self) -> int:
         """Checks every live holder and marks the dead ones; returns the dead-holder bitmap."""
@@ -967,6 +1051,7 @@ class BufferCore:
             owner_holder=owner_holder,
             dirty=bool(raw.flags & 4),
             flusher_holder=raw.flusher - 1 if raw.flusher else None,
+            namespace=raw.namespace - 1 if raw.namespace else None,
         )
 
     def ready_slots(self, keys: Sequence[Key]) -> list[int]:
