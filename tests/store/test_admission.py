@@ -207,33 +207,41 @@ def test_always_writes_every_dump_through(tmp_path: Path) -> None:
 def test_min_residency_writes_what_survived_it_and_close_drops_what_did_not(
     tmp_path: Path,
 ) -> None:
-    config = gated_stack(tmp_path, {"min_residency_ms": 300})
+    config = gated_stack(tmp_path, {"min_residency_ms": 2000})
     store = ucm.open(config)
     try:
+        dumped_at = time.monotonic()
         dump(store, range(4))
         store.remove([block(3)])  # gone before its residency: never written
         store.drain()
-        assert not any(posix_holds(tmp_path, range(4)).values())
+        holds = posix_holds(tmp_path, range(4))
+        if time.monotonic() - dumped_at < 1.9:  # a busy machine may take longer to get here
+            assert not any(holds.values()), holds
         deadline = time.monotonic() + 30
         while store.stats()["admitted_shards"] < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert posix_holds(tmp_path, range(4)) == {0: True, 1: True, 2: True, 3: False}
-        dump(store, range(10, 12))  # closed before 300 ms: dropped
+        closing_at = time.monotonic()
+        dump(store, range(10, 12))  # closed before their residency: dropped
     finally:
         store.close()
-    assert posix_holds(tmp_path, [10, 11]) == {10: False, 11: False}
-    assert store.stats()["admitted_shards"] == 3
+    if time.monotonic() - closing_at < 1.9:
+        assert posix_holds(tmp_path, [10, 11]) == {10: False, 11: False}
+        assert store.stats()["admitted_shards"] == 3
 
 
 def test_after_reuse_with_min_residency_needs_both(tmp_path: Path) -> None:
-    config = gated_stack(tmp_path, {"after_reuse": 1, "min_residency_ms": 300})
+    config = gated_stack(tmp_path, {"after_reuse": 1, "min_residency_ms": 2000})
     with ucm.open(config) as store:
+        dumped_at = time.monotonic()
         dump(store, range(3))
-        load(store, [0])  # used, not yet resident for 300 ms
+        load(store, [0])  # used, not yet resident for 2 s
         store.drain()
-        assert not any(posix_holds(tmp_path, range(3)).values())
-        time.sleep(0.5)
-        store.drain()  # the residency check: block 0 used once and survived 300 ms
+        holds = posix_holds(tmp_path, range(3))
+        if time.monotonic() - dumped_at < 1.9:  # a busy machine may take longer to get here
+            assert not any(holds.values()), holds
+        time.sleep(max(0.0, 2.2 - (time.monotonic() - dumped_at)))
+        store.drain()  # the residency check: block 0 used once and survived 2 s
         assert posix_holds(tmp_path, range(3)) == {0: True, 1: False, 2: False}
         load(store, [1])  # used after its residency: admitted at this use
         store.drain()
