@@ -98,7 +98,7 @@ def test_config_defaults_and_sizes(tmp_path: Path) -> None:
         "codec": {"type": "none"},
         "lookup_timeout_ms": 1000,
         "breaker": {"failures": 3, "probe_interval_ms": 10000},
-        "admit": {"after_reuse": None, "min_residency_ms": None},
+        "admit": "always",
         "path": tmp_path / "a.db",
         "capacity": None,
         "timeout": 30.0,

@@ -95,7 +95,7 @@ def test_hook_register_tiers_from_a_registered_plugin(scratch_tier: type[ucm.Tie
         "codec": {"type": "none"},
         "lookup_timeout_ms": 1000,
         "breaker": {"failures": 3, "probe_interval_ms": 10000},
-        "admit": {"after_reuse": None, "min_residency_ms": None},
+        "admit": "always",
         "capacity": 1024**2,
     }
 

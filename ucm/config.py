@@ -132,7 +132,17 @@ def _parse_admit(value: Any) -> Any:
     return value
 
 
-Admit = Annotated[AdmitConfig, BeforeValidator(_parse_admit)]
+def _dump_admit(value: AdmitConfig) -> Any:
+    """``always`` as the string, a condition as its keys: what ``admit:`` accepts back (a stack
+    dumped with ``exclude_none`` must validate again)."""
+    if value.always:
+        return "always"
+    return value.model_dump(exclude_none=True)
+
+
+Admit = Annotated[
+    AdmitConfig, BeforeValidator(_parse_admit), PlainSerializer(_dump_admit, return_type=Any)
+]
 
 
 class LowerTierConfig(TierConfig):

@@ -329,3 +329,17 @@ def test_a_dump_that_replaces_a_resident_block_starts_its_count_over(tmp_path: P
         store.drain()
         assert reuses(store, range(3)) == [0, 0, 0]
         assert not any(posix_holds(tmp_path, range(3)).values())
+
+
+@pytest.mark.parametrize(
+    "admit", ["always", {"after_reuse": 2}, {"after_reuse": 1, "min_residency_ms": 5}]
+)
+def test_a_stack_dumped_without_nones_validates_again(tmp_path: Path, admit: Any) -> None:
+    """Engines re-validate a StackConfig's ``model_dump(exclude_none=True)`` (ucm.integration
+    keys.engine_stack): ``always`` once dumped as ``{}``, which ``admit:`` refuses."""
+    from ucm.stack import parse_stack
+
+    config = parse_stack(gated_stack(tmp_path, admit))
+    dumped = config.model_dump(exclude_none=True)
+    assert dumped["tiers"][1]["admit"] == admit
+    assert parse_stack(dumped) == config
