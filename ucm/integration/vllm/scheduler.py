@@ -146,6 +146,9 @@ class SchedulerSide:
         """Namespaces not yet announced to the workers (UcmConnectorMetadata.namespaces)."""
         self._announced: set[str] = set()
         self._resident = resident
+        """Whether each block is in the CacheBuffer (every shard): a load of blocks that all
+        are is one memcpy and runs before the forward pass; any other load is asynchronous.
+        None: every load runs before the forward pass."""
         self._lookup_pool = lookup_pool
         """Runs look-ups that may reach a lower tier (None: they run on the scheduler thread)."""
         self._lookup_wait_s = lookup_wait_s
@@ -154,9 +157,6 @@ class SchedulerSide:
         self._lookups: dict[str, _PendingLookup] = {}
         self._save_lookups: list[concurrent.futures.Future[Sequence[bool]]] = []
         """Save filters that outran ``lookup_wait_s`` and still run on the pool."""
-        """Whether each block is in the CacheBuffer (every shard): a load of blocks that all
-        are is one memcpy and runs before the forward pass; any other load is asynchronous.
-        None: every load runs before the forward pass."""
         self.epoch = epoch
         """The key space's reset epoch (:class:`~ucm.integration.keys.Epochs`): every salt
         carries it."""
@@ -399,19 +399,21 @@ class SchedulerSide:
                 self._lookups[request_id] = pending
                 return None
             return self._present_prefix(ids, pending.skip, pending.future.result())
-        self.stats.data["lookups"] += 1
         skip = 0
         while skip < len(ids) and ids[skip] in self._dumping_ids:
             skip += 1
         if skip == len(ids):
+            self.stats.data["lookups"] += 1
             return skip
         if self._lookup_pool is None:
+            self.stats.data["lookups"] += 1
             return self._present_prefix(ids, skip, self._lookup_prefix(ids[skip:]))
         rest = list(ids[skip:])
         future = self._lookup_pool.try_submit(lambda: self._lookup_prefix(rest))
         if future is None:  # every pool thread is held by a slow tier: ask on a later step
             self.stats.data["lookups_deferred"] += 1
             return None
+        self.stats.data["lookups"] += 1
         try:
             last = future.result(timeout=self._lookup_wait_s)
         except concurrent.futures.TimeoutError:
