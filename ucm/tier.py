@@ -52,6 +52,49 @@ class NamespaceBytes:
         return self.named.get(namespace, self.others)
 
 
+class NamespaceUsage:
+    """One tier's estimate of each namespace's bytes under its :class:`NamespaceBytes` quotas:
+    exact after a scan (:meth:`rescanned`), grown by this process's dumps (:meth:`add`),
+    shrunk by its evictions (:meth:`remove`). Thread-safe."""
+
+    def __init__(self, quotas: NamespaceBytes) -> None:
+        self.quotas = quotas
+        self._lock = threading.Lock()
+        self._usage: dict[str, int] = {}
+        self._written: dict[str, int] = {}
+        """Bytes this process stored per namespace since the last scan."""
+
+    def add(self, namespace: str, nbytes: int) -> bool:
+        """Adds bytes a dump of this process stored; whether the namespace is now over its
+        quota here, or stored an eighth of it since the last scan (other processes' writes are
+        then seen by the scan this asks for)."""
+        limit = self.quotas.limit(namespace)
+        if limit is None or nbytes == 0:
+            return False
+        with self._lock:
+            usage = self._usage[namespace] = self._usage.get(namespace, 0) + nbytes
+            since = self._written[namespace] = self._written.get(namespace, 0) + nbytes
+        return usage > limit or since > max(limit // 8, 1)
+
+    def rescanned(self, usage: dict[str, int]) -> dict[str, int]:
+        """Sets the estimates from a scan (bytes per namespace); returns the bytes each
+        namespace holds over its quota (only those over it)."""
+        with self._lock:
+            self._usage = dict(usage)
+            self._written = {}
+        excess = {}
+        for namespace, used in usage.items():
+            limit = self.quotas.limit(namespace)
+            if limit is not None and used > limit:
+                excess[namespace] = used - limit
+        return excess
+
+    def remove(self, namespace: str, nbytes: int) -> None:
+        """Takes bytes this process evicted off the estimate."""
+        with self._lock:
+            self._usage[namespace] = max(0, self._usage.get(namespace, 0) - nbytes)
+
+
 HOST_MEMORY_OPTION = "host_memory"
 """``TierContext.options`` key: ``((address, nbytes), ...)``, host memory that tiers above this
 one keep mapped for the store's whole life (the CacheBuffer's data plane). Loads from below are

@@ -45,6 +45,7 @@ from ucm.tier import (
     NAMESPACE_BYTES_OPTION,
     REMOVE_CHUNK_KEYS,
     NamespaceBytes,
+    NamespaceUsage,
     Outcome,
     ShardViews,
     Tier,
@@ -204,10 +205,9 @@ class FsspecTier(Tier):
             self._usage = sum(size for _t, size, _b, _p in self._scan())
         # Namespace byte quotas (the stack's `quotas:` for this tier): this process's estimate
         # of each namespace's stored bytes here, exact after every scan.
-        self._namespace_bytes: NamespaceBytes | None = context.options.get(NAMESPACE_BYTES_OPTION)
-        self._namespace_usage: dict[str, int] = {}
-        self._namespace_written: dict[str, int] = {}
-        if self._namespace_bytes is not None:
+        quotas: NamespaceBytes | None = context.options.get(NAMESPACE_BYTES_OPTION)
+        self._namespace_usage = NamespaceUsage(quotas) if quotas is not None else None
+        if self._namespace_usage is not None:
             self.evict_namespace_quotas()
 
     # --------------------------------------------------------------------------------- paths
@@ -384,29 +384,15 @@ class FsspecTier(Tier):
             )
         if over:
             self.evict_to_capacity()
-        if self._namespace_bytes is not None and self._namespace_over(keys, results):
-            self.evict_namespace_quotas()
-        return outcomes
-
-    def _namespace_over(self, keys: Sequence[Key], results: list[tuple[Outcome, int]]) -> bool:
-        """Adds what a dump stored to its namespaces' estimates; whether a namespace is now over
-        its quota here, or stored an eighth of it since the last scan (other processes' writes
-        are then seen)."""
-        quotas = self._namespace_bytes
-        assert quotas is not None
-        over = False
-        with self._stats_lock:
+        usage = self._namespace_usage
+        if usage is not None:
+            over = False
             for (block_id, _shard), (outcome, stored) in zip(keys, results, strict=True):
-                name = namespaces.namespace_of(block_id)
-                limit = quotas.limit(name)
-                if limit is None or outcome is not None:
-                    continue
-                usage = self._namespace_usage.get(name, 0) + stored
-                since = self._namespace_written.get(name, 0) + stored
-                self._namespace_usage[name] = usage
-                self._namespace_written[name] = since
-                over = over or usage > limit or since > max(limit // 8, 1)
-        return over
+                if outcome is None:
+                    over = usage.add(namespaces.namespace_of(block_id), stored) or over
+            if over:
+                self.evict_namespace_quotas()
+        return outcomes
 
     def _dump_one(self, item: tuple[Key, ShardViews]) -> tuple[Outcome, int]:
         """(outcome, bytes stored) of one shard; its codec runs here, on an I/O thread."""
@@ -596,26 +582,22 @@ class FsspecTier(Tier):
     def evict_namespace_quotas(self) -> int:
         """One pass over the namespace byte quotas (a no-op without any): each namespace over
         its bytes here loses its oldest blocks first, down to them. Returns shards evicted."""
-        quotas = self._namespace_bytes
-        if quotas is None:
+        estimate = self._namespace_usage
+        if estimate is None:
             return 0
         entries = self._scan()
         by_namespace: dict[str, list[tuple[float, int, bytes, list[str]]]] = {}
         for entry in entries:
             by_namespace.setdefault(namespaces.namespace_of(entry[2]), []).append(entry)
-        usage = {name: sum(e[1] for e in group) for name, group in by_namespace.items()}
+        excess = estimate.rescanned(
+            {name: sum(e[1] for e in group) for name, group in by_namespace.items()}
+        )
         victims: list[tuple[bytes, list[int]]] = []
-        for name, group in by_namespace.items():
-            limit = quotas.limit(name)
-            if limit is not None and usage[name] > limit:
-                victims += self._oldest(group, usage[name] - limit)
+        for name, over in excess.items():
+            victims += self._oldest(by_namespace[name], over)
         sizes = {entry[2]: entry[1] for entry in entries}
-        with self._stats_lock:
-            for block_id, _shards in victims:
-                name = namespaces.namespace_of(block_id)
-                usage[name] = max(0, usage[name] - sizes[block_id])
-            self._namespace_usage = usage
-            self._namespace_written = {}
+        for block_id, _shards in victims:
+            estimate.remove(namespaces.namespace_of(block_id), sizes[block_id])
         if not victims:
             return 0
         self._bump(namespace_eviction_passes=1)

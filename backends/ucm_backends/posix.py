@@ -73,6 +73,7 @@ from ucm.tier import (
     NAMESPACE_BYTES_OPTION,
     REMOVE_CHUNK_KEYS,
     NamespaceBytes,
+    NamespaceUsage,
     Outcome,
     ShardViews,
     Tier,
@@ -248,10 +249,9 @@ class PosixTier(Tier):
             self._usage = self._scan()[0]
         # Namespace byte quotas (the stack's `quotas:` for this tier): this process's estimate
         # of each namespace's bytes here, exact after every scan.
-        self._namespace_bytes: NamespaceBytes | None = context.options.get(NAMESPACE_BYTES_OPTION)
-        self._namespace_usage: dict[str, int] = {}
-        self._namespace_written: dict[str, int] = {}
-        if self._namespace_bytes is not None:
+        quotas: NamespaceBytes | None = context.options.get(NAMESPACE_BYTES_OPTION)
+        self._namespace_usage = NamespaceUsage(quotas) if quotas is not None else None
+        if self._namespace_usage is not None:
             self.evict_namespace_quotas()
 
     # ----------------------------------------------------------------- paths, locks, buffers
@@ -792,30 +792,15 @@ class PosixTier(Tier):
             )
         if over:
             self.evict_to_capacity()
-        if self._namespace_bytes is not None and self._namespace_over(groups, outcomes):
-            self.evict_namespace_quotas()
-        return outcomes
-
-    def _namespace_over(self, groups: dict[bytes, list[int]], outcomes: list[Outcome]) -> bool:
-        """Adds what a dump wrote to its namespaces' estimates; whether a namespace is now over
-        its quota here, or wrote an eighth of it since the last scan (other processes' writes
-        are then seen)."""
-        quotas = self._namespace_bytes
-        assert quotas is not None
-        over = False
-        with self._stats_lock:
+        usage = self._namespace_usage
+        if usage is not None:
+            over = False
             for block_id, positions in groups.items():
                 written = self.shard_size * sum(1 for p in positions if outcomes[p] is None)
-                name = namespaces.namespace_of(block_id)
-                limit = quotas.limit(name)
-                if limit is None or written == 0:
-                    continue
-                usage = self._namespace_usage.get(name, 0) + written
-                since = self._namespace_written.get(name, 0) + written
-                self._namespace_usage[name] = usage
-                self._namespace_written[name] = since
-                over = over or usage > limit or since > max(limit // 8, 1)
-        return over
+                over = usage.add(namespaces.namespace_of(block_id), written) or over
+            if over:
+                self.evict_namespace_quotas()
+        return outcomes
 
     def _dump_block(
         self,
@@ -1135,31 +1120,26 @@ class PosixTier(Tier):
     def evict_namespace_quotas(self) -> int:
         """One pass over the namespace byte quotas (a no-op without any): each namespace over
         its bytes here loses its oldest blocks first, down to them. Returns shards evicted."""
-        quotas = self._namespace_bytes
-        if quotas is None:
+        estimate = self._namespace_usage
+        if estimate is None:
             return 0
         with self._evict_lock:
             _total, entries = self._scan()
             by_namespace: dict[str, list[tuple[int, int, int, bytes]]] = {}
             for entry in entries:
                 by_namespace.setdefault(namespaces.namespace_of(entry[3]), []).append(entry)
-            usage = {name: sum(e[1] for e in group) for name, group in by_namespace.items()}
+            excess = estimate.rescanned(
+                {name: sum(e[1] for e in group) for name, group in by_namespace.items()}
+            )
             victims: list[tuple[int, int, int, bytes]] = []
-            for name, group in by_namespace.items():
-                limit = quotas.limit(name)
-                if limit is not None and usage[name] > limit:
-                    victims += self._oldest(group, usage[name] - limit)
-            with self._stats_lock:
-                self._namespace_usage = usage
-                self._namespace_written = {}
+            for name, over in excess.items():
+                victims += self._oldest(by_namespace[name], over)
             if not victims:
                 return 0
             self._bump("namespace_eviction_passes")
             evicted = self._evict_entries(victims)
-            with self._stats_lock:
-                for entry in victims:
-                    name = namespaces.namespace_of(entry[3])
-                    self._namespace_usage[name] = max(0, self._namespace_usage[name] - entry[1])
+            for entry in victims:
+                estimate.remove(namespaces.namespace_of(entry[3]), entry[1])
             return evicted
 
     def _write_down(self, victims: Sequence[tuple[int, int, int, bytes]]) -> set[Key]:
