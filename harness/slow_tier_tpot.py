@@ -38,15 +38,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-MODEL = {
-    "layers": 8,
-    "hidden": 512,
-    "heads": 16,
-    "kv_heads": 16,
-    "head_dim": 128,
-    "intermediate": 1024,
-    "vocab": 512,
-}
+from ucm.bench.vllm_serving import FULL
+
+MODEL: dict[str, int] = FULL["model"]
 """The model of ``ucm bench --only vllm_serving``: fp32, 128 KiB of KV per token."""
 
 
