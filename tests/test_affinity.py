@@ -61,3 +61,41 @@ def test_the_threads_a_store_starts_are_moved_off_the_engines_cpus() -> None:
     finally:
         os.sched_setaffinity(0, own)
         segments.unlink(unique_id)
+
+
+def _stack(**buffer: object) -> ucm.StackConfig:
+    from ucm.stack import parse_stack
+
+    return parse_stack(
+        {
+            "unique_id": "affinity-sizes",
+            "shard_size": 4096,
+            "shards_per_block": 1,
+            "buffer": {"capacity": "1MiB", **buffer},
+        }
+    )
+
+
+def test_thread_counts_follow_the_binding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffer's copy and populate threads are cut to the CPUs the binding leaves free
+    (1 when it takes them all), unless the stack states them; no binding changes nothing."""
+    import ucm.affinity as affinity
+
+    monkeypatch.setattr(affinity, "process_cpus", lambda: set(range(8)))
+    stack = _stack()
+    assert (stack.buffer.copy_threads, stack.buffer.populate_threads) == (4, 2)
+    sized, changed = affinity.follow_binding(stack, "0-6")  # one CPU left
+    assert changed == {"copy_threads": 1, "populate_threads": 1}
+    assert (sized.buffer.copy_threads, sized.buffer.populate_threads) == (1, 1)
+    assert sized.buffer.capacity == stack.buffer.capacity and sized.tiers == [sized.buffer]
+    sized, changed = affinity.follow_binding(stack, "0-7")  # none left: one of each
+    assert changed == {"copy_threads": 1, "populate_threads": 1}
+    sized, changed = affinity.follow_binding(stack, "0-4")  # three left
+    assert changed == {"copy_threads": 3}
+    assert (sized.buffer.copy_threads, sized.buffer.populate_threads) == (3, 2)
+    assert affinity.follow_binding(stack, "0-1") == (stack, {})  # six left: enough
+    assert affinity.follow_binding(stack, None) == (stack, {})
+    assert affinity.follow_binding(stack, "auto") == (stack, {})
+    stated = _stack(copy_threads=4)
+    sized, changed = affinity.follow_binding(stated, "0-6")
+    assert changed == {"populate_threads": 1} and sized.buffer.copy_threads == 4

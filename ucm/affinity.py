@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import os
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .stack import StackConfig
 
 
 def parse_cpu_list(text: str, name: str) -> set[int]:
@@ -111,3 +115,33 @@ class NewThreads:
                 continue
             pinned += 1
         return pinned
+
+
+BINDING_SIZED_KEYS = ("copy_threads", "populate_threads")
+"""The buffer's thread counts :func:`follow_binding` sizes to the CPUs an engine leaves free."""
+
+
+def follow_binding(stack: StackConfig, bind: str | None) -> tuple[StackConfig, dict[str, int]]:
+    """``stack`` with the buffer's thread counts (:data:`BINDING_SIZED_KEYS`) the stack does
+    not state cut to the CPUs an explicit engine binding leaves free (at least 1: a binding
+    that takes every CPU leaves one thread of each kind to share them), and what was changed.
+    More copy or populate threads than free CPUs only take turns with each other and with the
+    engine's compute threads. Unchanged without an explicit binding, without a buffer, or
+    where the free CPUs are enough."""
+    from .stack import parse_stack
+
+    if engine_cpus(bind) is None or stack.buffer is None:
+        return stack, {}
+    free = background_cpus(bind)
+    cpus = len(free) if free else 1
+    buffer = stack.buffer
+    sized = {
+        key: cpus
+        for key in BINDING_SIZED_KEYS
+        if key not in buffer.model_fields_set and getattr(buffer, key) > cpus
+    }
+    if not sized:
+        return stack, {}
+    data = stack.model_dump(exclude_none=True)
+    data["tiers"][0].update(sized)
+    return parse_stack(data, source="stack (thread counts sized to the engine's binding)"), sized

@@ -292,3 +292,45 @@ def test_a_preempted_request_resumes_through_an_async_load(
     if not async_scheduling:
         assert h.outputs["d"] == Harness.expected_outputs(prompt, 40)
     _clean(h)
+
+
+def test_an_async_loads_copy_into_vllms_blocks_never_holds_up_a_step(
+    make: Make, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the prefetch is over, the copy from the CacheBuffer into vLLM's blocks is submitted
+    and collected when done: ``get_finished`` never waits for an unfinished task (before the
+    change it copied the whole prefix there and waited for the copy, inside the step)."""
+    _store_a(make)
+    h = make(delay_s=0.05, async_scheduling=False)
+    store = h.worker._store
+    connector = h.worker
+    inside: list[bool] = []
+    waited_unfinished: list[object] = []
+    real_wait, real_get_finished = store.wait, connector.get_finished
+
+    def wait(task: object, *args: object, **kwargs: object) -> object:
+        if inside and not store.check(task):
+            waited_unfinished.append(task)
+        return real_wait(task, *args, **kwargs)
+
+    def get_finished(*args: object, **kwargs: object) -> object:
+        inside.append(True)
+        try:
+            return real_get_finished(*args, **kwargs)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(store, "wait", wait)
+    monkeypatch.setattr(connector, "get_finished", get_finished)
+    h.add("d", D, 60)
+    h.step()
+    h.add("b", A, 3)
+    _step_until(h, lambda: "b" in h.finished_recving)
+    (done,) = [r for r in h.records if "b" in r.finished_recving]
+    assert done.invalid == set()
+    assert waited_unfinished == []
+    h.run(STEPS_MAX)
+    assert h.outputs["b"] == Harness.expected_outputs(A, 3)
+    assert h.cached_tokens["b"] == 8 * BLOCK
+    assert h.outputs["d"] == Harness.expected_outputs(D, 60)
+    _clean(h)

@@ -4,10 +4,12 @@ parallelism UCM supports, and opening the stack."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import ucm
+from ucm.affinity import follow_binding
 from ucm.errors import ConfigError, UcmError
 
 from ..keys import EngineGeometry, engine_stack
@@ -176,6 +178,18 @@ def open_store(
     check_extra_config(extra)
     _check_parallelism(vllm_config)
     stack = engine_stack(extra.get(STACK_KEY), geometry, key=STACK_KEY_NAME, engine="vLLM")
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    try:
+        stack, sized = follow_binding(stack, bind)
+    except ConfigError:
+        sized = {}  # a binding UCM cannot read: the worker logs it and leaves threads unbound
+    if sized:
+        logger.info(
+            "UCM rank %d: %s sized to the CPUs VLLM_CPU_OMP_THREADS_BIND=%r leaves free",
+            device_id,
+            ", ".join(f"{key}={value}" for key, value in sized.items()),
+            bind,
+        )
     try:
         return ucm.open(stack, device_id=device_id, local_rank_size=local_rank_size)
     except UcmError as exc:

@@ -26,7 +26,8 @@ STAT_NAMES: dict[str, str] = {
     "loaded_blocks": "blocks loaded into vLLM's KV cache (summed over TP ranks)",
     "loaded_bytes": "bytes loaded into vLLM's KV cache",
     "load_failed_blocks": "blocks whose load failed and that vLLM recomputes",
-    "load_seconds": "seconds spent loading (summed over TP ranks)",
+    "load_seconds": "seconds spent loading, summed over TP ranks (a synchronous load: its "
+    "wait before the forward pass; an asynchronous one: from its prefetch to its copy's end)",
     "async_loads": "asynchronous loads started (requests in WAITING_FOR_REMOTE_KVS, per TP rank)",
     "load_late_blocks": "blocks past the load deadline, reported failed and recomputed",
     "saved_blocks": "blocks dumped to UCM (summed over TP ranks)",

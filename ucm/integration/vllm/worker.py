@@ -11,7 +11,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ucm.errors import TaskError
@@ -23,7 +23,7 @@ from .metrics import UcmConnectorStats
 if TYPE_CHECKING:
     import torch
 
-    from ucm.store import Store
+    from ucm.store import Pin, Store
     from ucm.task import Task
 
 logger = logging.getLogger("vllm.ucm")
@@ -41,8 +41,11 @@ class _PendingSave:
 
 @dataclass(eq=False)
 class _AsyncLoad:
-    """One request's asynchronous load: its blocks are moved up into the CacheBuffer (the
-    prefetch) and copied into vLLM's blocks once there, or once the deadline passed."""
+    """One request's asynchronous load, in two phases that both run beside the forward
+    passes: its blocks are moved up into the CacheBuffer (the prefetch), then, once there (or
+    once the deadline passed), the ones the buffer holds are pinned and copied into vLLM's
+    blocks by the native copy threads. The request is reported in ``finished_recving`` when
+    that copy is over: vLLM keeps its blocks until then, even if it is aborted."""
 
     req_id: str
     group: list[tuple[bytes, int]]
@@ -51,6 +54,17 @@ class _AsyncLoad:
     """None: nothing to move up (already in the CacheBuffer), or the prefetch failed to start."""
     deadline: float
     """``time.monotonic()`` past which blocks not in the CacheBuffer are reported failed."""
+    started: float = 0.0
+    """``time.perf_counter()`` at the start of the load (load_seconds: start to copy end)."""
+    copy: Task | None = None
+    """The copy into vLLM's blocks, once submitted (``copying``)."""
+    copying: bool = False
+    """The second phase started: ``pins`` are held and ``held`` is what ``copy`` writes."""
+    late: bool = False
+    """The prefetch had not finished by the deadline."""
+    pins: list[Pin] = field(default_factory=list)
+    held: list[tuple[bytes, int]] = field(default_factory=list)
+    """The (UCM id, vLLM block) pairs whose every shard the pins hold: the ones copied."""
 
 
 def unique_key_groups(loads: Iterable[BlockTransfer]) -> list[list[tuple[bytes, int]]]:
@@ -151,6 +165,8 @@ class WorkerSide:
     def start_load(self, meta: UcmConnectorMetadata) -> None:
         if meta.async_loads:
             self._start_async(meta)
+        if self._async:
+            self.advance_async()
         if not meta.loads:
             return
         # This step's output carries the failures (load_errors): the scheduler learns from
@@ -199,63 +215,89 @@ class WorkerSide:
                 prefetch = self._store.prefetch(list(transfer.ucm_ids))
             except Exception as exc:  # copied from what is in the CacheBuffer; the rest fails
                 logger.warning("UCM prefetch of %d blocks not started: %s", len(group), exc)
-            self._async.append(_AsyncLoad(transfer.req_id, group, prefetch, deadline))
+            self._async.append(
+                _AsyncLoad(transfer.req_id, group, prefetch, deadline, time.perf_counter())
+            )
             self.stats.data["async_loads"] += 1
+
+    def advance_async(self) -> None:
+        """Starts the copy of each asynchronous load whose prefetch is over (finished, failed
+        or past its deadline); called before the forward pass and after it, so the copy runs
+        beside the next forward pass instead of inside a step."""
+        now = time.monotonic()
+        for load in self._async:
+            if load.copying:
+                continue
+            done = load.prefetch is None or self._store.check(load.prefetch)
+            if done or now >= load.deadline:
+                load.late = not done
+                self._start_copy(load)
 
     def finished_recving(self) -> set[str]:
         """The requests whose asynchronous load is over, each reported once: its blocks that
-        reached the CacheBuffer are copied into vLLM's blocks (pinned there, so the copy is a
-        hit: one memcpy), the others are load errors that vLLM recomputes. A load is over when
-        its prefetch finished, successfully or not, or when its deadline passed."""
+        reached the CacheBuffer were copied into vLLM's blocks (pinned there, so the copy is a
+        hit: one memcpy), the others are load errors that vLLM recomputes. The copy of a load
+        whose prefetch just ended is started here and reported at a later step, once the copy
+        threads finished it."""
         if not self._async:
             return set()
-        now = time.monotonic()
-        over: list[_AsyncLoad] = []
-        running: list[_AsyncLoad] = []
-        for load in self._async:
-            done = load.prefetch is None or self._store.check(load.prefetch)
-            (over if done or now >= load.deadline else running).append(load)
-        self._async = running
+        self.advance_async()
+        over = [
+            load
+            for load in self._async
+            if load.copying and (load.copy is None or self._store.check(load.copy))
+        ]
+        if not over:
+            return set()
+        self._async = [load for load in self._async if load not in over]
         for load in over:
-            late = not (load.prefetch is None or self._store.check(load.prefetch))
-            self._finish_async(load, late)
+            self._finish_async(load)
         return {load.req_id for load in over}
 
-    def _finish_async(self, load: _AsyncLoad, late: bool) -> None:
-        started = time.perf_counter()
+    def _start_copy(self, load: _AsyncLoad) -> None:
+        """The second phase: pins what the CacheBuffer holds of the load's blocks and submits
+        their copy into vLLM's blocks (it never reaches a lower tier: every shard is pinned)."""
+        load.copying = True
         ids = [block_id for block_id, _ in load.group]
-        failed = set(ids)
         try:
-            pins = self._store.pin(ids)
+            load.pins = self._store.pin(ids)
         except Exception as exc:
             logger.warning("UCM: could not pin %d loaded blocks: %s", len(ids), exc)
-            pins = []
+            return
+        every = self._store.layout.shards_per_block
+        load.held = [
+            pair for pair, pin in zip(load.group, load.pins, strict=False) if pin.held == every
+        ]
+        if not load.held:
+            return
         try:
-            every = self._store.layout.shards_per_block
-            held = [
-                (block_id, vllm_block)
-                for (block_id, vllm_block), pin in zip(load.group, pins, strict=False)
-                if pin.held == every
-            ]
-            if held:
-                task: Task | None = None
-                try:
-                    task = self._load_task(
-                        [block_id for block_id, _ in held], [vllm_block for _, vllm_block in held]
-                    )
-                except Exception as exc:
-                    logger.warning("UCM load of %d blocks not submitted: %s", len(held), exc)
-                failed = (failed - {block_id for block_id, _ in held}) | self._wait_load(task, held)
+            load.copy = self._load_task(
+                [block_id for block_id, _ in load.held],
+                [vllm_block for _, vllm_block in load.held],
+            )
+        except Exception as exc:
+            logger.warning("UCM load of %d blocks not submitted: %s", len(load.held), exc)
+            load.held = []
+
+    def _finish_async(self, load: _AsyncLoad) -> None:
+        """Collects a load whose copy is over (or never started): releases its pins and marks
+        every block it did not copy as a load error."""
+        ids = [block_id for block_id, _ in load.group]
+        try:
+            copied = {block_id for block_id, _ in load.held}
+            if load.copy is not None:
+                copied -= self._wait_load(load.copy, load.held)
         finally:
-            if pins:
-                self._store.unpin(pins)
+            if load.pins:
+                self._store.unpin(load.pins)
+        failed = set(ids) - copied
         if failed:
             logger.warning(
                 "UCM: %d of %d blocks of request %s %s; vLLM recomputes them",
                 len(failed),
                 len(ids),
                 load.req_id,
-                "missed the load deadline" if late else "failed to load",
+                "missed the load deadline" if load.late else "failed to load",
             )
         self._invalid.update(
             vllm_block for block_id, vllm_block in load.group if block_id in failed
@@ -264,9 +306,9 @@ class WorkerSide:
         self.stats.data["loaded_blocks"] += loaded
         self.stats.data["loaded_bytes"] += loaded * self._shard_size
         self.stats.data["load_failed_blocks"] += len(failed)
-        if late:
+        if load.late:
             self.stats.data["load_late_blocks"] += len(failed)
-        self.stats.data["load_seconds"] += time.perf_counter() - started
+        self.stats.data["load_seconds"] += time.perf_counter() - load.started
 
     def _wait_load(self, task: Task | None, group: list[tuple[bytes, int]]) -> set[bytes]:
         """The ids of the group's blocks that did not load."""
