@@ -18,7 +18,7 @@ Reported per run: the decoder's undisturbed time per output token (its tokens be
 token (the load and ``long``'s last-token prefill), their ratio to the undisturbed figure, and
 how many tokens ``long`` was served from UCM.
 
-    PYTHONPATH=$PWD:$PWD/backends python -m harness.slow_tier_tpot [--repeats 2]
+    PYTHONPATH=$PWD:$PWD/backends python -m harness.slow_tier_tpot [--repeats 2] [--bind 0]
 
 Each run prints one JSON line; the last line is the summary.
 """
@@ -129,6 +129,8 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         "tpot_ms_during_load": round(1000 * (long_first - admitted_at) / max(len(during), 1), 2),
         "max_gap_ms_during_load": round(1000 * max(gaps, default=long_first - admitted_at), 1),
         "decoder_tokens_during_load": len(during),
+        "gaps_ms_during_load": [round(1000 * gap, 1) for gap in gaps],
+        "last_gap_to_long_first_ms": round(1000 * (long_first - ([admitted_at, *during])[-1]), 1),
         "long_first_token_s": round(long_first - admitted_at, 3),
         "long_cached_tokens": cached,
     }
@@ -147,7 +149,13 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=96)
     parser.add_argument("--admit-after", type=int, default=16)
     parser.add_argument("--o-direct", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--bind",
+        help="VLLM_CPU_OMP_THREADS_BIND for every engine (default: vLLM's auto binding)",
+    )
     args = parser.parse_args()
+    if args.bind:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.bind
     if args.mode is not None:
         print(json.dumps(run_engine(args)), flush=True)
         os._exit(0)
@@ -191,7 +199,10 @@ def main() -> None:
         }
         for mode in ("sync", "async")
     }
-    print(json.dumps({"summary": summary, "prefix_tokens": args.prefix_tokens}), flush=True)
+    print(
+        json.dumps({"summary": summary, "prefix_tokens": args.prefix_tokens, "bind": args.bind}),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -9,7 +9,15 @@ import uuid
 import pytest
 
 import ucm
-from ucm.affinity import NewThreads, background_cpus, engine_cpus, parse_cpu_list
+from ucm.affinity import (
+    OMP_BINDING_VARIABLES,
+    NewThreads,
+    background_cpus,
+    engine_binding,
+    engine_cpus,
+    omp_cpus,
+    parse_cpu_list,
+)
 from ucm.errors import ConfigError
 from ucm.native import segments
 
@@ -99,3 +107,25 @@ def test_thread_counts_follow_the_binding(monkeypatch: pytest.MonkeyPatch) -> No
     stated = _stack(copy_threads=4)
     sized, changed = affinity.follow_binding(stated, "0-6")
     assert changed == {"populate_threads": 1} and sized.buffer.copy_threads == 4
+
+
+def test_under_auto_the_engine_cpus_are_the_ones_vllm_gave_openmp(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's ``auto`` binding (its default, also when unset) writes each worker's CPU list into
+    its OpenMP environment: those are the engine's, the rest UCM's; ``nobind`` or no OpenMP
+    binding names none."""
+    for name in OMP_BINDING_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert engine_binding("auto") is None and background_cpus(None, {0, 1, 2, 3}) is None
+    assert omp_cpus({"GOMP_CPU_AFFINITY": "0 1 4-5"}) == {0, 1, 4, 5}
+    assert omp_cpus({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[2,3]"}) == {2, 3}
+    assert omp_cpus({"OMP_PLACES": "{0,1}"}) == {0, 1}
+    assert omp_cpus({"GOMP_CPU_AFFINITY": "x"}) is None  # unreadable: no claim
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", "0")
+    assert engine_binding("auto") == engine_binding(None) == {0}
+    assert background_cpus("auto", {0, 1, 2}) == {1, 2}
+    assert background_cpus("0-1", {0, 1, 2}) == {2}  # an explicit binding wins
+    assert engine_binding("nobind") is None and background_cpus("nobind", {0, 1}) is None
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", "0 1")  # vLLM on 2 CPUs: nowhere else to go
+    assert background_cpus("auto", {0, 1}) is None

@@ -12,6 +12,8 @@ those threads starts later inherits their binding.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -51,14 +53,54 @@ def engine_cpus(bind: str | None, name: str = "VLLM_CPU_OMP_THREADS_BIND") -> se
     return cpus
 
 
+OMP_BINDING_VARIABLES = ("GOMP_CPU_AFFINITY", "KMP_AFFINITY", "OMP_PLACES")
+"""Where vLLM's ``auto`` binding writes a worker's CPU list (GNU, Intel, other OpenMP)."""
+
+
+def omp_cpus(environ: Mapping[str, str] | None = None) -> set[int] | None:
+    """The CPUs an OpenMP binding in the environment names: ``GOMP_CPU_AFFINITY="0 1 4-6"``,
+    ``KMP_AFFINITY="...,proclist=[0,1]"`` or ``OMP_PLACES="{0,1}"`` (the forms vLLM writes);
+    None when none is set or one cannot be read."""
+    env = os.environ if environ is None else environ
+    cpus: set[int] = set()
+    try:
+        for name in OMP_BINDING_VARIABLES:
+            value = env.get(name, "").strip()
+            if not value:
+                continue
+            if name == "GOMP_CPU_AFFINITY":
+                lists = [",".join(value.replace(",", " ").split())]
+            elif name == "KMP_AFFINITY":
+                lists = re.findall(r"proclist=\[([^\]]*)\]", value)
+            else:
+                lists = re.findall(r"\{([^}]*)\}", value)
+            for text in lists:
+                cpus |= parse_cpu_list(text, name)
+    except ConfigError:
+        return None
+    return cpus or None
+
+
+def engine_binding(bind: str | None, environ: Mapping[str, str] | None = None) -> set[int] | None:
+    """The CPUs the engine's compute threads run on: an explicit binding's lists
+    (:func:`engine_cpus`); under ``auto`` (vLLM's default, also when unset) vLLM picks each
+    rank's CPUs itself and hands them to OpenMP in the worker's environment
+    (:func:`omp_cpus`). None: ``nobind``, or no binding UCM can read."""
+    engine = engine_cpus(bind)
+    if engine is not None or (bind is not None and bind.strip() == "nobind"):
+        return engine
+    return omp_cpus(environ)
+
+
 def background_cpus(bind: str | None, allowed: set[int] | None = None) -> set[int] | None:
     """The CPUs this process may use (``allowed``, by default :func:`process_cpus`) that the
-    binding leaves to others (None: no explicit
-    binding, or it takes every CPU this process may use, so there is nowhere else to go)."""
-    engine = engine_cpus(bind)
+    engine's binding (:func:`engine_binding`) leaves to others (None: no binding, or it takes
+    every CPU this process may use, so there is nowhere else to go)."""
+    every = process_cpus() if allowed is None else allowed
+    engine = engine_binding(bind)
     if engine is None:
         return None
-    free = (process_cpus() if allowed is None else allowed) - engine
+    free = every - engine
     return free or None
 
 
@@ -123,14 +165,15 @@ BINDING_SIZED_KEYS = ("copy_threads", "populate_threads")
 
 def follow_binding(stack: StackConfig, bind: str | None) -> tuple[StackConfig, dict[str, int]]:
     """``stack`` with the buffer's thread counts (:data:`BINDING_SIZED_KEYS`) the stack does
-    not state cut to the CPUs an explicit engine binding leaves free (at least 1: a binding
-    that takes every CPU leaves one thread of each kind to share them), and what was changed.
+    not state cut to the CPUs the engine's binding (:func:`engine_binding`) leaves free (at
+    least 1: a binding that takes every CPU leaves one thread of each kind to share them), and
+    what was changed.
     More copy or populate threads than free CPUs only take turns with each other and with the
-    engine's compute threads. Unchanged without an explicit binding, without a buffer, or
+    engine's compute threads. Unchanged without a binding, without a buffer, or
     where the free CPUs are enough."""
     from .stack import parse_stack
 
-    if engine_cpus(bind) is None or stack.buffer is None:
+    if engine_binding(bind) is None or stack.buffer is None:
         return stack, {}
     free = background_cpus(bind)
     cpus = len(free) if free else 1
