@@ -271,3 +271,34 @@ def test_tag_mode_reads_the_named_tag_and_a_mixed_batch_goes_to_each_namespace()
         assert backend.store.namespaces() == {"alice": [1], bob: [1]}
     finally:
         manager.close()
+
+
+def test_a_mixed_batch_whose_one_tenant_fails_stores_the_other() -> None:
+    """One put of two tenants' chunks is one UCM write per namespace: tenant t-none (a cap of
+    0%: no slot) fails its chunks only, each future says which, and no reference leaks."""
+    stack = {
+        "unique_id": f"lmc-ns-{uuid.uuid4().hex[:12]}",
+        "tiers": [{"type": "buffer", "capacity": 32 * lm.CHUNK_BYTES}],
+        "quotas": {"namespaces": {"t-none": {"buffer": {"cap": "0%"}}}},
+    }
+    manager = lm.storage_manager(lm.config(stack, local_cpu=False), lm.metadata())
+    try:
+        backend = manager.storage_backends["ucm"]
+        baseline = lm.active_allocations(manager)
+        keys = [_tagged(80, cache_salt="t-ok"), _tagged(80, cache_salt="t-none")]
+        keys += [_tagged(81, cache_salt="t-ok"), _tagged(81, cache_salt="t-none")]
+        objs = [lm.filled(manager, h) for h in (80, 80, 81, 81)]
+        futures = backend.batched_submit_put_task(keys, objs)
+        assert futures is not None
+        assert [f.result(timeout=60) for f in futures] == [True, False, True, False]
+        assert backend.flush(timeout_s=60)
+        counters = backend.stats()["lmcache"]
+        assert (counters["put_chunks_stored"], counters["put_chunks_failed"]) == (2, 2)
+        assert [obj.get_ref_count() for obj in objs] == [1] * 4
+        for obj in objs:
+            obj.ref_count_down()
+        assert lm.active_allocations(manager) == baseline
+        assert [backend.contains(key) for key in keys] == [True, False, True, False]
+        assert backend.store.namespaces() == {"t-ok": [2]}
+    finally:
+        manager.close()

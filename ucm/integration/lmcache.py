@@ -584,7 +584,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             )
         puts: list[_Put] = []
         batches: list[_PutBatch] = []  # one per namespace (one unless tenants mix)
-        handled: set[int] = set()  # indices of puts released or in a batch
+        handled: set[int] = set()  # ids of the puts released or in a batch
         try:
             with self._put_lock:
                 for key, obj in zip(keys, objs, strict=True):
@@ -597,13 +597,12 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                     obj.ref_count_up()
                     self._in_flight[key] = obj
                     puts.append(_Put(key, ucm_key, namespace, obj, Future()))
-            groups = _grouped(range(len(puts)), lambda i: puts[i].namespace)
-            for namespace, indices in groups.items():
-                group = [puts[i] for i in indices]
+            for namespace, group in _grouped(puts, lambda put: put.namespace).items():
                 present = self.store.lookup([put.ucm_key[0] for put in group], namespace=namespace)
                 already = [put for put, hit in zip(group, present, strict=True) if hit]
                 group = [put for put, hit in zip(group, present, strict=True) if not hit]
                 self._release(already, stored=None)
+                handled.update(id(put) for put in already)
                 self._count("put_chunks_present", len(already))
                 if group:
                     task = self.store.dump_data(
@@ -615,9 +614,9 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                     batches.append(
                         _PutBatch(task=task, puts=group, on_complete=on_complete_callback)
                     )
-                handled.update(indices)
+                    handled.update(id(put) for put in group)
         except Exception:
-            left = [put for i, put in enumerate(puts) if i not in handled]
+            left = [put for put in puts if id(put) not in handled]
             self._release(left, stored=False)
             logger.exception("UCM could not start writing %d LMCache chunk(s)", len(left))
         in_batches = {id(put) for batch in batches for put in batch.puts}
