@@ -8,6 +8,7 @@ posix."""
 
 from __future__ import annotations
 
+import os
 import uuid
 import warnings
 from collections.abc import Sequence
@@ -19,8 +20,6 @@ import pytest
 try:
     import lmcache  # noqa: F401
 except ImportError:
-    import os
-
     if os.environ.get("CI"):
         raise
     pytest.skip("lmcache is not installed", allow_module_level=True)
@@ -300,5 +299,48 @@ def test_a_mixed_batch_whose_one_tenant_fails_stores_the_other() -> None:
         assert lm.active_allocations(manager) == baseline
         assert [backend.contains(key) for key in keys] == [True, False, True, False]
         assert backend.store.namespaces() == {"t-ok": [2]}
+    finally:
+        manager.close()
+
+
+def test_vllms_request_reaches_the_plugin_as_its_tag_but_not_its_cache_salt() -> None:
+    """What LMCache's vLLM adapter hands the engine of a vLLM request (``extract_request_
+    configs_from_request``, used by ``vllm_v1_adapter``): the ``lmcache.*`` entries of its
+    ``kv_transfer_params``, so the tag names the chunk's namespace; vLLM's own ``cache_salt`` is
+    not among them."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("CI"):
+            pytest.fail("vllm is not installed, and CI must run the vLLM tests")
+        pytest.skip("vllm is not installed")
+    from lmcache.integration.vllm.utils import extract_request_configs_from_request
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    params = {"lmcache.tag.cache_salt": "t-a", "do_remote_prefill": False}
+    tagged = Request(
+        "r0",
+        list(range(32)),
+        SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params}),
+        None,
+        cache_salt="vllm-salt",
+    )
+    salted_only = Request(
+        "r1", list(range(32)), SamplingParams(max_tokens=1), None, cache_salt="vllm-salt"
+    )
+    configs = extract_request_configs_from_request(tagged)
+    assert configs == {"lmcache.tag.cache_salt": "t-a"}
+    assert extract_request_configs_from_request(salted_only) is None
+    stack = {
+        "unique_id": f"lmc-ns-{uuid.uuid4().hex[:12]}",
+        "tiers": [{"type": "buffer", "capacity": 8 * lm.CHUNK_BYTES}],
+    }
+    manager = lm.storage_manager(lm.config(stack, local_cpu=False), lm.metadata())
+    try:
+        backend = manager.storage_backends["ucm"]
+        key = CacheEngineKey(lm.MODEL, 1, 0, 90, lm.DTYPE, configs)
+        assert backend.namespace_of(key) == "t-a"
+        assert backend.namespace_of(CacheEngineKey(lm.MODEL, 1, 0, 90, lm.DTYPE)) == "default"
     finally:
         manager.close()
