@@ -638,6 +638,18 @@ class Store:
                 self._register_quota(namespace)
         return namespaces.scope(namespace, blocks)
 
+    def use_namespace(self, namespace: str) -> None:
+        """Makes ``namespace`` known to this store as a call naming it does at its first use:
+        its name resolves in stats and listings, its lower-tier keys go under its prefix, and
+        the buffer's node-wide namespace table holds it with its quota (its own, else
+        ``quotas.others``), so that its slots, hits, misses and evictions are its own. For an
+        engine whose ids arrive scoped already (vLLM's scheduler scopes each request's ids;
+        its workers announce each new namespace with this)."""
+        self._check_open()
+        name = namespaces.check_namespace(namespace)
+        if name not in self._quota_registered:
+            self._register_quota(name)
+
     def _register_quota(self, namespace: str) -> None:
         """Registers ``namespace`` in the buffer's namespace table once per store, with its
         CacheBuffer quota (its own, else ``quotas.others``; none without ``quotas:``), so that

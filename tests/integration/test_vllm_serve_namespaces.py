@@ -1,15 +1,17 @@
 """Tenants through vLLM's OpenAI server (issue 22, "Through `vllm serve`").
 
 One ``vllm serve`` with UcmConnector (a CacheBuffer over posix) and a stack whose ``quotas:``
-give tenant-a a guaranteed quarter of the buffer and cap tenant-b at half of it. Two clients
-send the same prompt with ``cache_salt`` tenant-a and tenant-b (vLLM's default mapping: the
-salt names the namespace). The second salt's first ask is not served by UCM (no cross hit);
-each salt's repeat is, from its own namespace; every answer is the same greedy tokens. UCM's
-Prometheus endpoint, served by the worker (``ucm_metrics_port``), shows each namespace's
-figures: its slots, bytes, guarantee, cap, hits, misses and evictions in the buffer, and its
-bytes on posix.
+give tenant-a a guaranteed quarter of the buffer, cap tenant-b at half of it and every other
+namespace at an eighth. Two clients send the same prompt with ``cache_salt`` tenant-a and
+tenant-b (vLLM's default mapping: the salt names the namespace). The second salt's first ask
+is not served by UCM (no cross hit); each salt's repeat is, from its own namespace; every
+answer is the same greedy tokens. UCM's Prometheus endpoint, served by the worker
+(``ucm_metrics_port``), shows each namespace's figures: its slots, bytes, guarantee, cap, hits,
+misses and evictions in the buffer, and its bytes on posix. A third salt, which the stack does
+not name, gets its own figures and the ``others`` cap too (the worker registers each namespace
+the scheduler announces).
 
-One server start (30-100 s on a busy two-core machine) and four short requests.
+One server start (30-100 s on a busy two-core machine) and five short requests.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ QUOTAS = {
     "namespaces": {
         "tenant-a": {"buffer": {"guarantee": "25%"}, "tiers": {"posix": "64MiB"}},
         "tenant-b": {"buffer": {"cap": "50%"}, "tiers": {"posix": "32MiB"}},
-    }
+    },
+    "others": {"buffer": {"cap": "12.5%"}},
 }
 SETTLE_S = 180.0
 """Bound on waiting for a request's blocks to be saved (the workers report saves a step or
@@ -131,6 +134,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             ask("b", "tenant-b")  # the same prompt, the other salt
             ask("a_again", "tenant-a")
             ask("b_again", "tenant-b")
+            ask("c", "tenant-c")  # a namespace the stack does not name
             # The loads' hits are counted when the worker's Gets finish: settled by now (the
             # answer needed them), read once more for the final figures.
             out["final"] = _namespaces(ucm_metrics)
@@ -156,6 +160,7 @@ def test_no_cross_hit_and_each_salt_served_again_from_its_own_namespace(
         FULL_BLOCKS * BLOCK,
         FULL_BLOCKS * BLOCK,
     ]
+    assert answers["c"]["cached_tokens"] == 0
     # Greedy: computed or loaded from UCM, the same tokens.
     assert all(answer["token_ids"] == tokens for answer in answers.values())
     # vLLM's connector counters agree: nothing served by UCM before the repeats.
@@ -173,7 +178,11 @@ def test_prometheus_shows_each_namespaces_figures(served: dict[str, Any]) -> Non
     final = served["final"]
     assert served["buffer"]["ucm_buffer_capacity_slots"] == SLOTS
     every_slot = SLOTS + served["buffer"]["ucm_buffer_reserved_slots"]  # no cap: all of them
-    for salt, guarantee, cap in (("tenant-a", SLOTS // 4, every_slot), ("tenant-b", 0, SLOTS // 2)):
+    for salt, guarantee, cap, hits in (
+        ("tenant-a", SLOTS // 4, every_slot, FULL_BLOCKS),  # hits: the repeat's loads
+        ("tenant-b", 0, SLOTS // 2, FULL_BLOCKS),
+        ("tenant-c", 0, SLOTS // 8, 0),  # `others`; asked once
+    ):
         figures = {
             name: values[(salt, "")] for name, values in final.items() if (salt, "") in values
         }
@@ -182,7 +191,7 @@ def test_prometheus_shows_each_namespaces_figures(served: dict[str, Any]) -> Non
             "ucm_buffer_namespace_occupancy_bytes": FULL_BLOCKS * TINY_BLOCK_BYTES,
             "ucm_buffer_namespace_guarantee_slots": guarantee,
             "ucm_buffer_namespace_cap_slots": cap,
-            "ucm_buffer_namespace_hits_total": FULL_BLOCKS,  # the repeat's loads
+            "ucm_buffer_namespace_hits_total": hits,
             "ucm_buffer_namespace_misses_total": FULL_BLOCKS,  # the first ask's saves
             "ucm_buffer_namespace_evictions_total": 0,
         }, salt
