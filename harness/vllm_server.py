@@ -230,24 +230,29 @@ class VllmServer:
             raise RuntimeError(f"POST {path}: HTTP {exc.code}: {detail}") from None
 
     def complete(
-        self, prompt: Sequence[int], *, max_tokens: int, timeout_s: float = 300.0
+        self,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int,
+        timeout_s: float = 300.0,
+        cache_salt: str | None = None,
     ) -> dict[str, Any]:
-        """A greedy ``/v1/completions`` of the token ids ``prompt`` (``ignore_eos``): the
-        output's ``token_ids``, its ``text`` and ``cached_tokens`` (the prompt tokens vLLM did
-        not compute: served from its prefix cache or a KV connector; needs the server's
+        """A greedy ``/v1/completions`` of the token ids ``prompt`` (``ignore_eos``), under
+        ``cache_salt`` when given (vLLM's per-request salt: a tenant key): the output's
+        ``token_ids``, its ``text`` and ``cached_tokens`` (the prompt tokens vLLM did not
+        compute: served from its prefix cache or a KV connector; needs the server's
         ``--enable-prompt-tokens-details``)."""
-        answer = self.post(
-            "/v1/completions",
-            {
-                "model": self.model,
-                "prompt": list(prompt),
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "return_token_ids": True,
-            },
-            timeout_s=timeout_s,
-        )
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        answer = self.post("/v1/completions", body, timeout_s=timeout_s)
         choice = answer["choices"][0]
         details = (answer.get("usage") or {}).get("prompt_tokens_details") or {}
         return {
@@ -260,18 +265,72 @@ class VllmServer:
     def metrics(self) -> dict[str, float]:
         """vLLM's Prometheus samples at ``/metrics``, summed over their labels (``_total``
         suffix dropped, ``_created`` samples left out)."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as response:
-            text = response.read().decode()
         values: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name.endswith("_created"):
-                    continue
-                name = sample.name.removesuffix("_total")
-                values[name] = values.get(name, 0.0) + float(sample.value)
+        for name, _labels, value in scrape(f"{self.url}/metrics"):
+            name = name.removesuffix("_total")
+            values[name] = values.get(name, 0.0) + value
         return values
+
+
+def scrape(url: str, timeout_s: float = 30.0) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of the Prometheus endpoint at ``url`` as (name, labels, value), parsed with
+    prometheus_client's parser (``_created`` samples left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        text = response.read().decode()
+    return [
+        (sample.name, dict(sample.labels), float(sample.value))
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if not sample.name.endswith("_created")
+    ]
+
+
+TINY_BLOCK_TOKENS = 128
+"""vLLM's block size on CPU (tokens)."""
+TINY_BLOCK_BYTES = 2 * 2 * TINY_BLOCK_TOKENS * 2 * 32 * 4
+"""One vLLM block of ``write_tiny_llama``'s model, all layers: 2 layers x [2 kv heads, 128,
+2 x 32] float32 (131,072 bytes, the UCM shard at TP=1)."""
+
+
+def server_args(kv_blocks: int, max_model_len: int = 2048) -> list[str]:
+    """``vllm serve`` arguments for ``write_tiny_llama``'s model in UCM's tests: float32, eager,
+    seeded, vLLM's own prefix cache off (a cached token can only come from the connector),
+    a KV cache of ``kv_blocks`` blocks (``--kv-cache-memory-bytes``:
+    ``VLLM_CPU_KVCACHE_SPACE`` is whole GiB), and ``usage.prompt_tokens_details``."""
+    return [
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        "--seed",
+        "0",
+        "--no-enable-prefix-caching",
+        "--kv-cache-memory-bytes",
+        str(kv_blocks * TINY_BLOCK_BYTES),
+        "--enable-prompt-tokens-details",
+    ]
+
+
+def ucm_transfer_args(stack_path: str | os.PathLike[str], **extra: Any) -> list[str]:
+    """``--kv-transfer-config`` for UcmConnector with the stack file ``stack_path`` and more
+    ``kv_connector_extra_config`` keys (``ucm_metrics_port=...``)."""
+    transfer = {
+        "kv_connector": "UcmConnector",
+        "kv_connector_module_path": "ucm.integration.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"ucm_stack": str(stack_path), **extra},
+    }
+    return ["--kv-transfer-config", json.dumps(transfer)]
+
+
+def server_env() -> dict[str, str | None]:
+    """The environment of a test server: its OpenMP threads bound (``cpu_bind``), and no
+    ``VLLM_CPU_KVCACHE_SPACE`` (it would override ``--kv-cache-memory-bytes``)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpu_bind(), "VLLM_CPU_KVCACHE_SPACE": None}
 
 
 def bench_serve(
@@ -333,10 +392,16 @@ def bench_serve(
 
 __all__ = [
     "LAUNCHER",
+    "TINY_BLOCK_BYTES",
+    "TINY_BLOCK_TOKENS",
     "VllmServer",
     "bench_serve",
     "cpu_bind",
     "free_port",
     "launcher_command",
+    "scrape",
+    "server_args",
+    "server_env",
+    "ucm_transfer_args",
     "write_word_tokenizer",
 ]

@@ -212,3 +212,40 @@ def test_two_tiers_with_one_label_are_ambiguous() -> None:
         "quotas.namespaces.a.tiers.posix: 2 tiers are labelled 'posix'; give them distinct "
         "`name`s (got 'posix')"
     ]
+
+
+MOONCAKE_REFUSED = (
+    "the mooncake tier 'pool' takes no per-namespace byte quota: Mooncake Store lists no keys "
+    "and records no ages (its client API has no listing; the master keeps no write time), so "
+    "the tier could neither measure a namespace's bytes nor drop its oldest blocks first; "
+    "give the quota to a posix or fsspec tier, or none"
+)
+
+
+@pytest.mark.parametrize(
+    ("quotas", "location", "value"),
+    [
+        ({"namespaces": {"a": {"tiers": {"pool": "1GiB"}}}}, "quotas.namespaces.a", 1 << 30),
+        ({"others": {"tiers": {"pool": 4096}}}, "quotas.others", 4096),
+    ],
+)
+def test_a_byte_quota_on_a_mooncake_tier_is_refused_not_ignored(
+    quotas: Any, location: str, value: int
+) -> None:
+    """Mooncake Store cannot enforce one (docs/namespaces.md): the stack refuses it with the
+    YAML path, instead of opening a tier that would silently ignore it."""
+    base = BASE | {
+        "tiers": [
+            {
+                "type": "mooncake",
+                "name": "pool",
+                "master_server_address": "127.0.0.1:50051",
+                "local_hostname": "127.0.0.1",
+            },
+            {"type": "posix", "path": "/tmp/ucm-quotas"},
+        ],
+    }
+    assert problems_of(quotas, base) == [f"{location}.tiers.pool: {MOONCAKE_REFUSED} (got {value})"]
+    # The posix tier below still takes one.
+    posix = {"namespaces": {"a": {"tiers": {"posix": "1GiB"}}}}
+    assert parse_stack(base | {"quotas": posix}).quotas is not None

@@ -301,7 +301,8 @@ def stats(
         typer.Option(
             "--by-namespace",
             help="Also show each namespace's slots, bytes, guarantee, cap, hits, misses and "
-            "evictions (node-wide; --json always has them).",
+            "evictions (node-wide), and its bytes and evictions on each lower tier (--json "
+            "always has them).",
         ),
     ] = False,
 ) -> None:
@@ -437,7 +438,9 @@ def _stats_loop(
                 if taken and not watch:
                     taken += 1
                     continue
-                shot = snapshot(store)
+                # The first reading waits (bounded) for the lower tiers' first per-namespace
+                # scans; later ones show what the tiers know, like a scrape.
+                shot = snapshot(store, scan_wait_s=0.0 if taken else FIRST_SCAN_WAIT_S)
                 taken += 1
                 if json_out:
                     text = json.dumps(shot.to_json(), indent=None if watch else 2)
@@ -450,6 +453,10 @@ def _stats_loop(
                 previous = shot
         except KeyboardInterrupt:
             pass
+
+
+FIRST_SCAN_WAIT_S = 30.0
+"""How long ``ucm stats`` waits for the lower tiers' first per-namespace scans."""
 
 
 def stats_view(
@@ -540,7 +547,44 @@ NAMESPACE_COLUMNS = (
 
 
 def namespace_view(shot: Snapshot) -> RenderableType:
-    """Each namespace's CacheBuffer figures (node-wide), the most slots first."""
+    """Each namespace's CacheBuffer figures (node-wide), the most slots first, then each
+    namespace's bytes and evictions on the lower tiers."""
+    buffer = _buffer_namespace_view(shot)
+    if not shot.namespace_tiers:
+        return buffer
+    return Group(buffer, tier_namespace_view(shot))
+
+
+def tier_namespace_view(shot: Snapshot) -> RenderableType:
+    """Each namespace's bytes on each lower tier ("-": the tier cannot tell, or has not
+    finished its first scan) and this process's evictions of its shards there, the most
+    bytes first."""
+    table = Table(
+        title="namespaces in the lower tiers (bytes: as of each tier's last scan; evictions: "
+        "this process's)"
+    )
+    table.add_column("namespace")
+    for label in shot.namespace_tiers:
+        table.add_column(f"{escape(label)} bytes", justify="right")
+        table.add_column(f"{escape(label)} evictions", justify="right")
+    # Every namespace the buffer or a tier knows: a tier that cannot tell shows "-" for each.
+    totals: dict[str, int] = dict.fromkeys(shot.namespaces, 0)
+    for per_namespace in shot.namespace_tiers.values():
+        for name, figures in (per_namespace or {}).items():
+            totals[name] = totals.get(name, 0) + figures["bytes"]
+    for name in sorted(totals, key=lambda name: (-totals[name], name)):
+        cells = []
+        for per_namespace in shot.namespace_tiers.values():
+            if per_namespace is None:
+                cells += ["-", "-"]
+            else:
+                figures = per_namespace.get(name, {"bytes": 0, "evictions": 0})
+                cells += [str(figures["bytes"]), str(figures["evictions"])]
+        table.add_row(escape(name), *cells)
+    return table
+
+
+def _buffer_namespace_view(shot: Snapshot) -> RenderableType:
     if not shot.namespaces:
         return Text("No namespace figures: this stack has no buffer tier.")
     table = Table(title="namespaces in the CacheBuffer (node-wide, since creation)")

@@ -10,7 +10,7 @@ loading, the JSON Schema) is ``ucm.stack``, above the plugins, whose tier types 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -42,6 +42,11 @@ class TierConfig(BaseModel):
     name: str | None = Field(
         default=None, description="Label used in stats and errors (defaults to the type)."
     )
+
+    namespace_bytes_refused: ClassVar[str | None] = None
+    """Why this tier type takes no per-namespace byte quota (``quotas.namespaces.<name>.tiers``,
+    ``quotas.others.tiers``): the stack refuses one with this reason instead of opening a tier
+    that would ignore it. None: the tier takes one (``ucm.tier.NAMESPACE_BYTES_OPTION``)."""
 
     @property
     def label(self) -> str:

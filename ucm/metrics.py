@@ -118,6 +118,11 @@ class Snapshot:
     namespaces: dict[str, dict[str, int]] = field(default_factory=dict)
     """Node-wide, per namespace: CacheBuffer slots and bytes held, guarantee and cap, Get
     hits, misses and evictions (``Store.stats()["namespaces"]``); empty without a buffer."""
+    namespace_tiers: dict[str, dict[str, dict[str, int]] | None] = field(default_factory=dict)
+    """Per lower tier (by label), each namespace's bytes there and this process's evictions
+    of its shards there (``Store.stats()["namespace_tiers"]``); None where the tier cannot tell
+    (Mooncake) or has not finished its first scan. The bytes are the tier's whole content as
+    of its last scan (every process's), moved by this process's writes since."""
 
     @property
     def hit_rate(self) -> float | None:
@@ -137,11 +142,16 @@ class Snapshot:
         return data
 
 
-def snapshot(store: Store) -> Snapshot:
-    """Reads every counter of ``store`` now (works on a scheduler: nothing reads shard data)."""
+def snapshot(store: Store, scan_wait_s: float = 0.0) -> Snapshot:
+    """Reads every counter of ``store`` now (works on a scheduler: nothing reads shard data).
+    ``scan_wait_s``: how long to wait for the lower tiers' per-namespace scans under way (a
+    one-shot ``ucm stats``); 0 reads what they know now (a scrape never waits)."""
+    if scan_wait_s > 0:
+        store.namespace_tier_stats(scan_wait_s)
     stats = store.stats()
     tier_stats: list[dict[str, Any]] = stats.pop("tiers")
     namespace_stats: dict[str, dict[str, int]] = stats.pop("namespaces")
+    namespace_tiers: dict[str, dict[str, dict[str, int]] | None] = stats.pop("namespace_tiers")
     buffer_counters: dict[str, int] | None = None
     occupancy: Occupancy | None = None
     attached_pids: list[int] | None = None
@@ -165,6 +175,7 @@ def snapshot(store: Store) -> Snapshot:
         process=stats,
         tiers=tier_stats,
         namespaces=namespace_stats,
+        namespace_tiers=namespace_tiers,
     )
 
 
@@ -177,8 +188,9 @@ def _attached_pids(core: BufferCore) -> list[int]:
 
 NAMESPACE_LABELS_MAX = 16
 """Most namespaces with a ``namespace`` label value of their own in Prometheus: those holding
-the most slots (ties by name); every other namespace is summed under :data:`OTHER_NAMESPACES`,
-so the label's cardinality stays at most 17 per ``unique_id``."""
+the most CacheBuffer slots, then the most bytes on the lower tiers (ties by name), the same
+ones in the buffer's and the tiers' metrics; every other namespace is summed under
+:data:`OTHER_NAMESPACES`, so the label's cardinality stays at most 17 per ``unique_id``."""
 OTHER_NAMESPACES = "_other"
 """The ``namespace`` label value of the namespaces beyond :data:`NAMESPACE_LABELS_MAX` (not a
 valid namespace name, so it never collides with one)."""
@@ -193,18 +205,46 @@ _NAMESPACE_FIGURES = (
 )
 
 
-def namespace_labels(namespaces: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    """``namespaces`` with at most :data:`NAMESPACE_LABELS_MAX` of their own (the most slots
-    held first) and the rest summed under :data:`OTHER_NAMESPACES`."""
-    ranked = sorted(namespaces, key=lambda name: (-namespaces[name]["occupancy_slots"], name))
-    kept = {name: dict(namespaces[name]) for name in ranked[:NAMESPACE_LABELS_MAX]}
-    rest = ranked[NAMESPACE_LABELS_MAX:]
+_TIER_NAMESPACE_FIGURES = (
+    ("bytes", "gauge", "Bytes the namespace holds on the tier"),
+    ("evictions", "counter", "The namespace's shards this process evicted from the tier"),
+)
+
+
+def labelled_namespaces(
+    namespaces: dict[str, dict[str, int]],
+    namespace_tiers: dict[str, dict[str, dict[str, int]] | None] | None = None,
+) -> set[str]:
+    """The namespaces that keep a ``namespace`` label value of their own: at most
+    :data:`NAMESPACE_LABELS_MAX`, those holding the most CacheBuffer slots, then the most
+    bytes on the lower tiers, ties by name."""
+    slots = {name: figures["occupancy_slots"] for name, figures in namespaces.items()}
+    tier_bytes: dict[str, int] = {}
+    for per_namespace in (namespace_tiers or {}).values():
+        for name, figures in (per_namespace or {}).items():
+            tier_bytes[name] = tier_bytes.get(name, 0) + figures["bytes"]
+    ranked = sorted(
+        set(slots) | set(tier_bytes),
+        key=lambda name: (-slots.get(name, 0), -tier_bytes.get(name, 0), name),
+    )
+    return set(ranked[:NAMESPACE_LABELS_MAX])
+
+
+def namespace_labels(
+    namespaces: dict[str, dict[str, int]], kept: set[str] | None = None
+) -> dict[str, dict[str, int]]:
+    """``namespaces`` (a namespace's figures by name) with the ``kept`` ones on their own
+    (default: :func:`labelled_namespaces` of these alone) and the rest summed under
+    :data:`OTHER_NAMESPACES` (absent when nothing is left over)."""
+    if kept is None:
+        kept = labelled_namespaces(namespaces)
+    grouped = {name: dict(figures) for name, figures in namespaces.items() if name in kept}
+    rest = [figures for name, figures in namespaces.items() if name not in kept]
     if rest:
-        kept[OTHER_NAMESPACES] = {
-            figure: sum(namespaces[name][figure] for name in rest)
-            for figure, _, _ in _NAMESPACE_FIGURES
+        grouped[OTHER_NAMESPACES] = {
+            figure: sum(figures[figure] for figures in rest) for figure in rest[0]
         }
-    return kept
+    return grouped
 
 
 _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
@@ -294,8 +334,9 @@ class StoreCollector:
             )
             ratio.add_metric(uid_value, shot.hit_rate)
             yield ratio
+        kept = labelled_namespaces(shot.namespaces, shot.namespace_tiers)
         if shot.namespaces:
-            grouped = namespace_labels(shot.namespaces)
+            grouped = namespace_labels(shot.namespaces, kept)
             for figure, figure_kind, help_text in _NAMESPACE_FIGURES:
                 family_type = GaugeMetricFamily if figure_kind == "gauge" else CounterMetricFamily
                 by_namespace = family_type(
@@ -339,6 +380,7 @@ class StoreCollector:
                     )
                 families[metric].add_metric(tier_labels, float(value))
         yield from families.values()
+        yield from self._tier_namespaces(shot, labels, label_values, kept)
         states = GaugeMetricFamily(
             "ucm_tier_breaker_state",
             "A lower tier's circuit breaker: 1 for its current state (closed, open, half_open).",
@@ -352,6 +394,37 @@ class StoreCollector:
             for state in BREAKER_STATES:
                 states.add_metric([*tier_labels, state], 1.0 if state == current else 0.0)
         yield states
+
+    @staticmethod
+    def _tier_namespaces(
+        shot: Snapshot, labels: list[str], label_values: list[str], kept: set[str]
+    ) -> Iterator[Metric]:
+        """``ucm_tier_namespace_*``: each lower tier's bytes and evictions per namespace,
+        grouped like the buffer's; a tier that cannot tell (None) has no series (unknown, not
+        zero)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        positions = {str(tier.get("name")): position for position, tier in enumerate(shot.tiers)}
+        for figure, figure_kind, help_text in _TIER_NAMESPACE_FIGURES:
+            family_type = GaugeMetricFamily if figure_kind == "gauge" else CounterMetricFamily
+            family = family_type(
+                f"ucm_tier_namespace_{figure}",
+                f"{help_text} (bytes: the tier's content as of its last scan, moved by this "
+                "process's writes since; evictions: this process's).",
+                labels=[*labels, "tier", "type", "namespace"],
+            )
+            for label, per_namespace in shot.namespace_tiers.items():
+                position = positions.get(label)
+                if per_namespace is None or position is None:
+                    continue
+                tier_values = [
+                    *label_values,
+                    str(position),
+                    str(shot.tiers[position].get("type", "")),
+                ]
+                for name, figures in namespace_labels(per_namespace, kept).items():
+                    family.add_metric([*tier_values, name], figures[figure])
+            yield family
 
 
 def registry_for(store: Store) -> CollectorRegistry:

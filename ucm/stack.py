@@ -227,6 +227,13 @@ class StackConfig(BaseModel):
                     label,
                 )
             tier = next(tier for tier in self.tiers if tier.label == label)
+            refused = type(tier).namespace_bytes_refused
+            if refused is not None:
+                raise _located(
+                    where,
+                    f"the {tier.type} tier {label!r} takes no per-namespace byte quota: {refused}",
+                    tiers[label],
+                )
             tier_capacity = getattr(tier, "capacity", None)
             if isinstance(tier_capacity, int) and tiers[label] > tier_capacity:
                 raise _located(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from array import array
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -498,7 +499,9 @@ class Store:
     def stats(self) -> dict[str, Any]:
         """Store counters plus each tier's own counters under ``tiers`` and, under
         ``namespaces``, each namespace's node-wide CacheBuffer figures (slots and bytes held,
-        guarantee and cap, Get hits, misses, evictions; see ``BufferTier.namespace_stats``)."""
+        guarantee and cap, Get hits, misses, evictions; see ``BufferTier.namespace_stats``),
+        and under ``namespace_tiers`` each lower tier's bytes and evictions per namespace
+        (:meth:`namespace_tier_stats`)."""
         with self._counters_lock:
             counters: dict[str, Any] = dict(self._counters)
         # The load engine's counters: the queue owns these names (the store never counts them).
@@ -531,7 +534,24 @@ class Store:
         counters["namespaces"] = (
             self._buffer.namespace_stats() if self._buffer is not None and not self._closed else {}
         )
+        counters["namespace_tiers"] = self.namespace_tier_stats()
         return counters
+
+    def namespace_tier_stats(
+        self, wait_s: float = 0.0
+    ) -> dict[str, dict[str, dict[str, int]] | None]:
+        """Per lower tier (by label, top first), each namespace's bytes there and this
+        process's evictions of its shards there: ``{label: {namespace: {"bytes": ...,
+        "evictions": ...}}}``, ``None`` for a tier that cannot tell (Mooncake Store lists no
+        keys) or has not finished its first scan (see ``Tier.namespace_figures``: posix and
+        fsspec scan in the background, at most once a minute, when stats are read). Waits at
+        most ``wait_s`` for a scan under way."""
+        deadline = time.monotonic() + wait_s
+        return {
+            tier.label: tier.namespace_figures(max(0.0, deadline - time.monotonic()))
+            for tier in self.tiers
+            if tier is not self._buffer
+        }
 
     def close(self) -> None:
         """Finishes pending tasks and write-through work, then closes every tier."""
@@ -617,6 +637,18 @@ class Store:
             if namespace not in self._quota_registered:
                 self._register_quota(namespace)
         return namespaces.scope(namespace, blocks)
+
+    def use_namespace(self, namespace: str) -> None:
+        """Makes ``namespace`` known to this store as a call naming it does at its first use:
+        its name resolves in stats and listings, its lower-tier keys go under its prefix, and
+        the buffer's node-wide namespace table holds it with its quota (its own, else
+        ``quotas.others``), so that its slots, hits, misses and evictions are its own. For an
+        engine whose ids arrive scoped already (vLLM's scheduler scopes each request's ids;
+        its workers announce each new namespace with this)."""
+        self._check_open()
+        name = namespaces.check_namespace(namespace)
+        if name not in self._quota_registered:
+            self._register_quota(name)
 
     def _register_quota(self, namespace: str) -> None:
         """Registers ``namespace`` in the buffer's namespace table once per store, with its

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -52,28 +53,49 @@ class NamespaceBytes:
         return self.named.get(namespace, self.others)
 
 
-class NamespaceUsage:
-    """One tier's estimate of each namespace's bytes under its :class:`NamespaceBytes` quotas:
-    exact after a scan (:meth:`rescanned`), grown by this process's dumps (:meth:`add`),
-    shrunk by its evictions (:meth:`remove`). Thread-safe."""
+NAMESPACE_SCAN_INTERVAL_S = 60.0
+"""Least seconds between two scans that refresh a tier's per-namespace bytes for stats and
+metrics (:meth:`NamespaceUsage.refresh`): reading stats starts one, in the background, when the
+last is older than this."""
 
-    def __init__(self, quotas: NamespaceBytes) -> None:
+
+class NamespaceUsage:
+    """One tier's estimate of each namespace's bytes, under its :class:`NamespaceBytes` quotas
+    (None: no quota, the estimate serves stats only): exact after a scan (:meth:`rescanned`),
+    grown by this process's dumps (:meth:`add`), shrunk by its removals and evictions
+    (:meth:`remove`, which also counts this process's evictions per namespace). Unknown
+    (:meth:`figures` is None) until the first scan. Thread-safe."""
+
+    def __init__(
+        self,
+        quotas: NamespaceBytes | None = None,
+        scan_interval_s: float = NAMESPACE_SCAN_INTERVAL_S,
+    ) -> None:
         self.quotas = quotas
+        self.scan_interval_s = scan_interval_s
         self._lock = threading.Lock()
         self._usage: dict[str, int] = {}
         self._written: dict[str, int] = {}
         """Bytes this process stored per namespace since the last scan."""
+        self._evictions: Counter[str] = Counter()
+        self._scanned_at: float | None = None
+        """``time.monotonic()`` of the last scan; None before the first."""
+        self._tried_at: float | None = None
+        """``time.monotonic()`` of the last scan started or done (failed ones too)."""
+        self._scanner: threading.Thread | None = None
 
     def add(self, namespace: str, nbytes: int) -> bool:
         """Adds bytes a dump of this process stored; whether the namespace is now over its
         quota here, or stored an eighth of it since the last scan (other processes' writes are
         then seen by the scan this asks for)."""
-        limit = self.quotas.limit(namespace)
-        if limit is None or nbytes == 0:
+        if nbytes == 0:
             return False
         with self._lock:
-            usage = self._usage[namespace] = self._usage.get(namespace, 0) + nbytes
+            usage = self._usage[namespace] = max(0, self._usage.get(namespace, 0) + nbytes)
             since = self._written[namespace] = self._written.get(namespace, 0) + nbytes
+        limit = self.quotas.limit(namespace) if self.quotas is not None else None
+        if limit is None:
+            return False
         return usage > limit or since > max(limit // 8, 1)
 
     def rescanned(self, usage: dict[str, int]) -> dict[str, int]:
@@ -82,17 +104,59 @@ class NamespaceUsage:
         with self._lock:
             self._usage = dict(usage)
             self._written = {}
+            self._scanned_at = self._tried_at = time.monotonic()
         excess = {}
         for namespace, used in usage.items():
-            limit = self.quotas.limit(namespace)
+            limit = self.quotas.limit(namespace) if self.quotas is not None else None
             if limit is not None and used > limit:
                 excess[namespace] = used - limit
         return excess
 
-    def remove(self, namespace: str, nbytes: int) -> None:
-        """Takes bytes this process evicted off the estimate."""
+    def remove(self, namespace: str, nbytes: int, evicted: int = 0) -> None:
+        """Takes bytes this process removed off the estimate; ``evicted``: how many of the
+        shards went by eviction (capacity or quota)."""
         with self._lock:
             self._usage[namespace] = max(0, self._usage.get(namespace, 0) - nbytes)
+            if evicted:
+                self._evictions[namespace] += evicted
+
+    def figures(self) -> dict[str, dict[str, int]] | None:
+        """``{namespace: {"bytes": estimate, "evictions": this process's}}`` for every
+        namespace holding bytes or evicted here; None before the first scan (unknown)."""
+        with self._lock:
+            if self._scanned_at is None:
+                return None
+            names = {name for name, used in self._usage.items() if used} | set(self._evictions)
+            return {
+                name: {"bytes": self._usage.get(name, 0), "evictions": self._evictions[name]}
+                for name in sorted(names)
+            }
+
+    def refresh(self, scan: Callable[[], dict[str, int]], wait_s: float = 0.0) -> None:
+        """Starts ``scan`` (bytes per namespace) on a daemon thread when the last scan is
+        older than ``scan_interval_s`` (or there was none) and no scan is running; then waits
+        at most ``wait_s`` for a running one. Reading stats never blocks on storage otherwise:
+        a scan of a large tier takes as long as listing it, at most one at a time, at most
+        one per interval."""
+        with self._lock:
+            running = self._scanner
+            now = time.monotonic()
+            due = self._tried_at is None or now - self._tried_at >= self.scan_interval_s
+            if (running is None or not running.is_alive()) and due:
+                self._tried_at = now
+                running = self._scanner = threading.Thread(
+                    target=self._scan, args=(scan,), name="ucm-namespace-scan", daemon=True
+                )
+                running.start()
+        if running is not None and wait_s > 0:
+            running.join(wait_s)
+
+    def _scan(self, scan: Callable[[], dict[str, int]]) -> None:
+        try:
+            usage = scan()
+        except Exception:  # an unreachable tier: the figures stay as they were, and the
+            return  # next try waits for the interval
+        self.rescanned(usage)
 
 
 HOST_MEMORY_OPTION = "host_memory"
@@ -267,6 +331,15 @@ class Tier(abc.ABC):
         whose store cannot list its keys (then ``purge`` removes by prefix)."""
         usage: Counter[str] = Counter(self.namespace_of(key[0]) for key in self.list_keys())
         return dict(usage)
+
+    def namespace_figures(self, wait_s: float = 0.0) -> dict[str, dict[str, int]] | None:
+        """Per namespace, the bytes this tier holds (an estimate: exact after its last scan,
+        moved by this process's dumps, removals and evictions since) and this process's
+        evictions here: ``{namespace: {"bytes": ..., "evictions": ...}}``, for
+        ``store.stats()["namespace_tiers"]`` and metrics. None where unknown: a tier that
+        cannot list its keys cheaply (Mooncake, and any tier not overriding this), or before
+        its first scan. Must not block on storage beyond ``wait_s``."""
+        return None
 
     def purge(self, namespace: str) -> int:
         """Removes every shard of ``namespace`` (pinned ones too), batched like

@@ -201,13 +201,16 @@ class FsspecTier(Tier):
         self._usage = 0
         self._written_since_scan = 0
         self._closed = False
-        if config.capacity is not None:
-            self._usage = sum(size for _t, size, _b, _p in self._scan())
-        # Namespace byte quotas (the stack's `quotas:` for this tier): this process's estimate
-        # of each namespace's stored bytes here, exact after every scan.
+        # Each namespace's stored bytes here (this process's estimate, exact after every
+        # scan): what namespace byte quotas (the stack's `quotas:` for this tier) are enforced
+        # against, and what stats report per namespace.
         quotas: NamespaceBytes | None = context.options.get(NAMESPACE_BYTES_OPTION)
-        self._namespace_usage = NamespaceUsage(quotas) if quotas is not None else None
-        if self._namespace_usage is not None:
+        self._namespace_usage = NamespaceUsage(quotas)
+        if config.capacity is not None:
+            entries = self._scan()
+            self._usage = sum(size for _t, size, _b, _p in entries)
+            self._namespace_usage.rescanned(_by_namespace(entries))
+        if quotas is not None:
             self.evict_namespace_quotas()
 
     # --------------------------------------------------------------------------------- paths
@@ -385,13 +388,12 @@ class FsspecTier(Tier):
         if over:
             self.evict_to_capacity()
         usage = self._namespace_usage
-        if usage is not None:
-            over = False
-            for (block_id, _shard), (outcome, stored) in zip(keys, results, strict=True):
-                if outcome is None:
-                    over = usage.add(namespaces.namespace_of(block_id), stored) or over
-            if over:
-                self.evict_namespace_quotas()
+        over = False
+        for (block_id, _shard), (outcome, stored) in zip(keys, results, strict=True):
+            if outcome is None:
+                over = usage.add(namespaces.namespace_of(block_id), stored) or over
+        if over:
+            self.evict_namespace_quotas()
         return outcomes
 
     def _dump_one(self, item: tuple[Key, ShardViews]) -> tuple[Outcome, int]:
@@ -454,7 +456,7 @@ class FsspecTier(Tier):
                     if force or not self.pins.is_pinned((block_id, shard)):
                         wanted.setdefault(block_id, set()).add(shard)
                 try:
-                    removed += self._remove_listed(wanted) if bulk else self._remove_each(wanted)
+                    per_block = self._remove_listed(wanted) if bulk else self._remove_each(wanted)
                 except TierError:
                     raise
                 except Exception as exc:
@@ -462,9 +464,17 @@ class FsspecTier(Tier):
                         f"fsspec tier {self.label!r} ({self.cfg.url}): batched_remove: "
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
+                for block_id, count in per_block.items():
+                    removed += count
+                    # Each shard's object: its envelope and the shard (exact without a codec;
+                    # the next scan corrects what a codec saved).
+                    self._namespace_usage.remove(
+                        namespaces.namespace_of(block_id), count * (HEADER_BYTES + self.shard_size)
+                    )
         return removed
 
-    def _remove_listed(self, wanted: dict[bytes, set[int]]) -> int:
+    def _remove_listed(self, wanted: dict[bytes, set[int]]) -> dict[bytes, int]:
+        """Removes the wanted shards; the shards removed per block."""
         blocks = list(wanted)
         try:
             listings = self._map(self._listing, blocks)
@@ -474,21 +484,24 @@ class FsspecTier(Tier):
                 f"blocks: {type(exc).__name__}: {exc}"
             ) from exc
         paths: list[str] = []
-        removed = 0
+        removed: dict[bytes, int] = {}
         for block_id, (present, has_marker) in zip(blocks, listings, strict=True):
             gone = wanted[block_id] & present
             paths += [self.object_path((block_id, s)) for s in sorted(gone)]
-            removed += len(gone)
+            removed[block_id] = len(gone)
             if gone == present and has_marker:  # nothing left: the marker goes too
                 paths.append(f"{self.block_dir(block_id)}/{TOUCH_MARKER}")
         if paths:
             self._rm(paths)
         return removed
 
-    def _remove_each(self, wanted: dict[bytes, set[int]]) -> int:
-        removed = 0
+    def _remove_each(self, wanted: dict[bytes, set[int]]) -> dict[bytes, int]:
+        """Removes the wanted shards; the shards removed per block."""
+        removed: dict[bytes, int] = {}
         for block_id, shards in wanted.items():
-            removed += sum(self._rm_one(self.object_path((block_id, s))) for s in sorted(shards))
+            removed[block_id] = sum(
+                self._rm_one(self.object_path((block_id, s))) for s in sorted(shards)
+            )
             if len(shards) == self.layout.shards_per_block or not self._listing(block_id)[0]:
                 self._rm_one(f"{self.block_dir(block_id)}/{TOUCH_MARKER}")  # nothing left
         return removed
@@ -556,6 +569,8 @@ class FsspecTier(Tier):
         with self._stats_lock:
             self._usage = total
             self._written_since_scan = 0
+        if self._namespace_usage.quotas is None:  # else their passes rescan
+            self._namespace_usage.rescanned(_by_namespace(entries))
         if total <= capacity:
             return 0
         self._bump(eviction_passes=1)
@@ -583,21 +598,16 @@ class FsspecTier(Tier):
         """One pass over the namespace byte quotas (a no-op without any): each namespace over
         its bytes here loses its oldest blocks first, down to them. Returns shards evicted."""
         estimate = self._namespace_usage
-        if estimate is None:
+        if estimate.quotas is None:
             return 0
         entries = self._scan()
         by_namespace: dict[str, list[tuple[float, int, bytes, list[str]]]] = {}
         for entry in entries:
             by_namespace.setdefault(namespaces.namespace_of(entry[2]), []).append(entry)
-        excess = estimate.rescanned(
-            {name: sum(e[1] for e in group) for name, group in by_namespace.items()}
-        )
+        excess = estimate.rescanned(_by_namespace(entries))
         victims: list[tuple[bytes, list[int]]] = []
         for name, over in excess.items():
             victims += self._oldest(by_namespace[name], over)
-        sizes = {entry[2]: entry[1] for entry in entries}
-        for block_id, _shards in victims:
-            estimate.remove(namespaces.namespace_of(block_id), sizes[block_id])
         if not victims:
             return 0
         self._bump(namespace_eviction_passes=1)
@@ -631,11 +641,30 @@ class FsspecTier(Tier):
             keep = {keys[i] for i, o in zip(readable, outcomes, strict=True) if o is not None}
             self._bump(evict_sink_failures=len(keep))
         drop = [key for key in keys if key not in keep]
-        evicted = self.batched_remove(drop)
+        # By namespace, so that each one's evictions count (its bytes come off the estimate
+        # in batched_remove).
+        by_namespace: dict[str, list[Key]] = {}
+        for key in drop:
+            by_namespace.setdefault(namespaces.namespace_of(key[0]), []).append(key)
+        evicted = 0
+        for name, group in by_namespace.items():
+            dropped = self.batched_remove(group)
+            self._namespace_usage.remove(name, 0, dropped)
+            evicted += dropped
         self._bump(evictions=evicted)
         return evicted
 
     # ---------------------------------------------------------------------------- stats, close
+
+    def namespace_figures(self, wait_s: float = 0.0) -> dict[str, dict[str, int]] | None:
+        """Each namespace's stored bytes here (its objects' sizes) and this process's evictions
+        of its shards. The bytes are exact after a listing of the tree (at open with
+        ``capacity`` or quotas, at every eviction pass, and in the background when stats are
+        read and the last listing is older than ``NamespaceUsage.scan_interval_s``), moved by
+        this process's writes and removals since; unknown (None) until the first listing."""
+        if not self._closed:
+            self._namespace_usage.refresh(lambda: _by_namespace(self._scan()), wait_s)
+        return self._namespace_usage.figures()
 
     def stats(self) -> dict[str, int | float]:
         with self._stats_lock:
@@ -649,6 +678,15 @@ class FsspecTier(Tier):
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+
+
+def _by_namespace(entries: list[tuple[float, int, bytes, list[str]]]) -> dict[str, int]:
+    """Stored bytes per namespace of scanned blocks."""
+    usage: dict[str, int] = {}
+    for _when, size, block_id, _paths in entries:
+        name = namespaces.namespace_of(block_id)
+        usage[name] = usage.get(name, 0) + size
+    return usage
 
 
 @ucm.hookimpl

@@ -65,7 +65,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, PositiveFloat, ValidationInfo, field_validator
 
@@ -77,6 +77,7 @@ from ucm.layout import Key
 from ucm.native.pybuffer import buffer_address
 from ucm.tier import (
     HOST_MEMORY_OPTION,
+    NAMESPACE_BYTES_OPTION,
     REMOVE_CHUNK_KEYS,
     Outcome,
     ShardViews,
@@ -216,6 +217,12 @@ class MooncakeConfig(LowerTierConfig):
         default=2.0,
         description="After a call finds the master unreachable, calls fail at once (lookups "
         "answer absent) and the master is probed again at most this often.",
+    )
+
+    namespace_bytes_refused: ClassVar[str | None] = (
+        "Mooncake Store lists no keys and records no ages (its client API has no listing; the "
+        "master keeps no write time), so the tier could neither measure a namespace's bytes nor "
+        "drop its oldest blocks first; give the quota to a posix or fsspec tier, or none"
     )
 
     @field_validator("master_server_address")
@@ -504,6 +511,13 @@ class MooncakeTier(Tier):
         super().__init__(config, context)
         assert isinstance(config, MooncakeConfig)
         self.cfg: MooncakeConfig = config
+        if NAMESPACE_BYTES_OPTION in context.options:
+            # The stack refuses such a quota at parse time (StackConfig); a tier opened with
+            # one some other way must not ignore it either.
+            raise ConfigError(
+                f"tiers[{context.position}] (mooncake): takes no per-namespace byte quota: "
+                f"{MooncakeConfig.namespace_bytes_refused}"
+            )
         if context.evict_sink is not None:
             # The store feeds a write: back tier from the evictions of the tiers above it, down
             # to the first write: through one; the master evicts without handing anything down.

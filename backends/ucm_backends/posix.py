@@ -245,13 +245,16 @@ class PosixTier(Tier):
         self._written_since_scan = 0
         self._evict_lock = threading.Lock()
         self._made_dirs: set[str] = set()
-        if config.capacity is not None:
-            self._usage = self._scan()[0]
-        # Namespace byte quotas (the stack's `quotas:` for this tier): this process's estimate
-        # of each namespace's bytes here, exact after every scan.
+        # Each namespace's bytes here (this process's estimate, exact after every scan): what
+        # namespace byte quotas (the stack's `quotas:` for this tier) are enforced against, and
+        # what stats report per namespace.
         quotas: NamespaceBytes | None = context.options.get(NAMESPACE_BYTES_OPTION)
-        self._namespace_usage = NamespaceUsage(quotas) if quotas is not None else None
-        if self._namespace_usage is not None:
+        self._namespace_usage = NamespaceUsage(quotas)
+        if config.capacity is not None:
+            total, entries = self._scan()
+            self._usage = total
+            self._namespace_usage.rescanned(_by_namespace(entries))
+        if quotas is not None:
             self.evict_namespace_quotas()
 
     # ----------------------------------------------------------------- paths, locks, buffers
@@ -762,11 +765,16 @@ class PosixTier(Tier):
         assert len(keys) == len(sources), "one source per key"
         outcomes: list[Outcome] = [None] * len(keys)
         groups = self._group(keys)
+        over = [False]
+        """Whether a namespace went over its byte quota here (set by the I/O threads)."""
 
         def one(item: tuple[bytes, list[int]]) -> int:
             block_id, positions = item
             try:
-                return self._dump_block(block_id, positions, keys, sources)
+                grown = self._dump_block(block_id, positions, keys, sources)
+                if self._namespace_usage.add(namespaces.namespace_of(block_id), grown):
+                    over[0] = True
+                return grown
             except Exception as exc:
                 error = (
                     exc
@@ -786,20 +794,14 @@ class PosixTier(Tier):
             self._counts.bytes_written += written
             self._usage += grown
             self._written_since_scan += written
-            over = self.cfg.capacity is not None and (
+            over_capacity = self.cfg.capacity is not None and (
                 self._usage > self.cfg.capacity
                 or self._written_since_scan > max(self.cfg.capacity // 8, 1)
             )
-        if over:
+        if over_capacity:
             self.evict_to_capacity()
-        usage = self._namespace_usage
-        if usage is not None:
-            over = False
-            for block_id, positions in groups.items():
-                written = self.shard_size * sum(1 for p in positions if outcomes[p] is None)
-                over = usage.add(namespaces.namespace_of(block_id), written) or over
-            if over:
-                self.evict_namespace_quotas()
+        if over[0]:
+            self.evict_namespace_quotas()
         return outcomes
 
     def _dump_block(
@@ -1001,6 +1003,7 @@ class PosixTier(Tier):
             grown = self._rewrite_locked(block_id, footer, drop=set(shards))
             with self._stats_lock:
                 self._usage += grown
+            self._namespace_usage.remove(namespaces.namespace_of(block_id), -grown)
         return len(gone)
 
     # ---------------------------------------------------------------------------- eviction
@@ -1085,6 +1088,8 @@ class PosixTier(Tier):
             with self._stats_lock:
                 self._usage = total
                 self._written_since_scan = 0
+            if self._namespace_usage.quotas is None:  # else their passes rescan
+                self._namespace_usage.rescanned(_by_namespace(entries))
             if total <= capacity:
                 return 0
             self._bump("eviction_passes")
@@ -1121,26 +1126,21 @@ class PosixTier(Tier):
         """One pass over the namespace byte quotas (a no-op without any): each namespace over
         its bytes here loses its oldest blocks first, down to them. Returns shards evicted."""
         estimate = self._namespace_usage
-        if estimate is None:
+        if estimate.quotas is None:
             return 0
         with self._evict_lock:
             _total, entries = self._scan()
             by_namespace: dict[str, list[tuple[int, int, int, bytes]]] = {}
             for entry in entries:
                 by_namespace.setdefault(namespaces.namespace_of(entry[3]), []).append(entry)
-            excess = estimate.rescanned(
-                {name: sum(e[1] for e in group) for name, group in by_namespace.items()}
-            )
+            excess = estimate.rescanned(_by_namespace(entries))
             victims: list[tuple[int, int, int, bytes]] = []
             for name, over in excess.items():
                 victims += self._oldest(by_namespace[name], over)
             if not victims:
                 return 0
             self._bump("namespace_eviction_passes")
-            evicted = self._evict_entries(victims)
-            for entry in victims:
-                estimate.remove(namespaces.namespace_of(entry[3]), entry[1])
-            return evicted
+            return self._evict_entries(victims)  # each drop comes off the estimate
 
     def _write_down(self, victims: Sequence[tuple[int, int, int, bytes]]) -> set[Key]:
         """Hands the victims' shards to the evict sink; returns the keys to keep (failed)."""
@@ -1207,9 +1207,20 @@ class PosixTier(Tier):
         with self._stats_lock:
             self._usage += grown
             self._stat["evictions"] += len(drop)
+        self._namespace_usage.remove(namespaces.namespace_of(block_id), -grown, len(drop))
         return len(drop)
 
     # ------------------------------------------------------------------------- stats, close
+
+    def namespace_figures(self, wait_s: float = 0.0) -> dict[str, dict[str, int]] | None:
+        """Each namespace's disk bytes here and this process's evictions of its shards. The
+        bytes are exact after a scan of the directory (at open with ``capacity`` or quotas,
+        at every eviction pass, and in the background when stats are read and the last scan
+        is older than ``NamespaceUsage.scan_interval_s``), moved by this process's writes and
+        removals since; unknown (None) until the first scan."""
+        if not self._closed:
+            self._namespace_usage.refresh(lambda: _by_namespace(self._scan()[1]), wait_s)
+        return self._namespace_usage.figures()
 
     def stats(self) -> dict[str, int | float]:
         with self._stats_lock:
@@ -1231,6 +1242,15 @@ class PosixTier(Tier):
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+
+
+def _by_namespace(entries: list[tuple[int, int, int, bytes]]) -> dict[str, int]:
+    """Disk bytes per namespace of scanned block files."""
+    usage: dict[str, int] = {}
+    for _mtime, size, _inode, block_id in entries:
+        name = namespaces.namespace_of(block_id)
+        usage[name] = usage.get(name, 0) + size
+    return usage
 
 
 @ucm.hookimpl

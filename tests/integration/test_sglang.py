@@ -190,6 +190,50 @@ def test_two_engines_in_fixed_namespaces_never_share_a_page(
         team_a.close()
 
 
+def test_two_cache_salts_in_one_engine_are_apart_but_share_its_namespace(
+    sgl: SGLang, unique_id: Callable[[], str]
+) -> None:
+    """Why SGLang has one namespace per engine: SGLang 0.5.23 seeds its page hashes with a
+    request's ``extra_key`` and ``cache_salt`` (``get_storage_hash_str`` of a ``RadixKey``), so
+    two salts' pages never meet, but the storage calls get those hashes and a
+    ``HiCacheStorageExtraInfo`` of prefix keys only: both salts' pages land in the engine's one
+    namespace, whose cap (4 pages) both salts' 6 pages share."""
+    import dataclasses
+    from array import array
+
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    assert [f.name for f in dataclasses.fields(HiCacheStorageExtraInfo)] == [
+        "prefix_keys",
+        "extra_info",
+    ]
+    tokens = array("q", range(100, 100 + 3 * PAGE_TOKENS))
+    salted = {
+        salt: sgl.get_storage_hash_str(RadixKey(tokens, cache_salt=salt), None, PAGE_TOKENS)
+        for salt in ("t-a", "t-b")
+    }
+    assert not set(salted["t-a"]) & set(salted["t-b"])
+    pool = host_pool(sgl)
+    fill(pool, seed=8)
+    cap = {"buffer": {"cap": "128KiB"}}  # 4 pages of 32 KiB
+    stack = {**buffer_stack(unique_id()), "quotas": {"namespaces": {"team": cap}}}
+    backend = create_backend(
+        sgl, storage_config(sgl, {"ucm_stack": stack, "ucm_namespace": "fixed:team"}), pool
+    )
+    try:
+        info = HiCacheStorageExtraInfo(prefix_keys=[])
+        assert backend.batch_set_v1(salted["t-a"], pages_at(pool, [0, 1, 2]), info) == [True] * 3
+        assert backend.batch_exists(salted["t-b"], info) == 0
+        assert backend.batch_set_v1(salted["t-b"], pages_at(pool, [3, 4, 5]), info) == [True] * 3
+        assert backend.store.lookup([backend.block_id(k) for k in salted["t-a"]]).count(True) == 1
+        assert backend.store.namespaces() == {"team": [4]}
+        figures = backend.store.stats()["namespaces"]["team"]
+        assert (figures["cap_slots"], figures["occupancy_slots"], figures["evictions"]) == (4, 4, 2)
+    finally:
+        backend.close()
+
+
 def test_batch_exists_counts_the_present_prefix(sgl: SGLang, unique_id: Callable[[], str]) -> None:
     pool = host_pool(sgl)
     backend = create_backend(
@@ -515,7 +559,17 @@ def test_two_tp_ranks_of_a_node_share_one_buffer(sgl: SGLang, unique_id: Callabl
             {"ucm_stack": {}, "ucm_namespace": "lora"},
             {},
             r"^hicache_storage_backend_extra_config\['ucm_namespace'\]='lora' is not available "
-            r"with SGLang's HiCache storage backend: its storage calls carry no LoRA adapter",
+            r"with SGLang's HiCache storage backend: sglang 0\.5\.23 hashes a request's "
+            r"extra_key \(its LoRA id\) and cache_salt into the page keys \(sglang/srt/mem_cache/"
+            r"utils\.py: storage_namespace_seed, get_storage_hash_str\).* never the cache salt or "
+            r"the adapter, so no per-request namespace can be chosen\. Use fixed:<name>",
+        ),
+        (
+            {"ucm_stack": {}, "ucm_namespace": "cache_salt"},
+            {},
+            r"^hicache_storage_backend_extra_config\['ucm_namespace'\]='cache_salt' is not "
+            r"available with SGLang's HiCache storage backend: .*HiCacheStorageExtraInfo whose "
+            r"prefix_keys are more of them",
         ),
         (
             {"ucm_stack": {}, "ucm_namespace": "fixed:no/slash"},

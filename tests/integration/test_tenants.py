@@ -58,6 +58,39 @@ def test_bad_mapping_settings_name_the_key_value_and_choices(value: Any, message
     assert message in str(raised.value)
 
 
+def test_tag_mode_only_where_requests_carry_tags() -> None:
+    """``tag:<name>`` is a mode of integrations whose requests carry named tags (LMCache's); the
+    cache_salt mode reads the tag ``cache_salt`` there."""
+    assert TenantMapping.parse("tag:user", "k", tags=True) == TenantMapping("tag", tag="user")
+    assert TenantMapping.parse("tag:user", "k", tags=True).tag_name == "user"
+    assert TenantMapping.parse(None, "k", tags=True).tag_name == "cache_salt"
+    assert TenantMapping.parse("fixed:t", "k", tags=True).tag_name is None
+    with pytest.raises(ConfigError) as raised:
+        TenantMapping.parse("tag:user", "k")
+    assert "k='tag:user' is not valid: expected one of cache_salt, lora, fixed:<name>" in str(
+        raised.value
+    )
+    with pytest.raises(ConfigError) as raised:
+        TenantMapping.parse("tag: user", "k", tags=True)
+    assert "k='tag: user': tag:<name> needs the name of a request tag" in str(raised.value)
+
+
+def test_an_engine_without_tenant_keys_takes_fixed_or_the_default_and_refuses_the_rest() -> None:
+    """Left out, the setting means the default namespace; a stated per-request mode is refused
+    with the reason the integration gives."""
+    why = "its calls carry hashes only"
+    assert TenantMapping.parse(None, "k").engine_namespace("k", "E", why) == "default"
+    assert TenantMapping.parse("fixed:t", "k").engine_namespace("k", "E", why) == "t"
+    for value in ("cache_salt", "lora"):
+        with pytest.raises(ConfigError) as raised:
+            TenantMapping.parse(value, "k").engine_namespace("k", "E", why)
+        assert str(raised.value) == (
+            f"k={value!r} is not available with E: its calls carry hashes only. Use "
+            "fixed:<name> (one namespace for the whole engine), or leave the setting out (the "
+            "default namespace)"
+        )
+
+
 def test_each_mode_picks_the_namespace_of_a_request() -> None:
     assert TenantMapping().namespace(cache_salt="s1", lora_name="ad") == "s1"
     assert TenantMapping().namespace() == namespaces.DEFAULT_NAMESPACE

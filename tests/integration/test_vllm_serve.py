@@ -36,13 +36,19 @@ import pytest
 import yaml
 
 from harness.vllm import prompt_tokens, write_tiny_llama
+from harness.vllm_server import (
+    TINY_BLOCK_BYTES,
+    TINY_BLOCK_TOKENS,
+    server_args,
+    server_env,
+    ucm_transfer_args,
+)
 
-BLOCK = 128
+BLOCK = TINY_BLOCK_TOKENS
 KV_BLOCKS = 24
 """vLLM's whole KV cache, in 128-token blocks (3,072 tokens): 16 clients need ~5 blocks each."""
-BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 32 * 4
-"""One vLLM block of write_tiny_llama's model, all layers: 2 layers x [2 kv heads, 128, 2 x 32]
-float32 (131,072 bytes, the UCM shard)."""
+BLOCK_BYTES = TINY_BLOCK_BYTES
+"""One vLLM block of write_tiny_llama's model, all layers (131,072 bytes, the UCM shard)."""
 CLIENTS = 16
 PREFIXES = [prompt_tokens(100 + index, 3 * BLOCK) for index in range(4)]
 """Four shared 384-token prefixes (three full blocks each)."""
@@ -79,19 +85,8 @@ BENCH_ARGS = [
     "--request-rate",
     "inf",
 ]
-SERVER_ARGS = [
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    "2048",
-    "--enforce-eager",
-    "--seed",
-    "0",
-    "--no-enable-prefix-caching",  # only UCM can serve a prefix
-    "--kv-cache-memory-bytes",
-    str(KV_BLOCKS * BLOCK_BYTES),
-    "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
-]
+SERVER_ARGS = server_args(KV_BLOCKS)
+"""vLLM's prefix cache off (only UCM can serve a prefix), cached_tokens in the answers."""
 REQUEST_TIMEOUT_S = 300.0
 BENCH_TIMEOUT_S = 600.0
 
@@ -149,7 +144,7 @@ def _settled_counters(server: Any, stack_path: Path) -> tuple[dict[str, float], 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     _require_engine()
-    from harness.vllm_server import VllmServer, bench_serve, cpu_bind, write_word_tokenizer
+    from harness.vllm_server import VllmServer, bench_serve, write_word_tokenizer
     from ucm.native.segments import unlink
 
     root = tmp_path_factory.mktemp("serve")
@@ -165,21 +160,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     }
     stack_path = root / "stack.yaml"
     stack_path.write_text(yaml.safe_dump(stack))
-    transfer = {
-        "kv_connector": "UcmConnector",
-        "kv_connector_module_path": "ucm.integration.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"ucm_stack": str(stack_path)},
-    }
     # Both servers on the same threads; VLLM_CPU_KVCACHE_SPACE would override the KV bytes.
-    env: dict[str, str | None] = {
-        "VLLM_CPU_OMP_THREADS_BIND": cpu_bind(),
-        "VLLM_CPU_KVCACHE_SPACE": None,
-    }
+    env = server_env()
     out: dict[str, Any] = {"stack": stack}
     try:
-        ucm_args = [*SERVER_ARGS, "--kv-transfer-config", json.dumps(transfer)]
+        ucm_args = [*SERVER_ARGS, *ucm_transfer_args(stack_path)]
         with VllmServer(model, root / "ucm-server.log", ucm_args, env=env) as server:
             out["first"] = _concurrently(server, PROMPTS)
             out["again"] = _concurrently(server, PROMPTS)

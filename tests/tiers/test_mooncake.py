@@ -4,6 +4,7 @@ conformance suite runs in test_conformance_builtin.py; several nodes in test_moo
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import struct
 import sys
@@ -38,7 +39,7 @@ from ucm.testing.conformance import (
     shard_bytes,
     split,
 )
-from ucm.tier import HOST_MEMORY_OPTION, TierContext
+from ucm.tier import HOST_MEMORY_OPTION, NAMESPACE_BYTES_OPTION, NamespaceBytes, TierContext
 
 from .conftest import mooncake_tier
 
@@ -323,6 +324,23 @@ def test_missing_mooncake_package_names_the_extra(monkeypatch: pytest.MonkeyPatc
     assert "the mooncake tier needs mooncake.store, which failed to import" in str(raised.value)
     assert INSTALL_HINT in str(raised.value)
     assert "pip install 'ucm[mooncake]'" in INSTALL_HINT
+
+
+def test_a_namespace_byte_quota_is_refused_at_open_before_the_master_is_asked() -> None:
+    """The stack refuses `quotas...tiers.<mooncake label>` at parse time
+    (tests/test_quotas_config.py); a tier opened with the option some other way refuses it
+    too, instead of ignoring it. Nothing listens at port 1: the refusal comes first."""
+    config = MooncakeConfig(master_server_address="127.0.0.1:1", local_hostname="127.0.0.1")
+    context = dataclasses.replace(
+        make_context(LAYOUT),
+        options={NAMESPACE_BYTES_OPTION: NamespaceBytes(named={"tenant-a": 1 << 20})},
+    )
+    with pytest.raises(ConfigError) as raised:
+        MooncakeTier(config, context)
+    assert str(raised.value) == (
+        "tiers[1] (mooncake): takes no per-namespace byte quota: "
+        f"{MooncakeConfig.namespace_bytes_refused}"
+    )
 
 
 def test_unreachable_master_fails_at_open_in_bounded_time(mooncake: None) -> None:

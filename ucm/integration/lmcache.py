@@ -38,6 +38,15 @@ handed to LMCache with the single reference the allocation made (a miss frees it
 **Errors.** A get never raises on a worker: any error of a load is a miss for its batch (every
 allocation freed), and a prefetch always answers and releases its lookup's pins.
 
+**Namespaces.** ``storage_plugin.<name>.namespace`` (:mod:`~ucm.integration.tenants`) maps a
+chunk to a UCM namespace from its key's request tags (LMCache's ``lmcache.tag.*`` request
+configs, which ``CacheEngineKey`` carries as ``tags``): ``cache_salt`` (the default) reads the
+tag ``cache_salt``, ``tag:<name>`` the tag ``<name>``, a chunk without that tag is in the
+default namespace; ``fixed:<name>`` puts every chunk in ``<name>``. ``lora`` is refused: the
+key carries no adapter. Every store call goes to the namespace of its chunks (a batch of
+several namespaces is one call per namespace), so quotas apply per tenant. vLLM's own
+``cache_salt`` never reaches LMCache 0.5.6's keys (see docs/lmcache.md).
+
 **Pins.** A pin is a :meth:`~ucm.Store.pin` of the chunk's block: every worker's shard of it that
 is Ready in the CacheBuffer stays there (no eviction, node-wide) until the pin is released;
 shards below the buffer are not held. Pins of async lookups whose prefetch never comes expire.
@@ -54,17 +63,17 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from .. import REMOVE_CHUNK_KEYS, Pin, Store, TaskError
+from .. import DEFAULT_NAMESPACE, REMOVE_CHUNK_KEYS, Pin, Store, Task, TaskError
 from .. import open as open_store
 from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, RoleError, UcmError
 from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id, warn_node_local
@@ -90,6 +99,14 @@ LOOKUP_PINS_MAX = 4096
 pins are released (a plugin's ``lookup_pins_max``)."""
 
 UcmKey = tuple[bytes, int]
+T = TypeVar("T")
+
+LORA_REFUSED = (
+    "LMCache 0.5.6's CacheEngineKey (lmcache/utils.py) holds model name, world size, worker id, "
+    "chunk hash, dtype and request configs: no LoRA adapter (LMCache #2961), so its storage "
+    "plugin calls carry none"
+)
+"""Why ``namespace: lora`` is refused (the message names the key and this)."""
 
 SALTS_KEPT = 4096
 """Distinct (model, world size, dtype, tags) salts memoised per plugin (least recently used
@@ -253,8 +270,26 @@ def _current_vllm_config() -> Any | None:
 class _Put:
     key: CacheEngineKey
     ucm_key: UcmKey
+    namespace: str
     obj: MemoryObj
     future: Future[bool]
+
+
+def _runs(spaces: Sequence[str]) -> Iterator[tuple[str, int, int]]:
+    """(namespace, start, end) of each run of equal consecutive namespaces."""
+    start = 0
+    for index in range(1, len(spaces) + 1):
+        if index == len(spaces) or spaces[index] != spaces[start]:
+            yield spaces[start], start, index
+            start = index
+
+
+def _grouped(items: Iterable[T], space_of: Callable[[T], str]) -> dict[str, list[T]]:
+    """``items`` by namespace, each namespace's in order (namespaces in order of first use)."""
+    groups: dict[str, list[T]] = {}
+    for item in items:
+        groups.setdefault(space_of(item), []).append(item)
+    return groups
 
 
 @dataclass
@@ -298,10 +333,18 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             engine="LMCache",
         )
         namespace_key = f"extra_config['storage_plugin.{self.name}.namespace']"
-        namespace = TenantMapping.parse(
+        self.tenants = TenantMapping.parse(
             (config.extra_config or {}).get(f"storage_plugin.{self.name}.namespace"),
             namespace_key,
-        ).engine_namespace(namespace_key, "LMCache's storage plugin interface")
+            tags=True,
+        )
+        if self.tenants.mode == "lora":
+            raise ConfigError(
+                f"{namespace_key}='lora' is not available with LMCache's storage plugin: "
+                f"{LORA_REFUSED}. Use cache_salt (the request tag lmcache.tag.cache_salt), "
+                "tag:<name> (the request tag lmcache.tag.<name>) or fixed:<name>"
+            )
+        namespace = self.tenants.fixed if self.tenants.mode == "fixed" else DEFAULT_NAMESPACE
         self.is_scheduler = metadata.role == "scheduler"
         device_id = -1 if self.is_scheduler else int(metadata.local_worker_id)
         if not self.is_scheduler and local_cpu_backend is None:
@@ -327,6 +370,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         nodes = max(1, int(metadata.world_size) // max(1, int(metadata.local_world_size)))
         warn_node_local("LMCache", nodes, self.layout.geometry.shards_per_block, stack)
         self._salts = functools.lru_cache(maxsize=SALTS_KEPT)(self._compute_salt)
+        self._tag_namespaces = functools.lru_cache(maxsize=SALTS_KEPT)(self._tag_namespace)
         self._counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()
         # Puts: keys being written, each holding this plugin's reference on its MemoryObj.
@@ -373,6 +417,19 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             )
         return named_block_id(self._salt(key), int(key.chunk_hash)), shard
 
+    def namespace_of(self, key: CacheEngineKey) -> str:
+        """The UCM namespace of ``key``'s chunk: from its request tag (``cache_salt`` mode: the
+        tag ``cache_salt``; ``tag:<name>``: the tag ``<name>``; none: the default namespace),
+        or the fixed one."""
+        if self.tenants.tag_name is None:
+            return self.store.namespace
+        return self._tag_namespaces(key.tags)
+
+    def _tag_namespace(self, tags: tuple[tuple[Any, Any], ...] | None) -> str:
+        wanted = self.tenants.tag_name
+        value = next((str(v) for k, v in tags or () if str(k) == wanted), None)
+        return self.tenants.namespace(cache_salt=value)
+
     def _salt(self, key: CacheEngineKey) -> bytes:
         tags = tuple(tuple(map(str, tag)) for tag in key.tags) if key.tags else ()
         return self._salts(str(key.model_name), int(key.world_size), str(key.dtype), tags)
@@ -417,10 +474,19 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         if not keys:
             return 0
         blocks = [self.ucm_key(key)[0] for key in keys]
-        # Pinned before the look-up: what the buffer holds then cannot be evicted after it.
-        holds = self.store.pin(blocks) if pin else []
+        spaces = [self.namespace_of(key) for key in keys]
+        holds: list[Pin] = []
+        hits = 0
         try:
-            hits = self.store.lookup_on_prefix(blocks) + 1
+            for namespace, start, end in _runs(spaces):  # one run unless tenants mix
+                run = blocks[start:end]
+                # Pinned before the look-up: what the buffer holds then cannot be evicted after.
+                if pin:
+                    holds.extend(self.store.pin(run, namespace=namespace))
+                found = self.store.lookup_on_prefix(run, namespace=namespace) + 1
+                hits += found
+                if found < len(run):
+                    break
         except BaseException:
             self.store.unpin(holds)
             raise
@@ -517,6 +583,8 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 f"keys has {len(keys)} entries but objs has {len(objs)}: one object per key"
             )
         puts: list[_Put] = []
+        batches: list[_PutBatch] = []  # one per namespace (one unless tenants mix)
+        handled: set[int] = set()  # ids of the puts released or in a batch
         try:
             with self._put_lock:
                 for key, obj in zip(keys, objs, strict=True):
@@ -525,30 +593,40 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                     if not self._writable(obj):
                         continue
                     ucm_key = self.ucm_key(key)
+                    namespace = self.namespace_of(key)
                     obj.ref_count_up()
                     self._in_flight[key] = obj
-                    puts.append(_Put(key, ucm_key, obj, Future()))
-            if not puts:
-                return None
-            present = self.store.lookup([put.ucm_key[0] for put in puts])
-            already = [put for put, hit in zip(puts, present, strict=True) if hit]
-            puts = [put for put, hit in zip(puts, present, strict=True) if not hit]
-            self._release(already, stored=None)
-            self._count("put_chunks_present", len(already))
-            if not puts:
-                return None
-            task = self.store.dump_data(
-                [put.ucm_key[0] for put in puts],
-                [put.ucm_key[1] for put in puts],
-                [self._pointers(put.obj) for put in puts],
-            )
+                    puts.append(_Put(key, ucm_key, namespace, obj, Future()))
+            for namespace, group in _grouped(puts, lambda put: put.namespace).items():
+                present = self.store.lookup([put.ucm_key[0] for put in group], namespace=namespace)
+                already = [put for put, hit in zip(group, present, strict=True) if hit]
+                group = [put for put, hit in zip(group, present, strict=True) if not hit]
+                self._release(already, stored=None)
+                handled.update(id(put) for put in already)
+                self._count("put_chunks_present", len(already))
+                if group:
+                    task = self.store.dump_data(
+                        [put.ucm_key[0] for put in group],
+                        [put.ucm_key[1] for put in group],
+                        [self._pointers(put.obj) for put in group],
+                        namespace=namespace,
+                    )
+                    batches.append(
+                        _PutBatch(task=task, puts=group, on_complete=on_complete_callback)
+                    )
+                    handled.update(id(put) for put in group)
         except Exception:
-            self._release(puts, stored=False)
-            logger.exception("UCM could not start writing %d LMCache chunk(s)", len(puts))
+            left = [put for put in puts if id(put) not in handled]
+            self._release(left, stored=False)
+            logger.exception("UCM could not start writing %d LMCache chunk(s)", len(left))
+        in_batches = {id(put) for batch in batches for put in batch.puts}
+        submitted = [put for put in puts if id(put) in in_batches]
+        if not submitted:
             return None
-        self._count("put_chunks_submitted", len(puts))
-        self._completions.put(_PutBatch(task=task, puts=puts, on_complete=on_complete_callback))
-        return [put.future for put in puts]
+        self._count("put_chunks_submitted", len(submitted))
+        for batch in batches:
+            self._completions.put(batch)
+        return [put.future for put in submitted]
 
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
         """Blocks until every put submitted so far is written, to the stack's top tier and to
@@ -704,14 +782,15 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         allocator = self.local_cpu_backend
         assert allocator is not None
         ucm_keys = [self.ucm_key(key) for key in keys]
+        spaces = [self.namespace_of(key) for key in keys]
         results: list[MemoryObj | None] = [None] * len(keys)
-        first: dict[UcmKey, int] = {}
+        first: dict[tuple[str, UcmKey], int] = {}
         duplicates: list[tuple[int, int]] = []
         chosen: list[int] = []
         chosen_keys: list[UcmKey] = []
         for index, ucm_key in enumerate(ucm_keys):
-            if ucm_key in first:
-                duplicates.append((index, first[ucm_key]))
+            if (spaces[index], ucm_key) in first:
+                duplicates.append((index, first[spaces[index], ucm_key]))
                 continue
             obj = allocator.allocate(
                 list(self.layout.shapes),
@@ -727,23 +806,14 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 )
                 break
             allocated.append(obj)
-            first[ucm_key] = index
+            first[spaces[index], ucm_key] = index
             chosen.append(index)
             chosen_keys.append(ucm_key)
-        failed: dict[UcmKey, Any] = {}
-        if chosen:
-            self._count("loads")
-            pointers = [self._pointers(obj) for obj in allocated]
-            try:
-                self.store.wait(
-                    self.store.load_data(
-                        [k[0] for k in chosen_keys], [k[1] for k in chosen_keys], pointers
-                    )
-                )
-            except TaskError as exc:
-                failed = dict(exc.failures)
+        failed = self._load_chosen(
+            [spaces[index] for index in chosen], chosen_keys, [self._pointers(o) for o in allocated]
+        )
         for index, ucm_key, obj in zip(chosen, chosen_keys, allocated, strict=True):
-            if ucm_key in failed:
+            if (spaces[index], ucm_key) in failed:
                 obj.ref_count_down()  # frees the allocation
             else:
                 results[index] = obj
@@ -761,6 +831,41 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             "get_errors", sum(1 for c in failed.values() if not isinstance(c, KeyMissingError))
         )
         return results
+
+    def _load_chosen(
+        self, spaces: list[str], ucm_keys: list[UcmKey], pointers: list[list[int]]
+    ) -> dict[tuple[str, UcmKey], Any]:
+        """One UCM load per namespace (one unless tenants mix); waits for every load it started
+        (their memory is the caller's to free only then). Returns each failed key's cause."""
+        failed: dict[tuple[str, UcmKey], Any] = {}
+        tasks: list[tuple[str, Task]] = []
+        error: BaseException | None = None
+        try:
+            for namespace, group in _grouped(range(len(ucm_keys)), spaces.__getitem__).items():
+                self._count("loads")
+                tasks.append(
+                    (
+                        namespace,
+                        self.store.load_data(
+                            [ucm_keys[i][0] for i in group],
+                            [ucm_keys[i][1] for i in group],
+                            [pointers[i] for i in group],
+                            namespace=namespace,
+                        ),
+                    )
+                )
+        except BaseException as exc:
+            error = exc
+        for namespace, task in tasks:
+            try:
+                self.store.wait(task)
+            except TaskError as exc:
+                failed.update(((namespace, key), cause) for key, cause in exc.failures.items())
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return failed
 
     def _release_lookup_pins(self, lookup_id: str, keys: Sequence[CacheEngineKey]) -> None:
         with self._pin_lock:
@@ -797,25 +902,28 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 else:
                     chosen = [key for key in part if key not in self._pins]
                     self._count("remove_kept_pinned", len(part) - len(chosen))
-                if not chosen:
-                    continue
-                blocks = list(dict.fromkeys(self.ucm_key(key)[0] for key in chosen))
-                if self.layout.geometry.shards_per_block == 1:
-                    # One shard per chunk: the store's count of shards removed is the count.
-                    removed += self.store.remove(blocks, force=force)
-                    continue
-                # A chunk of several workers' shards counts when it was complete and is gone.
-                before = self.store.lookup(blocks)
-                self.store.remove(blocks, force=force)
-                after = self.store.lookup(blocks)
-                gone = {
-                    block
-                    for block, was, still in zip(blocks, before, after, strict=True)
-                    if was and not still
-                }
-                removed += sum(1 for key in chosen if self.ucm_key(key)[0] in gone)
+                for namespace, group in _grouped(chosen, self.namespace_of).items():
+                    removed += self._remove_chunks(group, namespace, force)
         self._count("removed_chunks", removed)
         return removed
+
+    def _remove_chunks(self, keys: list[CacheEngineKey], namespace: str, force: bool) -> int:
+        """Removes the chunks of ``keys`` (all in ``namespace``); how many were held and are
+        gone."""
+        blocks = list(dict.fromkeys(self.ucm_key(key)[0] for key in keys))
+        if self.layout.geometry.shards_per_block == 1:
+            # One shard per chunk: the store's count of shards removed is the count.
+            return self.store.remove(blocks, force=force, namespace=namespace)
+        # A chunk of several workers' shards counts when it was complete and is gone.
+        before = self.store.lookup(blocks, namespace=namespace)
+        self.store.remove(blocks, force=force, namespace=namespace)
+        after = self.store.lookup(blocks, namespace=namespace)
+        gone = {
+            block
+            for block, was, still in zip(blocks, before, after, strict=True)
+            if was and not still
+        }
+        return sum(1 for key in keys if self.ucm_key(key)[0] in gone)
 
     # ---- the rest of the interface ------------------------------------------------------------
 

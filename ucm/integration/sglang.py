@@ -26,6 +26,10 @@ pool fixes the geometry.
   straight between UCM and the host pool (``load_data``/``dump_data`` with the pool's page
   addresses: no Python copy). The tensor interface (``get``/``set``, flat pages) stores the same
   bytes in the same order, so both interfaces read each other's pages.
+- **Namespaces.** One per engine: ``ucm_namespace: fixed:<name>``, else the default namespace.
+  A per-request mode (``cache_salt``, ``lora``) is refused with :data:`NO_TENANT_KEY`: SGLang
+  seeds the page hashes with the request's ``extra_key`` and ``cache_salt`` but hands this
+  backend the hashes only.
 - **Failures.** A missing page, a corrupt shard or a failed tier comes back as ``False`` (or
   ``None``) for that page only, so SGLang recomputes it; bad arguments raise.
 
@@ -67,6 +71,17 @@ EXTRA_CONFIG_KEYS = ("ucm_stack", "ucm_kv_dtype", "ucm_weights_id", "ucm_namespa
 
 KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "bf16", "bfloat16", "fp16", "float16", "fp32")
 """Values of ``ucm_kv_dtype``: SGLang's ``--kv-cache-dtype`` names of a KV format."""
+
+NO_TENANT_KEY = (
+    "sglang 0.5.23 hashes a request's extra_key (its LoRA id) and cache_salt into the page keys "
+    "(sglang/srt/mem_cache/utils.py: storage_namespace_seed, get_storage_hash_str), so tenants "
+    "never share pages, but the storage calls carry only those hashes: batch_get_v1, "
+    "batch_set_v1 and batch_exists get page hash strings and a HiCacheStorageExtraInfo whose "
+    "prefix_keys are more of them (sglang/srt/managers/cache_controller.py), never the cache "
+    "salt or the adapter, so no per-request namespace can be chosen"
+)
+"""Why ``ucm_namespace: cache_salt`` or ``lora`` is refused (the message names the key and
+this)."""
 
 ONE_BYTE_DTYPES = ("torch.uint8", "torch.int8")
 """Host-pool dtypes SGLang stores several logical KV formats in (every fp8 format is uint8)."""
@@ -182,7 +197,7 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         namespace_key = "hicache_storage_backend_extra_config['ucm_namespace']"
         self._namespace = TenantMapping.parse(
             extra.get("ucm_namespace"), namespace_key
-        ).engine_namespace(namespace_key, "SGLang's HiCache storage backend")
+        ).engine_namespace(namespace_key, "SGLang's HiCache storage backend", NO_TENANT_KEY)
         self._kv_dtype: str | None = kv_dtype
         self._weights_id: str | None = weights_id
         self.storage_config = storage_config

@@ -15,7 +15,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ucm import namespaces
 from ucm.affinity import NewThreads, background_cpus
 from ucm.breaker import LOOKUP_THREADS, DaemonPool
 from ucm.errors import ConfigError, UcmError
@@ -338,8 +337,10 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if isinstance(connector_metadata, UcmConnectorMetadata):
-            for name in connector_metadata.namespaces:  # so the tiers place their keys
-                namespaces.register(name)
+            # So the tiers place their keys, and the buffer counts them (and applies their
+            # quota: `quotas.others` for a namespace the stack does not name) as their own.
+            for name in connector_metadata.namespaces:
+                self._store.use_namespace(name)
             self._worker.bind(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
