@@ -129,33 +129,3 @@ def test_under_auto_the_engine_cpus_are_the_ones_vllm_gave_openmp(
     assert engine_binding("nobind") is None and background_cpus("nobind", {0, 1}) is None
     monkeypatch.setenv("GOMP_CPU_AFFINITY", "0 1")  # vLLM on 2 CPUs: nowhere else to go
     assert background_cpus("auto", {0, 1}) is None
-
-
-def test_the_threads_a_store_starts_yield_to_the_engines() -> None:
-    """``NewThreads.lower``: every thread ucm.open started (native and Python) gets the
-    background niceness, and threads they start later inherit it; the caller keeps its own.
-    (Run under ``nice``, the target is one above the caller's: lowering never raises.)"""
-    from ucm.affinity import BACKGROUND_NICE
-
-    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    target = min(19, max(BACKGROUND_NICE, own + 1))
-    unique_id = f"affinity-{uuid.uuid4().hex[:10]}"
-    stack = {
-        "unique_id": unique_id,
-        "shard_size": 4096,
-        "shards_per_block": 1,
-        "tiers": [{"type": "buffer", "capacity": 64 * 4096}],
-    }
-    try:
-        with NewThreads() as started:
-            store = ucm.open(stack, device_id=0)
-        with store:
-            assert started.started, "ucm.open started no thread"
-            expected = len(started.started) if target > own else 0
-            assert started.lower(target) == expected
-            for tid in started.started:
-                assert os.getpriority(os.PRIO_PROCESS, tid) == target
-            assert started.lower(target) == 0  # already there: nothing to do
-            assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
-    finally:
-        segments.unlink(unique_id)

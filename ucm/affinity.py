@@ -146,22 +146,6 @@ class NewThreads:
     ) -> None:
         self.started = _threads() - self._before
 
-    def lower(self, nice: int) -> int:
-        """Gives the started threads the scheduling niceness ``nice`` (Linux keeps one per
-        thread, and a thread they start inherits it); returns how many were lowered. A value
-        at or under a thread's current one leaves it as it is (lowering never raises a
-        priority, which needs privileges)."""
-        lowered = 0
-        for tid in sorted(self.started):
-            try:
-                if os.getpriority(os.PRIO_PROCESS, tid) >= nice:
-                    continue
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-            except (ProcessLookupError, FileNotFoundError):
-                continue
-            lowered += 1
-        return lowered
-
     def pin(self, cpus: set[int]) -> int:
         """Binds the started threads to ``cpus``; returns how many were bound (a thread that
         ended meanwhile is skipped)."""
@@ -174,13 +158,6 @@ class NewThreads:
             pinned += 1
         return pinned
 
-
-BACKGROUND_NICE = 10
-"""The niceness of the threads UCM starts in an engine's worker (:meth:`NewThreads.lower`):
-where they share CPUs with the engine's own threads (its compute, its scheduler and output
-threads, the API server), the engine's run first and UCM's work (reads, checksums, population,
-copies for asynchronous loads) takes what they leave. A thread the engine waits on (a
-synchronous load's copy) runs while the engine's thread sleeps, so it loses nothing."""
 
 BINDING_SIZED_KEYS = ("copy_threads", "populate_threads")
 """The buffer's thread counts :func:`follow_binding` sizes to the CPUs an engine leaves free."""

@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ucm.affinity import BACKGROUND_NICE, NewThreads, background_cpus
+from ucm.affinity import NewThreads, background_cpus
 from ucm.breaker import LOOKUP_THREADS, DaemonPool
 from ucm.errors import ConfigError, UcmError
 
@@ -278,25 +278,22 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
 
     def _pin_background(self, started: NewThreads) -> None:
-        """The threads the store started yield to the engine's (:data:`BACKGROUND_NICE`) and
-        leave the CPUs vLLM binds its compute threads to (``VLLM_CPU_OMP_THREADS_BIND``, or
-        what its ``auto`` binding chose), for the CPUs it leaves free, when there are any."""
-        lowered = started.lower(BACKGROUND_NICE)
+        """The threads the store started leave the CPUs vLLM binds its compute threads to
+        (``VLLM_CPU_OMP_THREADS_BIND``), for the CPUs it leaves free, when there are any."""
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         try:
             cpus = background_cpus(bind)
         except ConfigError as exc:
             logger.warning("UCM rank %d: background threads not bound: %s", self._rank, exc)
-            cpus = None
-        pinned = started.pin(cpus) if cpus is not None else 0
+            return
+        if cpus is None:
+            return
+        pinned = started.pin(cpus)
         logger.info(
-            "UCM rank %d: %d background threads at nice %d, %d of them on CPUs %s "
-            "(VLLM_CPU_OMP_THREADS_BIND=%r)",
+            "UCM rank %d: %d background threads on CPUs %s (VLLM_CPU_OMP_THREADS_BIND=%r)",
             self._rank,
-            lowered,
-            BACKGROUND_NICE,
             pinned,
-            sorted(cpus) if cpus is not None else "of the worker's binding",
+            sorted(cpus),
             bind,
         )
 
