@@ -185,7 +185,8 @@ def open_store(
         sized = {}  # a binding UCM cannot read: the worker logs it and leaves threads unbound
     if sized:
         logger.info(
-            "UCM rank %d: %s sized to the CPUs VLLM_CPU_OMP_THREADS_BIND=%r leaves free",
+            "UCM rank %d: %s sized to the CPUs the engine's binding leaves free "
+            "(VLLM_CPU_OMP_THREADS_BIND=%r)",
             device_id,
             ", ".join(f"{key}={value}" for key, value in sized.items()),
             bind,

@@ -279,7 +279,8 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _pin_background(self, started: NewThreads) -> None:
         """The threads the store started leave the CPUs vLLM binds its compute threads to
-        (``VLLM_CPU_OMP_THREADS_BIND``), for the CPUs it leaves free, when there are any."""
+        (``VLLM_CPU_OMP_THREADS_BIND``, or the CPUs its ``auto`` binding chose), for the CPUs
+        it leaves free, when there are any."""
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         try:
             cpus = background_cpus(bind)
