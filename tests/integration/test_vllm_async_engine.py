@@ -85,6 +85,10 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> PlanRun:
                         "secret": "testing",
                         "client_kwargs": {"region_name": "us-east-1"},
                     },
+                    # The look-up must find the blocks (only the reads are late): the default
+                    # 1 s can pass on a busy machine while s3fs opens its first session, and
+                    # a look-up past its deadline is a miss, which would load nothing.
+                    "lookup_timeout_ms": 120_000,
                 },
             ],
         }
