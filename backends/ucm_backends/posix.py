@@ -69,6 +69,7 @@ from ucm import envelope, namespaces
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
+from ucm.native.pybuffer import copy_into
 from ucm.tier import (
     NAMESPACE_BYTES_OPTION,
     REMOVE_CHUNK_KEYS,
@@ -878,10 +879,8 @@ class PosixTier(Tier):
                 os.close(old_fd)
         for shard, sealed in new.items():
             offset = shard * self.shard_size
-            for view in sealed.payload:
-                size = memoryview(view).nbytes
-                image[offset : offset + size] = view
-                offset += size
+            for view in sealed.payload:  # GIL released: the engine's threads keep running
+                offset += copy_into(image, offset, view)
             present[shard] = True
             stored[shard] = sealed.stored
             headers[shard] = sealed.header

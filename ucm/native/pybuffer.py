@@ -71,3 +71,25 @@ def buffer_address(obj: Any) -> int:
     from) alive and does not resize it: a memoryview pins its exporter's memory."""
     with held(obj) as view:
         return int(view.buf or 0)
+
+
+def copy_into(destination: Any, offset: int, source: Any) -> int:
+    """Copies the contiguous buffer ``source`` into the writable buffer ``destination`` at byte
+    ``offset``; returns the bytes copied. The same as ``memoryview(destination)[offset:offset
+    + n] = source`` except that the copy runs with the GIL released (``ctypes.memmove`` is a
+    foreign call), so a 16 MiB shard written by an I/O thread does not hold up the process's
+    other Python threads (the engine's forward pass) for the length of a memcpy."""
+    with held(source) as src:
+        size = int(src.len)
+        target = memoryview(destination)
+        if target.readonly:
+            raise TypeError("copy_into: destination is read-only")
+        if not 0 <= offset <= target.nbytes - size:
+            raise ValueError(
+                f"copy_into: {size} bytes at offset {offset} do not fit a destination of "
+                f"{target.nbytes} bytes"
+            )
+        if size:
+            with held(target) as dst:
+                ctypes.memmove(int(dst.buf) + offset, src.buf, size)
+        return size
