@@ -96,11 +96,10 @@ def background_cpus(bind: str | None, allowed: set[int] | None = None) -> set[in
     """The CPUs this process may use (``allowed``, by default :func:`process_cpus`) that the
     engine's binding (:func:`engine_binding`) leaves to others (None: no binding, or it takes
     every CPU this process may use, so there is nowhere else to go)."""
-    every = process_cpus() if allowed is None else allowed
     engine = engine_binding(bind)
     if engine is None:
         return None
-    free = every - engine
+    free = (process_cpus() if allowed is None else allowed) - engine
     return free or None
 
 
@@ -173,10 +172,12 @@ def follow_binding(stack: StackConfig, bind: str | None) -> tuple[StackConfig, d
     where the free CPUs are enough."""
     from .stack import parse_stack
 
-    if engine_binding(bind) is None or stack.buffer is None:
+    if stack.buffer is None:
         return stack, {}
-    free = background_cpus(bind)
-    cpus = len(free) if free else 1
+    engine = engine_binding(bind)
+    if engine is None:
+        return stack, {}
+    cpus = len(process_cpus() - engine) or 1
     buffer = stack.buffer
     sized = {
         key: cpus
