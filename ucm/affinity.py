@@ -7,13 +7,19 @@ and populate threads, the loaders, tier pools) would inherit that binding and ta
 the forward pass. :func:`background_cpus` names the CPUs the engine left free, and
 :class:`NewThreads` moves the threads a call started (``ucm.open``) onto them: a thread any of
 those threads starts later inherits their binding.
+
+Work nobody waits for (writing through to lower tiers) runs on threads that call
+:func:`become_background`: the lowest CPU priority, and tiers do its I/O on that thread rather
+than on their shared pools (whose threads also serve loads an engine waits for).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Mapping
+from contextlib import suppress
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -117,6 +123,27 @@ def process_cpus() -> set[int]:
     except (OSError, ConfigError):
         pass
     return set(range(os.cpu_count() or 1))
+
+
+BACKGROUND_NICE = 19
+"""The nice value of a thread doing work nobody waits for (:func:`become_background`)."""
+
+_role = threading.local()
+
+
+def become_background() -> None:
+    """Marks the calling thread as background work: nice :data:`BACKGROUND_NICE` (Linux nice
+    is per thread; lowering priority needs no privilege, and a refusal leaves it as it was),
+    and :func:`in_background` true, so a tier does this thread's I/O on it instead of handing
+    it to a pool shared with loads."""
+    _role.background = True
+    with suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+
+
+def in_background() -> bool:
+    """Whether the calling thread did :func:`become_background`."""
+    return bool(getattr(_role, "background", False))
 
 
 def _threads() -> set[int]:

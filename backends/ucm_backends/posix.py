@@ -66,6 +66,7 @@ from pydantic import Field
 
 import ucm
 from ucm import envelope, namespaces
+from ucm.affinity import in_background
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
@@ -462,7 +463,9 @@ class PosixTier(Tier):
     # ------------------------------------------------------------------------ batch helper
 
     def _run(self, fn: Any, groups: list[T]) -> list[Any]:
-        if len(groups) <= 1 or self.cfg.io_threads == 1:
+        # A background caller (write-through: nobody waits) does its own I/O at its own low
+        # priority; the pool's threads also serve loads an engine waits for.
+        if len(groups) <= 1 or self.cfg.io_threads == 1 or in_background():
             return [fn(group) for group in groups]
         return list(self._pool.map(fn, groups))
 

@@ -3,8 +3,10 @@ layout, and a block dumped by one process loaded by another through a shared tie
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -131,3 +133,39 @@ def test_posix_eviction_keeps_a_block_its_failing_write_back_tier_could_not_take
         ]
         assert gone
         assert store.tiers[1].lookup([(b, 0) for b in gone]) == [True] * len(gone)
+
+
+def _nice_of_calling_thread() -> int:
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_write_through_to_posix_runs_on_one_low_priority_thread(tmp_path: Path) -> None:
+    """Writing through is work nobody waits for: the posix tier writes it on the write-through
+    thread itself, at nice 19, never on its I/O pool (whose threads also serve the loads an
+    engine waits for), and every byte lands."""
+    posix = {"type": "posix", "path": str(tmp_path / "nvme"), "io_threads": 4}
+    config = {
+        "unique_id": f"rt-wt-{uuid.uuid4().hex[:8]}",
+        "shard_size": 4096,
+        "shards_per_block": 2,
+        "tiers": [{"type": "buffer", "capacity": 64 * 4096}, {**posix, "write": "through"}],
+    }
+    blocks = [block(i) for i in range(8)]  # eight files: eight groups the pool would share
+    src = [[torch.frombuffer(bytearray(payload(b, 1, 4096)), dtype=torch.uint8)] for b in blocks]
+    writers: list[tuple[str, int]] = []
+    with ucm.open(config) as store:
+        tier = store.tiers[1]
+        dump_block = tier._dump_block  # type: ignore[attr-defined]
+
+        def recorded(*args: Any) -> int:
+            writers.append((threading.current_thread().name, _nice_of_calling_thread()))
+            return dump_block(*args)
+
+        tier._dump_block = recorded  # type: ignore[attr-defined]
+        store.wait(store.dump(blocks, 1, src))
+    assert store.stats()["write_through_shards"] == 8  # close waited for the backlog
+    assert writers == [("ucm-write-through", 19)] * 8
+    with ucm.open({**config, "unique_id": f"{config['unique_id']}-r", "tiers": [posix]}) as store:
+        dst = [[torch.zeros(4096, dtype=torch.uint8)] for _ in blocks]
+        store.wait(store.load(blocks, 1, dst))
+        assert [d[0].numpy().tobytes() for d in dst] == [payload(b, 1, 4096) for b in blocks]
