@@ -22,10 +22,17 @@ Systems, each a fresh ``vllm serve`` (every worker on the same OpenMP threads):
   consecutive asks of a document land on different replicas, so with UCM every repeat is a
   cross-replica hit and every document is computed once on the node.
 
-Figures: TTFT p50/p90 of first asks and of repeat asks, decode time per output token, wall
-time, and the prompt tokens computed, served by vLLM's prefix cache and served by UCM (vLLM's
-``vllm:prompt_tokens_by_source``). Every system's greedy outputs must equal the no-connector
-server's, request by request, or the benchmark fails.
+Each server first answers ``warmup`` prompts (4; 1 in the quick run) shaped like first asks
+that share no block with the workload, as many at a time as the measured run sends: the first
+requests after a server starts pay for first touches of its memory (vLLM's KV space; UCM's
+CacheBuffer, populated behind the open, and its first posix files), which a server that has
+been up a while no longer does. Their TTFTs are reported as the cold start, beside the
+no-connector server's.
+
+Figures: TTFT p50/p90 of first asks and of repeat asks, the cold start, decode time per output
+token, wall time, and the prompt tokens computed, served by vLLM's prefix cache and served by
+UCM in the measured run (vLLM's ``vllm:prompt_tokens_by_source``). Every system's greedy
+outputs must equal the no-connector server's, request by request, or the benchmark fails.
 
 ``--quick``: a tiny model, 3 short documents asked twice, one UCM server with vLLM's prefix cache
 off (its KV space would hold them all: every repeat is UCM's), repeat asks against first asks:
@@ -72,6 +79,7 @@ FULL: dict[str, Any] = {
     "buffer": "4GiB",
     "replicas": True,
     "prefix_caching": True,
+    "warmup": 4,
 }
 QUICK: dict[str, Any] = {
     "model": {
@@ -94,6 +102,7 @@ QUICK: dict[str, Any] = {
     "buffer": "64MiB",
     "replicas": False,
     "prefix_caching": False,
+    "warmup": 1,
 }
 BLOCK_TOKENS = 128
 BENCH_TIMEOUT_S = 1800.0
@@ -105,14 +114,17 @@ def _kv_bytes_per_token(model: dict[str, int]) -> int:
     return model["layers"] * 2 * model["kv_heads"] * model["head_dim"] * 4
 
 
+def _tokens(config: dict[str, Any], seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, int(config["model"]["vocab"])) for _ in range(length)]
+
+
 def workload(config: dict[str, Any]) -> list[list[int]]:
     """The prompts in the order they are sent: ask ``a`` of document ``d`` is request
     ``a * docs + d``; every ask has its own question (suffix)."""
-    vocab = int(config["model"]["vocab"])
 
     def tokens(seed: int, length: int) -> list[int]:
-        rng = random.Random(seed)
-        return [rng.randrange(3, vocab) for _ in range(length)]
+        return _tokens(config, seed, length)
 
     docs = [tokens(1000 + d, int(config["doc_tokens"])) for d in range(int(config["docs"]))]
     return [
@@ -122,16 +134,27 @@ def workload(config: dict[str, Any]) -> list[list[int]]:
     ]
 
 
+def warmup_prompts(config: dict[str, Any]) -> list[list[int]]:
+    """``warmup`` prompts shaped like a first ask (a document and a question) that share no
+    block with the workload: each server answers them before the measured run, so a first ask
+    measures a miss on a running server, not the first touches of its memory (vLLM's KV space,
+    UCM's CacheBuffer and posix files). Their TTFTs are reported as the cold start."""
+    length = int(config["doc_tokens"]) + int(config["suffix_tokens"])
+    return [_tokens(config, 9000 + index, length) for index in range(int(config["warmup"]))]
+
+
 @dataclass
 class Served:
     """One system's run: per request (in workload order) its TTFT and generated text, the
-    decode time per output token, wall time, and vLLM's prompt-token counters by source."""
+    decode time per output token, wall time, and vLLM's prompt-token counters by source (the
+    measured run's: the warm-up's are subtracted); the warm-up asks' TTFTs."""
 
     ttfts: list[float]
     texts: list[str]
     tpot_ms: float
     wall_s: float
     tokens: dict[str, float]
+    warmup_ttfts: list[float]
 
 
 def _by_source(server: Any) -> dict[str, float]:
@@ -193,6 +216,9 @@ class VllmServingBenchmark:
         write_word_tokenizer(model, vocab=int(config["model"]["vocab"]))
         prompts = workload(config)
         dataset = self._dataset(model, prompts, workdir / "requests.jsonl")
+        warmups = warmup_prompts(config)
+        if warmups:
+            self._dataset(model, warmups, workdir / "warmup.jsonl")
         cpus = sorted(os.sched_getaffinity(0))
         runs: dict[str, Served] = {}
         plain_env = {"VLLM_CPU_KVCACHE_SPACE": str(config["kv_gib"])}
@@ -341,6 +367,8 @@ class VllmServingBenchmark:
         with VllmServer(
             model, workdir / f"{label}.log", self._server_args(config, extra), env=server_env
         ) as server:
+            warmup = self._warm_up(options, server, workdir, f"{label}", config, 0, 1)
+            before = _by_source(server)
             options.progress(f"vllm_serving: {label}: vllm bench serve, {count} requests")
             result = bench_serve(
                 server,
@@ -348,8 +376,38 @@ class VllmServingBenchmark:
                 self._bench_args(dataset, count, config, int(config["concurrency"])),
                 timeout_s=BENCH_TIMEOUT_S,
             )
-            tokens = _by_source(server)
-        return self._served(result, tokens)
+            tokens = _minus(_by_source(server), before)
+        return self._served(result, tokens, warmup)
+
+    def _warm_up(
+        self,
+        options: BenchOptions,
+        server: Any,
+        workdir: Path,
+        label: str,
+        config: dict[str, Any],
+        index: int,
+        servers: int,
+    ) -> list[float]:
+        """Sends this server its share of the warm-up prompts (every ``servers``-th, from
+        ``index``), as many at a time as the measured run will; returns their TTFTs."""
+        from harness.vllm_server import bench_serve
+
+        path = workdir / "warmup.jsonl"
+        if not config["warmup"]:
+            return []
+        lines = path.read_text().splitlines()[index::servers]
+        mine = workdir / f"{label}-warmup.jsonl"
+        mine.write_text("".join(line + "\n" for line in lines))
+        concurrency = max(1, int(config["concurrency"]) // servers)
+        options.progress(f"vllm_serving: {label}: {len(lines)} warm-up asks")
+        result = bench_serve(
+            server,
+            workdir / f"{label}-warmup.json",
+            self._bench_args(mine, len(lines), config, concurrency),
+            timeout_s=BENCH_TIMEOUT_S,
+        )
+        return self._served(result, dict.fromkeys(SOURCES, 0.0), []).ttfts
 
     def _replicas(
         self,
@@ -387,9 +445,24 @@ class VllmServingBenchmark:
                 )
                 for index in range(2)
             ]
-            options.progress(f"vllm_serving: {label}: two clients, round robin")
             concurrency = max(1, int(config["concurrency"]) // 2)
             with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+                warmups = [
+                    pool.submit(
+                        self._warm_up,
+                        options,
+                        servers[index],
+                        workdir,
+                        f"{label}-{index}",
+                        config,
+                        index,
+                        2,
+                    )
+                    for index in range(2)
+                ]
+                warmed = [future.result(timeout=BENCH_TIMEOUT_S + 60) for future in warmups]
+                before = [_by_source(server) for server in servers]
+                options.progress(f"vllm_serving: {label}: two clients, round robin")
                 futures = [
                     pool.submit(
                         bench_serve,
@@ -401,8 +474,14 @@ class VllmServingBenchmark:
                     for index in range(2)
                 ]
                 results = [future.result(timeout=BENCH_TIMEOUT_S + 60) for future in futures]
-            counts = [_by_source(server) for server in servers]
-        parts = [self._served(result, count) for result, count in zip(results, counts, strict=True)]
+            counts = [
+                _minus(_by_source(server), start)
+                for server, start in zip(servers, before, strict=True)
+            ]
+        parts = [
+            self._served(result, count, warm)
+            for result, count, warm in zip(results, counts, warmed, strict=True)
+        ]
         ttfts: list[float] = []
         texts: list[str] = []
         for index in range(len(prompts)):
@@ -415,9 +494,12 @@ class VllmServingBenchmark:
             tpot_ms=statistics.mean(part.tpot_ms for part in parts),
             wall_s=max(part.wall_s for part in parts),
             tokens={source: sum(part.tokens[source] for part in parts) for source in SOURCES},
+            warmup_ttfts=[ttft for part in parts for ttft in part.warmup_ttfts],
         )
 
-    def _served(self, result: dict[str, Any], tokens: dict[str, float]) -> Served:
+    def _served(
+        self, result: dict[str, Any], tokens: dict[str, float], warmup: list[float]
+    ) -> Served:
         errors = [error for error in result.get("errors", []) if error]
         if errors or result.get("failed", 0):
             raise RuntimeError(f"vllm bench serve: {result.get('failed')} failed: {errors[:3]}")
@@ -427,6 +509,7 @@ class VllmServingBenchmark:
             tpot_ms=float(result["median_tpot_ms"]),
             wall_s=float(result["duration"]),
             tokens=tokens,
+            warmup_ttfts=warmup,
         )
 
     # ---- figures -------------------------------------------------------------------------
@@ -497,6 +580,21 @@ class VllmServingBenchmark:
                         extra={
                             "p90_s": quantile(values, 0.9),
                             "baseline_p90_s": quantile(values_b, 0.9),
+                        },
+                    )
+                )
+            if served.warmup_ttfts and base.warmup_ttfts:
+                figures.append(
+                    Figure(
+                        name=f"TTFT p50, cold start (warm-up asks), {system}",
+                        value=statistics.median(served.warmup_ttfts),
+                        unit="s",
+                        baseline=f"warm-up asks, {base_name}",
+                        baseline_value=statistics.median(base.warmup_ttfts),
+                        higher_is_better=False,
+                        extra={
+                            "max_s": max(served.warmup_ttfts),
+                            "baseline_max_s": max(base.warmup_ttfts),
                         },
                     )
                 )
@@ -580,6 +678,10 @@ class VllmServingBenchmark:
             )
         ]
         return BenchResult(name=self.name, figures=figures, plots=plots, notes=notes)
+
+
+def _minus(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {source: after[source] - before[source] for source in SOURCES}
 
 
 @contextlib.contextmanager
