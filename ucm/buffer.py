@@ -96,8 +96,7 @@ class BufferTierConfig(TierConfig, LoadSettings):
         ge=0,
         le=_abi.POPULATE_THREADS_MAX,
         description="Native threads that fault the data plane in behind open, in each worker "
-        "process (0: every page faults in on its first write), at nice 19 so they only take "
-        "CPU the engine leaves idle. Open never waits for them.",
+        "process (0: every page faults in on its first write). Open never waits for them.",
     )
 
     dirty_max: Size = Field(

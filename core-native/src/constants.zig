@@ -115,10 +115,6 @@ pub const seg_close_lock_ns: u64 = 500 * std.time.ns_per_ms;
 /// Background population of the data plane (populate.zig): chunk size and thread bound.
 pub const populate_chunk_bytes: usize = 32 * 1024 * 1024;
 pub const populate_threads_max: u32 = 8;
-/// The nice value a populate thread gives itself (Linux nice is per thread): population only
-/// moves page faults off the hot path, so it must not take CPU from an engine's compute threads
-/// (their forward pass) where they share CPUs. Lowering priority needs no privilege.
-pub const populate_nice: i32 = 19;
 pub const populate_chunks_max: usize = seg_data_bytes_max / populate_chunk_bytes;
 
 comptime {
@@ -126,7 +122,6 @@ comptime {
     std.debug.assert(populate_chunks_max % 64 == 0);
     std.debug.assert(populate_chunks_max <= std.math.maxInt(u32));
     std.debug.assert(populate_threads_max > 0);
-    std.debug.assert(populate_nice >= 0 and populate_nice <= 19);
 }
 
 comptime {

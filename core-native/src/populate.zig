@@ -74,7 +74,6 @@ pub const Populater = struct {
 
     fn run(populater: *Populater) void {
         sys.block_signals();
-        sys.lower_thread_priority(constants.populate_nice);
         var taken: u32 = 0;
         while (taken <= populater.chunk_count) : (taken += 1) {
             if (populater.stop.load(.monotonic)) return;

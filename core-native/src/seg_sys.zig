@@ -100,15 +100,6 @@ pub fn block_signals() void {
     assert(std.c.pthread_sigmask(linux.SIG.BLOCK, &all, &previous) == 0);
 }
 
-/// Sets the calling thread's nice value (Linux: setpriority(PRIO_PROCESS, 0) applies to the
-/// calling thread only). Best effort: a failure (a seccomp filter, say) leaves the priority as
-/// it was, which is correct, only less polite.
-pub fn lower_thread_priority(nice: i32) void {
-    assert(nice >= 0 and nice <= 19); // raising priority is not what this is for
-    const prio_process: usize = 0;
-    _ = linux.syscall3(.setpriority, prio_process, 0, @as(usize, @bitCast(@as(isize, nice))));
-}
-
 pub fn monotonic_ns() u64 {
     var ts: linux.timespec = undefined;
     const rc = linux.clock_gettime(.MONOTONIC, &ts);

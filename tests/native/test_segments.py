@@ -14,7 +14,6 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -296,40 +295,6 @@ def test_background_population_makes_the_whole_data_plane_resident(unique_id: st
         pytest.raises(InvalidArgumentError, match=r"threads=9 is not valid: expected an int"),
     ):
         region.populate(9)
-
-
-def _thread_nice(tid: int) -> int | None:
-    """A thread's nice value (field 19 of its stat line), None once it has exited."""
-    try:
-        stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[16])
-
-
-def test_populate_threads_run_at_the_lowest_priority(unique_id: str) -> None:
-    # Population only moves page faults off the hot path: beside an engine's compute threads
-    # it must take only CPU they leave idle. 1 GiB keeps the threads busy long enough to look.
-    data_bytes = 1 << 30
-    with SharedRegion.open(unique_id, CTRL_BYTES, data_bytes, 32 << 20) as region:
-        before = {int(tid) for tid in os.listdir("/proc/self/task")}
-        caller = _thread_nice(threading.get_native_id())
-        assert region.populate(2) == 2
-        started = {int(tid) for tid in os.listdir("/proc/self/task")} - before
-        assert len(started) == 2
-        # Each thread lowers its own priority as it starts: look until both have (or ended).
-        lowered: set[int] = set()
-        nice: dict[int, int | None] = {}
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            nice = {tid: _thread_nice(tid) for tid in started}
-            lowered |= {tid for tid, value in nice.items() if value == 19}
-            if all(value is None or tid in lowered for tid, value in nice.items()):
-                break
-            time.sleep(0.001)
-        assert lowered, f"no populate thread was seen at nice 19: {nice}"
-        assert all(value in (None, 19) for value in nice.values()), nice
-        assert _thread_nice(threading.get_native_id()) == caller  # only theirs changed
 
 
 def test_close_stops_background_population_promptly(unique_id: str) -> None:
