@@ -6,6 +6,7 @@ import dataclasses
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -233,11 +234,11 @@ def test_an_epoch_read_while_the_markers_tier_does_not_answer_is_never_a_lower_o
         tier = scheduler.tiers[0]
         answer = tier.lookup
 
-        def slow(keys: list[bytes]) -> list[bool]:  # the tier answers, past the deadline
+        def slow(keys: Sequence[tuple[bytes, int]]) -> list[bool]:  # answers past the deadline
             time.sleep(0.5)
             return list(answer(keys))
 
-        tier.lookup = slow  # type: ignore[method-assign,assignment]
+        tier.lookup = slow  # type: ignore[method-assign]
         try:
             epoch = epochs.current(scheduler)
         except ucm.UcmError:
