@@ -122,13 +122,11 @@ def _tokens(config: dict[str, Any], seed: int, length: int) -> list[int]:
 def workload(config: dict[str, Any]) -> list[list[int]]:
     """The prompts in the order they are sent: ask ``a`` of document ``d`` is request
     ``a * docs + d``; every ask has its own question (suffix)."""
-
-    def tokens(seed: int, length: int) -> list[int]:
-        return _tokens(config, seed, length)
-
-    docs = [tokens(1000 + d, int(config["doc_tokens"])) for d in range(int(config["docs"]))]
+    docs = [
+        _tokens(config, 1000 + d, int(config["doc_tokens"])) for d in range(int(config["docs"]))
+    ]
     return [
-        docs[d] + tokens(2000 + ask * 100 + d, int(config["suffix_tokens"]))
+        docs[d] + _tokens(config, 2000 + ask * 100 + d, int(config["suffix_tokens"]))
         for ask in range(int(config["asks"]))
         for d in range(len(docs))
     ]
@@ -216,9 +214,6 @@ class VllmServingBenchmark:
         write_word_tokenizer(model, vocab=int(config["model"]["vocab"]))
         prompts = workload(config)
         dataset = self._dataset(model, prompts, workdir / "requests.jsonl")
-        warmups = warmup_prompts(config)
-        if warmups:
-            self._dataset(model, warmups, workdir / "warmup.jsonl")
         cpus = sorted(os.sched_getaffinity(0))
         runs: dict[str, Served] = {}
         plain_env = {"VLLM_CPU_KVCACHE_SPACE": str(config["kv_gib"])}
@@ -367,7 +362,7 @@ class VllmServingBenchmark:
         with VllmServer(
             model, workdir / f"{label}.log", self._server_args(config, extra), env=server_env
         ) as server:
-            warmup = self._warm_up(options, server, workdir, f"{label}", config, 0, 1)
+            warmup = self._warm_up(options, server, model, workdir, label, config, 0, 1)
             before = _by_source(server)
             options.progress(f"vllm_serving: {label}: vllm bench serve, {count} requests")
             result = bench_serve(
@@ -383,6 +378,7 @@ class VllmServingBenchmark:
         self,
         options: BenchOptions,
         server: Any,
+        model: Path,
         workdir: Path,
         label: str,
         config: dict[str, Any],
@@ -393,18 +389,16 @@ class VllmServingBenchmark:
         ``index``), as many at a time as the measured run will; returns their TTFTs."""
         from harness.vllm_server import bench_serve
 
-        path = workdir / "warmup.jsonl"
-        if not config["warmup"]:
+        mine = warmup_prompts(config)[index::servers]
+        if not mine:
             return []
-        lines = path.read_text().splitlines()[index::servers]
-        mine = workdir / f"{label}-warmup.jsonl"
-        mine.write_text("".join(line + "\n" for line in lines))
+        dataset = self._dataset(model, mine, workdir / f"{label}-warmup.jsonl")
         concurrency = max(1, int(config["concurrency"]) // servers)
-        options.progress(f"vllm_serving: {label}: {len(lines)} warm-up asks")
+        options.progress(f"vllm_serving: {label}: {len(mine)} warm-up asks")
         result = bench_serve(
             server,
             workdir / f"{label}-warmup.json",
-            self._bench_args(mine, len(lines), config, concurrency),
+            self._bench_args(dataset, len(mine), config, concurrency),
             timeout_s=BENCH_TIMEOUT_S,
         )
         return self._served(result, dict.fromkeys(SOURCES, 0.0), []).ttfts
@@ -452,6 +446,7 @@ class VllmServingBenchmark:
                         self._warm_up,
                         options,
                         servers[index],
+                        model,
                         workdir,
                         f"{label}-{index}",
                         config,
