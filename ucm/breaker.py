@@ -36,6 +36,7 @@ from typing import Any, Literal, TypeVar
 from .config import BreakerConfig
 
 T = TypeVar("T")
+M = TypeVar("M")
 
 BreakerState = Literal["closed", "open", "half_open"]
 BREAKER_STATES: tuple[BreakerState, ...] = ("closed", "open", "half_open")
@@ -198,30 +199,40 @@ class TierGuard:
     def __init__(self, label: str, timeout_ms: int, breaker: BreakerConfig | None = None) -> None:
         breaker = breaker or BreakerConfig()
         self.label = label
+        self.timeout_ms = timeout_ms
         self.timeout_s = timeout_ms / 1000.0
+        self.last_miss = ""
+        """Why the last call answered ``miss`` (for error messages)."""
         self.breaker = CircuitBreaker(breaker.failures, breaker.probe_interval_ms / 1000.0)
         self._pool = DaemonPool(f"ucm-lookup-{label}", LOOKUP_THREADS)
         self._lock = threading.Lock()
         self.counts = {"lookup_timeouts": 0, "lookup_errors": 0, "lookup_busy": 0, "load_skips": 0}
 
-    def call(self, fn: Callable[[], T], miss: T) -> T:
+    def call(self, fn: Callable[[], T], miss: M) -> T | M:
         """``fn()``'s answer, or ``miss`` when the breaker is open, every guard thread is still
-        held by an earlier call, the call raised, or it did not answer within the deadline."""
+        held by an earlier call, the call raised, or it did not answer within the deadline
+        (:attr:`last_miss` then says which)."""
         if not self.breaker.allow():
+            self.last_miss = "its circuit breaker is open"
             return miss
         try:
             answer = self._bounded(fn)
         except _Busy:
             self._bump("lookup_busy")
             self.breaker.failure()
+            self.last_miss = (
+                f"all {LOOKUP_THREADS} of its look-up threads are held by earlier calls"
+            )
             return miss
         except _Timeout:
             self._bump("lookup_timeouts")
             self.breaker.failure()
+            self.last_miss = f"it did not answer within lookup_timeout_ms={self.timeout_ms}"
             return miss
-        except Exception:
+        except Exception as exc:
             self._bump("lookup_errors")
             self.breaker.failure()
+            self.last_miss = f"it failed: {type(exc).__name__}: {exc}"
             return miss
         self.breaker.success()
         return answer

@@ -55,6 +55,12 @@ class BufferLockTimeoutError(TierError):
     key could not be claimed there (a dump then writes it straight to the tiers below)."""
 
 
+class LookupUnansweredError(TierError):
+    """A look-up that must be exact (``Store.lookup(..., exact=True)``) reached a tier that did
+    not answer: past its ``lookup_timeout_ms``, with its breaker open, or failing. Whether the
+    keys are there is unknown (a bounded look-up would have answered "absent")."""
+
+
 class TaskError(UcmError):
     """A load or dump task finished with failed keys. ``failures`` maps each failed key
     ``(block_id, shard_index)`` to the cause."""

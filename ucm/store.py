@@ -33,6 +33,7 @@ from .errors import (
     ConfigError,
     InvalidArgumentError,
     KeyMissingError,
+    LookupUnansweredError,
     RoleError,
     StoreClosedError,
 )
@@ -251,12 +252,19 @@ class Store:
 
     # ---- public API -------------------------------------------------------------------------
 
-    def lookup(self, block_ids: Sequence[bytes], *, namespace: str | None = None) -> list[bool]:
-        """Whether every shard of each block is present in some tier (in the namespace)."""
+    def lookup(
+        self, block_ids: Sequence[bytes], *, namespace: str | None = None, exact: bool = False
+    ) -> list[bool]:
+        """Whether every shard of each block is present in some tier (in the namespace).
+
+        A lower tier answers within its deadline and breaker: past them its answer is "absent".
+        With ``exact``, a tier that did not answer about a shard no tier above it holds raises
+        :class:`~ucm.LookupUnansweredError` instead, for a caller to whom "absent" and "cannot
+        tell" differ (the reset epoch's markers: :class:`~ucm.integration.keys.Epochs`)."""
         self._check_open()
         blocks = self._scoped(block_ids, namespace)
         keys = self.layout.keys_of_blocks(blocks)
-        present = self._lookup_keys(keys)
+        present = self._lookup_keys(keys, exact=exact)
         per_block = self.layout.shards_per_block
         return [all(present[i * per_block : (i + 1) * per_block]) for i in range(len(blocks))]
 
@@ -734,19 +742,29 @@ class Store:
             self._admission.on_load(task.done, task_keys.keys)
         return task
 
-    def _tier_lookup(self, position: int, keys: list[Key], prefix: bool = False) -> list[bool]:
+    def _tier_lookup(
+        self, position: int, keys: list[Key], prefix: bool = False, exact: bool = False
+    ) -> list[bool]:
         """One tier's answers about ``keys`` (with ``prefix``, possibly only the first ones, up
         to and including its first absent key); a lower tier's are bounded by its deadline and
-        breaker ("miss" past them)."""
+        breaker ("miss" past them; with ``exact``, :class:`LookupUnansweredError`)."""
         tier = self.tiers[position]
         ask = tier.lookup_prefix if prefix else tier.lookup
         guard = self._guards[position]
         if guard is None:
             return list(ask(keys))
-        return guard.call(lambda: list(ask(keys)), [False] * len(keys))
+        answer = guard.call(lambda: list(ask(keys)), None)
+        if answer is not None:
+            return answer
+        if exact:
+            raise LookupUnansweredError(
+                f"tier {tier.label!r} did not answer a look-up of {len(keys)} shard(s): "
+                f"{guard.last_miss}; whether they are there is unknown"
+            )
+        return [False] * len(keys)
 
     def _lookup_keys(
-        self, keys: list[Key], stop_early: bool = True, bounded: bool = True
+        self, keys: list[Key], stop_early: bool = True, bounded: bool = True, exact: bool = False
     ) -> list[bool]:
         present = [False] * len(keys)
         pending = list(range(len(keys)))
@@ -755,7 +773,7 @@ class Store:
                 break
             batch = [keys[i] for i in pending]
             if bounded:
-                answers = self._tier_lookup(position, batch)
+                answers = self._tier_lookup(position, batch, exact=exact)
             else:  # exact counts (remove): no deadline, and a tier that fails answers absent
                 try:
                     answers = tier.lookup(batch)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -211,39 +212,116 @@ def test_epochs_are_marker_blocks_every_process_sees(tmp_path: Path) -> None:
         SPACE.salt(epoch=-1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (docs/reliability.md#known-gaps): a tier past its look-up deadline "
-    "answers 'absent', so the epoch read is a lower one",
-)
-def test_an_epoch_read_while_the_markers_tier_does_not_answer_is_never_a_lower_one(
-    tmp_path: Path,
-) -> None:
-    from ucm.integration.keys import Epochs
-
-    stack = {
-        "unique_id": "epochs-slow",
+def _slow_markers_stack(tmp_path: Path, unique_id: str) -> dict[str, object]:
+    return {
+        "unique_id": unique_id,
         "tensor_size_list": [64, 64],
         "shards_per_block": 2,
         "tiers": [{"type": "posix", "path": str(tmp_path), "lookup_timeout_ms": 50}],
     }
+
+
+class _Gate:
+    """Makes a tier's look-ups answer past their deadline while ``slow`` is set."""
+
+    def __init__(self, tier: object) -> None:
+        self.slow = threading.Event()
+        self.slow.set()
+        answer = tier.lookup  # type: ignore[attr-defined]
+
+        def lookup(keys: Sequence[tuple[bytes, int]]) -> list[bool]:
+            if self.slow.is_set():
+                time.sleep(0.3)
+            return list(answer(keys))
+
+        tier.lookup = lookup  # type: ignore[attr-defined]
+
+
+def test_an_epoch_read_while_the_markers_tier_does_not_answer_is_never_a_lower_one(
+    tmp_path: Path,
+) -> None:
+    """A tier past its look-up deadline answers "absent" to a request's look-up; the epoch's
+    read must not take that for "no marker" (the epoch would fall back, and blocks saved before
+    the reset be served once the tier answers again): it raises, naming the tier and why."""
+    from ucm.integration.keys import Epochs
+
+    stack = _slow_markers_stack(tmp_path, "epochs-slow")
     epochs = Epochs(SPACE.salt())
     with ucm.open(stack, device_id=0, local_rank_size=1) as worker:
         assert epochs.begin(worker) == 1
     with ucm.open(stack, device_id=-1, local_rank_size=1) as scheduler:
-        tier = scheduler.tiers[0]
-        answer = tier.lookup
+        _Gate(scheduler.tiers[0])
+        with pytest.raises(ucm.LookupUnansweredError) as raised:
+            epochs.current(scheduler)
+        assert "tier 'posix' did not answer a look-up of 128 shard(s)" in str(raised.value)
+        assert "lookup_timeout_ms=50" in str(raised.value)
+        # A request's look-up still answers "absent" past the deadline.
+        assert scheduler.lookup([epochs.marker(1)]) == [False]
 
-        def slow(keys: Sequence[tuple[bytes, int]]) -> list[bool]:  # answers past the deadline
-            time.sleep(0.5)
-            return list(answer(keys))
 
-        tier.lookup = slow  # type: ignore[method-assign]
+def _poll_until(state: object, bound_s: float = 30.0) -> tuple[int, bytes | None]:
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        adopted = state.poll()  # type: ignore[attr-defined]
+        if adopted is not None:
+            return adopted  # type: ignore[no-any-return]
+        time.sleep(0.02)
+    raise AssertionError(f"the epoch was not adopted within {bound_s} s")
+
+
+def test_an_unknown_epoch_salts_ids_with_a_nonce_until_the_tier_answers(tmp_path: Path) -> None:
+    """EpochState: unknown at start (the markers' tier past its deadline), a nonce; adopted,
+    on the engine's thread, once a retry on its own thread reads it; never a lower epoch."""
+    from ucm.integration.keys import Epochs, EpochState, provisional_salt
+
+    stack = _slow_markers_stack(tmp_path, "epochs-state")
+    epochs = Epochs(SPACE.salt())
+    with ucm.open(stack, device_id=0, local_rank_size=1) as worker:
+        assert epochs.begin(worker) == 1 and epochs.begin(worker) == 2
+    with ucm.open(stack, device_id=-1, local_rank_size=1) as scheduler:
+        gate = _Gate(scheduler.tiers[0])
+        state = EpochState(epochs, scheduler, retry_s=0.05)
         try:
-            epoch = epochs.current(scheduler)
-        except ucm.UcmError:
-            return  # "cannot tell" is a safe answer
-        assert epoch >= 1, "the epoch fell back while the marker's tier was slow"
+            assert state.start() is None and state.epoch is None
+            salt = provisional_salt(SPACE.salt(), state.nonce)
+            assert salt not in {SPACE.salt(epoch=n) for n in range(4)}
+            other = EpochState(epochs, scheduler, retry_s=0.05)
+            assert other.start() is None and other.nonce != state.nonce  # per process
+            time.sleep(0.3)
+            assert state.poll() is None  # retries while the tier is slow: still unknown
+            assert state.epoch is None
+            gate.slow.clear()
+            assert _poll_until(state) == (2, None)  # no reset was pending: no marker
+            assert state.epoch == 2 and state.poll() is None
+            other.close()
+        finally:
+            state.close()
+
+
+def test_a_reset_while_the_epoch_cannot_be_read_is_pending_then_goes_past_the_stack(
+    tmp_path: Path,
+) -> None:
+    from ucm.integration.keys import Epochs, EpochState, write_marker
+
+    stack = _slow_markers_stack(tmp_path, "epochs-pending")
+    epochs = Epochs(SPACE.salt())
+    with ucm.open(stack, device_id=0, local_rank_size=1) as worker:
+        assert epochs.begin(worker) == 1
+        state = EpochState(epochs, worker, retry_s=0.05)
+        try:
+            assert state.start() == 1
+            assert state.reset() == (2, epochs.marker(2))  # the tier answers: at once
+            write_marker(worker, epochs.marker(2))
+            gate = _Gate(worker.tiers[0])
+            nonce = state.nonce
+            assert state.reset() == (None, None)  # cannot read the stack's epoch: pending
+            assert state.epoch is None and state.nonce != nonce
+            write_marker(worker, epochs.marker(5))  # another process reset 3 more times
+            gate.slow.clear()
+            assert _poll_until(state) == (6, epochs.marker(6))  # past the stack's, with marker
+            assert state.epoch == 6
+        finally:
+            state.close()
 
 
 def test_multi_node_tp_warns_naming_the_shared_tier_fix(

@@ -304,6 +304,75 @@ def test_clear_serves_nothing_stored_before_it_on_any_tier(
         restarted.close()
 
 
+def test_a_backend_started_while_the_markers_tier_is_slow_never_takes_an_older_epoch(
+    sgl: SGLang, unique_id: Callable[[], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The posix tier holding the clear's marker answers past its look-up deadline when a
+    backend starts. It must not start in epoch 0 (it would serve pages stored before the clear
+    once the tier answers): its page ids carry a nonce until it reads epoch 1. A clear made
+    while the tier is slow is pending, and begins epoch 2 once the tier answers."""
+    import threading
+    import time
+
+    from ucm_backends.posix import PosixTier
+
+    stack = stack_of(unique_id(), lower=tmp_path / "posix")
+    stack["tiers"][1].update({"lookup_timeout_ms": 200, "breaker": {"probe_interval_ms": 500}})
+    before, after, mine = keys_of(sgl, 3), keys_of(sgl, 2), keys_of(sgl, 2)
+    pool = host_pool(sgl)
+    backend = create_backend(sgl, storage_config(sgl, {"ucm_stack": stack}), pool)
+    try:
+        _store_pages(backend, pool, before)
+        backend.clear()
+        _store_pages(backend, pool, after, seed=2)
+        assert backend.epoch == 1 and backend.batch_exists(after) == 2
+    finally:
+        backend.close()
+    segments.unlink(stack["unique_id"])  # a restart: only the posix tier holds the marker
+
+    slow = threading.Event()
+    slow.set()
+    answer = PosixTier.lookup
+
+    def lookup(self: PosixTier, keys: Any) -> list[bool]:
+        if slow.is_set():
+            time.sleep(0.6)
+        return answer(self, keys)
+
+    def adopted(rank: Any, epoch: int) -> None:
+        began = time.monotonic()
+        while rank.epoch != epoch and time.monotonic() - began < 60:
+            rank.batch_exists(mine)  # every call adopts a read epoch
+            time.sleep(0.05)
+        assert rank.epoch == epoch
+
+    monkeypatch.setattr(PosixTier, "lookup", lookup)
+    pool = host_pool(sgl)
+    restarted = create_backend(sgl, storage_config(sgl, {"ucm_stack": stack}), pool)
+    try:
+        assert restarted.epoch is None  # unknown: page ids carry a nonce
+        _store_pages(restarted, pool, mine, seed=3)
+        assert restarted.batch_exists(mine) == 2  # what it saved itself is served
+        slow.clear()
+        adopted(restarted, 1)
+        assert restarted.batch_exists(before) == 0  # stored before the clear: never served
+        assert restarted.batch_exists(after) == 2
+        slow.set()
+        restarted.clear()  # the stack's epoch cannot be read: pending
+        assert restarted.epoch is None and restarted.batch_exists(after) == 0
+        slow.clear()
+        adopted(restarted, 2)
+        assert restarted.batch_exists(after) == 0
+    finally:
+        restarted.close()
+    segments.unlink(stack["unique_id"])
+    later = create_backend(sgl, storage_config(sgl, {"ucm_stack": stack}), host_pool(sgl))
+    try:
+        assert later.epoch == 2  # the pending clear's marker was written
+    finally:
+        later.close()
+
+
 @pytest.mark.parametrize("mla", [False, True])
 def test_tp_ranks_that_clear_agree_on_the_epoch(
     sgl: SGLang, unique_id: Callable[[], str], mla: bool

@@ -36,13 +36,17 @@ import hashlib
 import json
 import logging
 import os
+import threading
+import time
 from array import array
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..breaker import DaemonPool
 from ..codecs import FP8_DTYPES, Fp8Codec
-from ..errors import ConfigError
+from ..errors import ConfigError, LookupUnansweredError, UcmError
 from ..layout import BLOCK_ID_BYTES
 from ..stack import StackConfig, parse_stack, read_stack_source
 
@@ -184,12 +188,14 @@ class Epochs:
         return named_block_id(self.base, f"ucm-epoch:{self.writer}:{epoch}")
 
     def current(self, store: Store) -> int:
-        """The highest epoch whose marker ``store`` holds (0 when none)."""
+        """The highest epoch whose marker ``store`` holds (0 when none). Raises
+        :class:`~ucm.LookupUnansweredError` when a tier did not answer (past its deadline, its
+        breaker open): a marker only it holds would be missed, and a lower epoch is unsafe."""
         found = 0
         start = 1
         for _ in range(EPOCH_WINDOWS_MAX):
             window = range(start, start + EPOCH_WINDOW)
-            present = store.lookup([self.marker(n) for n in window])
+            present = store.lookup([self.marker(n) for n in window], exact=True)
             hits = [n for n, hit in zip(window, present, strict=True) if hit]
             if not hits:
                 return found
@@ -204,6 +210,129 @@ class Epochs:
         epoch = max(self.current(store), after) + 1
         write_marker(store, self.marker(epoch))
         return epoch
+
+
+EPOCH_RETRY_S = 2.0
+"""How often a process whose epoch is unknown reads it again (on a thread of its own)."""
+
+
+def provisional_salt(salt: bytes, nonce: bytes) -> bytes:
+    """``salt`` keyed with one process's ``nonce``: the salt of ids no other process computes,
+    used while the process's reset epoch is unknown (:class:`EpochState`)."""
+    return hashlib.blake2b(salt, digest_size=32, key=nonce).digest()
+
+
+class EpochState:
+    """The reset epoch one engine process's ids are in: the stack's, never a lower one.
+
+    :meth:`start` reads the epoch with exact look-ups (:meth:`Epochs.current`). When a tier
+    does not answer (:class:`~ucm.LookupUnansweredError`: past its ``lookup_timeout_ms``, its
+    breaker open), the epoch is *unknown* (``epoch`` is None): the engine salts its ids with a
+    nonce of this process (:func:`provisional_salt`), so it is served only what it saved itself
+    since, and nothing of any epoch saved by anyone else. The read is retried on a thread of its
+    own, at most every ``retry_s``; :meth:`poll`, called by the engine on its own thread, never
+    waits and adopts the epoch once it has been read. A reset (:meth:`reset`) whose read of the
+    stack's epoch fails is *pending*: the engine moves to a new nonce at once (nothing saved
+    before is served), and the epoch past the stack's is begun, its marker written, when the
+    read succeeds. A process that exits before then leaves no marker (as a reset whose marker
+    write fails does).
+    """
+
+    def __init__(self, epochs: Epochs, store: Store, *, retry_s: float = EPOCH_RETRY_S) -> None:
+        self._epochs = epochs
+        self._store = store
+        self._retry_s = retry_s
+        self.epoch: int | None = 0
+        """The epoch this process's ids are in; None while unknown."""
+        self.nonce = os.urandom(32)
+        """While the epoch is unknown: the key of :func:`provisional_salt` (new at each reset)."""
+        self._floor = 0
+        """The highest epoch this process has been in: a reset goes past it."""
+        self._reset_pending = False
+        self._read: Future[int] | None = None
+        self._retry_at = 0.0
+        self._pool: DaemonPool | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> int | None:
+        """Reads the stack's epoch (bounded by each tier's deadline); None when unknown."""
+        try:
+            self.epoch = self._floor = self._epochs.current(self._store)
+        except LookupUnansweredError as exc:
+            self._unknown(str(exc))
+        return self.epoch
+
+    def reset(self) -> tuple[int | None, bytes | None]:
+        """A reset: the new epoch (past the stack's and this process's) and its marker, which
+        the caller writes with a worker store; ``(None, None)`` when the stack's epoch cannot be
+        read now (the reset is pending: :meth:`poll` returns its epoch and marker later)."""
+        with self._lock:
+            self._floor = max(self._floor, self.epoch or 0)
+            self._read = None  # a read started before the reset answers for the old epoch
+            try:
+                stack = self._epochs.current(self._store)
+            except UcmError as exc:
+                self._reset_pending = True
+                self._unknown(str(exc))
+                return None, None
+            self._reset_pending = False
+            self.epoch = self._floor = max(stack, self._floor) + 1
+            return self.epoch, self._epochs.marker(self.epoch)
+
+    def poll(self) -> tuple[int, bytes | None] | None:
+        """While the epoch is unknown: starts a read when one is due, and once one has answered,
+        adopts its epoch and returns it with the marker to write (a pending reset's; None
+        otherwise). None when there is nothing new. Never waits on a tier."""
+        if self.epoch is not None:
+            return None
+        with self._lock:
+            read = self._read
+            if read is None:
+                now = time.monotonic()
+                if now >= self._retry_at:
+                    self._retry_at = now + self._retry_s
+                    if self._pool is None:
+                        self._pool = DaemonPool("ucm-epoch", 1)
+                    self._read = self._pool.try_submit(lambda: self._epochs.current(self._store))
+                return None
+            if not read.done():
+                return None
+            self._read = None
+            try:
+                stack = read.result()
+            except Exception as exc:  # not yet: the next read is due after retry_s
+                logger.debug("UCM: the reset epoch is still unknown: %s", exc)
+                return None
+            marker = None
+            if self._reset_pending:
+                self._reset_pending = False
+                epoch = max(stack, self._floor) + 1
+                marker = self._epochs.marker(epoch)
+            else:
+                epoch = max(stack, self._floor)
+            self.epoch = self._floor = epoch
+        logger.info(
+            "UCM: the stack's reset epoch is now known: %d%s; ids from now on are in it",
+            epoch,
+            " (the pending reset begins it)" if marker is not None else "",
+        )
+        return epoch, marker
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    def _unknown(self, why: str) -> None:
+        self.epoch = None
+        self.nonce = os.urandom(32)
+        self._retry_at = time.monotonic() + self._retry_s
+        logger.warning(
+            "UCM: the key space's reset epoch cannot be read now (%s): until it can, this "
+            "process's block ids carry a nonce of its own, so it is served only what it saves "
+            "itself (never a block of another epoch); reading again every %.1f s",
+            why,
+            self._retry_s,
+        )
 
 
 def write_marker(store: Store, block_id: bytes) -> None:

@@ -54,10 +54,20 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 import ucm
-from ucm.errors import ConfigError, InvalidArgumentError, TaskError
+from ucm.errors import ConfigError, InvalidArgumentError, TaskError, UcmError
 from ucm.stack import parse_stack
 
-from .keys import EngineGeometry, Epochs, KeySpace, engine_stack, named_block_id, warn_node_local
+from .keys import (
+    EngineGeometry,
+    Epochs,
+    EpochState,
+    KeySpace,
+    engine_stack,
+    named_block_id,
+    provisional_salt,
+    warn_node_local,
+    write_marker,
+)
 from .salts import config_digest, weights_fingerprint
 from .tenants import TenantMapping
 
@@ -206,9 +216,10 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         self._store: ucm.Store | None = None
         self._salt = b""
         self._space: KeySpace | None = None
-        self._epochs: Epochs | None = None
-        self.epoch = 0
-        """The reset epoch this rank's page ids are in (see :meth:`clear`)."""
+        self._epochs: EpochState | None = None
+        self.epoch: int | None = 0
+        """The reset epoch this rank's page ids are in (see :meth:`clear`); None while it is
+        unknown (:class:`~ucm.integration.keys.EpochState`)."""
         self._page_size = 0
         self._pointers_per_page = 0
         self._flat_offsets: list[int] | None = None
@@ -272,9 +283,12 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         )
         config = self.storage_config
         self._space = space
-        self._epochs = Epochs(space.salt(), writer=f"dp{config.dp_rank}-tp{config.tp_rank}")
-        self.epoch = self._epochs.current(self._store)
-        self._salt = space.salt(epoch=self.epoch)
+        if self._epochs is not None:
+            self._epochs.close()
+        self._epochs = EpochState(
+            Epochs(space.salt(), writer=f"dp{config.dp_rank}-tp{config.tp_rank}"), self._store
+        )
+        self._set_epoch(self._epochs.start())
         nodes = int(getattr(args, "nnodes", 1) or 1) if args is not None else 1
         warn_node_local("SGLang", nodes, self.plan.shards_per_block, stack)
 
@@ -332,15 +346,46 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         so that SGLang does not report a clear that did not happen.
         """
         store = self._require_store()
-        assert self._epochs is not None and self._space is not None
-        self.epoch = self._epochs.begin(store, after=self.epoch)
-        self._salt = self._space.salt(epoch=self.epoch)
+        assert self._epochs is not None
+        epoch, marker = self._epochs.reset()
+        self._set_epoch(epoch)
+        if marker is None:  # pending: the epoch and its marker follow when the tier answers
+            return
+        write_marker(store, marker)
         logger.info(
             "UCM HiCache rank %d: cleared (key space epoch %d): pages stored before are never "
             "served; they stay in the tiers until evicted",
             self.storage_config.tp_rank,
-            self.epoch,
+            epoch,
         )
+
+    def _set_epoch(self, epoch: int | None) -> None:
+        assert self._epochs is not None and self._space is not None
+        self.epoch = epoch
+        salt = self._space.salt()
+        self._salt = (
+            provisional_salt(salt, self._epochs.nonce)
+            if epoch is None
+            else self._space.salt(epoch=epoch)
+        )
+
+    def _poll_epoch(self) -> None:
+        """Adopts the reset epoch once a tier that did not answer at start (or at a clear)
+        has (:class:`~ucm.integration.keys.EpochState`), writing a pending clear's marker."""
+        if self._epochs is None or self.epoch is not None:
+            return
+        adopted = self._epochs.poll()
+        if adopted is None:
+            return
+        epoch, marker = adopted
+        if marker is not None:
+            try:
+                write_marker(self._require_store(), marker)
+            except UcmError as exc:  # as a clear whose marker cannot be written: this rank
+                logger.warning(  # is in the new epoch, a later backend may not be
+                    "UCM HiCache: could not write the epoch marker of a pending clear: %s", exc
+                )
+        self._set_epoch(epoch)
 
     @property
     def store(self) -> ucm.Store:
@@ -454,6 +499,8 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
 
     def close(self) -> None:
         """Finishes pending writes and closes the store (SGLang calls it on detach)."""
+        if self._epochs is not None:
+            self._epochs.close()
         if self._store is not None:
             self._store.close()
 
@@ -465,6 +512,7 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
                 f"keys must be a list of page hash strings, got {type(keys).__name__}"
             )
         self._require_store()  # the salt exists once the host pool is registered
+        self._poll_epoch()
         ids = []
         for i, key in enumerate(keys):
             if not isinstance(key, str):

@@ -20,7 +20,7 @@ from ucm.breaker import LOOKUP_THREADS, DaemonPool
 from ucm.errors import ConfigError, UcmError
 
 from ..addresses import BlockAddresses, block_view
-from ..keys import Epochs, warn_node_local, write_marker
+from ..keys import Epochs, EpochState, warn_node_local, write_marker
 from ..tenants import TenantMapping
 from .config import (
     STACK_KEY_NAME,
@@ -118,7 +118,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _init_scheduler(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
         self._store = open_store(vllm_config, self._geometry, -1, ranks_per_node(vllm_config))
         self._key_space = key_space(vllm_config, kv_cache_config)
-        self._epochs = Epochs(self._key_space.salt())
+        self._epochs = EpochState(Epochs(self._key_space.salt()), self._store)
         self._reset_marker: bytes | None = None
         nodes = int(getattr(vllm_config.parallel_config, "nnodes", 1) or 1)
         warn_node_local("vLLM", nodes, self._geometry.shards_per_block, self._store.config)
@@ -144,7 +144,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             producer=bool(transfer.is_kv_producer),
             report_ids=bool(self._extra.get("ucm_report_block_ids", False)),
             stats=self._stats,
-            epoch=self._epochs.current(self._store),
+            epoch=self._epochs.start(),
             tenants=TenantMapping.parse(self._extra.get("ucm_namespace"), "ucm_namespace"),
             # Without a CacheBuffer an asynchronous load would have nowhere to put the bytes
             # that arrive after its deadline but vLLM's blocks: every load is synchronous. With
@@ -205,6 +205,13 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmConnectorMetadata:
         meta = self._sched.build_connector_meta(scheduler_output)
         meta.reset_marker, self._reset_marker = self._reset_marker, None
+        # An epoch unknown at start (or at a reset) is adopted between steps, as a reset is.
+        adopted = self._epochs.poll()
+        if adopted is not None:
+            epoch, marker = adopted
+            self._sched.reset(epoch)
+            if marker is not None:
+                self._reset_marker = marker
         return meta
 
     def reset_cache(self) -> bool:
@@ -214,19 +221,19 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         computed from now on differs from every id saved before, on every tier. Requests that
         vLLM still tracks keep a throwaway salt of their own (:meth:`SchedulerSide.reset`).
         TP rank 0 writes the epoch's marker with the next step, so later engines on this stack
-        start in the new epoch.
+        start in the new epoch. When the stack's epoch cannot be read now (a tier does not
+        answer), the reset is pending (:class:`~ucm.integration.keys.EpochState`): ids carry a
+        new nonce at once, and the epoch and its marker follow once the tier answers.
         """
         if self._role != KVConnectorRole.SCHEDULER:
             return True
-        try:
-            stack_epoch = self._epochs.current(self._store)
-        except UcmError as exc:
-            logger.warning("UCM reset: could not read the stack's epoch (%s): going on", exc)
-            stack_epoch = 0
-        epoch = max(stack_epoch, self._sched.epoch) + 1
+        epoch, marker = self._epochs.reset()
         self._sched.reset(epoch)
-        self._reset_marker = self._epochs.marker(epoch)
-        logger.info("UCM reset: key space epoch %d; blocks saved before are never served", epoch)
+        if marker is not None:
+            self._reset_marker = marker
+            logger.info(
+                "UCM reset: key space epoch %d; blocks saved before are never served", epoch
+            )
         return True
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -403,6 +410,9 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         pool = getattr(self, "_lookup_pool", None)
         if pool is not None:  # look-ups nobody will ask for again: never waited for
             pool.close()
+        epochs = getattr(self, "_epochs", None)
+        if epochs is not None:
+            epochs.close()
         # Pending dumps and write-through work finish before the store closes.
         started = time.perf_counter()
         self._store.close()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import namespaces
 from ...breaker import DaemonPool
-from ..keys import KeySpace, chain_block_ids
+from ..keys import KeySpace, chain_block_ids, provisional_salt
 from ..salts import lora_identity
 from ..tenants import TenantMapping
 from .metadata import BlockTransfer, UcmConnectorMetadata, UcmWorkerMetadata
@@ -131,7 +131,7 @@ class SchedulerSide:
         producer: bool = True,
         report_ids: bool = False,
         stats: UcmConnectorStats | None = None,
-        epoch: int = 0,
+        epoch: int | None = 0,
         tenants: TenantMapping | None = None,
         resident: Lookup | None = None,
         lookup_pool: DaemonPool | None = None,
@@ -159,7 +159,9 @@ class SchedulerSide:
         """Save filters that outran ``lookup_wait_s`` and still run on the pool."""
         self.epoch = epoch
         """The key space's reset epoch (:class:`~ucm.integration.keys.Epochs`): every salt
-        carries it."""
+        carries it. None while it is unknown (:class:`~ucm.integration.keys.EpochState`):
+        salts then carry :attr:`_nonce` instead."""
+        self._nonce = os.urandom(32)
         self._key_space = key_space
         self._block_tokens = block_tokens
         self._shards_per_block = shards_per_block
@@ -200,7 +202,10 @@ class SchedulerSide:
             space = self._key_space
             if lora is not None:
                 space = replace(space, extra=(*space.extra, ("lora", lora)))
-            salt = space.salt(cache_salt, self.epoch)
+            if self.epoch is None:
+                salt = provisional_salt(space.salt(cache_salt), self._nonce)
+            else:
+                salt = space.salt(cache_salt, self.epoch)
             if len(self._salts) >= SALTS_KEPT:  # per-user salts: keep the memo bounded
                 self._salts.clear()
             self._salts[(cache_salt, lora)] = salt
@@ -215,12 +220,13 @@ class SchedulerSide:
         self._requests[request.request_id] = state
         return state
 
-    def reset(self, epoch: int) -> None:
-        """Moves the key space to ``epoch``: every id computed from now on differs from every
-        id saved before. Requests already tracked (running, waiting, or finishing with loads
-        unconfirmed) get a throwaway salt of their own, so what they computed before the reset
-        is neither served nor saved under the new epoch."""
+    def reset(self, epoch: int | None) -> None:
+        """Moves the key space to ``epoch`` (None: unknown, a new nonce): every id computed
+        from now on differs from every id saved before. Requests already tracked (running,
+        waiting, or finishing with loads unconfirmed) get a throwaway salt of their own, so
+        what they computed before the reset is neither served nor saved under the new epoch."""
         self.epoch = epoch
+        self._nonce = os.urandom(32)
         self._salts.clear()
         self._lookups.clear()  # they asked about the old epoch's ids
         for state in [*self._requests.values(), *(f.state for f in self._finishing.values())]:
