@@ -142,7 +142,8 @@ def keys_of(sgl: SGLang, count: int) -> list[str]:
 def stack_of(unique_id: str, lower: Path | None = None) -> dict[str, Any]:
     tiers: list[dict[str, Any]] = [{"type": "buffer", "capacity": "4MiB"}]
     if lower is not None:
-        tiers.append({"type": "posix", "path": str(lower)})
+        # A restarted backend reads the clear's marker from posix: a generous deadline.
+        tiers.append({"type": "posix", "path": str(lower), "lookup_timeout_ms": 60_000})
     return {"unique_id": unique_id, "tiers": tiers}
 
 

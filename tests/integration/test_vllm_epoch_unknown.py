@@ -18,6 +18,7 @@ import os
 import random
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -104,10 +105,21 @@ def test_an_engine_started_while_the_markers_tier_is_slow_never_serves_an_older_
 
     monkeypatch.setattr(PosixTier, "lookup", lookup)
     b = Harness(tmp_path, async_scheduling=False, unique_id="epoch-b", tiers=posix)
+    counted: Counter[str] = Counter()  # what vLLM collects from the connector each step
+    collect = b.connector.get_kv_connector_stats
+
+    def collecting() -> Any:
+        stats = collect()
+        if stats is not None:
+            counted.update(stats.data)
+        return stats
+
+    b.connector.get_kv_connector_stats = collecting  # type: ignore[method-assign]
     try:
         assert b.connector._sched.epoch is None  # unknown: ids carry a nonce
         assert _run_one(b, "b_s", s) == Harness.expected_outputs(s, 4)
         assert b.cached_tokens["b_s"] == 0
+        assert counted["requests_epoch_unknown"] == 1
         slow.clear()
         began = time.monotonic()
         while b.connector._sched.epoch is None and time.monotonic() - began < ADOPT_BOUND_S:
@@ -120,5 +132,6 @@ def test_an_engine_started_while_the_markers_tier_is_slow_never_serves_an_older_
         # R as saved after it is served from A's epoch-1 blocks.
         assert _run_one(b, "b_r", r) == Harness.expected_outputs(r, 4)
         assert b.cached_tokens["b_r"] == 3 * BLOCK
+        assert counted["requests_epoch_unknown"] == 1  # b_s only
     finally:
         b.close()

@@ -53,7 +53,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "unique_id": f"vllm-reset-{uuid.uuid4().hex[:10]}",
         "tiers": [
             {"type": "buffer", "capacity": "64MiB"},
-            {"type": "posix", "path": str(root / "posix")},
+            # Engine C reads A's epoch marker from posix at start: a generous deadline, so a
+            # loaded machine does not leave C with a nonce (docs/vllm.md) when it reads.
+            {"type": "posix", "path": str(root / "posix"), "lookup_timeout_ms": 60_000},
         ],
     }
     report = {"ucm_report_block_ids": True}

@@ -21,6 +21,9 @@ STAT_NAMES: dict[str, str] = {
     "for a later step while the others ran",
     "save_lookups_skipped": "save filters still asking the store after ucm_lookup_wait_ms: the "
     "step dumped every block",
+    "requests_epoch_unknown": "requests keyed while the reset epoch could not be read (a tier "
+    "did not answer): their ids carry a nonce of this engine, which is served only what it "
+    "saved itself",
     "hit_tokens": "prompt tokens served from UCM",
     "hit_blocks": "blocks planned for loading from UCM",
     "loaded_blocks": "blocks loaded into vLLM's KV cache (summed over TP ranks)",

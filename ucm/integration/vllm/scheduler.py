@@ -217,6 +217,8 @@ class SchedulerSide:
             self._announced.add(namespace)
             self._new_namespaces.add(namespace)
         state = _RequestState(request=request, salt=salt, namespace=namespace)
+        if self.epoch is None:
+            self.stats.data["requests_epoch_unknown"] += 1
         self._requests[request.request_id] = state
         return state
 
