@@ -233,6 +233,10 @@ def second(first: dict[str, Any], models: dict[str, Path]) -> dict[str, Any]:
             {
                 "type": "fsspec",
                 "url": f"s3://ucm-test/{uuid.uuid4().hex}",
+                # Under load s3fs can take seconds to open its first session: with the 1 s
+                # default the engine could start without its reset epoch (a nonce) and lose
+                # the hits of what it saved before it read the epoch.
+                "lookup_timeout_ms": 10_000,
                 "storage_options": {
                     "endpoint_url": f"http://127.0.0.1:{s3_port}",
                     "key": "testing",

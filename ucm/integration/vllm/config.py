@@ -42,6 +42,9 @@ EXTRA_KEYS = {
     "ucm_lookup_wait_ms": "milliseconds the scheduler waits for a look-up that reaches a tier "
     "below the CacheBuffer (default 20); a slower one finishes in the background while vLLM "
     "schedules the other requests, and its request is scheduled on a later step",
+    "ucm_compute_wait_ms": "milliseconds a request waits, at most, for another engine on the "
+    "node that is computing its first missing block, instead of computing it a second time "
+    "(default 20000; 0: never waits); needs a CacheBuffer",
 }
 """The ``ucm_*`` keys of ``kv_connector_extra_config``; any other ``ucm_*`` key is refused."""
 
@@ -82,6 +85,7 @@ def check_extra_config(extra: Mapping[str, Any]) -> None:
         )
     load_deadline_s(extra)
     lookup_wait_s(extra)
+    compute_wait_s(extra)
     report = extra.get("ucm_report_block_ids")
     if report is not None and not isinstance(report, bool):
         raise ConfigError(
@@ -123,6 +127,26 @@ def lookup_wait_s(extra: Mapping[str, Any]) -> float:
         raise ConfigError(
             f"{extra_key('ucm_lookup_wait_ms')}: {value!r} is not valid: expected a number of "
             f"milliseconds in [0, {LOOKUP_WAIT_MS_MAX}] (default {LOOKUP_WAIT_MS_DEFAULT})"
+        )
+    return float(value) / 1000
+
+
+COMPUTE_WAIT_MS_DEFAULT = 20_000
+COMPUTE_WAIT_MS_MAX = 600_000
+
+
+def compute_wait_s(extra: Mapping[str, Any]) -> float:
+    """``ucm_compute_wait_ms``: how long a request waits for another engine's compute of its
+    first missing block (:mod:`ucm.integration.claims`), in seconds."""
+    value = extra.get("ucm_compute_wait_ms", COMPUTE_WAIT_MS_DEFAULT)
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value <= COMPUTE_WAIT_MS_MAX
+    ):
+        raise ConfigError(
+            f"{extra_key('ucm_compute_wait_ms')}: {value!r} is not valid: expected a number of "
+            f"milliseconds in [0, {COMPUTE_WAIT_MS_MAX}] (default {COMPUTE_WAIT_MS_DEFAULT})"
         )
     return float(value) / 1000
 

@@ -20,11 +20,13 @@ from ucm.breaker import LOOKUP_THREADS, DaemonPool
 from ucm.errors import ConfigError, UcmError
 
 from ..addresses import BlockAddresses, block_view
+from ..claims import ComputeClaims
 from ..keys import Epochs, EpochState, warn_node_local, write_marker
 from ..tenants import TenantMapping
 from .config import (
     STACK_KEY_NAME,
     check_full_attention,
+    compute_wait_s,
     extra_key,
     load_deadline_s,
     logger,
@@ -131,9 +133,20 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if any(tier is not self._store.buffer for tier in self._store.tiers)
             else None
         )
+        # Compute claims go through the CacheBuffer's lock file: without a buffer nothing on
+        # the node is shared, and with ucm_compute_wait_ms 0 nobody waits for them.
+        self._claims = (
+            ComputeClaims.open(self._store.config.unique_id)
+            if self._store.buffer is not None
+            and compute_wait_s(self._extra) > 0
+            and transfer.is_kv_producer
+            else None
+        )
         self._sched = SchedulerSide(
             lookup_pool=self._lookup_pool,
             lookup_wait_s=lookup_wait_s(self._extra),
+            claims=self._claims,
+            compute_wait_s=compute_wait_s(self._extra),
             lookup=self._store.lookup,
             lookup_prefix=self._store.lookup_on_prefix,
             key_space=self._key_space,
@@ -413,6 +426,9 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         epochs = getattr(self, "_epochs", None)
         if epochs is not None:
             epochs.close()
+        claims = getattr(self, "_claims", None)
+        if claims is not None:
+            claims.close()
         # Pending dumps and write-through work finish before the store closes.
         started = time.perf_counter()
         self._store.close()

@@ -24,6 +24,8 @@ STAT_NAMES: dict[str, str] = {
     "requests_epoch_unknown": "requests keyed while the reset epoch could not be read (a tier "
     "did not answer): their ids carry a nonce of this engine, which is served only what it "
     "saved itself",
+    "compute_waits": "requests that waited for another engine on the node computing their "
+    "first missing block (ucm_compute_wait_ms), instead of computing it a second time",
     "hit_tokens": "prompt tokens served from UCM",
     "hit_blocks": "blocks planned for loading from UCM",
     "loaded_blocks": "blocks loaded into vLLM's KV cache (summed over TP ranks)",

@@ -9,12 +9,14 @@ import concurrent.futures
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ... import namespaces
 from ...breaker import DaemonPool
+from ..claims import ComputeClaims
 from ..keys import KeySpace, chain_block_ids, provisional_salt
 from ..salts import lora_identity
 from ..tenants import TenantMapping
@@ -100,6 +102,10 @@ class _RequestState:
     dumping: bool = False
     """A dump of this request's blocks was sent to the workers: vLLM keeps its blocks, when it
     finishes, until the workers report it in get_finished."""
+    claimed: set[bytes] = field(default_factory=set)
+    """Blocks this request claimed (:class:`ComputeClaims`) because it computes them."""
+    waiting_since: float | None = None
+    """When it began to wait for another engine's compute of its first missing block."""
 
     def barrier(self) -> int | None:
         return min((load.first_block for load in self.pending), default=None)
@@ -136,6 +142,8 @@ class SchedulerSide:
         resident: Lookup | None = None,
         lookup_pool: DaemonPool | None = None,
         lookup_wait_s: float = 0.0,
+        claims: ComputeClaims | None = None,
+        compute_wait_s: float = 0.0,
     ) -> None:
         self._lookup = lookup
         self._lookup_prefix: LookupPrefix = lookup_prefix or (
@@ -154,6 +162,11 @@ class SchedulerSide:
         self._lookup_wait_s = lookup_wait_s
         """How long the scheduler waits for a look-up on the pool before it answers ``None``
         (vLLM asks again on a later step) and lets the other requests run."""
+        self._claims = claims
+        """Blocks engines on this node are computing (None: no CacheBuffer, or turned off)."""
+        self._compute_wait_s = compute_wait_s
+        """How long a request waits for another engine's compute of its first missing block
+        (``ucm_compute_wait_ms``) before it computes the block itself."""
         self._lookups: dict[str, _PendingLookup] = {}
         self._save_lookups: list[concurrent.futures.Future[Sequence[bool]]] = []
         """Save filters that outran ``lookup_wait_s`` and still run on the pool."""
@@ -229,6 +242,8 @@ class SchedulerSide:
         what they computed before the reset is neither served nor saved under the new epoch."""
         self.epoch = epoch
         self._nonce = os.urandom(32)
+        if self._claims is not None:  # claims name the old epoch's ids
+            self._claims.release(self._claims.held)
         self._salts.clear()
         self._lookups.clear()  # they asked about the old epoch's ids
         for state in [*self._requests.values(), *(f.state for f in self._finishing.values())]:
@@ -273,6 +288,8 @@ class SchedulerSide:
             return 0, False
         if matched is None:
             return None, False  # still looking: vLLM skips the request this step
+        if self._waits_for_compute(state, ids, start + matched):
+            return None, False  # another engine computes it: vLLM asks again next step
         found = matched
         if state.load_cap is not None:
             found = min(found, max(state.load_cap - start, 0))
@@ -284,6 +301,37 @@ class SchedulerSide:
         load_async = self._loads_async(ids[start : math.ceil(hit / bs)])
         state.planned = (start, external, load_async)
         return external, load_async
+
+    def _waits_for_compute(self, state: _RequestState, ids: Sequence[bytes], missing: int) -> bool:
+        """Whether the request waits, this step, for another engine on the node that is
+        computing its first missing block (``ids[missing]``): until that engine has saved it,
+        and at most ``compute_wait_s`` in all, after which the request computes it itself."""
+        claims = self._claims
+        if claims is None or missing >= len(ids) or self._compute_wait_s <= 0:
+            return False
+        now = time.monotonic()
+        if state.waiting_since is not None and now - state.waiting_since >= self._compute_wait_s:
+            return False  # waited its fill: computes from here on
+        if not claims.claimed_elsewhere(ids[missing]):
+            return False
+        if state.waiting_since is None:
+            state.waiting_since = now
+            self.stats.data["compute_waits"] += 1
+        return True
+
+    def _claim(self, state: _RequestState, first: int) -> None:
+        """Claims the prompt's blocks from ``first`` on, which this request computes and saves."""
+        if self._claims is None or not self._producer:
+            return
+        full = int(state.request.num_prompt_tokens) // self._block_tokens
+        if first >= full:
+            return
+        state.claimed.update(self._claims.claim(self._chain(state, full)[first:]))
+
+    def _unclaim(self, block_ids: Sequence[bytes]) -> None:
+        """The blocks are in the store (or will not be saved): other engines need not wait."""
+        if self._claims is not None and block_ids:
+            self._claims.release(block_ids)
 
     def _loads_async(self, ids: Sequence[bytes]) -> bool:
         """Whether a load of these blocks runs asynchronously: unless all are in the
@@ -307,6 +355,8 @@ class SchedulerSide:
         self._load_async.discard(request.request_id)
         planned, state.planned = state.planned, None
         if num_external_tokens <= 0 or planned is None:
+            computed = int(request.num_computed_tokens) + max(num_external_tokens, 0)
+            self._claim(state, max(state.saved, computed // self._block_tokens))
             return
         start = planned[0]
         bs = self._block_tokens
@@ -322,6 +372,7 @@ class SchedulerSide:
         if planned[2]:
             self._load_async.add(request.request_id)
         state.saved = max(state.saved, end)
+        self._claim(state, state.saved)
         self.stats.data["hit_tokens"] += num_external_tokens
         self.stats.data["hit_blocks"] += end - start
 
@@ -485,14 +536,18 @@ class SchedulerSide:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, UcmWorkerMetadata):
             return
+        done: list[bytes] = []
         for block_id, ranks in meta.dumped.items():
             left = self._dumping_ids.get(block_id, 0) - ranks
             if left > 0:
                 self._dumping_ids[block_id] = left
             else:
                 self._dumping_ids.pop(block_id, None)
+                done.append(block_id)
         for block_id in meta.failed:  # not whole in the store: ask the store from now on
             self._dumping_ids.pop(block_id, None)
+            done.append(block_id)
+        self._unclaim(done)
         if meta.loaded_steps:
             self._settle_loads(meta.loaded_steps, invalid)
 
@@ -560,6 +615,8 @@ class SchedulerSide:
             self.stats.data["lookup_errors"] += 1
             logger.warning("UCM lookup before saving failed (saving every block): %s", exc)
             present = {}
+        # Already in the store: nobody needs to wait for this engine's compute of them.
+        self._unclaim([block_id for block_id, hit in present.items() if hit])
         kept: list[BlockTransfer] = []
         for state, transfer in candidates:
             pairs = [
@@ -597,6 +654,7 @@ class SchedulerSide:
         if any(load.load_async for load in state.pending):
             # Finished in WAITING_FOR_REMOTE_KVS (an abort): it computed nothing, and vLLM
             # keeps its blocks until the workers report its load in finished_recving.
+            self._unclaim_finished(state)
             return False, params
         if state.pending:
             # Its last blocks were computed over loads not yet confirmed (an abort between
@@ -625,7 +683,14 @@ class SchedulerSide:
             state.saved = ready
         if state.dumping or held:  # held: vLLM was already told to keep the blocks
             self._release.add(req_id)
+        self._unclaim_finished(state)
         return state.dumping
+
+    def _unclaim_finished(self, state: _RequestState) -> None:
+        """A finished request's claims end, but those of blocks still being dumped, which end
+        with their dumps."""
+        self._unclaim([block_id for block_id in state.claimed if block_id not in self._dumping_ids])
+        state.claimed.clear()
 
 
 def _prefix_of(present: Sequence[bool]) -> int:
