@@ -390,34 +390,3 @@ def test_an_fp8_tier_must_name_the_engines_kv_dtype(tmp_path: Path) -> None:
         ucm.codecs.Fp8Codec(source_dtype="bfloat16")
     )
     assert engine_stack(stack, GEOMETRY, key="k", engine="vLLM").resolved_shard_size == 8192
-
-
-def test_a_tier_slow_only_at_first_does_not_leave_an_engine_without_its_epoch(
-    tmp_path: Path,
-) -> None:
-    """The read at start is tried again (a client opening its first session on a busy machine
-    answers the next read): the engine starts in the stack's epoch, not with a nonce."""
-    from ucm.integration.keys import EPOCH_START_ATTEMPTS, Epochs, EpochState
-
-    stack = _slow_markers_stack(tmp_path, "epochs-first-slow")
-    epochs = Epochs(SPACE.salt())
-    with ucm.open(stack, device_id=0, local_rank_size=1) as worker:
-        assert epochs.begin(worker) == 1
-    with ucm.open(stack, device_id=-1, local_rank_size=1) as scheduler:
-        tier = scheduler.tiers[0]
-        answer = tier.lookup
-        calls = [0]
-
-        def first_slow(keys: Sequence[tuple[bytes, int]]) -> list[bool]:
-            calls[0] += 1
-            if calls[0] == 1:
-                time.sleep(0.3)
-            return list(answer(keys))
-
-        tier.lookup = first_slow  # type: ignore[method-assign]
-        state = EpochState(epochs, scheduler)
-        try:
-            assert EPOCH_START_ATTEMPTS >= 2
-            assert state.start() == 1 and calls[0] >= 2
-        finally:
-            state.close()

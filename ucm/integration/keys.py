@@ -212,8 +212,6 @@ class Epochs:
         return epoch
 
 
-EPOCH_START_ATTEMPTS = 3
-"""Reads of the epoch at start before an engine takes a nonce (:meth:`EpochState.start`)."""
 EPOCH_RETRY_S = 2.0
 """How often a process whose epoch is unknown reads it again (on a thread of its own)."""
 
@@ -256,21 +254,14 @@ class EpochState:
         self._pool: DaemonPool | None = None
         self._lock = threading.Lock()
 
-    def start(self, attempts: int = EPOCH_START_ATTEMPTS) -> int | None:
-        """Reads the stack's epoch (each read bounded by the tiers' deadlines), up to
-        ``attempts`` times: a tier that is slow only at first (a client opening its session on
-        a busy machine) usually answers the next read. None when still unknown."""
-        assert attempts >= 1
-        why = ""
-        for _ in range(attempts):
-            try:
-                self.epoch = self._floor = self._epochs.current(self._store)
-                return self.epoch
-            except LookupUnansweredError as exc:
-                why = str(exc)
-                if "breaker is open" in why:
-                    break  # the tier is down: no read answers before its probe
-        self._unknown(why)
+    def start(self) -> int | None:
+        """Reads the stack's epoch (bounded by each tier's deadline); None when unknown. One
+        read only: a black-holed tier holds each read's look-up thread until its client gives
+        up, and more reads at start would take every thread its request look-ups need."""
+        try:
+            self.epoch = self._floor = self._epochs.current(self._store)
+        except LookupUnansweredError as exc:
+            self._unknown(str(exc))
         return self.epoch
 
     def reset(self) -> tuple[int | None, bytes | None]:
