@@ -60,6 +60,14 @@ from ucm.integration.vllm.worker import unique_key_groups
             )
             for bad in (-1, "20", False, float("nan"), 10001)
         ),
+        *(
+            (
+                {"ucm_stack": "s.yaml", "ucm_compute_wait_ms": bad},
+                f"kv_connector_extra_config['ucm_compute_wait_ms']: {bad!r} is not valid: "
+                "expected a number of milliseconds in [0, 600000] (default 20000)",
+            )
+            for bad in (-1, "20", True, float("nan"), 600001)
+        ),
     ],
 )
 def test_extra_config_errors_name_the_key(extra: dict[str, Any], message: str) -> None:

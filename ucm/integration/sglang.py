@@ -362,9 +362,8 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
     def _set_epoch(self, epoch: int | None) -> None:
         assert self._epochs is not None and self._space is not None
         self.epoch = epoch
-        salt = self._space.salt()
         self._salt = (
-            provisional_salt(salt, self._epochs.nonce)
+            provisional_salt(self._space.salt(), self._epochs.nonce)
             if epoch is None
             else self._space.salt(epoch=epoch)
         )

@@ -116,19 +116,20 @@ LOOKUP_WAIT_MS_DEFAULT = 20
 LOOKUP_WAIT_MS_MAX = 10_000
 
 
-def lookup_wait_s(extra: Mapping[str, Any]) -> float:
-    """``ucm_lookup_wait_ms``: how long the scheduler waits for a look-up, in seconds."""
-    value = extra.get("ucm_lookup_wait_ms", LOOKUP_WAIT_MS_DEFAULT)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not 0 <= value <= LOOKUP_WAIT_MS_MAX
-    ):
+def _milliseconds_s(extra: Mapping[str, Any], key: str, default: int, maximum: int) -> float:
+    """The ``key`` of ``kv_connector_extra_config``: milliseconds in [0, maximum], in seconds."""
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= maximum:
         raise ConfigError(
-            f"{extra_key('ucm_lookup_wait_ms')}: {value!r} is not valid: expected a number of "
-            f"milliseconds in [0, {LOOKUP_WAIT_MS_MAX}] (default {LOOKUP_WAIT_MS_DEFAULT})"
+            f"{extra_key(key)}: {value!r} is not valid: expected a number of "
+            f"milliseconds in [0, {maximum}] (default {default})"
         )
     return float(value) / 1000
+
+
+def lookup_wait_s(extra: Mapping[str, Any]) -> float:
+    """``ucm_lookup_wait_ms``: how long the scheduler waits for a look-up, in seconds."""
+    return _milliseconds_s(extra, "ucm_lookup_wait_ms", LOOKUP_WAIT_MS_DEFAULT, LOOKUP_WAIT_MS_MAX)
 
 
 COMPUTE_WAIT_MS_DEFAULT = 20_000
@@ -138,17 +139,9 @@ COMPUTE_WAIT_MS_MAX = 600_000
 def compute_wait_s(extra: Mapping[str, Any]) -> float:
     """``ucm_compute_wait_ms``: how long a request waits for another engine's compute of its
     first missing block (:mod:`ucm.integration.claims`), in seconds."""
-    value = extra.get("ucm_compute_wait_ms", COMPUTE_WAIT_MS_DEFAULT)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not 0 <= value <= COMPUTE_WAIT_MS_MAX
-    ):
-        raise ConfigError(
-            f"{extra_key('ucm_compute_wait_ms')}: {value!r} is not valid: expected a number of "
-            f"milliseconds in [0, {COMPUTE_WAIT_MS_MAX}] (default {COMPUTE_WAIT_MS_DEFAULT})"
-        )
-    return float(value) / 1000
+    return _milliseconds_s(
+        extra, "ucm_compute_wait_ms", COMPUTE_WAIT_MS_DEFAULT, COMPUTE_WAIT_MS_MAX
+    )
 
 
 def check_full_attention(kv_cache_config: KVCacheConfig) -> None:
