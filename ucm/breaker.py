@@ -45,6 +45,11 @@ LOOKUP_THREADS = 4
 """Look-ups in flight at once per tier (concurrent callers: the scheduler, several ranks'
 threads); a fifth caller while all four are stuck answers "miss" at once."""
 
+EXACT_LOOKUP_THREADS = 1
+"""Exact look-ups in flight at once per tier (an engine's reset-epoch reads, retried every few
+seconds in the background while a tier does not answer). Their own threads: a retry stuck in a
+black-holed tier's client never takes a thread a request's look-up needs."""
+
 
 class CircuitBreaker:
     """closed → (``failures`` consecutive failures) → open → (``probe_interval_s``) → one
@@ -205,24 +210,28 @@ class TierGuard:
         """Why the last call answered ``miss`` (for error messages)."""
         self.breaker = CircuitBreaker(breaker.failures, breaker.probe_interval_ms / 1000.0)
         self._pool = DaemonPool(f"ucm-lookup-{label}", LOOKUP_THREADS)
+        self._exact_pool = DaemonPool(f"ucm-lookup-exact-{label}", EXACT_LOOKUP_THREADS)
         self._lock = threading.Lock()
         self.counts = {"lookup_timeouts": 0, "lookup_errors": 0, "lookup_busy": 0, "load_skips": 0}
 
-    def call(self, fn: Callable[[], T], miss: M) -> T | M:
+    def call(self, fn: Callable[[], T], miss: M, *, exact: bool = False) -> T | M:
         """``fn()``'s answer, or ``miss`` when the breaker is open, every guard thread is still
         held by an earlier call, the call raised, or it did not answer within the deadline
-        (:attr:`last_miss` then says which)."""
+        (:attr:`last_miss` then says which). ``exact`` calls (a caller that cannot take "miss"
+        for "absent") run on their own threads, apart from the requests' look-ups."""
         if not self.breaker.allow():
             self.last_miss = "its circuit breaker is open"
             return miss
+        pool, threads = (
+            (self._exact_pool, EXACT_LOOKUP_THREADS) if exact else (self._pool, LOOKUP_THREADS)
+        )
         try:
-            answer = self._bounded(fn)
+            answer = self._bounded(pool, fn)
         except _Busy:
             self._bump("lookup_busy")
             self.breaker.failure()
-            self.last_miss = (
-                f"all {LOOKUP_THREADS} of its look-up threads are held by earlier calls"
-            )
+            kind = "exact look-up" if exact else "look-up"
+            self.last_miss = f"all {threads} of its {kind} threads are held by earlier calls"
             return miss
         except _Timeout:
             self._bump("lookup_timeouts")
@@ -237,8 +246,8 @@ class TierGuard:
         self.breaker.success()
         return answer
 
-    def _bounded(self, fn: Callable[[], T]) -> T:
-        future = self._pool.try_submit(fn)
+    def _bounded(self, pool: DaemonPool, fn: Callable[[], T]) -> T:
+        future = pool.try_submit(fn)
         if future is None:
             raise _Busy
         try:
@@ -266,3 +275,4 @@ class TierGuard:
 
     def close(self) -> None:
         self._pool.close()
+        self._exact_pool.close()

@@ -753,7 +753,7 @@ class Store:
         guard = self._guards[position]
         if guard is None:
             return list(ask(keys))
-        answer = guard.call(lambda: list(ask(keys)), None)
+        answer = guard.call(lambda: list(ask(keys)), None, exact=exact)
         if answer is not None:
             return answer
         if exact:

@@ -331,6 +331,52 @@ def test_a_reset_while_the_epoch_cannot_be_read_is_pending_then_goes_past_the_st
             state.close()
 
 
+def test_epoch_reads_stuck_in_a_tier_never_take_the_requests_look_up_threads(
+    tmp_path: Path,
+) -> None:
+    """An engine whose epoch is unknown reads it again every few seconds; against a tier that
+    hangs each read stays on a thread until the tier's client gives up. Those reads run on
+    the tier's own exact-look-up thread, so however many pile up (a breaker set never to
+    open), a request's look-up still gets one of the tier's look-up threads and its answer."""
+    from ucm.breaker import EXACT_LOOKUP_THREADS, LOOKUP_THREADS
+    from ucm.integration.keys import Epochs
+
+    stack = _slow_markers_stack(tmp_path, "epochs-stuck")
+    stack["tiers"][0]["breaker"] = {"failures": 1_000_000}  # type: ignore[index]
+    epochs = Epochs(SPACE.salt())
+    with ucm.open(stack, device_id=0, local_rank_size=1) as worker:
+        assert epochs.begin(worker) == 1
+    with ucm.open(stack, device_id=-1, local_rank_size=1) as scheduler:
+        tier = scheduler.tiers[0]
+        answer = tier.lookup  # type: ignore[attr-defined]
+        hanging, release = threading.Event(), threading.Event()
+        hanging.set()
+
+        def lookup(keys: Sequence[tuple[bytes, int]]) -> list[bool]:
+            if hanging.is_set():  # a black hole while the epoch is read
+                release.wait(60)
+            return list(answer(keys))
+
+        tier.lookup = lookup  # type: ignore[attr-defined]
+        try:
+            messages = []
+            for _ in range(LOOKUP_THREADS + 2):
+                with pytest.raises(ucm.LookupUnansweredError) as raised:
+                    epochs.current(scheduler)
+                messages.append(str(raised.value))
+            hanging.clear()  # the tier answers new calls; the epoch's reads are still stuck
+            # A request's look-up is answered: the marker is there.
+            assert scheduler.lookup([epochs.marker(1)]) == [True]
+            assert "lookup_timeout_ms=50" in messages[0]
+            assert messages[-1].endswith(
+                f"all {EXACT_LOOKUP_THREADS} of its exact look-up threads are held by earlier "
+                "calls; whether they are there is unknown"
+            )
+            assert scheduler.stats()["tiers"][0]["lookup_busy"] == LOOKUP_THREADS + 1
+        finally:
+            release.set()
+
+
 def test_multi_node_tp_warns_naming_the_shared_tier_fix(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -256,8 +256,9 @@ class EpochState:
 
     def start(self) -> int | None:
         """Reads the stack's epoch (bounded by each tier's deadline); None when unknown. One
-        read only: a black-holed tier holds each read's look-up thread until its client gives
-        up, and more reads at start would take every thread its request look-ups need."""
+        read only: a black-holed tier holds the read's thread (the tier's one exact-look-up
+        thread, apart from the requests') until its client gives up, so a second read at once
+        would find it taken and learn nothing."""
         try:
             self.epoch = self._floor = self._epochs.current(self._store)
         except LookupUnansweredError as exc:
