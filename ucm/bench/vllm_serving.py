@@ -163,13 +163,16 @@ def _by_source(server: Any) -> dict[str, float]:
 
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as response:
         text = response.read().decode()
-    counts = dict.fromkeys(SOURCES, 0.0)
+    counts = dict.fromkeys((*SOURCES, "compute_waits"), 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "vllm:prompt_tokens_by_source_total":
                 source = sample.labels.get("source", "")
                 if source in counts:
                     counts[source] += float(sample.value)
+            elif sample.name == "vllm:ucm_compute_waits_total":
+                # Requests that waited for the other replica's save (compute claims).
+                counts["compute_waits"] += float(sample.value)
     return counts
 
 
@@ -488,7 +491,7 @@ class VllmServingBenchmark:
             texts=texts,
             tpot_ms=statistics.mean(part.tpot_ms for part in parts),
             wall_s=max(part.wall_s for part in parts),
-            tokens={source: sum(part.tokens[source] for part in parts) for source in SOURCES},
+            tokens={name: sum(part.tokens[name] for part in parts) for name in parts[0].tokens},
             warmup_ttfts=[ttft for part in parts for ttft in part.warmup_ttfts],
         )
 
@@ -639,6 +642,7 @@ class VllmServingBenchmark:
                     extra={
                         "documents_once_plus_questions": float(once + suffixes),
                         "served_by_ucm": runs["2 replicas, UCM"].tokens["external_kv_transfer"],
+                        "compute_waits": runs["2 replicas, UCM"].tokens.get("compute_waits", 0.0),
                     },
                 )
             )
@@ -676,7 +680,7 @@ class VllmServingBenchmark:
 
 
 def _minus(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {source: after[source] - before[source] for source in SOURCES}
+    return {name: after[name] - before.get(name, 0.0) for name in after}
 
 
 @contextlib.contextmanager
