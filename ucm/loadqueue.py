@@ -50,6 +50,7 @@ from .layout import Key
 from .native.pybuffer import copy_into
 from .native.queue import (
     ENTRY_FLAG_CALLER_COPY,
+    TASK_FLAG_BACKGROUND,
     TASK_FLAG_DIRTY,
     EntryResult,
     NativeQueue,
@@ -226,8 +227,11 @@ class LoadPath:
         kind: TaskKind,
         task_keys: arguments.TaskKeys,
         memory: arguments.ShardMemory | None,
+        *,
+        background: bool = False,
     ) -> NativeJob:
-        """Hands a task to the native queue; the job is the Task's completion."""
+        """Hands a task to the native queue; the job is the Task's completion. ``background``
+        (loads): nobody waits on it, so its copies yield the CPU between batches."""
         if self._closed:
             raise StoreClosedError("the store is closed; open a new one with ucm.open()")
         job = NativeJob(self, kind, task_keys, memory, next(self._tags))
@@ -238,6 +242,8 @@ class LoadPath:
                 self._prepare_cuda(job, memory)
         if kind is TaskKind.DUMP:
             flags = self._dump_flags
+        elif background and kind is TaskKind.LOAD:
+            flags = TASK_FLAG_BACKGROUND
         with self._lock:
             self._reap()
             self._jobs[job.tag] = job

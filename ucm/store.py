@@ -325,10 +325,14 @@ class Store:
         dst: Any,
         *,
         namespace: str | None = None,
+        background: bool = False,
     ) -> Task:
-        """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``."""
+        """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``.
+        ``background``: the caller does not wait on it (an engine's asynchronous load), so its
+        copies give the CPU back between batches to the engine's spinning threads; a load an
+        engine waits on copies at full speed."""
         task_keys, memory, ids = self._prepare(block_ids, shard_index, "dst", dst, True, namespace)
-        return _unscoped(self._submit_load(task_keys, memory), ids)
+        return _unscoped(self._submit_load(task_keys, memory, background), ids)
 
     def dump(
         self,
@@ -349,12 +353,13 @@ class Store:
         dst_ptrs: Any,
         *,
         namespace: str | None = None,
+        background: bool = False,
     ) -> Task:
         """Like load, with raw addresses: ``dst_ptrs[i][j]`` receives tensor j of block i."""
         task_keys, memory, ids = self._prepare(
             block_ids, shard_index, "dst_ptrs", dst_ptrs, True, namespace
         )
-        return _unscoped(self._submit_load(task_keys, memory), ids)
+        return _unscoped(self._submit_load(task_keys, memory, background), ids)
 
     def dump_data(
         self,
@@ -708,11 +713,17 @@ class Store:
             memory = arguments.check_tensors(buffers, len(task_keys), self.layout, name, for_load)
         return task_keys, memory, ids
 
-    def _submit_load(self, task_keys: arguments.TaskKeys, memory: arguments.ShardMemory) -> Task:
+    def _submit_load(
+        self,
+        task_keys: arguments.TaskKeys,
+        memory: arguments.ShardMemory,
+        background: bool = False,
+    ) -> Task:
         if not len(task_keys):  # nothing to load: done at once, and not a task of the queue
             return Task("load", [], Progress([]))
         assert self._native is not None  # the queue counts its load tasks
-        task = self._native.task("load", self._native.submit(TaskKind.LOAD, task_keys, memory))
+        job = self._native.submit(TaskKind.LOAD, task_keys, memory, background=background)
+        task = self._native.task("load", job)
         if self._admission is not None:
             self._admission.on_load(task.done, task_keys.keys)
         return task

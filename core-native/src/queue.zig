@@ -107,7 +107,10 @@ pub const TaskKind = enum(u8) { load = 0, prefetch = 1, dump = 2 };
 pub const task_flag_dirty: u32 = 1 << 0;
 /// Load: nothing below the buffer; a key not Ready here is a miss, never handed to a loader.
 pub const task_flag_no_fill: u32 = 1 << 1;
-pub const task_flags_valid: u32 = task_flag_dirty | task_flag_no_fill;
+/// Load: nobody waits on it (an engine's asynchronous load): its copies yield the CPU after
+/// each batch (see `copy_loop`). Dumps always do.
+pub const task_flag_background: u32 = 1 << 2;
+pub const task_flags_valid: u32 = task_flag_dirty | task_flag_no_fill | task_flag_background;
 
 /// Per entry (optional array): the caller copies this entry's bytes itself (a CUDA destination):
 /// it gets a `copy_out` work item holding the Ready slot instead of a native copy.
@@ -682,6 +685,7 @@ pub const Queue = struct {
         if (n > constants.queue_task_keys_max) return false;
         if (submission.flags & ~task_flags_valid != 0) return false;
         if (submission.kind != .dump and submission.flags & task_flag_dirty != 0) return false;
+        if (submission.kind != .load and submission.flags & task_flag_background != 0) return false;
         if (submission.kind == .dump and submission.flags & task_flag_no_fill != 0) return false;
         // A null buffer has no slots to dump into (the top tier takes dumps).
         if (submission.kind == .dump and queue.buffer == null) return false;
@@ -1716,10 +1720,12 @@ pub const Queue = struct {
             if (taken == 0) return;
             const started_ns = futex.monotonic_ns();
             var load_count: usize = 0;
+            var background = false;
             for (batch[0..taken]) |item| {
                 const task = &queue.tasks[item.task];
                 // An item never outlives its task: its entry holds one count of `remaining`.
                 assert(task.live and task.generation == item.generation);
+                if (task.kind == .dump or task.flags & task_flag_background != 0) background = true;
                 if (task.kind == .dump) {
                     // Finishes its entry: the task (and its record) may be gone after this.
                     queue.copy_dump(item);
@@ -1745,7 +1751,10 @@ pub const Queue = struct {
             // nothing else runnable it costs one system call. Measured with
             // `harness.slow_tier_tpot`: the decoder's steps during an async load went from
             // 1.24-1.34x to 0.97-1.23x its undisturbed figure (3 interleaved pairs).
-            std.Thread.yield() catch {};
+            // Only for copies nobody waits on (dumps, background loads): beside CPU-bound
+            // processes each yield hands over a whole slice, and a 256 MiB load took 60 ms
+            // instead of 20-28 ms; a load the engine waits on must not pay that.
+            if (background) std.Thread.yield() catch {};
         }
     }
 

@@ -298,6 +298,42 @@ def test_raw_addresses_as_lists_or_one_packed_array_and_bad_ones_named(
         assert held(store) == 0
 
 
+def test_a_background_load_is_the_same_load_and_only_a_load_may_be_one(
+    test_tiers: None, unique_id: str
+) -> None:
+    """``background=True`` (an engine's asynchronous load: its copies yield the CPU between
+    batches) moves the same bytes, from a lower tier and from the buffer; the native queue
+    refuses the flag on any other kind of task."""
+    from array import array
+
+    from ucm.native.queue import TASK_FLAG_BACKGROUND
+
+    blocks = [block(i) for i in range(6)]
+    CONTENTS["low"] = {(b, 0): payload(b, 0, SHARD) for b in blocks}
+    with ucm.open(stack(unique_id, {"type": "recording", "space": "low"})) as store:
+        for _ in range(2):  # filled from the tier below, then hits in the buffer
+            dst = dst_for(len(blocks))
+            store.wait(store.load(blocks, 0, dst, background=True))
+            assert exact(blocks, dst) == [True] * len(blocks)
+            buffers = [(ctypes.c_ubyte * SHARD)() for _ in blocks]
+            packed = array("Q", [ctypes.addressof(b) for b in buffers])
+            store.wait(store.load_data(blocks, 0, packed, background=True))
+            assert [bytes(b) for b in buffers] == [payload(b, 0, SHARD) for b in blocks]
+        assert held(store) == 0
+        native = store.tiers[0].queue  # type: ignore[attr-defined]
+        keys = arguments.TaskKeys.of([(blocks[0], 0)])
+        for kind in (TaskKind.DUMP, TaskKind.PREFETCH):
+            with pytest.raises(InvalidArgumentError):
+                native.submit(
+                    kind,
+                    keys.ids,
+                    keys.shards,
+                    array("Q", packed[:1]) if kind is TaskKind.DUMP else None,
+                    bytearray(1),
+                    flags=TASK_FLAG_BACKGROUND,
+                )
+
+
 def test_threads_submitting_at_once_each_complete_their_own_task(
     test_tiers: None, unique_id: str
 ) -> None:

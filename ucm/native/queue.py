@@ -58,6 +58,8 @@ TASK_FLAG_DIRTY = _abi.TASK_FLAG_DIRTY
 """Dump: commit the slots dirty (write-back debt)."""
 TASK_FLAG_NO_FILL = _abi.TASK_FLAG_NO_FILL
 """Load: nothing below the buffer; a key not Ready here is a miss."""
+TASK_FLAG_BACKGROUND = _abi.TASK_FLAG_BACKGROUND
+"""Load: nobody waits on it; its copies yield the CPU between batches, as dumps' do."""
 ENTRY_FLAG_CALLER_COPY = _abi.ENTRY_FLAG_CALLER_COPY
 """The entry's destination is copied by the caller (a CUDA tensor): ``COPY_OUT`` work."""
 _SETTINGS_FLAG_PREALLOC = _abi.SETTINGS_FLAG_PREALLOC

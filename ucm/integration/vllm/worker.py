@@ -128,11 +128,18 @@ class WorkerSide:
         self._block_views = views
         self._addresses = addresses
 
-    def _load_task(self, ids: list[bytes], vllm_blocks: list[int]) -> Task:
+    def _load_task(
+        self, ids: list[bytes], vllm_blocks: list[int], background: bool = False
+    ) -> Task:
+        """``background``: an asynchronous load's copy, which no step waits on."""
         addresses = self._addresses
         if addresses is not None:
-            return self._store.load_data(ids, self._rank, addresses.of(vllm_blocks))
-        return self._store.load(ids, self._rank, self._block_tensors(vllm_blocks))
+            return self._store.load_data(
+                ids, self._rank, addresses.of(vllm_blocks), background=background
+            )
+        return self._store.load(
+            ids, self._rank, self._block_tensors(vllm_blocks), background=background
+        )
 
     def _dump_task(self, ids: list[bytes], vllm_blocks: list[int]) -> Task:
         addresses = self._addresses
@@ -274,6 +281,7 @@ class WorkerSide:
             load.copy = self._load_task(
                 [block_id for block_id, _ in load.held],
                 [vllm_block for _, vllm_block in load.held],
+                background=True,
             )
         except Exception as exc:
             logger.warning("UCM load of %d blocks not submitted: %s", len(load.held), exc)
