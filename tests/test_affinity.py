@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import uuid
 
 import pytest
@@ -129,3 +130,50 @@ def test_under_auto_the_engine_cpus_are_the_ones_vllm_gave_openmp(
     assert engine_binding("nobind") is None and background_cpus("nobind", {0, 1}) is None
     monkeypatch.setenv("GOMP_CPU_AFFINITY", "0 1")  # vLLM on 2 CPUs: nowhere else to go
     assert background_cpus("auto", {0, 1}) is None
+
+
+def _os_names() -> dict[int, str]:
+    names = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as comm:
+            names[int(tid)] = comm.read().strip()
+    return names
+
+
+def test_ucms_threads_carry_their_names_to_the_os(tmp_path: os.PathLike[str]) -> None:
+    """`top -H` and `perf` of an engine's process tell UCM's threads from the engine's: every
+    thread a store starts, native or Python, has an OS name (its comm) that says what it is."""
+    unique_id = f"names-{uuid.uuid4().hex[:10]}"
+    stack = {
+        "unique_id": unique_id,
+        "shard_size": 4096,
+        "shards_per_block": 1,
+        "tiers": [
+            {"type": "buffer", "capacity": 64 * 4096, "populate_threads": 1},
+            {"type": "posix", "path": str(tmp_path)},
+        ],
+    }
+    before = _os_names()
+    try:
+        with NewThreads() as started:
+            store = ucm.open(stack, device_id=0)
+        with store:
+            import torch
+
+            store.wait(store.dump([b"\x01" * 16], 0, [[torch.full((4096,), 7, dtype=torch.uint8)]]))
+            # A thread names itself as it starts: bounded wait for the last to get there.
+            for _ in range(100):
+                names = _os_names()
+                if "ucm-write-throu" in names.values():
+                    break
+                time.sleep(0.05)
+            new = {names[tid] for tid in started.started if tid in names}
+            # The native queue's threads (named at spawn) and the store's Python threads.
+            for name in ("ucm-load-lane", "ucm-dump-lane", "ucm-copy", "ucm-loader-0", "ucm-dump"):
+                assert name in new, f"{name} not among the new threads' OS names {sorted(new)}"
+            # Python's threads, cut to the kernel's 15 bytes ("ucm-write-through").
+            assert "ucm-write-throu" in new, sorted(new)
+            # Nothing a store started is left with the process's own name.
+            assert before[os.getpid()] not in new, sorted(new)
+    finally:
+        segments.unlink(unique_id)

@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .affinity import name_os_thread
 from .buffer import BufferTier
 from .config import AdmitConfig
 from .layout import Key
@@ -235,6 +236,7 @@ class Admission:
             self.check(keys, mature=self.gated[list_position])
 
     def _run(self) -> None:
+        name_os_thread()
         while True:
             with self._lock:
                 if self._stop:

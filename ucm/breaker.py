@@ -33,6 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Literal, TypeVar
 
+from .affinity import name_os_thread
 from .config import BreakerConfig
 
 T = TypeVar("T")
@@ -172,6 +173,7 @@ class DaemonPool:
         return future
 
     def _run(self) -> None:
+        name_os_thread()
         while True:
             item = self._work.get()
             if item is None:

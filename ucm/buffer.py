@@ -41,6 +41,7 @@ from typing import Literal
 from pydantic import Field, PositiveFloat
 
 from . import namespaces, shm_gc
+from .affinity import name_os_thread
 from .config import BufferQuota, LoadSettings, Size, TierConfig
 from .errors import (
     BufferLockTimeoutError,
@@ -463,6 +464,7 @@ class BufferTier(Tier):
 
     def _flush_loop(self) -> None:
         """Background flusher: while this rank's dumps are idle, write dirty slots down."""
+        name_os_thread()
         interval_s = self.cfg.flush_interval_s
         while not self._flusher_stop.wait(interval_s):
             try:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import arguments
-from .affinity import become_background
+from .affinity import become_background, name_os_thread
 from .buffer import BufferTier
 from .config import LoadSettings
 from .errors import (
@@ -313,6 +313,7 @@ class LoadPath:
     def _serve(self) -> None:
         """A loader thread: takes work from the native queue (blocking, GIL released) until
         the queue stops."""
+        name_os_thread()
         native = self.queue
         for _ in itertools.count():
             batch = native.next_work(LOADER_IDLE_S)
@@ -600,6 +601,7 @@ class DumpQueue:
         self.writer.close()
 
     def _run(self) -> None:
+        name_os_thread()
         while True:
             item = self._pending.get()
             if item is None:

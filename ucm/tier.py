@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from . import namespaces
+from .affinity import name_os_thread
 from .config import TierConfig
 from .errors import TierError
 from .layout import Key, Layout
@@ -152,6 +153,7 @@ class NamespaceUsage:
             running.join(wait_s)
 
     def _scan(self, scan: Callable[[], dict[str, int]]) -> None:
+        name_os_thread()
         try:
             usage = scan()
         except Exception:  # an unreachable tier: the figures stay as they were, and the

@@ -38,6 +38,7 @@ from pydantic import Field
 
 import ucm
 from ucm import envelope, namespaces
+from ucm.affinity import name_os_thread
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
@@ -176,7 +177,9 @@ class FsspecTier(Tier):
         )
         self._local_fs = isinstance(self.fs, LocalFileSystem)
         self.shard_size = self.layout.shard_size
-        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ucm-fsspec")
+        self._pool = ThreadPoolExecutor(
+            config.io_threads, thread_name_prefix="ucm-fsspec", initializer=name_os_thread
+        )
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._stat: dict[str, int] = dict.fromkeys(

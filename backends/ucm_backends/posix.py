@@ -66,7 +66,7 @@ from pydantic import Field
 
 import ucm
 from ucm import envelope, namespaces
-from ucm.affinity import in_background
+from ucm.affinity import in_background, name_os_thread
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
@@ -241,7 +241,9 @@ class PosixTier(Tier):
             ),
             0,
         )
-        self._pool = ThreadPoolExecutor(config.io_threads, thread_name_prefix="ucm-posix")
+        self._pool = ThreadPoolExecutor(
+            config.io_threads, thread_name_prefix="ucm-posix", initializer=name_os_thread
+        )
         self._closed = False
         self._usage = 0
         self._written_since_scan = 0

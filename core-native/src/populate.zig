@@ -59,6 +59,7 @@ pub const Populater = struct {
         var index: u32 = 0;
         while (index < thread_count) : (index += 1) {
             populater.threads[index] = std.Thread.spawn(.{}, run, .{populater}) catch break;
+            populater.threads[index].setName("ucm-populate") catch {}; // for `top -H`
             populater.thread_count = index + 1;
         }
         return populater.thread_count;

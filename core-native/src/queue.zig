@@ -586,12 +586,16 @@ pub const Queue = struct {
         errdefer queue.stop_and_join();
         queue.lanes[load_lane].thread = std.Thread.spawn(.{}, dispatch_loop, .{ queue, @as(u32, load_lane) }) catch
             return error.SystemResources;
+        // Named for `top -H` and per-thread profiles; a refused name changes nothing else.
+        queue.lanes[load_lane].thread.?.setName("ucm-load-lane") catch {};
         queue.lanes[dump_lane].thread = std.Thread.spawn(.{}, dispatch_loop, .{ queue, @as(u32, dump_lane) }) catch
             return error.SystemResources;
+        queue.lanes[dump_lane].thread.?.setName("ucm-dump-lane") catch {};
         var index: u32 = 0;
         while (index < settings.copy_threads) : (index += 1) {
             queue.copy_threads[index] = std.Thread.spawn(.{}, copy_loop, .{queue}) catch
                 return error.SystemResources;
+            queue.copy_threads[index].setName("ucm-copy") catch {};
             queue.copy_thread_count = index + 1;
         }
         return queue;

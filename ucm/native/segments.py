@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from ..affinity import name_os_thread
 from ..errors import InvalidArgumentError, UcmError
 from . import _abi, lib
 
@@ -170,6 +171,7 @@ class _Handle:
         self.thread.start()
 
     def _serve(self) -> None:
+        name_os_thread()
         lib().ucm_seg_serve(self.handle)
 
     def close(self) -> None:
