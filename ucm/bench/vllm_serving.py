@@ -12,7 +12,7 @@ Systems, each a fresh ``vllm serve`` (every worker on the same OpenMP threads):
 
 - **no connector** (the baseline): vLLM with its prefix cache;
 - **UCM sync** and **UCM async**: vLLM with its prefix cache and ``UcmConnector`` (a CacheBuffer
-  over posix), with ``ucm_async_load`` false and true (the default);
+  over posix with ``o_direct``), with ``ucm_async_load`` false and true (the default);
 - **2 burners**: no connector and UCM async again, each beside two CPU-bound processes (a busy
   node: a first ask must still cost next to nothing);
 - **floor**: vLLM with its prefix cache and a KV space that holds every document: the best a
@@ -293,7 +293,9 @@ class VllmServingBenchmark:
             "unique_id": f"bench-serving-{name}-{uuid.uuid4().hex[:8]}",
             "tiers": [
                 {"type": "buffer", "capacity": config["buffer"]},
-                {"type": "posix", "path": str(workdir / f"posix-{name}")},
+                # O_DIRECT, as under any CacheBuffer (docs/configuration.md): buffered writes
+                # cost the node's CPUs 10x more for each new page-cache page.
+                {"type": "posix", "path": str(workdir / f"posix-{name}"), "o_direct": True},
             ],
         }
         path = workdir / f"stack-{name}.json"
