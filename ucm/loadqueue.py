@@ -666,13 +666,23 @@ class WriteQueue:
     """Background writer for ``write: through`` tiers, bounded in bytes. A dump never waits
     for it longer than ``wait_s``: what the backlog has no room for then skips the
     write-through tiers (counted in ``write_through_skipped``), so a slow tier never blocks
-    the dump thread, nor through it an engine's save call."""
+    the dump thread, nor through it an engine's save call.
+
+    The snapshots' buffers are reused: once written, a shard's buffer goes back to a free
+    list (at most ``capacity_bytes`` of them kept) for the next dump. A fresh buffer costs a
+    zero fill and, on a VM, new pages: snapshotting 225 MiB (one 1,800-token prompt of the
+    serving benchmark's model) took 0.17-0.20 s of the dump thread's CPU into fresh buffers
+    and 0.034-0.038 s into reused ones."""
 
     def __init__(self, capacity_bytes: int, count: Count, wait_s: float = 0.0) -> None:
         self._capacity_bytes = capacity_bytes
         self._count = count
         self._wait_s = wait_s
         self._pending_bytes = 0
+        self._free: dict[int, list[bytearray]] = {}
+        """Snapshot buffers written and given back, by size (at most capacity_bytes in all)."""
+        self._free_bytes = 0
+        self._free_lock = threading.Lock()
         self._condition = threading.Condition()
         self._queue: queue.Queue[tuple[list[Tier], list[Key], list[bytearray]] | None] = (
             queue.Queue()
@@ -718,7 +728,10 @@ class WriteQueue:
             self._count("write_through_skipped", skipped * len(tiers))
         if taken:
             # The caller may reuse its memory once the task is done: copy the bytes now.
-            data = [_snapshot(views) for views in sources[:taken]]
+            data = [
+                _snapshot(views, self._buffer_of(sum(memoryview(v).nbytes for v in views)))
+                for views in sources[:taken]
+            ]
             self._queue.put((tiers, keys[:taken], data))
         return taken
 
@@ -750,16 +763,35 @@ class WriteQueue:
                     failed = len(keys)
                 self._count("write_through_shards", len(keys) - failed)
                 self._count("write_through_failures", failed)
+            del views  # the tiers are done with them: the buffers may be written again
+            self._give_back(data)
             with self._condition:
                 self._pending_bytes -= sum(len(d) for d in data)
                 self._condition.notify_all()
 
+    def _buffer_of(self, size: int) -> bytearray:
+        """A buffer of ``size`` bytes for a snapshot: a reused one, or a new one."""
+        with self._free_lock:
+            free = self._free.get(size)
+            if free:
+                self._free_bytes -= size
+                return free.pop()
+        return bytearray(size)
 
-def _snapshot(views: ShardViews) -> bytearray:
-    """A copy of a shard's views (``b"".join(views)``), copied with the GIL released: a dump
-    thread snapshotting a prompt's KV (225 MiB for 1,800 tokens of the serving benchmark's
-    model) must not hold up the engine's Python threads meanwhile."""
-    data = bytearray(sum(memoryview(view).nbytes for view in views))
+    def _give_back(self, data: list[bytearray]) -> None:
+        with self._free_lock:
+            for buffer in data:
+                if self._free_bytes + len(buffer) > self._capacity_bytes:
+                    return  # beyond the bound: freed
+                self._free.setdefault(len(buffer), []).append(buffer)
+                self._free_bytes += len(buffer)
+
+
+def _snapshot(views: ShardViews, data: bytearray) -> bytearray:
+    """``data`` (exactly their size) filled with a shard's views (``b"".join(views)``), copied
+    with the GIL released: a dump thread snapshotting a prompt's KV (225 MiB for 1,800 tokens
+    of the serving benchmark's model) must not hold up the engine's Python threads meanwhile."""
+    assert len(data) == sum(memoryview(view).nbytes for view in views)
     offset = 0
     for view in views:
         offset += copy_into(data, offset, view)

@@ -410,3 +410,48 @@ def test_cuda_dump_then_load_round_trip(test_tiers: None, unique_id: str, tmp_pa
         dst = [[torch.zeros(SHARD, dtype=torch.uint8, device="cuda")] for _ in ids]
         store.wait(store.load(ids, 0, dst))
         assert all(torch.equal(s[0], d[0]) for s, d in zip(src, dst, strict=True))
+
+
+def test_write_through_snapshots_reuse_their_buffers_byte_exact_and_bounded() -> None:
+    """The write-through writer's snapshots go into reused buffers (a fresh one costs a zero
+    fill and new pages): 32 shards in 8 rounds through 4 buffers, every shard written with its
+    own bytes, never a reused buffer's old ones; at most the backlog's bound is kept."""
+    from collections import Counter
+
+    from ucm.loadqueue import WriteQueue
+
+    written: list[bytes] = []
+    buffers: list[object] = []  # kept alive: a fresh buffer can never take a freed one's id
+
+    class Recording:
+        def dump(self, keys: list[Any], views: list[list[memoryview]]) -> list[None]:
+            for shard in views:
+                written.append(bytes(shard[0]))
+                buffers.append(shard[0].obj)
+            return [None] * len(keys)
+
+    counts: Counter[str] = Counter()
+
+    def count(name: str, amount: int = 1) -> None:
+        counts[name] += amount
+
+    writer = WriteQueue(4 * SHARD, count)
+    try:
+        for round_ in range(8):
+            # Two views per shard: the snapshot joins them.
+            src = [[memoryview(bytes([round_ * 4 + i]) * (SHARD // 2))] * 2 for i in range(4)]
+            keys = [(block(i), 0) for i in range(4)]
+            assert writer.put([Recording()], keys, src) == 4  # type: ignore[list-item]
+            writer.drain()
+        assert written == [bytes([r * 4 + i]) * SHARD for r in range(8) for i in range(4)]
+        assert len({id(buffer) for buffer in buffers}) == 4
+        assert counts == Counter({"write_through_shards": 32, "write_through_failures": 0})
+        # A dump larger than the bound is taken whole by an empty backlog; only the bound's
+        # worth of its buffers is kept afterwards.
+        big = [[memoryview(bytes([200 + i]) * SHARD)] for i in range(6)]
+        assert writer.put([Recording()], [(block(i), 1) for i in range(6)], big) == 6  # type: ignore[list-item]
+        writer.drain()
+        assert written[-6:] == [bytes([200 + i]) * SHARD for i in range(6)]
+        assert writer._free_bytes == 4 * SHARD
+    finally:
+        writer.close()
