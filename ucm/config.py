@@ -259,7 +259,8 @@ class LoadSettings(BaseModel):
         default=256 * 1024 * 1024,
         description="Bytes of dumped shards waiting for write-through (the backlog); a dump "
         "that finds no room within write_through_wait_s is not written through: its shards "
-        "are counted in write_through_skipped and stay in the top tier only.",
+        "are counted in write_through_skipped and stay in the top tier only. Also the most "
+        "snapshot memory a process keeps, once written, for the next dumps.",
     )
     write_through_wait_s: NonNegativeFloat = Field(
         default=0.0,
