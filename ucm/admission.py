@@ -39,10 +39,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .affinity import name_os_thread
 from .buffer import BufferTier
 from .config import AdmitConfig
 from .layout import Key
+from .threadname import name_os_thread
 from .tier import Outcome, ShardViews, Tier
 
 CHECK_INTERVAL_S = 0.005

@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError
+from .threadname import name_os_thread
 
 if TYPE_CHECKING:
     from .stack import StackConfig
@@ -140,16 +141,6 @@ def become_background() -> None:
     name_os_thread()
     with suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-
-
-def name_os_thread(name: str | None = None) -> None:
-    """Gives the calling thread's OS name (``top -H``, ``perf``, ``/proc/PID/task/TID/comm``)
-    its Python name, or ``name``, cut to the kernel's 15 bytes: a profile of an engine's
-    process then tells UCM's threads (``ucm-dump``, ``ucm-write-through``, the native
-    ``ucm-copy`` ...) from the engine's. A refusal leaves the name as it was."""
-    text = (name or threading.current_thread().name).encode()[:15]
-    with suppress(OSError), open(f"/proc/self/task/{threading.get_native_id()}/comm", "wb") as comm:
-        comm.write(text)
 
 
 def in_background() -> bool:

@@ -33,8 +33,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Literal, TypeVar
 
-from .affinity import name_os_thread
 from .config import BreakerConfig
+from .threadname import name_os_thread
 
 T = TypeVar("T")
 M = TypeVar("M")

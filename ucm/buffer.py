@@ -41,7 +41,6 @@ from typing import Literal
 from pydantic import Field, PositiveFloat
 
 from . import namespaces, shm_gc
-from .affinity import name_os_thread
 from .config import BufferQuota, LoadSettings, Size, TierConfig
 from .errors import (
     BufferLockTimeoutError,
@@ -64,6 +63,7 @@ from .native.queue import (
     TaskKind,
 )
 from .native.segments import SharedRegion
+from .threadname import name_os_thread
 from .tier import EvictSink, Outcome, ShardViews, Tier, TierContext
 
 SEGMENT_TARGET_BYTES = 1 << 30

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import arguments
-from .affinity import become_background, name_os_thread
+from .affinity import become_background
 from .buffer import BufferTier
 from .config import LoadSettings
 from .errors import (
@@ -60,6 +60,7 @@ from .native.queue import (
     WorkState,
 )
 from .task import Progress, Task
+from .threadname import name_os_thread
 from .tier import Outcome, ShardViews, Tier
 
 Fill = Callable[[list[Key], list[ShardViews]], tuple[dict[Key, BaseException], list[int]]]

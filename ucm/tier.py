@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from . import namespaces
-from .affinity import name_os_thread
 from .config import TierConfig
 from .errors import TierError
 from .layout import Key, Layout
 from .native import _abi
+from .threadname import name_os_thread
 
 ShardViews = Sequence[memoryview]
 """One shard in caller memory: memoryviews (format 'B') whose sizes sum to shard_size."""

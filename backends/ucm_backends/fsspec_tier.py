@@ -38,10 +38,10 @@ from pydantic import Field
 
 import ucm
 from ucm import envelope, namespaces
-from ucm.affinity import name_os_thread
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
+from ucm.threadname import name_os_thread
 from ucm.tier import (
     NAMESPACE_BYTES_OPTION,
     REMOVE_CHUNK_KEYS,

@@ -66,11 +66,12 @@ from pydantic import Field
 
 import ucm
 from ucm import envelope, namespaces
-from ucm.affinity import in_background, name_os_thread
+from ucm.affinity import in_background
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
 from ucm.native.pybuffer import copy_into
+from ucm.threadname import name_os_thread
 from ucm.tier import (
     NAMESPACE_BYTES_OPTION,
     REMOVE_CHUNK_KEYS,

@@ -75,8 +75,8 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from .. import DEFAULT_NAMESPACE, REMOVE_CHUNK_KEYS, Pin, Store, Task, TaskError
 from .. import open as open_store
-from ..affinity import name_os_thread
 from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, RoleError, UcmError
+from ..threadname import name_os_thread
 from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id, warn_node_local
 from .tenants import TenantMapping
 

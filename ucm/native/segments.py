@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ..affinity import name_os_thread
 from ..errors import InvalidArgumentError, UcmError
+from ..threadname import name_os_thread
 from . import _abi, lib
 
 Role = Literal["worker", "scheduler"]
