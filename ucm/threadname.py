@@ -8,10 +8,10 @@ import threading
 from contextlib import suppress
 
 
-def name_os_thread(name: str | None = None) -> None:
-    """Gives the calling thread's OS name its Python name, or ``name``, cut to the kernel's 15
-    bytes (``ucm-write-through`` shows as ``ucm-write-throu``). A refusal leaves the name as it
+def name_os_thread() -> None:
+    """Gives the calling thread's OS name its Python name, cut to the kernel's 15 bytes
+    (``ucm-write-through`` shows as ``ucm-write-throu``). A refusal leaves the name as it
     was."""
-    text = (name or threading.current_thread().name).encode()[:15]
+    text = threading.current_thread().name.encode()[:15]
     with suppress(OSError), open(f"/proc/self/task/{threading.get_native_id()}/comm", "wb") as comm:
         comm.write(text)
