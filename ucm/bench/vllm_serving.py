@@ -14,7 +14,11 @@ Systems, each a fresh ``vllm serve`` (every worker on the same OpenMP threads):
 - **UCM sync** and **UCM async**: vLLM with its prefix cache and ``UcmConnector`` (a CacheBuffer
   over posix with ``o_direct``), with ``ucm_async_load`` false and true (the default);
 - **2 burners**: no connector and UCM async again, each beside two CPU-bound processes (a busy
-  node: a first ask must still cost next to nothing);
+  node: a first ask must still cost next to nothing). Both servers stay up and take turns in
+  ``busy_rounds`` rounds (3; ``busy_asks`` = 2 asks per document), each round with documents of
+  its own and the order alternating, so the two systems meet the same moments of a noisy
+  machine: the first-ask figures pool every round (27 first asks a system), and each round's
+  ratio is kept beside them;
 - **floor**: vLLM with its prefix cache and a KV space that holds every document: the best a
   repeat ask can do (the target for UCM's repeat asks is within 1.3x of it);
 - **two replicas** (full run only), one CPU each, the requests dealt round robin (two
@@ -80,6 +84,8 @@ FULL: dict[str, Any] = {
     "replicas": True,
     "prefix_caching": True,
     "warmup": 4,
+    "busy_rounds": 3,
+    "busy_asks": 2,
 }
 QUICK: dict[str, Any] = {
     "model": {
@@ -119,17 +125,26 @@ def _tokens(config: dict[str, Any], seed: int, length: int) -> list[int]:
     return [rng.randrange(3, int(config["model"]["vocab"])) for _ in range(length)]
 
 
-def workload(config: dict[str, Any]) -> list[list[int]]:
+def workload(config: dict[str, Any], round_: int = 0, asks: int | None = None) -> list[list[int]]:
     """The prompts in the order they are sent: ask ``a`` of document ``d`` is request
-    ``a * docs + d``; every ask has its own question (suffix)."""
+    ``a * docs + d``; every ask has its own question (suffix). Each ``round_`` has documents
+    and questions of its own (round 0 is the workload of every one-round system); ``asks``
+    defaults to the config's."""
+    base = ROUND_SEED_STRIDE * round_
     docs = [
-        _tokens(config, 1000 + d, int(config["doc_tokens"])) for d in range(int(config["docs"]))
+        _tokens(config, base + 1000 + d, int(config["doc_tokens"]))
+        for d in range(int(config["docs"]))
     ]
     return [
-        docs[d] + _tokens(config, 2000 + ask * 100 + d, int(config["suffix_tokens"]))
-        for ask in range(int(config["asks"]))
+        docs[d] + _tokens(config, base + 2000 + ask * 100 + d, int(config["suffix_tokens"]))
+        for ask in range(int(config["asks"]) if asks is None else asks)
         for d in range(len(docs))
     ]
+
+
+ROUND_SEED_STRIDE = 100_000
+"""Seed distance between two rounds' prompts: a round's seeds are its base plus 1000 + d (its
+documents) and 2000 + 100 * ask + d (its questions); the warm-up's are 9000 + i."""
 
 
 def warmup_prompts(config: dict[str, Any]) -> list[list[int]]:
@@ -153,6 +168,18 @@ class Served:
     wall_s: float
     tokens: dict[str, float]
     warmup_ttfts: list[float]
+    rounds: int = 1
+    """Rounds of the workload run one after another on this server, each with documents of
+    its own: ``ttfts`` and ``texts`` hold them round after round, in equal parts."""
+
+    def split(self, docs: int) -> tuple[list[float], list[float]]:
+        """TTFTs of the first asks (every round's first ``docs`` requests) and of the repeats."""
+        size = len(self.ttfts) // self.rounds
+        chunks = [self.ttfts[start : start + size] for start in range(0, len(self.ttfts), size)]
+        return (
+            [ttft for chunk in chunks for ttft in chunk[:docs]],
+            [ttft for chunk in chunks for ttft in chunk[docs:]],
+        )
 
 
 def _by_source(server: Any) -> dict[str, float]:
@@ -243,15 +270,11 @@ class VllmServingBenchmark:
             options, model, dataset, config, "floor", [], floor_env, cpu_bind()
         )
         # A busy node: two CPU-bound processes beside each system (first asks must still cost
-        # next to nothing).
-        with _burners(2):
-            runs["no connector, 2 burners"] = self._system(
-                options, model, dataset, config, "plain-burners", [], plain_env, cpu_bind()
-            )
-            busy_args = self._ucm_args(self._stack(workdir, config, "busy"))
-            runs["UCM async, 2 burners"] = self._system(
-                options, model, dataset, config, "ucm-burners", busy_args, plain_env, cpu_bind()
-            )
+        # next to nothing), in interleaved rounds.
+        busy_args = self._ucm_args(self._stack(workdir, config, "busy"))
+        plain_busy, ucm_busy = self._busy(options, model, workdir, config, busy_args, plain_env)
+        runs["no connector, 2 burners"] = plain_busy
+        runs["UCM async, 2 burners"] = ucm_busy
         if len(cpus) >= 2 and config["replicas"]:
             runs["2 replicas, no connector"] = self._replicas(
                 options, model, prompts, config, workdir, "plain2", [], cpus
@@ -262,14 +285,15 @@ class VllmServingBenchmark:
             )
         reference = runs["no connector"].texts
         for system, served in runs.items():
-            differ = [
-                i for i, (a, b) in enumerate(zip(served.texts, reference, strict=False)) if a != b
-            ]
-            if differ or len(served.texts) != len(reference):
-                raise RuntimeError(
-                    f"{system}: greedy outputs differ from the no-connector server's at "
-                    f"requests {differ[:10]} (of {len(reference)})"
-                )
+            if system == "UCM async, 2 burners":
+                # Every round's, against the no-connector server's beside the same burners.
+                _same_outputs(system, served.texts, plain_busy.texts)
+            elif system == "no connector, 2 burners":
+                # Its first round asks the first of round 0's prompts, as every system does.
+                first = len(served.texts) // served.rounds
+                _same_outputs(system, served.texts[:first], reference[:first])
+            else:
+                _same_outputs(system, served.texts, reference)
         return self._result(runs, config, len(cpus))
 
     # ---- systems -------------------------------------------------------------------------
@@ -358,26 +382,111 @@ class VllmServingBenchmark:
         env: dict[str, str],
         bind: str,
     ) -> Served:
-        from harness.vllm_server import VllmServer, bench_serve
-
-        options.progress(f"vllm_serving: {label}: starting vllm serve")
         count = int(config["docs"]) * int(config["asks"])
         workdir = dataset.parent
-        server_env: dict[str, str | None] = {**env, "VLLM_CPU_OMP_THREADS_BIND": bind}
-        with VllmServer(
-            model, workdir / f"{label}.log", self._server_args(config, extra), env=server_env
-        ) as server:
+        with self._server(options, model, workdir, config, label, extra, env, bind) as server:
             warmup = self._warm_up(options, server, model, workdir, label, config, 0, 1)
-            before = _by_source(server)
-            options.progress(f"vllm_serving: {label}: vllm bench serve, {count} requests")
-            result = bench_serve(
-                server,
-                workdir / f"{label}.json",
-                self._bench_args(dataset, count, config, int(config["concurrency"])),
-                timeout_s=BENCH_TIMEOUT_S,
-            )
-            tokens = _minus(_by_source(server), before)
-        return self._served(result, tokens, warmup)
+            return self._measure(options, server, dataset, count, config, label, warmup)
+
+    def _server(
+        self,
+        options: BenchOptions,
+        model: Path,
+        workdir: Path,
+        config: dict[str, Any],
+        label: str,
+        extra: list[str],
+        env: dict[str, str],
+        bind: str,
+    ) -> Any:
+        """A started ``vllm serve`` (a context manager: stopped when the block ends)."""
+        from harness.vllm_server import VllmServer
+
+        options.progress(f"vllm_serving: {label}: starting vllm serve")
+        server_env: dict[str, str | None] = {**env, "VLLM_CPU_OMP_THREADS_BIND": bind}
+        return VllmServer(
+            model, workdir / f"{label}.log", self._server_args(config, extra), env=server_env
+        )
+
+    def _measure(
+        self,
+        options: BenchOptions,
+        server: Any,
+        dataset: Path,
+        count: int,
+        config: dict[str, Any],
+        label: str,
+        warmup: list[float],
+    ) -> Served:
+        """One measured run of ``dataset``'s ``count`` prompts on a running server."""
+        from harness.vllm_server import bench_serve
+
+        before = _by_source(server)
+        options.progress(f"vllm_serving: {label}: vllm bench serve, {count} requests")
+        result = bench_serve(
+            server,
+            dataset.parent / f"{label}.json",
+            self._bench_args(dataset, count, config, int(config["concurrency"])),
+            timeout_s=BENCH_TIMEOUT_S,
+        )
+        return self._served(result, _minus(_by_source(server), before), warmup)
+
+    def _busy(
+        self,
+        options: BenchOptions,
+        model: Path,
+        workdir: Path,
+        config: dict[str, Any],
+        ucm_args: list[str],
+        env: dict[str, str],
+    ) -> tuple[Served, Served]:
+        """The busy node: no connector and UCM async, each beside two CPU-bound processes, in
+        ``busy_rounds`` rounds of ``busy_asks`` asks per document, each round with documents
+        of its own. Both servers stay up (an idle one takes no CPU) and take turns, the order
+        alternating from round to round, so the two systems meet the same moments of a noisy
+        machine: nine first asks of one run each were too few to tell them apart here.
+        Returns the no-connector server's rounds and UCM's, each as one :class:`Served`."""
+        from contextlib import ExitStack
+
+        from harness.vllm_server import cpu_bind
+
+        rounds, asks = int(config["busy_rounds"]), int(config["busy_asks"])
+        count = int(config["docs"]) * asks
+        labels = ("plain-burners", "ucm-burners")
+        measured: dict[str, list[Served]] = {label: [] for label in labels}
+        with ExitStack() as stack:
+            # Started before the burners: a start beside them costs minutes and measures
+            # nothing; the warm-up (the cold start) runs beside them.
+            servers = {
+                label: stack.enter_context(
+                    self._server(options, model, workdir, config, label, args, env, cpu_bind())
+                )
+                for label, args in zip(labels, ([], ucm_args), strict=True)
+            }
+            stack.enter_context(_burners(2))
+            warmups = {
+                label: self._warm_up(options, server, model, workdir, label, config, 0, 1)
+                for label, server in servers.items()
+            }
+            for round_ in range(rounds):
+                dataset = self._dataset(
+                    model, workload(config, round_, asks), workdir / f"busy-{round_}.jsonl"
+                )
+                order = labels if round_ % 2 == 0 else labels[::-1]
+                for label in order:
+                    measured[label].append(
+                        self._measure(
+                            options,
+                            servers[label],
+                            dataset,
+                            count,
+                            config,
+                            f"{label}-{round_}",
+                            warmups[label],
+                        )
+                    )
+        plain, ucm = (_rounds(measured[label]) for label in labels)
+        return plain, ucm
 
     def _warm_up(
         self,
@@ -540,7 +649,7 @@ class VllmServingBenchmark:
         baseline = runs["no connector"]
 
         def split(served: Served) -> tuple[list[float], list[float]]:
-            return served.ttfts[:docs], served.ttfts[docs:]
+            return served.split(docs)
 
         def quantile(values: list[float], q: float) -> float:
             ordered = sorted(values)
@@ -580,6 +689,8 @@ class VllmServingBenchmark:
                         extra={
                             "p90_s": quantile(values, 0.9),
                             "baseline_p90_s": quantile(values_b, 0.9),
+                            "samples": float(len(values)),
+                            **_round_ratios(values, values_b, served.rounds),
                         },
                     )
                 )
@@ -662,6 +773,9 @@ class VllmServingBenchmark:
             f"({len(baseline.texts)} requests each)",
             f"{cpus} CPUs; every server's worker is bound with VLLM_CPU_OMP_THREADS_BIND "
             "(two replicas: one CPU each)",
+            f"2 burners: {config['busy_rounds']} rounds of {config['busy_asks']} asks per "
+            "document, each round with documents of its own, the two servers taking turns "
+            "(order alternating); figures pool the rounds, round_<i>_ratio gives each round's",
         ]
         series = {
             system: ([0.0, 1.0], [statistics.median(split(s)[0]), statistics.median(split(s)[1])])
@@ -679,6 +793,44 @@ class VllmServingBenchmark:
             )
         ]
         return BenchResult(name=self.name, figures=figures, plots=plots, notes=notes)
+
+
+def _round_ratios(values: list[float], baseline: list[float], rounds: int) -> dict[str, float]:
+    """Per round past one: the baseline's TTFT p50 over the system's, in that round (the
+    rounds' spread shows how far one round's ratio can be trusted)."""
+    if rounds < 2 or len(values) != len(baseline):
+        return {}
+    size = len(values) // rounds
+    return {
+        f"round_{index}_ratio": statistics.median(baseline[start : start + size])
+        / statistics.median(values[start : start + size])
+        for index, start in enumerate(range(0, len(values), size))
+    }
+
+
+def _rounds(parts: list[Served]) -> Served:
+    """One server's rounds as one :class:`Served`: its requests round after round, the tokens
+    and wall time summed, decode time per token the mean of the rounds' medians."""
+    return Served(
+        ttfts=[ttft for part in parts for ttft in part.ttfts],
+        texts=[text for part in parts for text in part.texts],
+        tpot_ms=statistics.mean(part.tpot_ms for part in parts),
+        wall_s=sum(part.wall_s for part in parts),
+        tokens={name: sum(part.tokens[name] for part in parts) for name in parts[0].tokens},
+        warmup_ttfts=parts[0].warmup_ttfts,
+        rounds=len(parts),
+    )
+
+
+def _same_outputs(system: str, texts: list[str], reference: list[str]) -> None:
+    """Raises unless ``system``'s greedy outputs equal the reference server's, request by
+    request."""
+    differ = [i for i, (a, b) in enumerate(zip(texts, reference, strict=False)) if a != b]
+    if differ or len(texts) != len(reference):
+        raise RuntimeError(
+            f"{system}: greedy outputs differ from the no-connector server's at requests "
+            f"{differ[:10]} (of {len(reference)}; {len(texts)} answered)"
+        )
 
 
 def _minus(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
