@@ -21,6 +21,7 @@ from ucm.affinity import (
 )
 from ucm.errors import ConfigError
 from ucm.native import segments
+from ucm.threadname import bind_new_threads
 
 
 def test_binding_lists_parse_like_vllms() -> None:
@@ -70,6 +71,55 @@ def test_the_threads_a_store_starts_are_moved_off_the_engines_cpus() -> None:
     finally:
         os.sched_setaffinity(0, own)
         segments.unlink(unique_id)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_threads_ucm_starts_later_from_a_bound_thread_leave_the_engines_cpus(
+    tmp_path: os.PathLike[str],
+) -> None:
+    """Pools start their threads on demand, from the calling thread: a look-up from a thread
+    bound to the engine's compute CPU (vLLM's worker, or its scheduler) starts the look-up
+    pool's and the posix tier's I/O threads, which would inherit that binding. With
+    bind_new_threads they bind themselves to the free CPUs instead; without it they keep the
+    caller's binding, as before."""
+    own = os.sched_getaffinity(0)
+    compute = min(own)
+    free = own - {compute}
+    stack = {
+        "unique_id": f"affinity-late-{uuid.uuid4().hex[:10]}",
+        "shard_size": 4096,
+        "shards_per_block": 1,
+        "tiers": [
+            {"type": "buffer", "capacity": 64 * 4096},
+            {"type": "posix", "path": str(tmp_path), "io_threads": 4},
+        ],
+    }
+    blocks = [bytes([n]) * 16 for n in range(1, 9)]
+
+    def late_threads(bound: set[int] | None) -> dict[str, frozenset[int]]:
+        """The affinity of each UCM thread a look-up of blocks absent from the buffer
+        started, in a fresh store opened by a thread bound to ``compute``."""
+        stack["unique_id"] = f"affinity-late-{uuid.uuid4().hex[:10]}"
+        os.sched_setaffinity(0, {compute})
+        bind_new_threads(bound)
+        try:
+            with ucm.open(stack, device_id=0) as store:
+                before = {t.native_id for t in threading.enumerate()}
+                assert store.lookup(blocks) == [False] * len(blocks)
+                late = {
+                    t.name: frozenset(os.sched_getaffinity(t.native_id))
+                    for t in threading.enumerate()
+                    if t.native_id not in before and t.name.startswith("ucm-")
+                }
+        finally:
+            bind_new_threads(None)
+            os.sched_setaffinity(0, own)
+            segments.unlink(str(stack["unique_id"]))
+        assert any(name.startswith("ucm-posix") for name in late), sorted(late)
+        return late
+
+    assert set(late_threads(free).values()) == {frozenset(free)}
+    assert set(late_threads(None).values()) == {frozenset({compute})}
 
 
 def _stack(**buffer: object) -> ucm.StackConfig:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from .buffer import BufferTier
 from .config import AdmitConfig
 from .layout import Key
-from .threadname import name_os_thread
+from .threadname import enter_thread
 from .tier import Outcome, ShardViews, Tier
 
 CHECK_INTERVAL_S = 0.005
@@ -236,7 +236,7 @@ class Admission:
             self.check(keys, mature=self.gated[list_position])
 
     def _run(self) -> None:
-        name_os_thread()
+        enter_thread()
         while True:
             with self._lock:
                 if self._stop:

@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from .errors import ConfigError
-from .threadname import name_os_thread
+from .threadname import enter_thread
 
 if TYPE_CHECKING:
     from .stack import StackConfig
@@ -138,7 +138,7 @@ def become_background() -> None:
     and :func:`in_background` true, so a tier does this thread's I/O on it instead of handing
     it to a pool shared with loads."""
     _role.background = True
-    name_os_thread()
+    enter_thread()
     with suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
 

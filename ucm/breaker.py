@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from typing import Any, Literal, TypeVar
 
 from .config import BreakerConfig
-from .threadname import name_os_thread
+from .threadname import enter_thread
 
 T = TypeVar("T")
 M = TypeVar("M")
@@ -173,7 +173,7 @@ class DaemonPool:
         return future
 
     def _run(self) -> None:
-        name_os_thread()
+        enter_thread()
         while True:
             item = self._work.get()
             if item is None:

@@ -63,7 +63,7 @@ from .native.queue import (
     TaskKind,
 )
 from .native.segments import SharedRegion
-from .threadname import name_os_thread
+from .threadname import enter_thread
 from .tier import EvictSink, Outcome, ShardViews, Tier, TierContext
 
 SEGMENT_TARGET_BYTES = 1 << 30
@@ -464,7 +464,7 @@ class BufferTier(Tier):
 
     def _flush_loop(self) -> None:
         """Background flusher: while this rank's dumps are idle, write dirty slots down."""
-        name_os_thread()
+        enter_thread()
         interval_s = self.cfg.flush_interval_s
         while not self._flusher_stop.wait(interval_s):
             try:

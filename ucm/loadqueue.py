@@ -60,7 +60,7 @@ from .native.queue import (
     WorkState,
 )
 from .task import Progress, Task
-from .threadname import name_os_thread
+from .threadname import enter_thread
 from .tier import Outcome, ShardViews, Tier
 
 Fill = Callable[[list[Key], list[ShardViews]], tuple[dict[Key, BaseException], list[int]]]
@@ -314,7 +314,7 @@ class LoadPath:
     def _serve(self) -> None:
         """A loader thread: takes work from the native queue (blocking, GIL released) until
         the queue stops."""
-        name_os_thread()
+        enter_thread()
         native = self.queue
         for _ in itertools.count():
             batch = native.next_work(LOADER_IDLE_S)
@@ -602,7 +602,7 @@ class DumpQueue:
         self.writer.close()
 
     def _run(self) -> None:
-        name_os_thread()
+        enter_thread()
         while True:
             item = self._pending.get()
             if item is None:

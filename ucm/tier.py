@@ -28,7 +28,7 @@ from .config import TierConfig
 from .errors import TierError
 from .layout import Key, Layout
 from .native import _abi
-from .threadname import name_os_thread
+from .threadname import enter_thread
 
 ShardViews = Sequence[memoryview]
 """One shard in caller memory: memoryviews (format 'B') whose sizes sum to shard_size."""
@@ -153,7 +153,7 @@ class NamespaceUsage:
             running.join(wait_s)
 
     def _scan(self, scan: Callable[[], dict[str, int]]) -> None:
-        name_os_thread()
+        enter_thread()
         try:
             usage = scan()
         except Exception:  # an unreachable tier: the figures stay as they were, and the

@@ -41,7 +41,7 @@ from ucm import envelope, namespaces
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
-from ucm.threadname import name_os_thread
+from ucm.threadname import enter_thread
 from ucm.tier import (
     NAMESPACE_BYTES_OPTION,
     REMOVE_CHUNK_KEYS,
@@ -178,7 +178,7 @@ class FsspecTier(Tier):
         self._local_fs = isinstance(self.fs, LocalFileSystem)
         self.shard_size = self.layout.shard_size
         self._pool = ThreadPoolExecutor(
-            config.io_threads, thread_name_prefix="ucm-fsspec", initializer=name_os_thread
+            config.io_threads, thread_name_prefix="ucm-fsspec", initializer=enter_thread
         )
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()

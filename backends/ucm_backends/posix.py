@@ -71,7 +71,7 @@ from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
 from ucm.native.pybuffer import copy_into
-from ucm.threadname import name_os_thread
+from ucm.threadname import enter_thread
 from ucm.tier import (
     NAMESPACE_BYTES_OPTION,
     REMOVE_CHUNK_KEYS,
@@ -243,7 +243,7 @@ class PosixTier(Tier):
             0,
         )
         self._pool = ThreadPoolExecutor(
-            config.io_threads, thread_name_prefix="ucm-posix", initializer=name_os_thread
+            config.io_threads, thread_name_prefix="ucm-posix", initializer=enter_thread
         )
         self._closed = False
         self._usage = 0

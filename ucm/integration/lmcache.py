@@ -76,7 +76,7 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from .. import DEFAULT_NAMESPACE, REMOVE_CHUNK_KEYS, Pin, Store, Task, TaskError
 from .. import open as open_store
 from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, RoleError, UcmError
-from ..threadname import name_os_thread
+from ..threadname import enter_thread
 from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id, warn_node_local
 from .tenants import TenantMapping
 
@@ -394,7 +394,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         self.lookup_pins_max = LOOKUP_PINS_MAX
         # Async lookups and prefetches run here, off LMCache's event loop.
         self._executor = ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix="ucm-lmcache", initializer=name_os_thread
+            max_workers=2, thread_name_prefix="ucm-lmcache", initializer=enter_thread
         )
         self._closed = False
         self._warned: set[str] = set()
@@ -670,7 +670,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         return pointers
 
     def _complete_puts(self) -> None:
-        name_os_thread()
+        enter_thread()
         while True:
             batch = self._completions.get()
             if batch is None:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import InvalidArgumentError, UcmError
-from ..threadname import name_os_thread
+from ..threadname import enter_thread
 from . import _abi, lib
 
 Role = Literal["worker", "scheduler"]
@@ -171,7 +171,7 @@ class _Handle:
         self.thread.start()
 
     def _serve(self) -> None:
-        name_os_thread()
+        enter_thread()
         lib().ucm_seg_serve(self.handle)
 
     def close(self) -> None:

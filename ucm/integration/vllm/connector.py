@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ucm.affinity import NewThreads, background_cpus
 from ucm.breaker import LOOKUP_THREADS, DaemonPool
 from ucm.errors import ConfigError, UcmError
+from ucm.threadname import bind_new_threads
 
 from ..addresses import BlockAddresses, block_view
 from ..claims import ComputeClaims
@@ -118,7 +119,9 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # ---- scheduler side ------------------------------------------------------------------
 
     def _init_scheduler(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
-        self._store = open_store(vllm_config, self._geometry, -1, ranks_per_node(vllm_config))
+        with NewThreads() as started:
+            self._store = open_store(vllm_config, self._geometry, -1, ranks_per_node(vllm_config))
+        self._pin_background(started)
         self._key_space = key_space(vllm_config, kv_cache_config)
         self._epochs = EpochState(Epochs(self._key_space.salt()), self._store)
         self._reset_marker: bytes | None = None
@@ -298,21 +301,27 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
 
     def _pin_background(self, started: NewThreads) -> None:
-        """The threads the store started leave the CPUs vLLM binds its compute threads to
-        (``VLLM_CPU_OMP_THREADS_BIND``, or the CPUs its ``auto`` binding chose), for the CPUs
-        it leaves free, when there are any."""
+        """UCM's threads leave the CPUs vLLM binds its compute threads to
+        (``VLLM_CPU_OMP_THREADS_BIND``, or the CPUs its ``auto`` binding chose) for the CPUs
+        it leaves free, when there are any: the threads the store started, and every UCM
+        thread this process starts later (a tier's I/O pool, a look-up pool: started on
+        demand, perhaps from a thread bound to the compute CPUs). In the scheduler's process
+        too, whose look-ups reach the tiers below from such threads."""
         bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        role = "scheduler" if self._rank < 0 else f"rank {self._rank}"
         try:
             cpus = background_cpus(bind)
         except ConfigError as exc:
-            logger.warning("UCM rank %d: background threads not bound: %s", self._rank, exc)
+            logger.warning("UCM %s: background threads not bound: %s", role, exc)
             return
         if cpus is None:
             return
+        bind_new_threads(cpus)
         pinned = started.pin(cpus)
         logger.info(
-            "UCM rank %d: %d background threads on CPUs %s (VLLM_CPU_OMP_THREADS_BIND=%r)",
-            self._rank,
+            "UCM %s: %d background threads on CPUs %s, and every thread UCM starts later "
+            "(VLLM_CPU_OMP_THREADS_BIND=%r)",
+            role,
             pinned,
             sorted(cpus),
             bind,
