@@ -32,11 +32,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 from . import arguments
-from .affinity import become_background
+from .affinity import background_work, become_background
 from .buffer import BufferTier
 from .config import LoadSettings
 from .errors import (
@@ -108,6 +109,7 @@ class NativeJob:
         "_final",
         "_path",
         "addresses",
+        "background",
         "direct",
         "entry_flags",
         "failures_seen",
@@ -143,6 +145,9 @@ class NativeJob:
         self._final: dict[Key, BaseException] | None = None
         self.addresses: Any = None
         self.entry_flags: bytes | None = None
+        self.background = False
+        """Nobody waits on it (an engine's asynchronous load or its prefetch): the loaders do
+        its fill's tier I/O on their own threads (``affinity.background_work``)."""
 
     @property
     def keys(self) -> list[Key]:
@@ -232,10 +237,13 @@ class LoadPath:
         background: bool = False,
     ) -> NativeJob:
         """Hands a task to the native queue; the job is the Task's completion. ``background``
-        (loads): nobody waits on it, so its copies yield the CPU between batches."""
+        (loads and prefetches): nobody waits on it, so the loaders do its fill's tier I/O on
+        their own threads rather than on the tiers' pools, and a load's copies yield the CPU
+        between batches."""
         if self._closed:
             raise StoreClosedError("the store is closed; open a new one with ucm.open()")
         job = NativeJob(self, kind, task_keys, memory, next(self._tags))
+        job.background = background and kind is not TaskKind.DUMP
         flags = 0
         if memory is not None:
             job.addresses = memory.flat
@@ -347,7 +355,10 @@ class LoadPath:
             assert job.memory is not None
             views = [job.memory.views[e] for e in entries]
         try:
-            failures, served = self._fill(keys, views)
+            # A background task's reads stay on this loader: on a tier's pool they would be
+            # up to io_threads more threads taking the engine's GIL in turn (issue 21).
+            with background_work() if job.background else nullcontext():
+                failures, served = self._fill(keys, views)
         except Exception as exc:
             failures, served = {key: exc for key in keys}, [-1] * len(keys)
         states = []

@@ -292,10 +292,19 @@ class Store:
                 first += 1
         return first // self.layout.shards_per_block - 1
 
-    def prefetch(self, block_ids: Sequence[bytes], *, namespace: str | None = None) -> Task | None:
+    def prefetch(
+        self,
+        block_ids: Sequence[bytes],
+        *,
+        namespace: str | None = None,
+        background: bool = False,
+    ) -> Task | None:
         """Starts moving the blocks' shards up into the top tier (asynchronously). Returns the
         prefetch's task (``check``/``wait`` it; a shard no tier has fails it), or None when
-        there was nothing to move (every shard already in the top tier, or one tier only)."""
+        there was nothing to move (every shard already in the top tier, or one tier only).
+        ``background``: an engine does not wait on it (its asynchronous load), so the tiers
+        below read its shards on the loader threads themselves rather than on their pools:
+        fewer threads taking the engine's GIL in turn while it computes."""
         self._check_open()
         blocks = self._scoped(block_ids, namespace)
         if not self._worker:
@@ -311,7 +320,9 @@ class Store:
         if not missing:
             return None
         assert self._native is not None
-        job = self._native.submit(TaskKind.PREFETCH, arguments.TaskKeys.of(missing), None)
+        job = self._native.submit(
+            TaskKind.PREFETCH, arguments.TaskKeys.of(missing), None, background=background
+        )
         task = self._native.task("prefetch", job)
         with self._prefetch_lock:
             self._prefetches = [t for t in self._prefetches if not t.done()]

@@ -19,6 +19,7 @@ import ucm
 from ucm import arguments
 from ucm.errors import InvalidArgumentError, KeyMissingError, TaskError, TierError, UcmError
 from ucm.loadqueue import LoadPath
+from ucm.native import segments
 from ucm.native.queue import TaskKind
 from ucm.ranks import RankGroup
 
@@ -332,6 +333,53 @@ def test_a_background_load_is_the_same_load_and_only_a_load_may_be_one(
                     bytearray(1),
                     flags=TASK_FLAG_BACKGROUND,
                 )
+
+
+def test_a_background_prefetch_reads_on_the_loaders_not_on_the_tiers_pool(
+    unique_id: str, tmp_path: Path
+) -> None:
+    """An engine's asynchronous load prefetches with ``background=True``: the posix tier reads
+    its blocks on the loader threads themselves, and starts none of its ``io_threads`` (up to
+    that many more threads taking the engine's GIL in turn while it computes); the same
+    prefetch in the foreground reads on the pool. Both move the same bytes."""
+    import threading
+
+    posix = {"type": "posix", "path": str(tmp_path / "nvme"), "io_threads": 4}
+    blocks = [block(500 + i) for i in range(8)]
+    with ucm.open({**stack(unique_id), "unique_id": f"{unique_id}-seed", "tiers": [posix]}) as seed:
+        for shard in (0, 1):  # a prefetch moves up every shard of a block
+            src = [
+                [torch.frombuffer(bytearray(payload(b, shard, SHARD)), dtype=torch.uint8)]
+                for b in blocks
+            ]
+            seed.wait(seed.dump(blocks, shard, src))
+
+    def pool_threads_started(background: bool, suffix: str) -> int:
+        before = {t.ident for t in threading.enumerate()}
+        config = {**stack(unique_id, posix), "unique_id": f"{unique_id}-{suffix}"}
+        # One loader: every block in one fill call, which the tier would spread on its pool.
+        config["tiers"][0]["load_workers"] = 1
+        try:
+            with ucm.open(config) as store:
+                task = store.prefetch(blocks, background=background)
+                assert task is not None
+                store.wait(task)
+                started = [
+                    t
+                    for t in threading.enumerate()
+                    if t.ident not in before and t.name.startswith("ucm-posix")
+                ]
+                dst = dst_for(len(blocks))
+                store.wait(store.load(blocks, 0, dst))
+                assert exact(blocks, dst) == [True] * len(blocks)
+                # Every shard was prefetched: the load was all buffer hits.
+                assert store.stats()["tiers"][0]["hits"] == len(blocks)
+                return len(started)
+        finally:
+            segments.unlink(str(config["unique_id"]))
+
+    assert pool_threads_started(background=True, suffix="bg") == 0
+    assert pool_threads_started(background=False, suffix="fg") > 0
 
 
 def test_threads_submitting_at_once_each_complete_their_own_task(
