@@ -1,9 +1,9 @@
 """What every thread UCM starts does first (:func:`enter_thread`): it takes an OS name, so
 ``top -H``, ``perf`` and ``/proc/PID/task/TID/comm`` of an engine's process tell UCM's threads
 from the engine's (docs/observability.md), and, where the process keeps UCM's threads off an
-engine's compute CPUs (:func:`bind_new_threads`, set by ``ucm.affinity``'s callers), it binds
-itself to the CPUs the engine leaves free. A leaf module: every module that starts a thread
-imports it."""
+engine's compute CPUs (:func:`bind_new_threads`, set by the vLLM connector from
+``ucm.affinity.background_cpus``), it binds itself to the CPUs the engine leaves free. A leaf
+module: every module that starts a thread imports it."""
 
 from __future__ import annotations
 
