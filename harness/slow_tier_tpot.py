@@ -48,16 +48,19 @@ MODEL: dict[str, int] = FULL["model"]
 """The model of ``ucm bench --only vllm_serving``: fp32, 128 KiB of KV per token."""
 
 
-def _stack(posix: Path, o_direct: bool) -> dict[str, Any]:
+def _stack(posix: Path, o_direct: bool, read_rate: str | None) -> dict[str, Any]:
+    buffer: dict[str, Any] = {
+        "type": "buffer",
+        "capacity": "2GiB",
+        "write_queue_bytes": "1GiB",
+        "write_through_wait_s": 60,
+    }
+    if read_rate is not None:
+        buffer["background_read_bytes_per_s"] = read_rate
     return {
         "unique_id": f"slow-tier-{uuid.uuid4().hex[:10]}",
         "tiers": [
-            {
-                "type": "buffer",
-                "capacity": "2GiB",
-                "write_queue_bytes": "1GiB",
-                "write_through_wait_s": 60,
-            },
+            buffer,
             {"type": "posix", "path": str(posix), "o_direct": o_direct},
         ],
     }
@@ -89,7 +92,9 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     else:
         extra = {"ucm_async_load": args.mode != "sync", "ucm_load_deadline_s": 120}
         llm_args = engine_args(
-            args.model, stack=_stack(Path(args.posix), args.o_direct), extra_config=extra
+            args.model,
+            stack=_stack(Path(args.posix), args.o_direct, args.read_rate),
+            extra_config=extra,
         )
         llm_args["kv_transfer_config"] = KVTransferConfig(**llm_args["kv_transfer_config"])
         llm = LLM(**llm_args)
@@ -147,6 +152,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         "last_gap_to_long_first_ms": round(1000 * (long_first - ([admitted_at, *during])[-1]), 1),
         "long_first_token_s": round(long_first - admitted_at, 3),
         "long_cached_tokens": cached,
+        "read_rate": args.read_rate,
     }
     result["tpot_ratio"] = round(result["tpot_ms_during_load"] / result["undisturbed_tpot_ms"], 3)
     # The load alone: the window less its last step, the one that computes ``long``'s first
@@ -173,6 +179,10 @@ def main() -> None:
     parser.add_argument("--admit-after", type=int, default=16)
     parser.add_argument("--o-direct", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
+        "--read-rate",
+        help="background_read_bytes_per_s of the UCM runs, such as 512MiB (default: no cap)",
+    )
+    parser.add_argument(
         "--bind",
         help="VLLM_CPU_OMP_THREADS_BIND for every engine (default: vLLM's auto binding)",
     )
@@ -198,6 +208,7 @@ def main() -> None:
         "--admit-after",
         str(args.admit_after),
         "--o-direct" if args.o_direct else "--no-o-direct",
+        *(["--read-rate", args.read_rate] if args.read_rate else []),
     ]
     runs: list[dict[str, Any]] = []
     for mode in ["seed", *(["sync", "async", "floor"] * args.repeats)]:
@@ -227,7 +238,14 @@ def main() -> None:
         for mode in ("sync", "async", "floor")
     }
     print(
-        json.dumps({"summary": summary, "prefix_tokens": args.prefix_tokens, "bind": args.bind}),
+        json.dumps(
+            {
+                "summary": summary,
+                "prefix_tokens": args.prefix_tokens,
+                "bind": args.bind,
+                "read_rate": args.read_rate,
+            }
+        ),
         flush=True,
     )
 

@@ -574,3 +574,15 @@ def test_configuration_reference_documents_every_builtin_tier_key(module: str) -
             if key in shared | {"breaker"}:
                 continue  # documented once, in "Keys every tier has"
             assert f"| `{key}`" in section, f"{heading} in docs/configuration.md lacks {key!r}"
+
+
+def test_a_background_read_rate_below_the_least_names_the_value_and_the_least() -> None:
+    buffer = {"type": "buffer", "capacity": "1GiB", "background_read_bytes_per_s": "1KiB"}
+    assert problems_of(BASE | {"tiers": [buffer]}) == [
+        "tiers[0].background_read_bytes_per_s: Value error, background_read_bytes_per_s=1024 "
+        "is below the least rate, 1048576 (1MiB per second); leave it null for no cap "
+        "(got '1KiB')"
+    ]
+    paced = parse_stack(BASE | {"tiers": [{**buffer, "background_read_bytes_per_s": "512MiB"}]})
+    assert paced.buffer is not None
+    assert paced.buffer.load_settings().background_read_bytes_per_s == 512 << 20

@@ -20,6 +20,7 @@ from pydantic import (
     NonNegativeFloat,
     PlainSerializer,
     PositiveFloat,
+    field_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -191,6 +192,11 @@ class LowerTierConfig(TierConfig):
     )
 
 
+BACKGROUND_READ_RATE_MIN = 1 << 20
+"""Least ``background_read_bytes_per_s``: a slower cap would hold a loader thread for seconds
+per shard."""
+
+
 class LoadSettings(BaseModel):
     """The load path's settings: queue depths, concurrency, step size, timeouts. One model,
     valid with or without a buffer: the ``buffer`` tier's config is one (its keys of these
@@ -267,6 +273,25 @@ class LoadSettings(BaseModel):
         description="Longest a dump waits for room in the write-through backlog before its "
         "shards skip the write-through tiers (0: never waits).",
     )
+
+    background_read_bytes_per_s: Size | None = Field(
+        default=None,
+        description="Most bytes per second that background loads (an engine's asynchronous "
+        "load, a prefetch) read from the tiers below, per process (null: no cap): it leaves "
+        "the tiers' bandwidth and the node's memory bus to the rest, at the cost of a longer "
+        "load for the request that waits for it. Loads the engine waits on are never paced, "
+        "and close() lifts the cap. At least 1MiB.",
+    )
+
+    @field_validator("background_read_bytes_per_s")
+    @classmethod
+    def _check_read_rate(cls, value: int | None) -> int | None:
+        if value is not None and value < BACKGROUND_READ_RATE_MIN:
+            raise ValueError(
+                f"background_read_bytes_per_s={value} is below the least rate, "
+                f"{BACKGROUND_READ_RATE_MIN} (1MiB per second); leave it null for no cap"
+            )
+        return value
 
     def load_settings(self) -> LoadSettings:
         """These settings as a plain ``LoadSettings`` (a model that extends it, such as the

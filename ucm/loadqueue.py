@@ -219,6 +219,8 @@ class LoadPath:
         self._cuda: _CudaDirect | None = None
         self._cuda_checked = False
         self._closed = False
+        rate = settings.background_read_bytes_per_s
+        self._pacer = Pacer(rate) if rate is not None else None
         self._loaders = [
             threading.Thread(target=self._serve, name=f"ucm-loader-{i}", daemon=True)
             for i in range(settings.load_workers)
@@ -357,8 +359,11 @@ class LoadPath:
         try:
             # A background task's reads stay on this loader: on a tier's pool they would be
             # up to io_threads more threads taking the engine's GIL in turn (issue 21).
-            with background_work() if job.background else nullcontext():
-                failures, served = self._fill(keys, views)
+            if job.background and self._pacer is not None:
+                failures, served = self._paced_fill(self._pacer, keys, views)
+            else:
+                with background_work() if job.background else nullcontext():
+                    failures, served = self._fill(keys, views)
         except Exception as exc:
             failures, served = {key: exc for key in keys}, [-1] * len(keys)
         states = []
@@ -375,6 +380,25 @@ class LoadPath:
             missing = isinstance(cause, KeyMissingError) and batch.kind is WorkKind.FILL
             states.append(WorkState.MISSING if missing else WorkState.FAILED)
         return states
+
+    def _paced_fill(
+        self, pacer: Pacer, keys: list[Key], views: list[ShardViews]
+    ) -> tuple[dict[Key, BaseException], list[int]]:
+        """A background fill under ``background_read_bytes_per_s``: one shard at a time, each
+        started when the process's rate allows, so a loader never holds a paced batch for
+        longer than its own shards need."""
+        failures: dict[Key, BaseException] = {}
+        served: list[int] = []
+        with background_work():
+            for key, shard in zip(keys, views, strict=True):
+                waited_s = pacer.take(self._shard_size)
+                if waited_s > 0:
+                    self._count("background_paced_shards", 1)
+                    self._count("background_paced_us", max(1, round(waited_s * 1e6)))
+                failed, position = self._fill([key], [shard])
+                failures.update(failed)
+                served.extend(position)
+        return failures, served
 
     def _copy_out(self, job: NativeJob, entries: list[int], addresses: Any) -> list[WorkState]:
         """CUDA destinations: async host-to-device copies from the registered slot memory."""
@@ -430,6 +454,8 @@ class LoadPath:
         if self._closed:
             return True
         self._closed = True
+        if self._pacer is not None:
+            self._pacer.lift()  # the tasks left run at full speed: close is not paced
         drained = self.queue.drain(self._settings.queue_timeout_s)
         if not drained:
             sys.stderr.write(
@@ -451,6 +477,36 @@ class LoadPath:
         if self._cuda is not None:
             self._cuda.close()
         return True
+
+
+class Pacer:
+    """Paces background reads to ``rate_bytes_per_s`` across a process's loaders: each
+    :meth:`take` books the next free interval of the rate's clock and sleeps until it starts.
+    An idle pacer stores no credit, so a new load never starts with a burst."""
+
+    def __init__(self, rate_bytes_per_s: int) -> None:
+        assert rate_bytes_per_s > 0
+        self._rate_bytes_per_s = rate_bytes_per_s
+        self._next_s = 0.0
+        self._lock = threading.Lock()
+        self._lifted = threading.Event()
+
+    def take(self, nbytes: int) -> float:
+        """Waits until ``nbytes`` more may be read; returns the seconds waited. Each wait is at
+        most the bytes booked ahead of it (bounded by the loaders' shards in flight) over the
+        rate, and ends at once when the pacer is lifted."""
+        with self._lock:
+            now_s = time.monotonic()
+            start_s = max(now_s, self._next_s)
+            self._next_s = start_s + nbytes / self._rate_bytes_per_s
+        if start_s <= now_s or self._lifted.is_set():
+            return 0.0
+        self._lifted.wait(start_s - now_s)
+        return time.monotonic() - now_s
+
+    def lift(self) -> None:
+        """Stops pacing: every wait ends now and no new one starts."""
+        self._lifted.set()
 
 
 def _view_at(address: int, nbytes: int) -> memoryview:
@@ -824,5 +880,6 @@ __all__ = [
     "Fill",
     "LoadPath",
     "NativeJob",
+    "Pacer",
     "WriteQueue",
 ]

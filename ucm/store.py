@@ -546,6 +546,8 @@ class Store:
             "admitted_bytes",
             "declined_shards",
             "declined_bytes",
+            "background_paced_shards",
+            "background_paced_us",
         ):
             counters.setdefault(name, 0)
         lookups = counters["hits"] + counters["misses"]

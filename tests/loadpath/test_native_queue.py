@@ -17,6 +17,7 @@ import torch
 
 import ucm
 from ucm import arguments
+from ucm.config import LoadSettings
 from ucm.errors import InvalidArgumentError, KeyMissingError, TaskError, TierError, UcmError
 from ucm.loadqueue import LoadPath
 from ucm.native import segments
@@ -333,6 +334,64 @@ def test_a_background_load_is_the_same_load_and_only_a_load_may_be_one(
                     bytearray(1),
                     flags=TASK_FLAG_BACKGROUND,
                 )
+
+
+def test_background_reads_keep_to_their_rate_and_loads_waited_on_are_never_paced(
+    test_tiers: None, unique_id: str
+) -> None:
+    """``background_read_bytes_per_s`` spaces the starts of a background load's reads from the
+    tiers below by a shard's time at that rate, across every loader of the process (a CPU
+    engine's decoding steps slow in proportion to that rate: issue 21); the bytes are the
+    same. A load the caller waits on (``background=False``) is never paced."""
+    slow = [block(700 + i) for i in range(26)]
+    quick = [block(740 + i) for i in range(6)]
+    CONTENTS["low"] = {(b, 0): payload(b, 0, SHARD) for b in [*slow, *quick]}
+    rate = 1 << 20  # the least rate: a 4 KiB shard every 3.9 ms
+    config = stack(unique_id, {"type": "recording", "space": "low"})
+    config["tiers"][0]["background_read_bytes_per_s"] = rate
+    with ucm.open(config) as store:
+        dst = dst_for(len(slow))
+        started = time.monotonic()
+        store.wait(store.load(slow, 0, dst, background=True))
+        elapsed_s = time.monotonic() - started
+        assert exact(slow, dst) == [True] * len(slow)
+        # 26 reads, each started at least a shard's time after the one before: 0.098 s.
+        assert elapsed_s >= (len(slow) - 1) * SHARD / rate - 0.005
+        paced = store.stats()
+        # Whether a read waits depends on how fast the one before it went; what waits is
+        # counted, and no more than every loader waiting the whole time.
+        loaders = LoadSettings().load_workers
+        assert 0 <= paced["background_paced_shards"] <= len(slow) - 1
+        assert paced["background_paced_us"] <= elapsed_s * 1e6 * loaders
+        assert (paced["background_paced_us"] > 0) == (paced["background_paced_shards"] > 0)
+        dst = dst_for(len(quick))
+        store.wait(store.load(quick, 0, dst))
+        assert exact(quick, dst) == [True] * len(quick)
+        after = store.stats()
+        assert after["background_paced_shards"] == paced["background_paced_shards"]
+        assert after["background_paced_us"] == paced["background_paced_us"]
+
+
+def test_a_pacer_books_each_read_after_the_last_and_lifting_it_ends_every_wait() -> None:
+    import threading
+
+    from ucm.loadqueue import Pacer
+
+    pacer = Pacer(1000)  # bytes per second
+    assert pacer.take(100) == 0.0  # an idle pacer: the first read starts at once
+    started = time.monotonic()
+    pacer.take(100)  # booked 0.1 s after the first
+    pacer.take(200)  # 0.1 s after that
+    assert time.monotonic() - started >= 0.2 - 0.005
+    pacer.take(60_000)  # books the next minute
+    waited: list[float] = []
+    waiter = threading.Thread(target=lambda: waited.append(pacer.take(100)))
+    waiter.start()
+    time.sleep(0.05)
+    pacer.lift()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive() and waited[0] < 30
+    assert pacer.take(10**9) == 0.0  # lifted: no new wait starts
 
 
 def test_a_background_prefetch_reads_on_the_loaders_not_on_the_tiers_pool(
