@@ -188,7 +188,7 @@ def test_cuda_dumps_and_loads_go_through_the_ring_without_a_device_sync(
             for got, want in zip(dst, src, strict=True):
                 assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
             assert ring.free == ring.capacity
-            too_many = [bytes([i, 1]) * 8 for i in range(ring.capacity + 1)]
+            too_many = [i.to_bytes(2, "big") * 8 for i in range(ring.capacity + 1)]
             with pytest.raises(StagingFullError, match="staging slots but the ring has"):
                 store.dump(too_many, 0, [src[0]] * len(too_many))
             assert ring.free == ring.capacity
