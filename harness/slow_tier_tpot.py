@@ -23,6 +23,9 @@ the load alone; the last step computes ``long``'s first token over its cached pr
 floor pays it too), and how many tokens ``long`` was served from cache.
 
     PYTHONPATH=$PWD:$PWD/backends python -m harness.slow_tier_tpot [--repeats 2] [--bind 0]
+        [--read-rate 512MiB]
+
+``--read-rate`` sets the stack's ``background_read_bytes_per_s`` in the UCM runs.
 
 Each run prints one JSON line; the last line is the summary.
 """

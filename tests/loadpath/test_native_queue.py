@@ -340,9 +340,8 @@ def test_background_reads_keep_to_their_rate_and_loads_waited_on_are_never_paced
     test_tiers: None, unique_id: str
 ) -> None:
     """``background_read_bytes_per_s`` spaces the starts of a background load's reads from the
-    tiers below by a shard's time at that rate, across every loader of the process (a CPU
-    engine's decoding steps slow in proportion to that rate: issue 21); the bytes are the
-    same. A load the caller waits on (``background=False``) is never paced."""
+    tiers below by a shard's time at that rate, across every loader of the process; the bytes
+    are the same. A load the caller waits on (``background=False``) is never paced."""
     slow = [block(700 + i) for i in range(26)]
     quick = [block(740 + i) for i in range(6)]
     CONTENTS["low"] = {(b, 0): payload(b, 0, SHARD) for b in [*slow, *quick]}
