@@ -16,6 +16,9 @@ tasks of ``--task-blocks``:
   chunk as the loaders first touch it): a cold pass (registering as it goes), then a warm one
   (the time its ``store.load`` calls take to return is reported too); beside it, the baseline:
   the same tensors copied one by one from a pinned host tensor, one synchronize per task.
+- **the copy mechanism alone**: the staging ring's copies of one task's shards, both ways,
+  batched (``cudaMemcpyBatchAsync``, ``ucm.cudart``) against one torch copy per tensor, in
+  the same process on the same tensors.
 - **first load**: on a new store, the time ``store.load`` of one block takes to return to the
   caller and to complete, and how many bytes of the buffer are registered after it (the
   registration must never pin the whole buffer on the caller's thread).
@@ -219,6 +222,50 @@ def main() -> int:
             }
     finally:
         segments.unlink(unique_id)
+    # The copy mechanism alone, same pass, same tensors: the staging ring's device-to-host and
+    # host-to-device copies of one task (its shards' slots), batched (cudaMemcpyBatchAsync,
+    # where the runtime has it) against one torch copy per tensor.
+    from ucm.staging import cuda_staging
+
+    staging = cuda_staging(shard_bytes)
+    task_blocks = list(tasks[0])
+    held = staging.ring.acquire(len(task_blocks))
+    try:
+        pairs: list[tuple[Any, Any]] = []
+        for i, slot in zip(task_blocks, held, strict=True):
+            host = staging.slot(slot)
+            pairs.extend(
+                (tensor, host[j * tensor_bytes : (j + 1) * tensor_bytes])
+                for j, tensor in enumerate(source[i])
+            )
+        task_bytes = shard_bytes * len(task_blocks)
+        batch = staging.batch
+        mechanism: dict[str, Any] = {"batched": batch is not None, "copies": len(pairs)}
+        for direction in ("to_host", "to_device"):
+            for label, copier in (("batched", batch), ("per_tensor", None)):
+                staging.batch = copier
+                if label == "batched" and copier is None:
+                    continue
+                copy = getattr(staging, direction)
+                copy(pairs)  # warm
+                started = time.perf_counter()
+                for _ in range(8):
+                    copy(pairs)
+                mechanism[f"{direction}_{label}_gbps"] = (
+                    8 * task_bytes / (time.perf_counter() - started) / 1e9
+                )
+            staging.batch = batch
+            if batch is not None:
+                mechanism[f"{direction}_ratio"] = (
+                    mechanism[f"{direction}_batched_gbps"]
+                    / mechanism[f"{direction}_per_tensor_gbps"]
+                )
+        for tensor, host in pairs:  # the round trips kept every byte
+            mismatches += int(not torch.equal(tensor.cpu().view(-1), host))
+        result["mechanism"] = mechanism
+    finally:
+        staging.batch = batch
+        staging.ring.release(held)
     if args.profile:
         import cProfile
         import pstats

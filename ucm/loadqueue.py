@@ -40,6 +40,7 @@ from . import arguments
 from .affinity import background_work, become_background
 from .buffer import BufferTier
 from .config import LoadSettings
+from .cudart import batch_copier
 from .errors import (
     BufferLockTimeoutError,
     KeyMissingError,
@@ -405,11 +406,13 @@ class LoadPath:
         cuda = self._cuda
         memory = job.memory
         assert cuda is not None and memory is not None
+        shards = []
         for entry, address in zip(entries, addresses, strict=True):
             pairs = memory.cuda[entry]
             assert pairs is not None
-            cuda.copy(address, pairs)
-            job.direct.add(entry)
+            shards.append((address, pairs))
+        cuda.copy(shards)
+        job.direct.update(entries)
         cuda.synchronize()  # the slot bytes must be copied before the release
         return [WorkState.READY] * len(entries)
 
@@ -566,6 +569,8 @@ class _CudaDirect:
         """Start addresses of the registered chunks."""
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        self.batch = batch_copier()
+        """The runtime's batched copy (CUDA 13+); None: tensor by tensor."""
 
     def _register(self, base: int, offset: int, nbytes: int) -> None:
         """Registers the chunks of [offset, offset + nbytes) of the segment at ``base``."""
@@ -582,24 +587,41 @@ class _CudaDirect:
                 self._torch.cuda.check_error(self._cudart.cudaHostRegister(address, size, 0))
                 self._registered.add(address)
 
-    def copy(self, address: int, pairs: list[tuple[Any, Any]]) -> None:
+    def copy(self, shards: list[tuple[int, list[tuple[Any, Any]]]]) -> None:
+        """Queues the host-to-device copies of ``shards`` (each: its slot's address and its
+        (device tensor, staging view) pairs) on the copy stream: one batched runtime call for
+        them all where the runtime has one, else a torch copy per tensor."""
         torch = self._torch
-        found = [
-            (address - base, base, tensor)
-            for base, tensor in self._segments
-            if base <= address < base + self._segment_bytes
-        ]
-        if not found:
-            raise TierError(f"slot address {address:#x} is outside the registered segments")
-        offset, base, segment = found[0]
-        total = sum(device_tensor.nbytes for device_tensor, _staging in pairs)
-        self._register(base, offset, total)
+        copies: list[tuple[Any, Any, int, int]] = []
+        """(device tensor, its segment's tensor, offset in the segment, bytes)"""
+        for address, pairs in shards:
+            found = [
+                (base, segment)
+                for base, segment in self._segments
+                if base <= address < base + self._segment_bytes
+            ]
+            if not found:
+                raise TierError(f"slot address {address:#x} is outside the registered segments")
+            base, segment = found[0]
+            offset = address - base
+            sizes = [device_tensor.nbytes for device_tensor, _staging in pairs]
+            self._register(base, offset, sum(sizes))
+            for (device_tensor, _staging), nbytes in zip(pairs, sizes, strict=True):
+                copies.append((device_tensor, segment, offset, nbytes))
+                offset += nbytes
+        if self.batch is not None:
+            with torch.cuda.device(self._stream.device):
+                self.batch.copy(
+                    [device_tensor.data_ptr() for device_tensor, _s, _o, _n in copies],
+                    [segment.data_ptr() + offset for _d, segment, offset, _n in copies],
+                    [nbytes for _d, _s, _o, nbytes in copies],
+                    self._stream.cuda_stream,
+                )
+            return
         with torch.cuda.stream(self._stream):
-            for device_tensor, _staging in pairs:
-                nbytes = device_tensor.numel() * device_tensor.element_size()
+            for device_tensor, segment, offset, nbytes in copies:
                 source = segment[offset : offset + nbytes]
                 device_tensor.reshape(-1).view(torch.uint8).copy_(source, non_blocking=True)
-                offset += nbytes
 
     def synchronize(self) -> None:
         self._stream.synchronize()

@@ -31,6 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from .cudart import batch_copier
 from .errors import TierError
 
 STAGING_SLOTS = 256
@@ -145,6 +146,8 @@ class CudaStaging:
         self._memory: dict[int, Any] = {}
         self._memory_lock = threading.Lock()
         self._stream: Any = None
+        self.batch = batch_copier()
+        """The runtime's batched copy (CUDA 13+); None: a torch copy per tensor."""
 
     def slot(self, index: int) -> Any:
         """Slot ``index``'s pinned uint8 tensor, allocated on first use."""
@@ -173,8 +176,16 @@ class CudaStaging:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for device_tensor, host in pairs:
-                host.copy_(device_tensor.reshape(-1).view(torch.uint8), non_blocking=True)
+            if self.batch is not None:
+                self.batch.copy(
+                    [host.data_ptr() for _device, host in pairs],
+                    [device.data_ptr() for device, _host in pairs],
+                    [host.nbytes for _device, host in pairs],
+                    stream.cuda_stream,
+                )
+            else:
+                for device_tensor, host in pairs:
+                    host.copy_(device_tensor.reshape(-1).view(torch.uint8), non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         event.synchronize()
@@ -186,8 +197,16 @@ class CudaStaging:
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for device_tensor, host in pairs:
-                device_tensor.reshape(-1).view(torch.uint8).copy_(host, non_blocking=True)
+            if self.batch is not None:
+                self.batch.copy(
+                    [device.data_ptr() for device, _host in pairs],
+                    [host.data_ptr() for _device, host in pairs],
+                    [host.nbytes for _device, host in pairs],
+                    stream.cuda_stream,
+                )
+            else:
+                for device_tensor, host in pairs:
+                    device_tensor.reshape(-1).view(torch.uint8).copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         event.synchronize()

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from ucm.errors import TierError
 from ucm.loadqueue import register_chunk_bytes
 from ucm.staging import SlotRing, StagedTask, StagingFullError
 
@@ -198,3 +199,59 @@ def test_cuda_dumps_and_loads_go_through_the_ring_without_a_device_sync(
             ring.release(held)
     finally:
         segments.unlink(unique_id)
+
+
+def test_a_batched_copy_passes_every_triple_in_calls_of_at_most_the_batch_size() -> None:
+    """``BatchCopier`` over a stand-in for ``cudaMemcpyBatchAsync`` that copies host bytes (the
+    same ABI: pointer arrays, a count, one attribute, a stream): every byte lands, in calls of
+    at most ``BATCH_COPIES_MAX`` copies, on the stream given; a CUDA error is named."""
+    import ctypes
+
+    from ucm import cudart
+
+    calls: list[tuple[int, int, int]] = []
+    status = [0]
+
+    signature = ctypes.CFUNCTYPE(
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+    )
+
+    def stand_in(targets, sources, sizes, count, _attributes, indexes, attributes, stream):  # type: ignore[no-untyped-def]
+        calls.append((count, attributes, stream or 0))
+        assert indexes[0] == 0
+        as_array = ctypes.POINTER(ctypes.c_uint64)
+        targets, sources, sizes = (ctypes.cast(a, as_array) for a in (targets, sources, sizes))
+        for i in range(count):
+            ctypes.memmove(targets[i], sources[i], sizes[i])
+        return status[0]
+
+    function = signature(stand_in)
+    copier = cudart.BatchCopier(function)
+    n = cudart.BATCH_COPIES_MAX + 3
+    sources = [(ctypes.c_ubyte * 16)(*bytes([i % 251]) * 16) for i in range(n)]
+    targets = [(ctypes.c_ubyte * 16)() for _ in range(n)]
+    copier.copy(
+        [ctypes.addressof(t) for t in targets],
+        [ctypes.addressof(s) for s in sources],
+        [16] * n,
+        stream=0xBEEF,
+    )
+    assert [bytes(t) for t in targets] == [bytes(s) for s in sources]
+    assert calls == [(cudart.BATCH_COPIES_MAX, 1, 0xBEEF), (3, 1, 0xBEEF)]
+    status[0] = 700
+    with pytest.raises(
+        TierError, match="cudaMemcpyBatchAsync of 1 copies failed with CUDA error 700"
+    ):
+        copier.copy([ctypes.addressof(targets[0])], [ctypes.addressof(sources[0])], [16], stream=0)
+    with pytest.raises(ValueError, match="2 targets, 1 sources and 2 sizes"):
+        copier.copy([1, 2], [3], [4, 5], stream=0)
+    if not torch.cuda.is_available():
+        assert cudart.batch_copier() is None  # no CUDA runtime in this process
