@@ -171,11 +171,12 @@ class _HostCopies:
     def __init__(self) -> None:
         self.copied = 0
 
-    def copy(self, address: int, pairs: list[tuple[Any, Any]]) -> None:
-        for device_tensor, _staging in pairs:
-            ctypes.memmove(device_tensor.data_ptr(), address, device_tensor.nbytes)
-            address += device_tensor.nbytes
-            self.copied += 1
+    def copy(self, shards: list[tuple[int, list[tuple[Any, Any]]]]) -> None:
+        for address, pairs in shards:
+            for device_tensor, _staging in pairs:
+                ctypes.memmove(device_tensor.data_ptr(), address, device_tensor.nbytes)
+                address += device_tensor.nbytes
+                self.copied += 1
 
     def synchronize(self) -> None:
         pass
