@@ -114,6 +114,19 @@ def main() -> int:
             torch.cuda.synchronize()
         return time.perf_counter() - started
 
+    def timed_tasks(store: Any, call: Any, memory: list[list[Any]]) -> tuple[float, float]:
+        """``call`` (``store.dump`` or ``store.load``) of every task, each waited for: the
+        seconds in all, and the seconds the calls took to return to the caller."""
+        torch.cuda.synchronize()
+        submit = 0.0
+        started = time.perf_counter()
+        for task in tasks:
+            submitted = time.perf_counter()
+            pending = call([ids[i] for i in task], 0, [memory[i] for i in task])
+            submit += time.perf_counter() - submitted
+            store.wait(pending)
+        return time.perf_counter() - started, submit
+
     result: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
@@ -132,15 +145,7 @@ def main() -> int:
                 _stack(unique_id, args.layers, tensor_bytes, capacity), device_id=0
             ) as store:
                 base_dump = baseline(to_host=True)
-                torch.cuda.synchronize()
-                dump_submit = 0.0
-                started = time.perf_counter()
-                for task in tasks:
-                    submitted = time.perf_counter()
-                    pending = store.dump([ids[i] for i in task], 0, [source[i] for i in task])
-                    dump_submit += time.perf_counter() - submitted
-                    store.wait(pending)
-                ucm_dump = time.perf_counter() - started
+                ucm_dump, dump_submit = timed_tasks(store, store.dump, source)
                 targets = [
                     [
                         torch.zeros(tensor_bytes, dtype=torch.uint8, device=device)
@@ -148,23 +153,11 @@ def main() -> int:
                     ]
                     for _ in range(args.blocks)
                 ]
-                torch.cuda.synchronize()
-                started = time.perf_counter()
-                for task in tasks:
-                    store.wait(store.load([ids[i] for i in task], 0, [targets[i] for i in task]))
-                cold_load = time.perf_counter() - started
+                cold_load, _ = timed_tasks(store, store.load, targets)
                 for tensors in targets:
                     for tensor in tensors:
                         tensor.zero_()
-                torch.cuda.synchronize()
-                submit = 0.0
-                started = time.perf_counter()
-                for task in tasks:
-                    submitted = time.perf_counter()
-                    pending = store.load([ids[i] for i in task], 0, [targets[i] for i in task])
-                    submit += time.perf_counter() - submitted
-                    store.wait(pending)
-                ucm_load = time.perf_counter() - started
+                ucm_load, submit = timed_tasks(store, store.load, targets)
                 # The baseline overwrites the sources with the pinned bytes (the same bytes:
                 # the dump baseline copied them there).
                 base_load = baseline(to_host=False)

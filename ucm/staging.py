@@ -172,41 +172,34 @@ class CudaStaging:
         """Copies each (device tensor, host slot view) pair to the host on the side stream,
         after the work already queued on the caller's stream, and waits for that copy's event
         only."""
-        torch = self._torch
-        stream = self.stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            if self.batch is not None:
-                self.batch.copy(
-                    [host.data_ptr() for _device, host in pairs],
-                    [device.data_ptr() for device, _host in pairs],
-                    [host.nbytes for _device, host in pairs],
-                    stream.cuda_stream,
-                )
-            else:
-                for device_tensor, host in pairs:
-                    host.copy_(device_tensor.reshape(-1).view(torch.uint8), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        event.synchronize()
+        self._copy(pairs, to_host=True)
 
     def to_device(self, pairs: Sequence[tuple[Any, Any]]) -> None:
         """Copies each (device tensor, host slot view) pair to the device on the side stream
         and waits for that copy's event only."""
+        self._copy(pairs, to_host=False)
+
+    def _copy(self, pairs: Sequence[tuple[Any, Any]], to_host: bool) -> None:
         torch = self._torch
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             if self.batch is not None:
+                devices = [device.data_ptr() for device, _host in pairs]
+                hosts = [host.data_ptr() for _device, host in pairs]
                 self.batch.copy(
-                    [device.data_ptr() for device, _host in pairs],
-                    [host.data_ptr() for _device, host in pairs],
+                    hosts if to_host else devices,
+                    devices if to_host else hosts,
                     [host.nbytes for _device, host in pairs],
                     stream.cuda_stream,
                 )
             else:
                 for device_tensor, host in pairs:
-                    device_tensor.reshape(-1).view(torch.uint8).copy_(host, non_blocking=True)
+                    flat = device_tensor.reshape(-1).view(torch.uint8)
+                    if to_host:
+                        host.copy_(flat, non_blocking=True)
+                    else:
+                        flat.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         event.synchronize()
