@@ -26,6 +26,10 @@ floor pays it too), and how many tokens ``long`` was served from cache.
         [--read-rate 512MiB]
 
 ``--read-rate`` sets the stack's ``background_read_bytes_per_s`` in the UCM runs.
+``--forward-times`` also times each call of vLLM's model forward in the engine's worker
+(``harness/forward_times``) and reports its mean wall and CPU time before the admission and
+during the load (``forward_ms_*``, ``forward_cpu_ms_*``): whether the decoder's own compute
+slowed, or the time went between its forwards.
 
 Each run prints one JSON line; the last line is the summary.
 """
@@ -167,8 +171,50 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         if load_gaps and args.mode != "sync"
         else None
     )
+    if args.forward_times:
+        result.update(_forward_times(arrivals, admitted_at, during))
     engine.engine_core.shutdown()
     return result
+
+
+FORWARD_TIMES = Path(__file__).parent / "forward_times"
+"""Holds the ``sitecustomize`` that times vLLM's model forward (``--forward-times``)."""
+
+
+def _forward_times(
+    arrivals: list[float], admitted_at: float, during: list[float]
+) -> dict[str, Any]:
+    """Mean wall and CPU ms of the worker's forwards before the admission (past the decoder's
+    second token) and during the load: those that started after the admission and ended
+    before the decoder's token preceding ``long``'s step (``during``: the decoder's token
+    times in the window; the last one comes out of ``long``'s step)."""
+    calls = sorted(
+        (float(start), float(end), float(cpu))
+        for path in Path(os.environ["UCM_HARNESS_FORWARD_TIMES"]).glob("forward-*.txt")
+        for start, end, cpu in (line.split() for line in path.read_text().splitlines())
+    )
+    before = [c for c in calls if arrivals[1] <= c[0] and c[1] <= admitted_at]
+    load = [c for c in calls if len(during) > 1 and admitted_at <= c[0] and c[1] <= during[-2]]
+    out: dict[str, Any] = {}
+    for name, part in (("before_admission", before), ("during_load", load)):
+        if part:
+            out[f"forward_ms_{name}"] = round(1000 * statistics.mean(e - s for s, e, _ in part), 2)
+            out[f"forward_cpu_ms_{name}"] = round(1000 * statistics.mean(c for _, _, c in part), 2)
+    if before and load:
+        out["forward_ratio_during_load"] = round(
+            out["forward_ms_during_load"] / out["forward_ms_before_admission"], 3
+        )
+    return out
+
+
+def _with_forward_times(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for an engine process whose model forwards are timed (a new directory)."""
+    env = dict(env)
+    env["UCM_HARNESS_FORWARD_TIMES"] = tempfile.mkdtemp(prefix="ucm-forward-")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(FORWARD_TIMES), env.get("PYTHONPATH", "")) if p
+    )
+    return env
 
 
 def main() -> None:
@@ -186,6 +232,11 @@ def main() -> None:
         help="background_read_bytes_per_s of the UCM runs, such as 512MiB (default: no cap)",
     )
     parser.add_argument(
+        "--forward-times",
+        action="store_true",
+        help="time each model forward in the engine's worker and report the means",
+    )
+    parser.add_argument(
         "--bind",
         help="VLLM_CPU_OMP_THREADS_BIND for every engine (default: vLLM's auto binding)",
     )
@@ -193,6 +244,13 @@ def main() -> None:
     if args.bind:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = args.bind
     if args.mode is not None:
+        if args.forward_times and "UCM_HARNESS_FORWARD_TIMES" not in os.environ:
+            # The timing module loads at interpreter start-up: start this run again with it.
+            os.execve(
+                sys.executable,
+                [sys.executable, "-m", "harness.slow_tier_tpot", *sys.argv[1:]],
+                _with_forward_times(dict(os.environ)),
+            )
         print(json.dumps(run_engine(args)), flush=True)
         os._exit(0)
     from harness.vllm import write_tiny_llama
@@ -212,6 +270,7 @@ def main() -> None:
         str(args.admit_after),
         "--o-direct" if args.o_direct else "--no-o-direct",
         *(["--read-rate", args.read_rate] if args.read_rate else []),
+        *(["--forward-times"] if args.forward_times else []),
     ]
     runs: list[dict[str, Any]] = []
     for mode in ["seed", *(["sync", "async", "floor"] * args.repeats)]:
@@ -220,6 +279,7 @@ def main() -> None:
             capture_output=True,
             text=True,
             timeout=1800,
+            env=_with_forward_times(dict(os.environ)) if args.forward_times else None,
         )
         lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
         if out.returncode != 0 or not lines:
