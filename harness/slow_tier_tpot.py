@@ -23,7 +23,7 @@ the load alone; the last step computes ``long``'s first token over its cached pr
 floor pays it too), and how many tokens ``long`` was served from cache.
 
     PYTHONPATH=$PWD:$PWD/backends python -m harness.slow_tier_tpot [--repeats 2] [--bind 0]
-        [--read-rate 512MiB]
+        [--read-rate 512MiB] [--forward-times]
 
 ``--read-rate`` sets the stack's ``background_read_bytes_per_s`` in the UCM runs.
 ``--forward-times`` also times each call of vLLM's model forward in the engine's worker
@@ -40,6 +40,7 @@ import argparse
 import itertools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -252,6 +253,8 @@ def main() -> None:
                 _with_forward_times(dict(os.environ)),
             )
         print(json.dumps(run_engine(args)), flush=True)
+        if args.forward_times:  # the engine has exited: nothing writes there any more
+            shutil.rmtree(os.environ["UCM_HARNESS_FORWARD_TIMES"], ignore_errors=True)
         os._exit(0)
     from harness.vllm import write_tiny_llama
 
