@@ -17,6 +17,26 @@ from harness import slow_tier_tpot
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _python_with_the_timing_module(
+    code: str, cwd: Path, times: Path | None
+) -> subprocess.CompletedProcess[str]:
+    """Runs ``code`` in a fresh interpreter with ``harness/forward_times`` on its path, and
+    ``UCM_HARNESS_FORWARD_TIMES`` set to ``times`` (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "UCM_HARNESS_FORWARD_TIMES"}
+    env["PYTHONPATH"] = os.pathsep.join([str(slow_tier_tpot.FORWARD_TIMES), str(ROOT)])
+    if times is not None:
+        env["UCM_HARNESS_FORWARD_TIMES"] = str(times)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=cwd,
+        check=True,
+    )
+
+
 def test_the_timing_module_wraps_vllms_model_forward_and_writes_one_line_per_call(
     tmp_path: Path,
 ) -> None:
@@ -36,20 +56,7 @@ def test_the_timing_module_wraps_vllms_model_forward_and_writes_one_line_per_cal
         "    kind = type(exc).__name__\n"
         "print(json.dumps({'wrapped': forward.__name__, 'raised': kind}))\n"
     )
-    env = dict(
-        os.environ,
-        UCM_HARNESS_FORWARD_TIMES=str(tmp_path),
-        PYTHONPATH=os.pathsep.join([str(slow_tier_tpot.FORWARD_TIMES), str(ROOT)]),
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-        check=True,
-    )
+    out = _python_with_the_timing_module(code, tmp_path, times=tmp_path)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["wrapped"] == "timed", out.stderr[-2000:]
     files = list(tmp_path.glob("forward-*.txt"))
@@ -65,17 +72,7 @@ def test_without_the_variable_nothing_is_wrapped(tmp_path: Path) -> None:
         "from vllm.v1.worker.gpu_model_runner import GPUModelRunner\n"
         "print(GPUModelRunner._model_forward.__name__)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "UCM_HARNESS_FORWARD_TIMES"}
-    env["PYTHONPATH"] = os.pathsep.join([str(slow_tier_tpot.FORWARD_TIMES), str(ROOT)])
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=tmp_path,
-        check=True,
-    )
+    out = _python_with_the_timing_module(code, tmp_path, times=None)
     assert out.stdout.strip().splitlines()[-1] == "_model_forward"
 
 
