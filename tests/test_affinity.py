@@ -227,3 +227,61 @@ def test_ucms_threads_carry_their_names_to_the_os(tmp_path: os.PathLike[str]) ->
             assert before[os.getpid()] not in new, sorted(new)
     finally:
         segments.unlink(unique_id)
+
+
+def _nice_of_new_threads(started: NewThreads) -> dict[str, list[int]]:
+    """The OS name -> nice values of the threads started inside ``started`` (still alive)."""
+    nices: dict[str, list[int]] = {}
+    for tid in started.started:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                text = stat.read()
+        except FileNotFoundError:
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        nices.setdefault(name, []).append(int(text[text.rindex(")") + 2 :].split()[16]))
+    return nices
+
+
+@pytest.mark.parametrize(
+    ("tiers", "writer"),
+    [
+        ("posix", False),  # one tier: nothing is ever written through
+        ("buffer+posix-back", False),  # written back by the flusher, not the writer
+        ("buffer+posix-through", True),
+    ],
+)
+def test_only_a_stack_with_write_through_tiers_starts_the_low_priority_writer(
+    tmp_path: os.PathLike[str], tiers: str, writer: bool
+) -> None:
+    """The write-through writer runs at nice 19. An idle one still costs: a process is reaped
+    only once all its threads have exited, and on a busy machine a nice-19 thread is the last
+    to get a CPU for that (a SIGKILLed posix-only writer took up to 0.4 s instead of 0.02 s to
+    be reaped beside three CPU burners, seconds with more). So only a stack with a
+    ``write: through`` tier below its top starts one."""
+    unique_id = f"writer-{uuid.uuid4().hex[:10]}"
+    posix: dict[str, object] = {"type": "posix", "path": str(tmp_path)}
+    stack_tiers: list[dict[str, object]] = [posix]
+    if tiers != "posix":
+        posix["write"] = "through" if writer else "back"
+        stack_tiers = [{"type": "buffer", "capacity": 16 * 4096, "populate_threads": 1}, posix]
+    stack = {"unique_id": unique_id, "shard_size": 4096, "shards_per_block": 1}
+    try:
+        with NewThreads() as started:
+            store = ucm.open({**stack, "tiers": stack_tiers})
+        with store:
+            # A thread names itself as it starts: bounded wait for the writer to get there.
+            for _ in range(100 if writer else 10):
+                nices = _nice_of_new_threads(started)
+                if "ucm-write-throu" in nices:
+                    break
+                time.sleep(0.05)
+            assert ("ucm-write-throu" in nices) is writer, sorted(nices)
+            if writer:
+                assert nices["ucm-write-throu"] == [19]
+            # No other thread a store starts runs at a lowered priority.
+            assert {n for name, ns in nices.items() if name != "ucm-write-throu" for n in ns} == {
+                0
+            }, nices
+    finally:
+        segments.unlink(unique_id)
