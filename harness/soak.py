@@ -601,6 +601,11 @@ class SlotAudit:
     free: int = 0
     ready: int = 0
     preallocated: int = 0
+    abandoned: int = 0
+    """Idle and unreferenced, not hung by Prealloc: left by an owner that died (its reference
+    reclaimed) or gave up mid-fill. Not leaked: the next get of its key takes it over, and
+    CLOCK may take it for another key (``test_owner_sigkilled_with_nobody_waiting_leaves_a_
+    takeover_able_slot``). A kill soak that ends right after an owner kill leaves one."""
     problems: list[str] = field(default_factory=list)
 
 
@@ -971,6 +976,8 @@ def audit_slots(core: Any, alive: Callable[[int], bool] = lambda pid: False) -> 
             audit.ready += 1
         elif info.state is State.IDLE and info.preallocated:
             audit.preallocated += 1
+        elif info.state is State.IDLE:
+            audit.abandoned += 1
         else:
             audit.problems.append(
                 f"{where}: on its chain in state {info.state.name} with nobody holding it"
@@ -1183,7 +1190,8 @@ def render(report: SoakReport) -> Iterator[str]:
     audit = report.audit
     yield (
         f"slots at the end: {audit.slots} ({audit.free} free, {audit.ready} ready, "
-        f"{audit.preallocated} preallocated, {len(audit.problems)} leaked)"
+        f"{audit.preallocated} preallocated, {audit.abandoned} abandoned, "
+        f"{len(audit.problems)} leaked)"
     )
     yield "result: " + ("ok" if report.ok else f"{len(report.violations)} violation(s)")
 
@@ -1202,6 +1210,18 @@ def soak_command(
     json_out: Annotated[
         Path | None, typer.Option("--json", help="Also write the report as JSON here.")
     ] = None,
+    min_loads_verified: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Keep running past --seconds until this many loads were verified byte-exact "
+            "(a busy machine gets more time, never a weaker run), up to --seconds-max.",
+        ),
+    ] = 0,
+    seconds_max: Annotated[
+        float | None,
+        typer.Option(min=1, help="Hard end of a run with goals (default: --seconds)."),
+    ] = None,
 ) -> None:
     """Kill soak: ranks share a buffer over posix while random ranks are SIGKILLed; checks that
     nothing hangs, every byte matches its key and no slot leaks (exit 1 on any violation)."""
@@ -1210,8 +1230,19 @@ def soak_command(
 
     console = Console()
     settings = SoakSettings(
-        seconds=seconds, ranks=ranks, seed=seed, workdir=str(workdir) if workdir else None
+        seconds=seconds,
+        ranks=ranks,
+        seed=seed,
+        workdir=str(workdir) if workdir else None,
+        min_loads_verified=min_loads_verified,
+        seconds_max=seconds_max,
     )
+    from ucm.errors import InvalidArgumentError
+
+    try:
+        settings.check()
+    except InvalidArgumentError as exc:
+        raise typer.BadParameter(str(exc)) from None
     with Progress(
         TextColumn("[bold]soak"),
         BarColumn(),

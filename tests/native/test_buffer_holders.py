@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 import pytest
 from buffer_shm import RemoteRank, SharedBuffer, block, payload, shared_buffer
 
+from harness.soak import audit_slots
 from ucm.errors import InvalidArgumentError
 from ucm.native.buffer import (
     HOLDERS_MAX,
@@ -139,6 +140,10 @@ def test_owner_sigkilled_with_nobody_waiting_leaves_a_takeover_able_slot() -> No
         assert core.reclaim_dead() == ReclaimReport(holders=1, refs=1)
         info = core.slot_info(slot)
         assert (info.refcount, info.owner_pid, info.state) == (0, 0, State.IDLE)
+        # The kill soak's audit counts it as abandoned (reusable), not as a leak.
+        audit = audit_slots(core)
+        assert audit.problems == []
+        assert (audit.abandoned, audit.free) == (1, 3)
         got = core.get([x])  # the hit-or-takeover fast path
         assert (list(got.results), list(got.slots)) == ([GetResult.OWNER], [slot])
         shared.write_slot(slot, payload(x, SHARD))

@@ -6,6 +6,7 @@ slot."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -63,7 +64,8 @@ def test_kill_soak_no_hang_no_wrong_byte_no_leak(tmp_path: Path) -> None:
     # After the survivors closed: references of killed ranks dropped, every slot accounted for.
     assert report.held_by_killed_before_fresh == [], text
     assert report.audit.problems == [], text
-    assert report.audit.free + report.audit.ready + report.audit.preallocated == report.audit.slots
+    audit = report.audit
+    assert audit.free + audit.ready + audit.preallocated + audit.abandoned == audit.slots
     # The buffer still serves: a fresh rank loaded byte-exact, never short of a slot.
     assert report.fresh_verified >= settings.buffer_slots, text
     assert (report.fresh_failures, report.fresh_bypassed) == (0, 0), text
@@ -86,7 +88,10 @@ def test_payloads_name_their_key_and_detect_tearing() -> None:
 def test_soak_command_reports_and_writes_json(tmp_path: Path) -> None:
     # A repository tool, run as the docs say: python -m harness.soak from the checkout.
     out = tmp_path / "soak.json"
+    # A goal, not a longer run: 4 s verify loads on a quiet machine; a busy one (the first
+    # loads came after 4 s with ~20 runnable processes per CPU here) gets more time.
     options = ["--seconds", "4", "--ranks", "2", "--seed", "3", "--json", str(out)]
+    options += ["--min-loads-verified", "1", "--seconds-max", "120"]
     result = subprocess.run(
         [sys.executable, "-m", "harness.soak", *options],
         cwd=Path(__file__).resolve().parents[2],
@@ -101,3 +106,17 @@ def test_soak_command_reports_and_writes_json(tmp_path: Path) -> None:
     saved = json.loads(out.read_text())
     assert saved["violations"] == []
     assert saved["settings"]["ranks"] == 2
+    assert saved["settings"]["min_loads_verified"] == 1
+
+
+def test_soak_command_names_a_bad_option_and_its_valid_values() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "harness.soak", "--seconds", "4", "--seconds-max", "2"],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "300"},  # typer's error box: the message on one line
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "soak settings not valid: seconds_max=2.0 (expected >= seconds)" in result.stderr
