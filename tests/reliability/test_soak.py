@@ -88,8 +88,8 @@ def test_payloads_name_their_key_and_detect_tearing() -> None:
 def test_soak_command_reports_and_writes_json(tmp_path: Path) -> None:
     # A repository tool, run as the docs say: python -m harness.soak from the checkout.
     out = tmp_path / "soak.json"
-    # A goal, not a longer run: 4 s verify loads on a quiet machine; a busy one (the first
-    # loads came after 4 s with ~20 runnable processes per CPU here) gets more time.
+    # A goal, not a longer run: 4 s verify loads on a quiet machine; a busy one gets more time
+    # (beside 16 CPU burners and two kill loops on 2 CPUs, a 4 s run verified none).
     options = ["--seconds", "4", "--ranks", "2", "--seed", "3", "--json", str(out)]
     options += ["--min-loads-verified", "1", "--seconds-max", "120"]
     result = subprocess.run(
