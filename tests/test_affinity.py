@@ -270,10 +270,11 @@ def test_only_a_stack_with_write_through_tiers_starts_the_low_priority_writer(
         with NewThreads() as started:
             store = ucm.open({**stack, "tiers": stack_tiers})
         with store:
-            # A thread names itself as it starts: bounded wait for the writer to get there.
+            # A thread names itself, then lowers its priority, as it starts: bounded wait for
+            # the writer to get there.
             for _ in range(100 if writer else 10):
                 nices = _nice_of_new_threads(started)
-                if "ucm-write-throu" in nices:
+                if nices.get("ucm-write-throu") == [19]:
                     break
                 time.sleep(0.05)
             assert ("ucm-write-throu" in nices) is writer, sorted(nices)
