@@ -85,20 +85,26 @@ def test_payloads_name_their_key_and_detect_tearing() -> None:
     assert check_payload(key, bytes(4096), 0, 2_000).startswith("no payload header")
 
 
+def _soak_command(options: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """A repository tool, run as the docs say: ``python -m harness.soak`` from the checkout.
+    A wide terminal keeps typer's error box from wrapping a message."""
+    return subprocess.run(
+        [sys.executable, "-m", "harness.soak", *options],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, "COLUMNS": "300"},
+    )
+
+
 def test_soak_command_reports_and_writes_json(tmp_path: Path) -> None:
-    # A repository tool, run as the docs say: python -m harness.soak from the checkout.
     out = tmp_path / "soak.json"
     # A goal, not a longer run: 4 s verify loads on a quiet machine; a busy one gets more time
     # (beside 16 CPU burners and two kill loops on 2 CPUs, a 4 s run verified none).
     options = ["--seconds", "4", "--ranks", "2", "--seed", "3", "--json", str(out)]
     options += ["--min-loads-verified", "1", "--seconds-max", "120"]
-    result = subprocess.run(
-        [sys.executable, "-m", "harness.soak", *options],
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = _soak_command(options, timeout_s=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "kills survived:" in result.stdout
@@ -110,13 +116,6 @@ def test_soak_command_reports_and_writes_json(tmp_path: Path) -> None:
 
 
 def test_soak_command_names_a_bad_option_and_its_valid_values() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "harness.soak", "--seconds", "4", "--seconds-max", "2"],
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "COLUMNS": "300"},  # typer's error box: the message on one line
-    )
+    result = _soak_command(["--seconds", "4", "--seconds-max", "2"], timeout_s=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "soak settings not valid: seconds_max=2.0 (expected >= seconds)" in result.stderr
