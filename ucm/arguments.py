@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 import operator
 import sys
 from array import array
@@ -92,6 +93,20 @@ class TaskKeys:
         packed = cls(b"".join(key[0] for key in keys), array("I", [key[1] for key in keys]))
         packed._keys = list(keys)
         return packed
+
+
+def check_timeout_s(timeout_s: Any, name: str = "timeout_s") -> float | None:
+    """A wait's bound: None (no bound) or a finite number of seconds, 0 or more."""
+    if timeout_s is None:
+        return None
+    valid = "None (no bound) or a finite number of seconds, 0 or more"
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+        raise InvalidArgumentError(
+            f"{name} must be {valid}, got {type(timeout_s).__name__} {_short(timeout_s)}"
+        )
+    if not math.isfinite(timeout_s) or timeout_s < 0:
+        raise InvalidArgumentError(f"{name}={timeout_s!r} is not valid: expected {valid}")
+    return float(timeout_s)
 
 
 def check_task_keys(block_ids: Any, shard_index: Any, layout: Layout) -> TaskKeys:

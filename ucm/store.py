@@ -396,10 +396,15 @@ class Store:
             with contextlib.suppress(Exception):
                 task.completion.failures(self.settings.queue_timeout_s)
 
-    def wait(self, task: Task) -> None:
-        """Blocks until the task finishes; raises TaskError naming each failed key."""
+    def wait(self, task: Task, timeout_s: float | None = None) -> None:
+        """Blocks until the task finishes; raises TaskError naming each failed key.
+
+        ``timeout_s`` bounds the wait (None: until it finishes). Past it, TimeoutError names
+        the task, and the task goes on: a load may still write its destination memory and a
+        dump may still read its source until ``check(task)`` is True, so keep that memory
+        until then (wait again, or check)."""
         _check_task(task)
-        task.result()
+        task.result(arguments.check_timeout_s(timeout_s))
 
     def check(self, task: Task) -> bool:
         """Non-blocking: whether the task finished (successfully or not)."""

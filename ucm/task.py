@@ -62,8 +62,18 @@ class Task:
         return self.completion.done()
 
     def result(self, timeout: float | None = None) -> None:
-        """Blocks until finished; raises TaskError naming every failed key."""
-        failures = self.completion.failures(timeout)
+        """Blocks until finished; raises TaskError naming every failed key, or TimeoutError
+        (the task still running) once ``timeout`` seconds have passed."""
+        try:
+            failures = self.completion.failures(timeout)
+        except TimeoutError:
+            if timeout is None or self.completion.done():
+                raise  # the task's own failure (a completion that raised), not the bound
+            raise TimeoutError(
+                f"task {self.task_id} ({self.kind} of {len(self._keys)} keys) did not finish "
+                f"within {timeout:g} s; it is still running: keep its memory until "
+                "store.check(task) is True"
+            ) from None
         if failures:
             raise TaskError(failures)
 

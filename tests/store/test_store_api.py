@@ -329,6 +329,21 @@ BAD_CALLS = [
     (lambda s, t: s.remove([block(1)], force="yes"), r"force must be a bool, got 'yes'"),
     (lambda s, t: s.wait("task"), r"task must be a ucm Task returned by load/dump, got str"),
     (lambda s, t: s.check(None), r"task must be a ucm Task"),
+    (
+        lambda s, t: s.wait(s.load([], [], []), timeout_s=-1),
+        r"timeout_s=-1 is not valid: expected None \(no bound\) or a finite number of seconds, "
+        r"0 or more",
+    ),
+    (
+        lambda s, t: s.wait(s.load([], [], []), timeout_s=float("nan")),
+        r"timeout_s=nan is not valid",
+    ),
+    (
+        lambda s, t: s.wait(s.load([], [], []), timeout_s="5"),
+        r"timeout_s must be None \(no bound\) or a finite number of seconds, 0 or more, got "
+        r"str '5'",
+    ),
+    (lambda s, t: s.wait(s.load([], [], []), timeout_s=True), r"timeout_s must be .* got bool"),
     (lambda s, t: s.touch([b"1" * 17]), r"block_ids\[0\] must be exactly 16 bytes, got 17 bytes"),
 ]
 
