@@ -266,12 +266,21 @@ class LoadSettings(BaseModel):
         description="Bytes of dumped shards waiting for write-through (the backlog); a dump "
         "that finds no room within write_through_wait_s is not written through: its shards "
         "are counted in write_through_skipped and stay in the top tier only. Also the most "
-        "snapshot memory a process keeps, once written, for the next dumps.",
+        "snapshot memory a process keeps, once written, for the next dumps (freed after "
+        "write_snapshot_idle_s).",
     )
     write_through_wait_s: NonNegativeFloat = Field(
         default=0.0,
         description="Longest a dump waits for room in the write-through backlog before its "
         "shards skip the write-through tiers (0: never waits).",
+    )
+    write_snapshot_idle_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=86_400,
+        description="How long the write-through writer may sit idle (seconds, at most a day) "
+        "before it frees the snapshot memory it keeps for the next dumps (up to "
+        "write_queue_bytes) and hands the pages back to the system.",
     )
 
     background_read_bytes_per_s: Size | None = Field(

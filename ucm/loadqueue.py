@@ -661,7 +661,12 @@ class DumpQueue:
         # a CPU for that (0.02 s median with nice 0, up to 0.4 s with nice 19 beside three CPU
         # burners here, seconds with more).
         self.writer = (
-            WriteQueue(settings.write_queue_bytes, count, settings.write_through_wait_s)
+            WriteQueue(
+                settings.write_queue_bytes,
+                count,
+                settings.write_through_wait_s,
+                settings.write_snapshot_idle_s,
+            )
             if through
             else None
         )
@@ -774,12 +779,16 @@ class WriteQueue:
     list (at most ``capacity_bytes`` of them kept) for the next dump. A fresh buffer costs a
     zero fill and, on a VM, new pages: snapshotting 225 MiB (one 1,800-token prompt of the
     serving benchmark's model) took 0.17-0.20 s of the dump thread's CPU into fresh buffers
-    and 0.034-0.038 s into reused ones."""
+    and 0.034-0.038 s into reused ones. Kept buffers are freed once the writer has been idle
+    for ``idle_s``: a burst must not hold that memory for the life of the engine."""
 
-    def __init__(self, capacity_bytes: int, count: Count, wait_s: float = 0.0) -> None:
+    def __init__(
+        self, capacity_bytes: int, count: Count, wait_s: float = 0.0, idle_s: float = 30.0
+    ) -> None:
         self._capacity_bytes = capacity_bytes
         self._count = count
         self._wait_s = wait_s
+        self._idle_s = idle_s
         self._pending_bytes = 0
         self._free: dict[int, list[bytearray]] = {}
         """Snapshot buffers written and given back, by size (at most capacity_bytes in all)."""
@@ -795,6 +804,11 @@ class WriteQueue:
     @property
     def pending_bytes(self) -> int:
         return self._pending_bytes
+
+    @property
+    def kept_bytes(self) -> int:
+        """Snapshot buffers written and kept for the next dumps (freed when idle)."""
+        return self._free_bytes
 
     def put(self, tiers: list[Tier], keys: list[Key], sources: Sequence[ShardViews]) -> int:
         """Snapshots and queues the longest prefix of the shards that fits in the backlog
@@ -852,7 +866,12 @@ class WriteQueue:
         # Nobody waits for these writes: the lowest priority, and the tiers' I/O on this thread.
         become_background()
         while True:
-            item = self._queue.get()
+            try:
+                # Sleeps without a timeout unless buffers are kept: then for idle_s at most.
+                item = self._queue.get(timeout=self._idle_s if self._free_bytes else None)
+            except queue.Empty:
+                self._trim()
+                continue
             if item is None:
                 return
             tiers, keys, data = item
@@ -871,6 +890,15 @@ class WriteQueue:
                 self._pending_bytes -= sum(len(d) for d in data)
                 self._condition.notify_all()
 
+    def _trim(self) -> None:
+        """Frees the kept buffers: the writer was idle for ``idle_s``."""
+        with self._free_lock:
+            freed = self._free_bytes
+            self._free.clear()
+            self._free_bytes = 0
+        if freed:
+            _return_freed_memory()
+
     def _buffer_of(self, size: int) -> bytearray:
         """A buffer of ``size`` bytes for a snapshot: a reused one, or a new one."""
         with self._free_lock:
@@ -887,6 +915,19 @@ class WriteQueue:
                     return  # beyond the bound: freed
                 self._free.setdefault(len(buffer), []).append(buffer)
                 self._free_bytes += len(buffer)
+
+
+def _return_freed_memory() -> None:
+    """Asks glibc's allocator to hand freed heap pages back to the system (``malloc_trim``):
+    a snapshot buffer below its mmap threshold stays in the process's heap once freed. No-op
+    where the C library has no ``malloc_trim`` (musl) or another allocator serves Python."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
 
 
 def _snapshot(views: ShardViews, data: bytearray) -> bytearray:

@@ -353,7 +353,7 @@ class StoreCollector:
             if not _is_number(value):
                 continue
             metric = _metric_name(name)
-            if name in ("hit_rate", "write_queue_bytes"):
+            if name in ("hit_rate", "write_queue_bytes", "write_snapshot_bytes"):
                 gauge = GaugeMetricFamily(
                     f"ucm_store_{metric}", f"Store {name} (this process).", labels=labels
                 )

@@ -559,6 +559,7 @@ class Store:
         counters["hit_rate"] = counters["hits"] / lookups if lookups else 0.0
         writer = self._dumps.writer if self._dumps is not None else None
         counters["write_queue_bytes"] = writer.pending_bytes if writer is not None else 0
+        counters["write_snapshot_bytes"] = writer.kept_bytes if writer is not None else 0
         # A closed tier may have unmapped its counters: report what it had at close.
         counters["tiers"] = self._final_tier_stats or self._tier_stats()
         # Node-wide, per namespace (the buffer's namespace table): {} without a buffer.

@@ -226,3 +226,76 @@ def test_a_dump_that_meets_this_ranks_own_failing_prefetch_writes_its_own_bytes(
         stats = store.buffer.stats()
         assert (stats["waited"], stats["dump_refills"]) == (1, 1)
         assert CONTENTS.get("low", {}) == {}  # write: none: the buffer holds the only copy
+
+
+def _anon_rss_bytes() -> int:
+    """This process's anonymous resident memory (``RssAnon``): snapshot buffers, not the
+    CacheBuffer's shared memory nor the page cache of the files written."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def test_the_snapshot_memory_a_burst_leaves_is_freed_once_the_writer_is_idle(
+    unique_id: str, tmp_path: Path
+) -> None:
+    """A burst of write-through dumps leaves its snapshot buffers kept for reuse (up to
+    ``write_queue_bytes``); once the writer has been idle ``write_snapshot_idle_s`` they are
+    freed and their pages go back to the system (anonymous RSS, measured)."""
+    shard = 128 * 1024  # below glibc's mmap threshold once it adapts: freed into the heap
+    count = 512  # 64 MiB of snapshots
+    snapshots = count * shard
+    config = {
+        "unique_id": unique_id,
+        "shard_size": shard,
+        "shards_per_block": 1,
+        "tiers": [
+            {
+                "type": "buffer",
+                "capacity": count * shard,
+                "write_queue_bytes": snapshots,
+                "write_snapshot_idle_s": 1.0,
+            },
+            {"type": "posix", "path": str(tmp_path / "nvme"), "write": "through"},
+        ],
+    }
+    blocks = [block(i) for i in range(count)]
+    src = [[torch.full((shard,), i % 251, dtype=torch.uint8)] for i in range(count)]
+    with ucm.open(config) as store:
+        before = _anon_rss_bytes()
+        for start in range(0, count, 64):
+            part = slice(start, start + 64)
+            store.wait(store.dump(blocks[part], 0, src[part]), timeout_s=BOUND_S)
+            store.drain()  # written through: the next part reuses these buffers
+        assert store.stats()["write_snapshot_bytes"] == 64 * shard
+        for start in range(0, count, 64):  # one burst: the backlog holds every snapshot
+            part = slice(start, start + 64)
+            store.wait(store.dump(blocks[part], 0, src[part]), timeout_s=BOUND_S)
+        store.drain()
+        stats = store.stats()
+        assert stats["write_snapshot_bytes"] == snapshots
+        assert stats["write_through_skipped"] == 0
+        held = _anon_rss_bytes() - before
+        assert held >= snapshots * 3 // 4, f"{held} bytes held after the burst"
+        scraped = registry_for(store).get_sample_value(
+            "ucm_store_write_snapshot_bytes", {"unique_id": unique_id, "device_id": "0"}
+        )
+        assert scraped == snapshots
+
+        deadline = time.monotonic() + BOUND_S
+        while store.stats()["write_snapshot_bytes"]:
+            assert time.monotonic() < deadline, "the idle writer kept its snapshot buffers"
+            time.sleep(0.05)
+        left = _anon_rss_bytes() - before
+        assert left <= snapshots // 4, f"{left} bytes still resident after the trim"
+
+        # The writer still works after the trim: a dump is written through byte-exact.
+        store.wait(store.dump(blocks[:1], 0, src[:1]), timeout_s=BOUND_S)
+        store.drain()
+        assert store.stats()["write_through_shards"] == 2 * count + 1
+    with ucm.open(config) as fresh:  # a new buffer: the load comes from posix
+        dst = [[torch.zeros(shard, dtype=torch.uint8)] for _ in range(count)]
+        fresh.wait(fresh.load(blocks, 0, dst), timeout_s=BOUND_S)
+        assert all(torch.equal(d[0], s[0]) for d, s in zip(dst, src, strict=True))
