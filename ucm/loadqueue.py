@@ -769,6 +769,18 @@ class DumpItem:
     progress: Progress
 
 
+Snapshot = bytearray | mmap.mmap
+"""A shard's bytes copied for the write-through writer."""
+
+SNAPSHOT_MAPPED_BYTES_MIN = 64 * 1024
+"""Snapshots from this size up get an anonymous mapping of their own, so that freeing one
+returns its pages to the system at once. From the C heap, a freed buffer below glibc's
+adaptive mmap threshold (raised by the first such buffer freed) stays resident: 64 MiB of
+128 KiB snapshots did. ``malloc_trim`` would return them but holds the allocator's arena
+locks, which the engine's threads share, for about 20 ms per 256 MiB. Below this size the
+heap is kept: one mapping per small shard could exhaust ``vm.max_map_count``."""
+
+
 class WriteQueue:
     """Background writer for ``write: through`` tiers, bounded in bytes. A dump never waits
     for it longer than ``wait_s``: what the backlog has no room for then skips the
@@ -790,12 +802,12 @@ class WriteQueue:
         self._wait_s = wait_s
         self._idle_s = idle_s
         self._pending_bytes = 0
-        self._free: dict[int, list[bytearray]] = {}
+        self._free: dict[int, list[Snapshot]] = {}
         """Snapshot buffers written and given back, by size (at most capacity_bytes in all)."""
         self._free_bytes = 0
         self._free_lock = threading.Lock()
         self._condition = threading.Condition()
-        self._queue: queue.Queue[tuple[list[Tier], list[Key], list[bytearray]] | None] = (
+        self._queue: queue.Queue[tuple[list[Tier], list[Key], list[Snapshot]] | None] = (
             queue.Queue()
         )
         self._thread = threading.Thread(target=self._run, name="ucm-write-through", daemon=True)
@@ -893,22 +905,23 @@ class WriteQueue:
     def _trim(self) -> None:
         """Frees the kept buffers: the writer was idle for ``idle_s``."""
         with self._free_lock:
-            freed = self._free_bytes
-            self._free.clear()
+            kept, self._free = self._free, {}
             self._free_bytes = 0
-        if freed:
-            _return_freed_memory()
+        kept.clear()  # unmapped outside the lock: a dump may take a buffer meanwhile
 
-    def _buffer_of(self, size: int) -> bytearray:
-        """A buffer of ``size`` bytes for a snapshot: a reused one, or a new one."""
+    def _buffer_of(self, size: int) -> Snapshot:
+        """A buffer of ``size`` bytes for a snapshot: a reused one, or a new one (its own
+        anonymous mapping from ``SNAPSHOT_MAPPED_BYTES_MIN`` up)."""
         with self._free_lock:
             free = self._free.get(size)
             if free:
                 self._free_bytes -= size
                 return free.pop()
-        return bytearray(size)
+        if size < SNAPSHOT_MAPPED_BYTES_MIN:
+            return bytearray(size)
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # anonymous: private, not shmem
 
-    def _give_back(self, data: list[bytearray]) -> None:
+    def _give_back(self, data: list[Snapshot]) -> None:
         with self._free_lock:
             for buffer in data:
                 if self._free_bytes + len(buffer) > self._capacity_bytes:
@@ -917,20 +930,7 @@ class WriteQueue:
                 self._free_bytes += len(buffer)
 
 
-def _return_freed_memory() -> None:
-    """Asks glibc's allocator to hand freed heap pages back to the system (``malloc_trim``):
-    a snapshot buffer below its mmap threshold stays in the process's heap once freed. No-op
-    where the C library has no ``malloc_trim`` (musl) or another allocator serves Python."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
-        return
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    trim(0)
-
-
-def _snapshot(views: ShardViews, data: bytearray) -> bytearray:
+def _snapshot(views: ShardViews, data: Snapshot) -> Snapshot:
     """``data`` (exactly their size) filled with a shard's views (``b"".join(views)``), copied
     with the GIL released: a dump thread snapshotting a prompt's KV (225 MiB for 1,800 tokens
     of the serving benchmark's model) must not hold up the engine's Python threads meanwhile."""

@@ -29,6 +29,8 @@ class SlowPosixConfig(PosixConfig):
     per call; concurrent calls, from threads or processes, overlap)."""
     fail_keys: tuple[str, ...] = ()
     """``"<block hex>:<shard>"`` keys whose load fails with TierError (fault injection)."""
+    dump_gate: str | None = None
+    """Hold every dump until GATES[dump_gate] is set (ENTERED[dump_gate] says one arrived)."""
 
 
 class SlowPosixTier(PosixTier):
@@ -54,6 +56,14 @@ class SlowPosixTier(PosixTier):
         for i, outcome in zip(chosen, loaded, strict=True):
             outcomes[i] = outcome
         return outcomes
+
+    def dump(self, keys: Sequence[Key], sources: Sequence[ShardViews]) -> list[Outcome]:
+        gate = self.slow.dump_gate
+        if gate is not None:
+            ENTERED.setdefault(gate, threading.Event()).set()
+            if not GATES.setdefault(gate, threading.Event()).wait(GATE_TIMEOUT_S):
+                raise TierError(f"the test never opened the gate {gate!r}")
+        return super().dump(keys, sources)
 
     def stats(self) -> dict[str, int | float]:
         return {**super().stats(), "injected": self.injected}
