@@ -805,6 +805,8 @@ class WriteQueue:
         self._free: dict[int, list[Snapshot]] = {}
         """Snapshot buffers written and given back, by size (at most capacity_bytes in all)."""
         self._free_bytes = 0
+        self._releasing_bytes = 0
+        """Bytes the idle trim took off the free list and is unmapping (the writer's only)."""
         self._free_lock = threading.Lock()
         self._condition = threading.Condition()
         self._queue: queue.Queue[tuple[list[Tier], list[Key], list[Snapshot]] | None] = (
@@ -820,7 +822,7 @@ class WriteQueue:
     @property
     def kept_bytes(self) -> int:
         """Snapshot buffers written and kept for the next dumps (freed when idle)."""
-        return self._free_bytes
+        return self._free_bytes + self._releasing_bytes
 
     def put(self, tiers: list[Tier], keys: list[Key], sources: Sequence[ShardViews]) -> int:
         """Snapshots and queues the longest prefix of the shards that fits in the backlog
@@ -903,11 +905,13 @@ class WriteQueue:
                 self._condition.notify_all()
 
     def _trim(self) -> None:
-        """Frees the kept buffers: the writer was idle for ``idle_s``."""
+        """Frees the kept buffers: the writer was idle for ``idle_s``. They count in
+        ``kept_bytes`` until they are unmapped, not just taken off the free list."""
         with self._free_lock:
             kept, self._free = self._free, {}
-            self._free_bytes = 0
+            self._releasing_bytes, self._free_bytes = self._free_bytes, 0
         kept.clear()  # unmapped outside the lock: a dump may take a buffer meanwhile
+        self._releasing_bytes = 0
 
     def _buffer_of(self, size: int) -> Snapshot:
         """A buffer of ``size`` bytes for a snapshot: a reused one, or a new one (its own
