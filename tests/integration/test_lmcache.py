@@ -441,7 +441,8 @@ def test_a_pinned_chunk_survives_buffer_pressure_until_unpinned(unique_id: str) 
         assert backend.batched_contains(kept) == 0
         stats = backend.stats()
         assert stats["lmcache"]["pinned_keys"] == 0
-        assert stats["ucm"]["pinned_shards"] == stats["ucm"]["unpinned_shards"] == 2
+        # 2 by the pins above, 2 by the get (a bounded load pins what it copies), all released.
+        assert stats["ucm"]["pinned_shards"] == stats["ucm"]["unpinned_shards"] == 4
         assert lm.active_allocations(sm) == 0
     finally:
         sm.close()
@@ -677,7 +678,8 @@ def test_a_prefetch_whose_load_raises_answers_and_releases_its_pins(
             assert counters["pinned_keys"] == 0 and counters["lookups_pinned"] == 0
             assert counters["get_misses"] == 4 and counters["get_errors"] == 4
             ucm_counters = backend.stats()["ucm"]  # the buffer released what the pins held
-            assert ucm_counters["pinned_shards"] == ucm_counters["unpinned_shards"] == 4
+            # 4 by the lookup, 4 by the prefetch's bounded load (its copy then raised).
+            assert ucm_counters["pinned_shards"] == ucm_counters["unpinned_shards"] == 8
             assert ucm_counters["tiers"][0]["held_slots"] == 0
             assert lm.active_allocations(sm) == 0
             gc.collect()
@@ -686,6 +688,102 @@ def test_a_prefetch_whose_load_raises_answers_and_releases_its_pins(
         monkeypatch.undo()
         _close_lookup(client, server)
         lm.destroy(engine)
+
+
+# ---- a stalled tier: gets bounded by the load deadline --------------------------------------
+
+
+@pytest.mark.parametrize("with_buffer", [True, False], ids=["buffer", "no-buffer"])
+def test_a_get_from_a_stalled_tier_returns_by_the_load_deadline_and_never_writes_later(
+    tmp_path: Path, with_buffer: bool
+) -> None:
+    """A tier that answers look-ups and then stalls (a black-holed S3) holds a get for no
+    longer than ``storage_plugin.ucm.load_deadline_s``: its chunks are misses (LMCache
+    recomputes them), counted as late, their allocations go back to LMCache, and the bytes
+    that arrive later never reach LMCache's memory, which it hands out again at once."""
+    from loadpath import _tiers
+    from loadpath._tiers import ENTERED, GATES
+
+    _tiers.register()
+    space = f"lmc-stall-{uuid.uuid4().hex[:8]}"
+    GATES[space] = threading.Event()
+    ENTERED[space] = threading.Event()
+    lower = {"type": "recording", "space": space}
+    writer = lm.storage_manager(
+        lm.config(
+            {
+                "unique_id": f"lmc-{uuid.uuid4().hex[:12]}",
+                "tiers": [{"type": "buffer", "capacity": 16 * lm.CHUNK_BYTES}, lower],
+            },
+            local_cpu=False,
+        ),
+        lm.metadata(),
+    )
+    try:
+        keys = _store(writer, [31, 32, 33])
+    finally:
+        writer.close()  # the chunks are in the recording tier now
+
+    tiers: list[dict[str, Any]] = [{**lower, "gated": True}]
+    if with_buffer:
+        tiers.insert(0, {"type": "buffer", "capacity": 16 * lm.CHUNK_BYTES})
+    sm = lm.storage_manager(
+        lm.config(
+            {"unique_id": f"lmc-{uuid.uuid4().hex[:12]}", "tiers": tiers},
+            local_cpu=False,
+            extra_config={"storage_plugin.ucm.load_deadline_s": 0.5},
+        ),
+        lm.metadata(),
+    )
+    try:
+        backend = sm.storage_backends["ucm"]
+        assert backend.batched_contains(keys) == 3  # the tier answers look-ups
+        started = time.monotonic()
+        assert sm.batched_get(keys, location="ucm") == [None] * 3
+        assert time.monotonic() - started < 60  # the stalled tier holds its load for 120 s
+        assert ENTERED[space].is_set()
+        assert lm.active_allocations(sm) == 0  # every allocation went back to LMCache
+        counters = backend.stats()["lmcache"]
+        assert counters["get_misses"] == 3 and counters["get_late"] == 3
+        assert counters.get("get_errors", 0) == 0 and counters.get("get_hits", 0) == 0
+
+        # LMCache hands the same memory out again; the late bytes must not land in it.
+        reused = [lm.filled(sm, 90 + i) for i in range(3)]
+        GATES[space].set()  # the tier answers now
+        if with_buffer:
+            backend.store.wait_prefetches()
+        assert backend._loads.wait_late(60)
+        assert [lm.content(obj) for obj in reused] == [lm.chunk_bytes(90 + i) for i in range(3)]
+        for obj in reused:
+            obj.ref_count_down()
+
+        got = sm.batched_get(keys, location="ucm")
+        assert [lm.content(obj) for obj in got] == [lm.chunk_bytes(h) for h in (31, 32, 33)]
+        for obj in got:
+            obj.ref_count_down()
+        assert lm.active_allocations(sm) == 0
+    finally:
+        GATES[space].set()
+        sm.close()
+        _tiers.unregister()
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [(0, "0"), (-2, "-2"), (3601, "3601"), ("1", "'1'"), (False, "False")]
+)
+def test_a_bad_load_deadline_is_refused_naming_the_key(
+    unique_id: str, value: Any, shown: str
+) -> None:
+    cfg = lm.config(
+        {"unique_id": unique_id, "tiers": [{"type": "buffer", "capacity": "1MiB"}]},
+        extra_config={"storage_plugin.ucm.load_deadline_s": value},
+    )
+    with pytest.raises(ucm.ConfigError) as refused:
+        _construct(cfg)
+    assert str(refused.value) == (
+        f"extra_config['storage_plugin.ucm.load_deadline_s']: {shown} is not valid: expected a "
+        "number of seconds in (0, 3600] (default 10)"
+    )
 
 
 # ---- small leaks: lookup pins without a prefetch, a put batch that fails partway -------------

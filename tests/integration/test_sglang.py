@@ -12,6 +12,7 @@ import json
 import selectors
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -553,7 +554,24 @@ def test_two_tp_ranks_of_a_node_share_one_buffer(sgl: SGLang, unique_id: Callabl
             {"ucm_stak": "x.yaml"},
             {},
             r"unknown key\(s\) \['ucm_stak'\]; the UCM backend reads "
-            r"\['ucm_stack', 'ucm_kv_dtype', 'ucm_weights_id', 'ucm_namespace'\]",
+            r"\['ucm_stack', 'ucm_kv_dtype', 'ucm_weights_id', 'ucm_namespace', "
+            r"'ucm_load_deadline_s'\]",
+        ),
+        *(
+            (
+                {"ucm_stack": {}, "ucm_load_deadline_s": bad},
+                {},
+                r"^hicache_storage_backend_extra_config\['ucm_load_deadline_s'\]: "
+                + shown
+                + r" is not valid: expected a number of seconds in \(0, 3600\] \(default 10\)$",
+            )
+            for bad, shown in (
+                (0, "0"),
+                (-1.5, "-1.5"),
+                (7200, "7200"),
+                ("5", "'5'"),
+                (True, "True"),
+            )
         ),
         (
             {"ucm_stack": {}, "ucm_namespace": "lora"},
@@ -668,3 +686,61 @@ def test_closing_the_backend_finishes_write_through(
         assert after.batch_exists(keys) == 8
     finally:
         after.close()
+
+
+@pytest.mark.parametrize("with_buffer", [True, False], ids=["buffer", "no-buffer"])
+def test_a_get_from_a_stalled_tier_returns_by_the_load_deadline_and_never_writes_later(
+    sgl: SGLang, unique_id: Callable[[], str], with_buffer: bool
+) -> None:
+    """A tier that answers the look-up and then stalls (a black-holed S3) holds a get for no
+    longer than ``ucm_load_deadline_s``: its pages come back False (SGLang recomputes them),
+    and the bytes that arrive later never reach the host pool, which SGLang reuses."""
+    from loadpath import _tiers
+    from loadpath._tiers import ENTERED, GATES
+
+    _tiers.register()
+    space = f"sgl-stall-{uuid.uuid4().hex[:8]}"
+    GATES[space] = threading.Event()
+    ENTERED[space] = threading.Event()
+    lower = {"type": "recording", "space": space}
+    pool = host_pool(sgl)
+    keys = keys_of(sgl, 4)
+    fill(pool, seed=11)
+    source = pages_at(pool, [0, 1, 2, 3])
+    expected = [page_bytes(pool, source, i) for i in range(4)]
+    writer_stack = {
+        "unique_id": unique_id(),
+        "tiers": [{"type": "buffer", "capacity": "4MiB"}, lower],
+    }
+    writer = create_backend(sgl, storage_config(sgl, {"ucm_stack": writer_stack}), pool)
+    assert writer.batch_set_v1(keys, source) == [True] * 4
+    writer.close()  # the pages are in the recording tier now
+
+    tiers: list[dict[str, Any]] = [{**lower, "gated": True}]
+    if with_buffer:
+        tiers.insert(0, {"type": "buffer", "capacity": "4MiB"})
+    extra = {"ucm_stack": {"unique_id": unique_id(), "tiers": tiers}, "ucm_load_deadline_s": 0.5}
+    reader = create_backend(sgl, storage_config(sgl, extra), pool)
+    try:
+        fill(pool, seed=12)
+        target = pages_at(pool, [4, 5, 6, 7])
+        before = [page_bytes(pool, target, i) for i in range(4)]
+        assert reader.batch_exists(keys) == 4  # the tier answers look-ups
+        started = time.monotonic()
+        assert reader.batch_get_v1(keys, target) == [False] * 4
+        assert time.monotonic() - started < 60  # the stalled tier holds its load for 120 s
+        assert ENTERED[space].is_set()
+        assert reader.get(keys[0]) is None  # the tensor interface is bounded the same way
+
+        GATES[space].set()  # the tier answers now: its bytes land in UCM's memory only
+        if with_buffer:
+            reader.store.wait_prefetches()
+        assert reader._loads.wait_late(60)
+        assert [page_bytes(pool, target, i) for i in range(4)] == before
+
+        assert reader.batch_get_v1(keys, target) == [True] * 4
+        assert [page_bytes(pool, target, i) for i in range(4)] == expected
+    finally:
+        GATES[space].set()
+        reader.close()
+        _tiers.unregister()

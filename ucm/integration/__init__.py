@@ -6,5 +6,7 @@
 
 They share :mod:`ucm.integration.keys` (block ids salted with everything that makes KV
 incompatible, and stacks whose geometry comes from the engine) instead of each deriving keys on
-its own. Importing this package imports no engine and no torch.
+its own. SGLang's and LMCache's gets share :mod:`ucm.integration.bounded` (a load that returns
+by its deadline and never writes the engine's memory afterwards). Importing this package imports
+no engine and no torch.
 """

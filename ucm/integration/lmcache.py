@@ -36,7 +36,9 @@ the object's memory. Retrieved objects are allocated from ``local_cpu_backend.al
 handed to LMCache with the single reference the allocation made (a miss frees its allocation).
 
 **Errors.** A get never raises on a worker: any error of a load is a miss for its batch (every
-allocation freed), and a prefetch always answers and releases its lookup's pins.
+allocation freed), and a prefetch always answers and releases its lookup's pins. A get returns
+within ``storage_plugin.<name>.load_deadline_s`` (:mod:`~ucm.integration.bounded`): a chunk
+not loaded by then is a miss, and nothing is written into its MemoryObj afterwards.
 
 **Namespaces.** ``storage_plugin.<name>.namespace`` (:mod:`~ucm.integration.tenants`) maps a
 chunk to a UCM namespace from its key's request tags (LMCache's ``lmcache.tag.*`` request
@@ -73,10 +75,11 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from .. import DEFAULT_NAMESPACE, REMOVE_CHUNK_KEYS, Pin, Store, Task, TaskError
+from .. import DEFAULT_NAMESPACE, REMOVE_CHUNK_KEYS, Pin, Store, TaskError
 from .. import open as open_store
 from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, RoleError, UcmError
 from ..threadname import enter_thread
+from .bounded import LOAD_DEADLINE_S_DEFAULT, BoundedLoads, LateLoadError, check_load_deadline_s
 from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id, warn_node_local
 from .tenants import TenantMapping
 
@@ -346,6 +349,11 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 "tag:<name> (the request tag lmcache.tag.<name>) or fixed:<name>"
             )
         namespace = self.tenants.fixed if self.tenants.mode == "fixed" else DEFAULT_NAMESPACE
+        deadline_key = f"storage_plugin.{self.name}.load_deadline_s"
+        load_deadline_s = check_load_deadline_s(
+            (config.extra_config or {}).get(deadline_key, LOAD_DEADLINE_S_DEFAULT),
+            f"extra_config[{deadline_key!r}]",
+        )
         self.is_scheduler = metadata.role == "scheduler"
         device_id = -1 if self.is_scheduler else int(metadata.local_worker_id)
         if not self.is_scheduler and local_cpu_backend is None:
@@ -363,6 +371,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             )
         except UcmError as exc:  # e.g. a buffer larger than /dev/shm: say which key to change
             raise ConfigError(f"extra_config[{self.stack_key!r}]: {exc}") from exc
+        self._loads = BoundedLoads(self.store, load_deadline_s)
         self._space = (
             f"{self.layout.describe()}; use_mla={metadata.use_mla}; "
             f"save_only_first_rank={save_only_first_rank(config, metadata)}"
@@ -832,43 +841,34 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         self._count("get_misses", len(keys) - hits)
         # A failure other than a miss (a corrupt or unreadable shard) is a miss to LMCache too.
         self._count(
-            "get_errors", sum(1 for c in failed.values() if not isinstance(c, KeyMissingError))
+            "get_errors",
+            sum(1 for c in failed.values() if not isinstance(c, KeyMissingError | LateLoadError)),
         )
+        self._count("get_late", sum(1 for c in failed.values() if isinstance(c, LateLoadError)))
         return results
 
     def _load_chosen(
         self, spaces: list[str], ucm_keys: list[UcmKey], pointers: list[list[int]]
     ) -> dict[tuple[str, UcmKey], Any]:
-        """One UCM load per namespace (one unless tenants mix); waits for every load it started
-        (their memory is the caller's to free only then). Returns each failed key's cause."""
+        """One bounded UCM load per namespace (one unless tenants mix), all within one load
+        deadline; nothing is written into ``pointers`` once it returned. Returns each failed
+        key's cause (a :class:`~ucm.integration.bounded.LateLoadError` for one that missed the
+        deadline)."""
         failed: dict[tuple[str, UcmKey], Any] = {}
-        tasks: list[tuple[str, Task]] = []
-        error: BaseException | None = None
-        try:
-            for namespace, group in _grouped(range(len(ucm_keys)), spaces.__getitem__).items():
-                self._count("loads")
-                tasks.append(
-                    (
-                        namespace,
-                        self.store.load_data(
-                            [ucm_keys[i][0] for i in group],
-                            [ucm_keys[i][1] for i in group],
-                            [pointers[i] for i in group],
-                            namespace=namespace,
-                        ),
-                    )
-                )
-        except BaseException as exc:
-            error = exc
-        for namespace, task in tasks:
-            try:
-                self.store.wait(task)
-            except TaskError as exc:
-                failed.update(((namespace, key), cause) for key, cause in exc.failures.items())
-            except BaseException as exc:
-                error = error or exc
-        if error is not None:
-            raise error
+        deadline = time.monotonic() + self._loads.deadline_s
+        for namespace, group in _grouped(range(len(ucm_keys)), spaces.__getitem__).items():
+            self._count("loads")
+            causes = self._loads.load(
+                [ucm_keys[i][0] for i in group],
+                [ucm_keys[i][1] for i in group],
+                [pointers[i] for i in group],
+                namespace=namespace,
+                deadline=deadline,
+            )
+            for i in group:
+                cause = causes.get(ucm_keys[i][0])
+                if cause is not None:
+                    failed[namespace, ucm_keys[i]] = cause
         return failed
 
     def _release_lookup_pins(self, lookup_id: str, keys: Sequence[CacheEngineKey]) -> None:

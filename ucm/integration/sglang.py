@@ -30,8 +30,10 @@ pool fixes the geometry.
   A per-request mode (``cache_salt``, ``lora``) is refused with :data:`NO_TENANT_KEY`: SGLang
   seeds the page hashes with the request's ``extra_key`` and ``cache_salt`` but hands this
   backend the hashes only.
-- **Failures.** A missing page, a corrupt shard or a failed tier comes back as ``False`` (or
-  ``None``) for that page only, so SGLang recomputes it; bad arguments raise.
+- **Failures.** A missing page, a corrupt shard, a failed tier or a page not loaded within
+  ``ucm_load_deadline_s`` (:mod:`~ucm.integration.bounded`: nothing is written into the host
+  pool after a get returned) comes back as ``False`` (or ``None``) for that page only, so
+  SGLang recomputes it; bad arguments raise.
 
 Importing this module imports sglang and torch; ``import ucm`` and ``import ucm.integration``
 import neither.
@@ -57,6 +59,7 @@ import ucm
 from ucm.errors import ConfigError, InvalidArgumentError, TaskError, UcmError
 from ucm.stack import parse_stack
 
+from .bounded import LOAD_DEADLINE_S_DEFAULT, BoundedLoads, check_load_deadline_s
 from .keys import (
     EngineGeometry,
     Epochs,
@@ -76,7 +79,13 @@ logger = logging.getLogger(__name__)
 STACK_KEY = "hicache_storage_backend_extra_config['ucm_stack']"
 """Where the stack is given; every configuration error starts with it."""
 
-EXTRA_CONFIG_KEYS = ("ucm_stack", "ucm_kv_dtype", "ucm_weights_id", "ucm_namespace")
+EXTRA_CONFIG_KEYS = (
+    "ucm_stack",
+    "ucm_kv_dtype",
+    "ucm_weights_id",
+    "ucm_namespace",
+    "ucm_load_deadline_s",
+)
 """The ``ucm_*`` keys of the extra config this backend reads; any other ``ucm_*`` key is a typo."""
 
 KV_DTYPES = ("fp8_e4m3", "fp8_e5m2", "fp4_e2m1", "bf16", "bfloat16", "fp16", "float16", "fp32")
@@ -208,6 +217,11 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         self._namespace = TenantMapping.parse(
             extra.get("ucm_namespace"), namespace_key
         ).engine_namespace(namespace_key, "SGLang's HiCache storage backend", NO_TENANT_KEY)
+        self._load_deadline_s = check_load_deadline_s(
+            extra.get("ucm_load_deadline_s", LOAD_DEADLINE_S_DEFAULT),
+            "hicache_storage_backend_extra_config['ucm_load_deadline_s']",
+        )
+        self._loads: BoundedLoads | None = None
         self._kv_dtype: str | None = kv_dtype
         self._weights_id: str | None = weights_id
         self.storage_config = storage_config
@@ -281,6 +295,7 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
             local_rank_size=self.plan.local_rank_size,
             namespace=self._namespace,
         )
+        self._loads = BoundedLoads(self._store, self._load_deadline_s)
         config = self.storage_config
         self._space = space
         if self._epochs is not None:
@@ -414,8 +429,7 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         """Loads page ``keys[i]`` into the host pool at ``host_indices[i * page_size]``."""
         ids = self._block_ids(keys)
         pointers = self._page_pointers(len(ids), host_indices)
-        task = self.store.load_data(ids, [self.plan.shard_index] * len(ids), pointers)
-        return self._outcomes(task, ids)
+        return self._load(ids, pointers)
 
     def batch_set_v1(
         self,
@@ -453,8 +467,7 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         else:
             targets = list(target_locations)
         pointers = self._flat_pointers(targets, len(ids), "target_locations", for_load=True)
-        task = self.store.load_data(ids, [self.plan.shard_index] * len(ids), pointers)
-        found = self._outcomes(task, ids)
+        found = self._load(ids, pointers)
         return [target if ok else None for target, ok in zip(targets, found, strict=True)]
 
     def set(
@@ -573,8 +586,20 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
             pointers.append([base + offset for offset in self._flat_offsets])
         return pointers
 
+    def _load(self, ids: list[bytes], pointers: list[list[int]]) -> list[bool]:
+        """Loads the pages within the load deadline; each is True unless it failed (missing,
+        corrupt, late...). Nothing is written into the host pool after it returns."""
+        self._require_store()
+        assert self._loads is not None
+        failed = self._loads.load(ids, [self.plan.shard_index] * len(ids), pointers)
+        if failed:
+            logger.debug("UCM HiCache: %d of %d page(s) not loaded", len(failed), len(ids))
+        return [block not in failed for block in ids]
+
     def _outcomes(self, task: ucm.Task, ids: Sequence[bytes]) -> list[bool]:
-        """Waits for the task; each page is True unless its key failed (missing, corrupt...)."""
+        """Waits for a dump task; each page is True unless its key failed. A dump is bounded
+        by the store (``dump_submit_timeout_s``, and write-through tiers that skip rather than
+        block), so it is waited for in full."""
         try:
             self.store.wait(task)
         except TaskError as error:

@@ -12,6 +12,7 @@ import ucm
 from ucm.affinity import follow_binding
 from ucm.errors import ConfigError, UcmError
 
+from ..bounded import LOAD_DEADLINE_S_DEFAULT, check_load_deadline_s
 from ..keys import EngineGeometry, engine_stack
 from ..tenants import TenantMapping
 
@@ -93,23 +94,11 @@ def check_extra_config(extra: Mapping[str, Any]) -> None:
         )
 
 
-LOAD_DEADLINE_S_DEFAULT = 10.0
-LOAD_DEADLINE_S_MAX = 3600.0
-
-
 def load_deadline_s(extra: Mapping[str, Any]) -> float:
     """``ucm_load_deadline_s``: how long an asynchronous load may take, in seconds."""
-    value = extra.get("ucm_load_deadline_s", LOAD_DEADLINE_S_DEFAULT)
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not 0 < value <= LOAD_DEADLINE_S_MAX
-    ):
-        raise ConfigError(
-            f"{extra_key('ucm_load_deadline_s')}: {value!r} is not valid: expected a number of "
-            f"seconds in (0, {LOAD_DEADLINE_S_MAX:g}] (default {LOAD_DEADLINE_S_DEFAULT:g})"
-        )
-    return float(value)
+    return check_load_deadline_s(
+        extra.get("ucm_load_deadline_s", LOAD_DEADLINE_S_DEFAULT), extra_key("ucm_load_deadline_s")
+    )
 
 
 LOOKUP_WAIT_MS_DEFAULT = 20

@@ -1,0 +1,176 @@
+"""Bounded loads (``ucm.integration.bounded``), the gets of SGLang and LMCache: a load returns by
+its deadline when a tier below holds it up, and nothing is written into the engine's memory
+after it returned; with a CacheBuffer (prefetch, pin, copy) and without one (staging memory).
+No engine here: the engines' own tests drive it through SGLang's and LMCache's classes."""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from loadpath import _tiers
+from loadpath._tiers import CONTENTS, CORRUPT, ENTERED, GATES, RECORDED, block, payload
+
+import ucm
+from ucm.errors import ConfigError, InvalidArgumentError, KeyMissingError, TierError
+from ucm.integration.bounded import BoundedLoads, LateLoadError, check_load_deadline_s
+
+TENSORS = (1536, 2560)
+"""Two tensors per shard, so that a staged shard is copied out tensor by tensor."""
+SHARD = sum(TENSORS)
+BOUND_S = 60.0
+"""A returned load took less than this; the gate holds a load for up to 120 s."""
+
+
+@pytest.fixture
+def space() -> Iterator[str]:
+    """A fresh recording-tier space; its gate is opened at teardown (no thread left waiting)."""
+    _tiers.register()
+    name = f"bounded-{uuid.uuid4().hex[:8]}"
+    GATES[name] = threading.Event()
+    ENTERED[name] = threading.Event()
+    try:
+        yield name
+    finally:
+        GATES[name].set()
+        for table in (GATES, ENTERED, CONTENTS, CORRUPT, RECORDED):
+            table.pop(name, None)  # type: ignore[attr-defined]
+        _tiers.unregister()
+
+
+def stack(space: str, with_buffer: bool, gated: bool = False, slots: int = 64) -> dict[str, Any]:
+    tiers: list[dict[str, Any]] = [{"type": "recording", "space": space, "gated": gated}]
+    if with_buffer:
+        tiers.insert(0, {"type": "buffer", "capacity": slots * SHARD})
+    return {
+        "unique_id": f"bl-{uuid.uuid4().hex[:12]}",
+        "tensor_size_list": list(TENSORS),
+        "shards_per_block": 1,
+        "tiers": tiers,
+    }
+
+
+def stored(space: str, blocks: list[bytes]) -> None:
+    CONTENTS.setdefault(space, {}).update({(b, 0): payload(b, 0, SHARD) for b in blocks})
+
+
+class Destinations:
+    """The engine's memory: one zeroed shard per block, each tensor at its own address."""
+
+    def __init__(self, count: int) -> None:
+        self.tensors = [
+            [ctypes.create_string_buffer(size) for size in TENSORS] for _ in range(count)
+        ]
+        self.pointers = [[ctypes.addressof(t) for t in shard] for shard in self.tensors]
+
+    def shard(self, i: int) -> bytes:
+        return b"".join(t.raw for t in self.tensors[i])
+
+    def untouched(self) -> bool:
+        return all(not any(t.raw) for shard in self.tensors for t in shard)
+
+
+@pytest.mark.parametrize("with_buffer", [True, False], ids=["buffer", "no-buffer"])
+def test_a_load_held_below_returns_by_its_deadline_and_late_bytes_never_reach_the_engine(
+    space: str, with_buffer: bool
+) -> None:
+    blocks = [block(i) for i in range(4)]
+    stored(space, blocks)
+    with ucm.open(stack(space, with_buffer, gated=True)) as store:
+        loads = BoundedLoads(store, deadline_s=0.3)
+        dst = Destinations(len(blocks))
+        started = time.monotonic()
+        failed = loads.load(blocks, [0] * 4, dst.pointers)
+        assert time.monotonic() - started < BOUND_S
+        assert ENTERED[space].is_set()  # the tier has the load, held at its gate
+        assert sorted(failed) == sorted(blocks)
+        assert all(isinstance(cause, LateLoadError) for cause in failed.values())
+        assert "within the load deadline (0.3 s)" in str(failed[blocks[0]])
+        assert loads.late_blocks == 4
+        # Without a buffer the late load writes staging memory, kept until it is over.
+        assert loads.late_staging_bytes == (0 if with_buffer else 4 * SHARD)
+
+        GATES[space].set()  # the tier answers now
+        if with_buffer:
+            store.wait_prefetches()  # the late bytes land in the buffer
+        assert loads.wait_late(BOUND_S)
+        assert loads.late_staging_bytes == 0
+        assert dst.untouched()  # nothing written after the load returned
+
+        again = Destinations(len(blocks))
+        assert loads.load(blocks, [0] * 4, again.pointers) == {}
+        assert [again.shard(i) for i in range(4)] == [payload(b, 0, SHARD) for b in blocks]
+        # With a buffer the late prefetch served the second load: the tier was read once.
+        assert len(RECORDED[space]) == (4 if with_buffer else 8)
+        assert loads.staged_blocks == (0 if with_buffer else 8)
+        assert dst.untouched()
+
+
+def test_blocks_a_full_buffer_cannot_hold_are_loaded_through_staging(space: str) -> None:
+    blocks = [block(i) for i in range(12)]
+    stored(space, blocks)
+    with ucm.open(stack(space, with_buffer=True, slots=3)) as store:
+        loads = BoundedLoads(store, deadline_s=BOUND_S)
+        dst = Destinations(len(blocks))
+        assert loads.load(blocks, [0] * len(blocks), dst.pointers) == {}
+        assert [dst.shard(i) for i in range(len(blocks))] == [payload(b, 0, SHARD) for b in blocks]
+        assert loads.late_blocks == 0 and loads.late_staging_bytes == 0
+        assert 0 < loads.staged_blocks < len(blocks)  # the buffer held some of them
+
+
+@pytest.mark.parametrize("with_buffer", [True, False], ids=["buffer", "no-buffer"])
+def test_an_absent_and_a_corrupt_block_fail_with_their_cause_and_the_rest_loads(
+    space: str, with_buffer: bool
+) -> None:
+    present, absent, corrupt = block(1), block(2), block(3)
+    stored(space, [present, corrupt])
+    CORRUPT.setdefault(space, set()).add((corrupt, 0))
+    with ucm.open(stack(space, with_buffer)) as store:
+        loads = BoundedLoads(store, deadline_s=BOUND_S)
+        dst = Destinations(3)
+        failed = loads.load([absent, present, corrupt], [0] * 3, dst.pointers)
+        assert sorted(failed) == sorted([absent, corrupt])
+        assert isinstance(failed[absent], KeyMissingError)
+        assert isinstance(failed[corrupt], TierError)
+        assert not isinstance(failed[corrupt], KeyMissingError | LateLoadError)
+        assert dst.shard(1) == payload(present, 0, SHARD)
+        assert dst.shard(0) == bytes(SHARD) and dst.shard(2) == bytes(SHARD)
+        assert loads.late_blocks == 0
+
+
+@pytest.mark.parametrize("with_buffer", [True, False], ids=["buffer", "no-buffer"])
+def test_the_same_shard_twice_in_one_load_is_refused_as_the_store_refuses_it(
+    space: str, with_buffer: bool
+) -> None:
+    blocks = [block(5), block(6), block(5)]
+    stored(space, blocks[:2])
+    with ucm.open(stack(space, with_buffer)) as store:
+        dst = Destinations(3)
+        with pytest.raises(
+            InvalidArgumentError, match=r"block_ids\[2\] with shard_index 0 repeats"
+        ):
+            BoundedLoads(store, deadline_s=BOUND_S).load(blocks, [0] * 3, dst.pointers)
+        assert dst.untouched()
+        stats = store.stats()  # every pin released (no pins without a buffer)
+        assert stats.get("pinned_shards", 0) == stats.get("unpinned_shards", 0)
+
+
+@pytest.mark.parametrize("value", [0, -1, 3600.5, math.nan, math.inf, "5", True, None])
+def test_a_bad_deadline_is_refused_naming_the_key_and_the_valid_range(value: Any) -> None:
+    with pytest.raises(ConfigError) as refused:
+        check_load_deadline_s(value, "extra['load_deadline_s']")
+    assert str(refused.value) == (
+        f"extra['load_deadline_s']: {value!r} is not valid: expected a number of seconds in "
+        "(0, 3600] (default 10)"
+    )
+
+
+def test_a_good_deadline_is_taken_as_seconds() -> None:
+    assert check_load_deadline_s(3600, "k") == 3600.0
+    assert check_load_deadline_s(0.05, "k") == 0.05

@@ -1,0 +1,264 @@
+"""Loads an engine waits on, bounded by a deadline: SGLang's and LMCache's gets.
+
+SGLang (``batch_get_v1``, ``batch_get``) and LMCache (``get_blocking``, the prefetch of an
+asynchronous look-up) wait for each get to finish. A tier that answered the look-up and then
+stalls (a black-holed S3, a hung NFS) would hold that get for the tier's own request deadline:
+up to 106 s for S3 at the defaults. :class:`BoundedLoads` returns by the load deadline instead,
+and **never writes the engine's memory after it returned**: a page that did not arrive in time
+is a failed page (the engine recomputes it), and bytes that arrive later land in UCM's memory
+only.
+
+- **Through the CacheBuffer** (a stack with one): the blocks are moved up into the buffer first
+  (:meth:`~ucm.Store.prefetch`), waited for until the deadline; then the ones the buffer holds
+  whole are pinned (no eviction can take them) and copied into the engine's memory, a memcpy
+  that no tier can stall. This is the vLLM connector's asynchronous load, done synchronously.
+- **Through staging memory** (a stack without a buffer, or blocks the prefetch could not place
+  in the buffer, such as a full one): the shards are loaded into private memory, waited for
+  until the deadline, and copied into the engine's memory only if they arrived in time. Staging
+  memory of a load that ran late is kept until that load is over, so a late write lands in it.
+
+A page that is absent from every tier costs no more than before: the prefetch says so at once.
+The vLLM connector has its own, asynchronous loads (``ucm_load_deadline_s`` in
+``docs/vllm.md``); this module shares their deadline's bounds and default.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .. import Store, Task, TaskError
+from ..errors import ConfigError, KeyMissingError, UcmError
+
+logger = logging.getLogger(__name__)
+
+LOAD_DEADLINE_S_DEFAULT = 10.0
+"""Seconds a load may take, by default (every engine)."""
+LOAD_DEADLINE_S_MAX = 3600.0
+
+
+def check_load_deadline_s(value: object, key: str) -> float:
+    """A load deadline from an engine's config (``key`` names where it was given)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value <= LOAD_DEADLINE_S_MAX  # NaN fails it too
+    ):
+        raise ConfigError(
+            f"{key}: {value!r} is not valid: expected a number of seconds in "
+            f"(0, {LOAD_DEADLINE_S_MAX:g}] (default {LOAD_DEADLINE_S_DEFAULT:g})"
+        )
+    return float(value)
+
+
+class LateLoadError(UcmError):
+    """A block that did not reach the engine's memory within the load deadline."""
+
+
+@dataclass
+class _Late:
+    """Staging memory a late load may still write: kept until the load is over."""
+
+    task: Task
+    staging: mmap.mmap
+
+
+class BoundedLoads:
+    """One engine rank's bounded loads over ``store`` (a worker's store)."""
+
+    def __init__(self, store: Store, deadline_s: float) -> None:
+        self._store = store
+        self.deadline_s = deadline_s
+        self._late: list[_Late] = []
+        self.late_blocks = 0
+        """Blocks that missed the deadline, so far (each failed, for the engine to recompute)."""
+        self.staged_blocks = 0
+        """Blocks loaded through staging memory, so far (no buffer, or one that could not
+        take them)."""
+
+    def load(
+        self,
+        block_ids: Sequence[bytes],
+        shard_index: Sequence[int],
+        pointers: Sequence[Sequence[int]],
+        *,
+        namespace: str | None = None,
+        deadline: float | None = None,
+    ) -> dict[bytes, BaseException | str]:
+        """Loads shard ``shard_index[i]`` of block i into the addresses ``pointers[i]`` (one per
+        tensor of the shard, as :meth:`~ucm.Store.load_data` takes them); returns the cause of
+        each block that did not load. ``deadline``: a ``time.monotonic()`` instant (default:
+        now plus ``deadline_s``). Returns by then, plus the memcpy of what arrived; nothing is
+        written into ``pointers`` after it returned."""
+        self._reap()
+        if deadline is None:
+            deadline = time.monotonic() + self.deadline_s
+        failed: dict[bytes, BaseException | str] = {}
+        if not block_ids:
+            return failed
+        rest = list(range(len(block_ids)))
+        if self._store.buffer is not None:
+            rest = self._through_buffer(
+                block_ids, shard_index, pointers, namespace, deadline, failed
+            )
+        if rest:
+            self._through_staging(
+                block_ids, shard_index, pointers, rest, namespace, deadline, failed
+            )
+        late = sum(1 for cause in failed.values() if isinstance(cause, LateLoadError))
+        if late:
+            self.late_blocks += late
+            logger.warning(
+                "UCM: %d of %d block(s) missed the load deadline (%g s); the engine recomputes "
+                "them",
+                late,
+                len(block_ids),
+                self.deadline_s,
+            )
+        return failed
+
+    def _through_buffer(
+        self,
+        block_ids: Sequence[bytes],
+        shard_index: Sequence[int],
+        pointers: Sequence[Sequence[int]],
+        namespace: str | None,
+        deadline: float,
+        failed: dict[bytes, BaseException | str],
+    ) -> list[int]:
+        """Prefetch into the buffer, pin what it holds whole, copy that. Returns the positions
+        left to load through staging: those the buffer did not get, for a cause other than
+        absence, while time is left."""
+        store = self._store
+        unique = list(dict.fromkeys(block_ids))
+        causes: dict[bytes, BaseException | str] = {}
+        late = False
+        try:
+            prefetch = store.prefetch(unique, namespace=namespace)
+        except UcmError as exc:  # e.g. a full load queue: the staging path may still load them
+            logger.warning("UCM prefetch of %d block(s) not started: %s", len(unique), exc)
+            prefetch = None
+        if prefetch is not None:
+            try:
+                store.wait(prefetch, timeout_s=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                late = True  # it goes on, into the buffer only
+            except TaskError as exc:
+                for (block, _shard), cause in exc.failures.items():
+                    causes.setdefault(block, cause)
+        pins = store.pin(unique, namespace=namespace)
+        try:
+            every = store.layout.shards_per_block
+            held = {pin.block_id for pin in pins if pin.held == every}
+            chosen = [i for i, block in enumerate(block_ids) if block in held]
+            if chosen:
+                # Every shard is pinned in the buffer: a memcpy, which no tier can hold up.
+                task = store.load_data(
+                    [block_ids[i] for i in chosen],
+                    [shard_index[i] for i in chosen],
+                    [pointers[i] for i in chosen],
+                    namespace=namespace,
+                )
+                try:
+                    store.wait(task)
+                except TaskError as exc:
+                    for (block, _shard), cause in exc.failures.items():
+                        failed.setdefault(block, cause)
+        finally:
+            store.unpin(pins)
+        rest = []
+        time_left = not late and time.monotonic() < deadline
+        for i, block in enumerate(block_ids):
+            if block in held:
+                continue
+            why = causes.get(block)
+            if isinstance(why, KeyMissingError):
+                failed[block] = why
+            elif late or not time_left:
+                failed[block] = LateLoadError(
+                    f"not in the CacheBuffer within the load deadline ({self.deadline_s:g} s)"
+                )
+            else:
+                rest.append(i)
+        return rest
+
+    def _through_staging(
+        self,
+        block_ids: Sequence[bytes],
+        shard_index: Sequence[int],
+        pointers: Sequence[Sequence[int]],
+        chosen: list[int],
+        namespace: str | None,
+        deadline: float,
+        failed: dict[bytes, BaseException | str],
+    ) -> None:
+        """Loads the ``chosen`` positions into private memory and copies the ones that arrived
+        by the deadline into ``pointers``."""
+        store = self._store
+        self.staged_blocks += len(chosen)
+        sizes = store.layout.tensor_sizes
+        shard_size = store.layout.shard_size
+        # MAP_POPULATE: the pages are faulted in by one call, not one fault each.
+        staging = mmap.mmap(
+            -1, shard_size * len(chosen), flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE
+        )
+        base = ctypes.addressof(ctypes.c_char.from_buffer(staging))
+        offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+        staged = [
+            [base + n * shard_size + offset for offset in offsets] for n in range(len(chosen))
+        ]
+        task = store.load_data(
+            [block_ids[i] for i in chosen],
+            [shard_index[i] for i in chosen],
+            staged,
+            namespace=namespace,
+        )
+        causes: dict[bytes, BaseException | str] = {}
+        try:
+            store.wait(task, timeout_s=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            self._late.append(_Late(task, staging))
+            for i in chosen:
+                failed.setdefault(
+                    block_ids[i],
+                    LateLoadError(f"not loaded within the load deadline ({self.deadline_s:g} s)"),
+                )
+            return
+        except TaskError as exc:
+            for (block, _shard), cause in exc.failures.items():
+                causes.setdefault(block, cause)
+        for n, i in enumerate(chosen):
+            block = block_ids[i]
+            if block in causes:
+                failed.setdefault(block, causes[block])
+                continue
+            for source, destination, size in zip(staged[n], pointers[i], sizes, strict=True):
+                ctypes.memmove(destination, source, size)
+
+    def _reap(self) -> None:
+        """Frees the staging memory of late loads that are over."""
+        if self._late:
+            self._late = [late for late in self._late if not self._store.check(late.task)]
+
+    def wait_late(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for the late loads still writing staging memory; True
+        once none is left (their memory is then freed)."""
+        end = time.monotonic() + timeout_s
+        for late in list(self._late):
+            try:
+                self._store.wait(late.task, timeout_s=max(0.0, end - time.monotonic()))
+            except TimeoutError:
+                return False
+            except TaskError:
+                pass  # over: its failures were reported when it ran late
+        self._reap()
+        return not self._late
+
+    @property
+    def late_staging_bytes(self) -> int:
+        """Staging memory that late loads still hold."""
+        return sum(len(late.staging) for late in self._late)
