@@ -161,6 +161,45 @@ def test_the_same_shard_twice_in_one_load_is_refused_as_the_store_refuses_it(
         assert stats.get("pinned_shards", 0) == stats.get("unpinned_shards", 0)
 
 
+def test_late_loads_from_several_threads_keep_their_staging_until_each_is_over(space: str) -> None:
+    threads_n = 4
+    blocks = [block(20 + i) for i in range(threads_n * 2)]
+    stored(space, blocks)
+    with ucm.open(stack(space, with_buffer=False, gated=True)) as store:
+        loads = BoundedLoads(store, deadline_s=0.3)
+        results: list[dict[bytes, Any]] = []
+        dsts = [Destinations(2) for _ in range(threads_n)]
+
+        def run(n: int) -> None:
+            results.append(loads.load(blocks[2 * n : 2 * n + 2], [0, 0], dsts[n].pointers))
+
+        threads = [threading.Thread(target=run, args=(n,)) for n in range(threads_n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(BOUND_S)
+        assert not any(thread.is_alive() for thread in threads)
+        assert len(results) == threads_n
+        assert all(isinstance(c, LateLoadError) for r in results for c in r.values())
+        assert loads.late_blocks == 2 * threads_n
+        assert loads.late_staging_bytes == 2 * threads_n * SHARD
+        GATES[space].set()
+        assert loads.wait_late(BOUND_S)
+        assert loads.late_staging_bytes == 0
+        assert all(dst.untouched() for dst in dsts)
+
+
+def test_pointers_that_do_not_match_the_shard_are_refused(space: str) -> None:
+    with (
+        ucm.open(stack(space, with_buffer=True)) as store,
+        pytest.raises(
+            InvalidArgumentError,
+            match=r"^pointers\[1\] has 1 address\(es\): expected 2, one per tensor of the shard$",
+        ),
+    ):
+        BoundedLoads(store, deadline_s=1).load([block(1), block(2)], [0, 0], [[1, 2], [3]])
+
+
 @pytest.mark.parametrize("value", [0, -1, 3600.5, math.nan, math.inf, "5", True, None])
 def test_a_bad_deadline_is_refused_naming_the_key_and_the_valid_range(value: Any) -> None:
     with pytest.raises(ConfigError) as refused:

@@ -27,12 +27,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .. import Store, Task, TaskError
-from ..errors import ConfigError, KeyMissingError, UcmError
+from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, UcmError
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +64,27 @@ class LateLoadError(UcmError):
 class _Late:
     """Staging memory a late load may still write: kept until the load is over."""
 
+    store: Store
     task: Task
     staging: mmap.mmap
 
 
+_LATE: list[_Late] = []
+"""Every late load of the process whose staging memory it may still write. Module-wide, so
+that the memory outlives the engine's backend object too (a load still running when the store
+closed, past its close's wait, is left running)."""
+_LATE_LOCK = threading.Lock()
+
+
 class BoundedLoads:
-    """One engine rank's bounded loads over ``store`` (a worker's store)."""
+    """One engine rank's bounded loads over ``store`` (a worker's store). Thread-safe: an
+    engine may load from several threads at once (LMCache's retrieve and its prefetches)."""
 
     def __init__(self, store: Store, deadline_s: float) -> None:
         self._store = store
         self.deadline_s = deadline_s
-        self._late: list[_Late] = []
+        self._lock = threading.Lock()
+        """Guards the counters."""
         self.late_blocks = 0
         """Blocks that missed the deadline, so far (each failed, for the engine to recompute)."""
         self.staged_blocks = 0
@@ -100,6 +111,13 @@ class BoundedLoads:
         failed: dict[bytes, BaseException | str] = {}
         if not block_ids:
             return failed
+        tensors = len(self._store.layout.tensor_sizes)
+        for i, addresses in enumerate(pointers):
+            if len(addresses) != tensors:
+                raise InvalidArgumentError(
+                    f"pointers[{i}] has {len(addresses)} address(es): expected {tensors}, one "
+                    "per tensor of the shard"
+                )
         rest = list(range(len(block_ids)))
         if self._store.buffer is not None:
             rest = self._through_buffer(
@@ -111,7 +129,8 @@ class BoundedLoads:
             )
         late = sum(1 for cause in failed.values() if isinstance(cause, LateLoadError))
         if late:
-            self.late_blocks += late
+            with self._lock:
+                self.late_blocks += late
             logger.warning(
                 "UCM: %d of %d block(s) missed the load deadline (%g s); the engine recomputes "
                 "them",
@@ -199,7 +218,8 @@ class BoundedLoads:
         """Loads the ``chosen`` positions into private memory and copies the ones that arrived
         by the deadline into ``pointers``."""
         store = self._store
-        self.staged_blocks += len(chosen)
+        with self._lock:
+            self.staged_blocks += len(chosen)
         sizes = store.layout.tensor_sizes
         shard_size = store.layout.shard_size
         # MAP_POPULATE: the pages are faulted in by one call, not one fault each.
@@ -221,7 +241,7 @@ class BoundedLoads:
         try:
             store.wait(task, timeout_s=max(0.0, deadline - time.monotonic()))
         except TimeoutError:
-            self._late.append(_Late(task, staging))
+            self._keep(task, staging)
             for i in chosen:
                 failed.setdefault(
                     block_ids[i],
@@ -231,6 +251,10 @@ class BoundedLoads:
         except TaskError as exc:
             for (block, _shard), cause in exc.failures.items():
                 causes.setdefault(block, cause)
+        except BaseException:
+            if not store.check(task):  # still running: its memory must outlive it
+                self._keep(task, staging)
+            raise
         for n, i in enumerate(chosen):
             block = block_ids[i]
             if block in causes:
@@ -239,16 +263,25 @@ class BoundedLoads:
             for source, destination, size in zip(staged[n], pointers[i], sizes, strict=True):
                 ctypes.memmove(destination, source, size)
 
+    def _keep(self, task: Task, staging: mmap.mmap) -> None:
+        with _LATE_LOCK:
+            _LATE.append(_Late(self._store, task, staging))
+
     def _reap(self) -> None:
-        """Frees the staging memory of late loads that are over."""
-        if self._late:
-            self._late = [late for late in self._late if not self._store.check(late.task)]
+        """Frees the staging memory of late loads that are over (of every store)."""
+        with _LATE_LOCK:
+            if _LATE:
+                _LATE[:] = [late for late in _LATE if not late.task.done()]
+
+    def _mine(self) -> list[_Late]:
+        with _LATE_LOCK:
+            return [late for late in _LATE if late.store is self._store]
 
     def wait_late(self, timeout_s: float) -> bool:
         """Waits up to ``timeout_s`` for the late loads still writing staging memory; True
         once none is left (their memory is then freed)."""
         end = time.monotonic() + timeout_s
-        for late in list(self._late):
+        for late in self._mine():
             try:
                 self._store.wait(late.task, timeout_s=max(0.0, end - time.monotonic()))
             except TimeoutError:
@@ -256,9 +289,9 @@ class BoundedLoads:
             except TaskError:
                 pass  # over: its failures were reported when it ran late
         self._reap()
-        return not self._late
+        return not self._mine()
 
     @property
     def late_staging_bytes(self) -> int:
         """Staging memory that late loads still hold."""
-        return sum(len(late.staging) for late in self._late)
+        return sum(len(late.staging) for late in self._mine())
