@@ -795,7 +795,11 @@ class WriteQueue:
     for ``idle_s``: a burst must not hold that memory for the life of the engine."""
 
     def __init__(
-        self, capacity_bytes: int, count: Count, wait_s: float = 0.0, idle_s: float = 30.0
+        self,
+        capacity_bytes: int,
+        count: Count,
+        wait_s: float = 0.0,
+        idle_s: float = LoadSettings.model_fields["write_snapshot_idle_s"].default,
     ) -> None:
         self._capacity_bytes = capacity_bytes
         self._count = count
