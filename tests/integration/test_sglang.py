@@ -744,3 +744,58 @@ def test_a_get_from_a_stalled_tier_returns_by_the_load_deadline_and_never_writes
         GATES[space].set()
         reader.close()
         _tiers.unregister()
+
+
+def test_a_get_from_a_black_holed_s3_returns_by_the_load_deadline(
+    sgl: SGLang, unique_id: Callable[[], str]
+) -> None:
+    """The same over the network: pages written through to a real S3 (moto), then the
+    endpoint black-holed (a TCP proxy on 127.0.0.1 that accepts and never answers). The get
+    returns by ``ucm_load_deadline_s`` instead of s3fs's ~106 s, and the host pool is unchanged
+    once the late load has failed."""
+    from harness.faults import FaultProxy
+    from harness.s3 import shared_server
+
+    s3 = shared_server()
+    pool = host_pool(sgl)
+    keys = keys_of(sgl, 4)
+    fill(pool, seed=13)
+    source = pages_at(pool, [0, 1, 2, 3])
+    with FaultProxy(("127.0.0.1", s3.port)) as proxy:
+        lower = {
+            "type": "fsspec",
+            "url": s3.url(f"sgl-hole-{uuid.uuid4().hex[:8]}"),
+            "storage_options": {**s3.storage_options, "endpoint_url": proxy.endpoint},
+            "write": "through",
+        }
+        writer_stack = {
+            "unique_id": unique_id(),
+            "tiers": [{"type": "buffer", "capacity": "4MiB"}, lower],
+        }
+        writer = create_backend(sgl, storage_config(sgl, {"ucm_stack": writer_stack}), pool)
+        assert writer.batch_set_v1(keys, source) == [True] * 4
+        writer.close()  # written through to S3
+        before_hole = s3.requests()["PUT"]
+        assert before_hole >= 4
+
+        proxy.set_mode("blackhole")  # every connection from now on: accepted, never answered
+        reader_stack = {
+            "unique_id": unique_id(),
+            "tiers": [{"type": "buffer", "capacity": "4MiB"}, lower],
+        }
+        extra = {"ucm_stack": reader_stack, "ucm_load_deadline_s": 1.0}
+        reader = create_backend(sgl, storage_config(sgl, extra), pool)
+        try:
+            fill(pool, seed=14)
+            target = pages_at(pool, [4, 5, 6, 7])
+            before = [page_bytes(pool, target, i) for i in range(4)]
+            started = time.monotonic()
+            assert reader.batch_get_v1(keys, target) == [False] * 4
+            assert time.monotonic() - started < 30  # s3fs alone waits ~106 s per request
+            assert proxy.accepted_by_mode["blackhole"] >= 1  # the load reached the hole
+            proxy.stop()  # its sockets close: the late prefetch fails now, not in ~106 s
+            reader.store.wait_prefetches()
+            assert reader._loads.wait_late(60)
+            assert [page_bytes(pool, target, i) for i in range(4)] == before
+        finally:
+            reader.close()
