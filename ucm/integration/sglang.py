@@ -597,9 +597,10 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         return [block not in failed for block in ids]
 
     def _outcomes(self, task: ucm.Task, ids: Sequence[bytes]) -> list[bool]:
-        """Waits for a dump task; each page is True unless its key failed. A dump is bounded
-        by the store (``dump_submit_timeout_s``, and write-through tiers that skip rather than
-        block), so it is waited for in full."""
+        """Waits for a dump task in full; each page is True unless its key failed. SGLang
+        writes on its own backup thread, off the requests' path. With a CacheBuffer a dump is
+        done once in the buffer (a slow write-through tier is skipped, never waited for);
+        without one it waits for the tier, up to the tier's request deadline."""
         try:
             self.store.wait(task)
         except TaskError as error:
