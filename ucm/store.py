@@ -424,20 +424,33 @@ class Store:
         if self._native is None or self._buffer is None or not blocks:
             return [Pin(block, ()) for block in originals]
         per_block = self.layout.shards_per_block
-        ids = b"".join(block for block in blocks for _ in range(per_block))
-        shards = array("I", list(range(per_block)) * len(blocks))
+        if per_block == 1:  # the common case, without the per-shard loops (an engine's hit path)
+            ids = b"".join(blocks)
+            shards = array("I", bytes(4 * len(blocks)))
+        else:
+            ids = b"".join(block for block in blocks for _ in range(per_block))
+            shards = array("I", list(range(per_block)) * len(blocks))
         with self._pins_lock:
             self._check_open()
             slots = self._native.queue.pin(ids, shards)
-            pins = [
-                Pin(
-                    block,
-                    tuple(s for s in slots[i * per_block : (i + 1) * per_block] if s != SLOT_NONE),
-                )
-                for i, block in enumerate(originals)
-            ]
-            self._pins.update(pin for pin in pins if pin.held)
-        self._count("pinned_shards", sum(pin.held for pin in pins))
+            if per_block == 1:
+                pins = [
+                    Pin(block, () if slot == SLOT_NONE else (slot,))
+                    for block, slot in zip(originals, slots, strict=True)
+                ]
+            else:
+                pins = [
+                    Pin(
+                        block,
+                        tuple(
+                            s for s in slots[i * per_block : (i + 1) * per_block] if s != SLOT_NONE
+                        ),
+                    )
+                    for i, block in enumerate(originals)
+                ]
+            held = [pin for pin in pins if pin._slots]
+            self._pins.update(held)
+        self._count("pinned_shards", sum(len(pin._slots) for pin in held))
         return pins
 
     def unpin(self, pins: Sequence[Pin]) -> None:

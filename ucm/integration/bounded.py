@@ -149,30 +149,25 @@ class BoundedLoads:
         deadline: float,
         failed: dict[bytes, BaseException | str],
     ) -> list[int]:
-        """Prefetch into the buffer, pin what it holds whole, copy that. Returns the positions
-        left to load through staging: those the buffer did not get, for a cause other than
-        absence, while time is left."""
+        """Pin what the buffer holds whole, prefetch the rest into it (until the deadline) and
+        pin that too, then copy what the pins hold. Returns the positions left to load through
+        staging: those the buffer did not get, for a cause other than absence, while time is
+        left. A hit costs a pin, the copy and an unpin: no look-up, no prefetch."""
         store = self._store
+        every = store.layout.shards_per_block
         unique = list(dict.fromkeys(block_ids))
         causes: dict[bytes, BaseException | str] = {}
         late = False
-        try:
-            prefetch = store.prefetch(unique, namespace=namespace)
-        except UcmError as exc:  # e.g. a full load queue: the staging path may still load them
-            logger.warning("UCM prefetch of %d block(s) not started: %s", len(unique), exc)
-            prefetch = None
-        if prefetch is not None:
-            try:
-                store.wait(prefetch, timeout_s=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                late = True  # it goes on, into the buffer only
-            except TaskError as exc:
-                for (block, _shard), cause in exc.failures.items():
-                    causes.setdefault(block, cause)
+        # Pinned first: the prefetch of the others cannot evict them from a small buffer.
         pins = store.pin(unique, namespace=namespace)
         try:
-            every = store.layout.shards_per_block
             held = {pin.block_id for pin in pins if pin.held == every}
+            missing = [block for block in unique if block not in held]
+            if missing:
+                late = self._prefetch(missing, namespace, deadline, causes)
+                more = store.pin(missing, namespace=namespace)
+                pins += more
+                held.update(pin.block_id for pin in more if pin.held == every)
             chosen = [i for i, block in enumerate(block_ids) if block in held]
             if chosen:
                 # Every shard is pinned in the buffer: a memcpy, which no tier can hold up.
@@ -204,6 +199,33 @@ class BoundedLoads:
             else:
                 rest.append(i)
         return rest
+
+    def _prefetch(
+        self,
+        blocks: list[bytes],
+        namespace: str | None,
+        deadline: float,
+        causes: dict[bytes, BaseException | str],
+    ) -> bool:
+        """Moves ``blocks`` up into the buffer, waiting until the deadline; records each failed
+        block's cause. True when the prefetch was still running at the deadline (it goes on,
+        into the buffer only)."""
+        store = self._store
+        try:
+            prefetch = store.prefetch(blocks, namespace=namespace)
+        except UcmError as exc:  # e.g. a full load queue: the staging path may still load them
+            logger.warning("UCM prefetch of %d block(s) not started: %s", len(blocks), exc)
+            return False
+        if prefetch is None:
+            return False
+        try:
+            store.wait(prefetch, timeout_s=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return True
+        except TaskError as exc:
+            for (block, _shard), cause in exc.failures.items():
+                causes.setdefault(block, cause)
+        return False
 
     def _through_staging(
         self,
