@@ -8,16 +8,17 @@ and **never writes the engine's memory after it returned**: a page that did not 
 is a failed page (the engine recomputes it), and bytes that arrive later land in UCM's memory
 only.
 
-- **Through the CacheBuffer** (a stack with one): the blocks are moved up into the buffer first
-  (:meth:`~ucm.Store.prefetch`), waited for until the deadline; then the ones the buffer holds
-  whole are pinned (no eviction can take them) and copied into the engine's memory, a memcpy
-  that no tier can stall. This is the vLLM connector's asynchronous load, done synchronously.
+- **Through the CacheBuffer** (a stack with one): the blocks the buffer holds whole are pinned
+  (no eviction can take them); the others are moved up into it (:meth:`~ucm.Store.prefetch`),
+  waited for until the deadline, and pinned too; then what the pins hold is copied into the
+  engine's memory, a memcpy that no tier can stall. This is the vLLM connector's asynchronous
+  load, done synchronously. A hit costs a pin, the copy and an unpin.
 - **Through staging memory** (a stack without a buffer, or blocks the prefetch could not place
   in the buffer, such as a full one): the shards are loaded into private memory, waited for
   until the deadline, and copied into the engine's memory only if they arrived in time. Staging
   memory of a load that ran late is kept until that load is over, so a late write lands in it.
 
-A page that is absent from every tier costs no more than before: the prefetch says so at once.
+A block absent from every tier is not read twice: the prefetch's miss fails it at once.
 The vLLM connector has its own, asynchronous loads (``ucm_load_deadline_s`` in
 ``docs/vllm.md``); this module shares their deadline's bounds and default.
 """
