@@ -189,15 +189,35 @@ def test_late_loads_from_several_threads_keep_their_staging_until_each_is_over(s
         assert all(dst.untouched() for dst in dsts)
 
 
-def test_pointers_that_do_not_match_the_shard_are_refused(space: str) -> None:
-    with (
-        ucm.open(stack(space, with_buffer=True)) as store,
-        pytest.raises(
-            InvalidArgumentError,
-            match=r"^pointers\[1\] has 1 address\(es\): expected 2, one per tensor of the shard$",
+@pytest.mark.parametrize("with_buffer", [True, False], ids=["buffer", "no-buffer"])
+@pytest.mark.parametrize(
+    ("pointers", "message"),
+    [
+        (
+            [[8192, 12288], [16384]],
+            r"^dst_ptrs\[1\] must list 2 address\(es\) \(tensor_size_list=\[1536, 2560\]\), "
+            r"got \[16384\]$",
         ),
-    ):
-        BoundedLoads(store, deadline_s=1).load([block(1), block(2)], [0, 0], [[1, 2], [3]])
+        (
+            [[0, 8192], [12288, 16384]],
+            r"^dst_ptrs\[0\]\[0\]=0 is not valid: expected an integer address \(at least 4096: "
+            r"below is the null page\)$",
+        ),
+    ],
+    ids=["count", "null-page"],
+)
+def test_pointers_that_do_not_match_the_shard_are_refused_before_anything_runs(
+    space: str, with_buffer: bool, pointers: list[list[int]], message: str
+) -> None:
+    """The store's own pointer check, on both paths: ``load_data`` makes it on the buffer's,
+    and the staging copy, which writes these addresses itself, before anything runs."""
+    stored(space, [block(1), block(2)])
+    with ucm.open(stack(space, with_buffer)) as store:
+        loads = BoundedLoads(store, deadline_s=BOUND_S)
+        with pytest.raises(InvalidArgumentError, match=message):
+            loads.load([block(1), block(2)], [0, 0], pointers)
+        if not with_buffer:  # refused before the load: the tier was never asked
+            assert RECORDED.get(space, []) == [] and loads.staged_blocks == 0
 
 
 @pytest.mark.parametrize("value", [0, -1, 3600.5, math.nan, math.inf, "5", True, None])

@@ -33,8 +33,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .. import Store, Task, TaskError
-from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, UcmError
+from .. import Store, Task, TaskError, arguments
+from ..errors import ConfigError, KeyMissingError, UcmError
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,12 @@ def check_load_deadline_s(value: object, key: str) -> float:
             f"(0, {LOAD_DEADLINE_S_MAX:g}] (default {LOAD_DEADLINE_S_DEFAULT:g})"
         )
     return float(value)
+
+
+def _by_block(error: TaskError, causes: dict[bytes, BaseException | str]) -> None:
+    """Each failed block's first cause, from a task's failures (keyed by block and shard)."""
+    for (block, _shard), cause in error.failures.items():
+        causes.setdefault(block, cause)
 
 
 class LateLoadError(UcmError):
@@ -112,13 +118,6 @@ class BoundedLoads:
         failed: dict[bytes, BaseException | str] = {}
         if not block_ids:
             return failed
-        tensors = len(self._store.layout.tensor_sizes)
-        for i, addresses in enumerate(pointers):
-            if len(addresses) != tensors:
-                raise InvalidArgumentError(
-                    f"pointers[{i}] has {len(addresses)} address(es): expected {tensors}, one "
-                    "per tensor of the shard"
-                )
         rest = list(range(len(block_ids)))
         if self._store.buffer is not None:
             rest = self._through_buffer(
@@ -181,8 +180,7 @@ class BoundedLoads:
                 try:
                     store.wait(task)
                 except TaskError as exc:
-                    for (block, _shard), cause in exc.failures.items():
-                        failed.setdefault(block, cause)
+                    _by_block(exc, failed)
         finally:
             store.unpin(pins)
         rest = []
@@ -224,8 +222,7 @@ class BoundedLoads:
         except TimeoutError:
             return True
         except TaskError as exc:
-            for (block, _shard), cause in exc.failures.items():
-                causes.setdefault(block, cause)
+            _by_block(exc, causes)
         return False
 
     def _through_staging(
@@ -241,9 +238,12 @@ class BoundedLoads:
         """Loads the ``chosen`` positions into private memory and copies the ones that arrived
         by the deadline into ``pointers``."""
         store = self._store
+        sizes = store.layout.tensor_sizes
+        # The store's own check (``load_data`` makes it on the buffer path): this copy writes
+        # the addresses itself, so a bad one is refused here, before anything runs.
+        addresses = arguments.check_pointers(pointers, len(block_ids), store.layout, "dst_ptrs")
         with self._lock:
             self.staged_blocks += len(chosen)
-        sizes = store.layout.tensor_sizes
         shard_size = store.layout.shard_size
         # MAP_POPULATE: the pages are faulted in by one call, not one fault each.
         staging = mmap.mmap(
@@ -272,8 +272,7 @@ class BoundedLoads:
                 )
             return
         except TaskError as exc:
-            for (block, _shard), cause in exc.failures.items():
-                causes.setdefault(block, cause)
+            _by_block(exc, causes)
         except BaseException:
             if not store.check(task):  # still running: its memory must outlive it
                 self._keep(task, staging)
@@ -283,7 +282,8 @@ class BoundedLoads:
             if block in causes:
                 failed.setdefault(block, causes[block])
                 continue
-            for source, destination, size in zip(staged[n], pointers[i], sizes, strict=True):
+            tensors = addresses.flat[i * len(sizes) : (i + 1) * len(sizes)]
+            for source, destination, size in zip(staged[n], tensors, sizes, strict=True):
                 ctypes.memmove(destination, source, size)
 
     def _keep(self, task: Task, staging: mmap.mmap) -> None:
