@@ -296,6 +296,93 @@ def test_a_miss_and_a_corrupt_posix_shard_come_back_as_not_found(
         reader.close()
 
 
+def test_its_counters_and_sglangs_storage_metrics_count_every_page(
+    sgl: SGLang, tmp_path: Path, unique_id: Callable[[], str]
+) -> None:
+    """``stats()`` counts each get's pages by outcome and each set's; with
+    ``enable_storage_metrics`` (``--enable-storage-metrics``), ``get_stats()`` hands SGLang's
+    own ``StorageMetricsCollector`` one page count and one bandwidth per call, drained."""
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from sglang.srt.observability.metrics_collector import StorageMetricsCollector
+
+    disk = tmp_path / "nvme"
+    pool = host_pool(sgl)
+    keys = keys_of(sgl, 4)
+    fill(pool, seed=21)
+    source = pages_at(pool, [0, 1, 2, 3])
+    config = {"ucm_stack": buffer_stack(unique_id(), disk)}
+    writer = create_backend(sgl, storage_config(sgl, config), pool)
+    assert writer.get_stats() is None  # the metrics are off: SGLang's base-class answer
+    assert writer.batch_set_v1(keys, source) == [True] * 4
+    assert writer.stats()["sglang"] == {
+        **dict.fromkeys(writer.stats()["sglang"], 0),
+        "sets": 1,
+        "set_pages": 4,
+        "set_stored": 4,
+    }
+    corrupt = writer.block_id(keys[1])
+    writer.close()
+    block_file = disk / corrupt.hex()[:2] / f"{corrupt.hex()}.blk"
+    with open(block_file, "r+b") as file:
+        file.seek(100)
+        byte = file.read(1)
+        file.seek(100)
+        file.write(bytes([byte[0] ^ 0x10]))
+
+    reader = create_backend(
+        sgl,
+        storage_config(
+            sgl, {"ucm_stack": buffer_stack(unique_id(), disk)}, enable_storage_metrics=True
+        ),
+        pool,
+    )
+    try:
+        target = pages_at(pool, [4, 5, 6, 7, 8])
+        wanted = [keys[0], keys[1], keys[2], UNKNOWN, keys[3]]
+        assert reader.batch_get_v1(wanted, target) == [True, False, True, False, True]
+        assert reader.get(UNKNOWN) is None
+        assert reader.batch_set_v1(keys[:2], pages_at(pool, [9, 10])) == [True, True]
+        assert reader.stats()["sglang"] == {
+            "gets": 2,
+            "get_pages": 6,
+            "get_hits": 3,
+            "get_misses": 2,
+            "get_late": 0,
+            "get_errors": 1,  # the corrupt shard
+            "sets": 1,
+            "set_pages": 2,
+            "set_stored": 2,
+            "set_failed": 0,
+        }
+        assert reader.stats()["ucm"]["loaded_shards"] == 3
+
+        metrics = reader.get_stats()
+        assert (metrics.prefetch_pgs, metrics.backup_pgs) == ([5, 1], [2])
+        assert metrics.prefetch_bandwidth[0] > 0 and metrics.prefetch_bandwidth[1] == 0
+        assert len(metrics.backup_bandwidth) == 1 and metrics.backup_bandwidth[0] > 0
+        drained = reader.get_stats()  # drained: SGLang calls it every scheduler step
+        assert (drained.prefetch_pgs, drained.backup_pgs) == ([], [])
+
+        # SGLang's own collector takes them, on a private registry (its DI hooks).
+        registry = CollectorRegistry()
+
+        class Collector(StorageMetricsCollector):  # type: ignore[misc]
+            _counter_cls = partial(Counter, registry=registry)
+            _gauge_cls = partial(Gauge, registry=registry)
+            _histogram_cls = partial(Histogram, registry=registry)
+
+        Collector(labels={"tp_rank": "0"}).log_storage_metrics(metrics)
+        labels = {"tp_rank": "0"}
+        assert registry.get_sample_value("sglang:prefetch_pgs_count", labels) == 2
+        assert registry.get_sample_value("sglang:prefetch_pgs_sum", labels) == 6
+        assert registry.get_sample_value("sglang:backup_pgs_sum", labels) == 2
+        assert registry.get_sample_value("sglang:backup_bandwidth_count", labels) == 1
+    finally:
+        reader.close()
+
+
 def test_the_tensor_interface_reads_and_writes_the_same_pages_as_v1(
     sgl: SGLang, unique_id: Callable[[], str]
 ) -> None:
@@ -740,6 +827,9 @@ def test_a_get_from_a_stalled_tier_returns_by_the_load_deadline_and_never_writes
 
         assert reader.batch_get_v1(keys, target) == [True] * 4
         assert [page_bytes(pool, target, i) for i in range(4)] == expected
+        counted = reader.stats()["sglang"]
+        assert (counted["gets"], counted["get_pages"], counted["get_hits"]) == (3, 9, 4)
+        assert (counted["get_late"], counted["get_misses"], counted["get_errors"]) == (5, 0, 0)
     finally:
         GATES[space].set()
         reader.close()

@@ -34,6 +34,9 @@ pool fixes the geometry.
   ``ucm_load_deadline_s`` (:mod:`~ucm.integration.bounded`: nothing is written into the host
   pool after a get returned) comes back as ``False`` (or ``None``) for that page only, so
   SGLang recomputes it; bad arguments raise.
+- **Counters.** :meth:`UcmHiCacheStorage.stats` counts each get's pages by outcome and each
+  set's; with ``--enable-storage-metrics``, :meth:`UcmHiCacheStorage.get_stats` feeds SGLang's
+  own storage histograms.
 
 Importing this module imports sglang and torch; ``import ucm`` and ``import ucm.integration``
 import neither.
@@ -44,6 +47,9 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import threading
+import time
+from collections import Counter, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,10 +62,10 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 import ucm
-from ucm.errors import ConfigError, InvalidArgumentError, TaskError, UcmError
+from ucm.errors import ConfigError, InvalidArgumentError, KeyMissingError, TaskError, UcmError
 from ucm.stack import parse_stack
 
-from .bounded import LOAD_DEADLINE_S_DEFAULT, BoundedLoads, check_load_deadline_s
+from .bounded import LOAD_DEADLINE_S_DEFAULT, BoundedLoads, LateLoadError, check_load_deadline_s
 from .keys import (
     EngineGeometry,
     Epochs,
@@ -101,6 +107,26 @@ NO_TENANT_KEY = (
 )
 """Why ``ucm_namespace: cache_salt`` or ``lora`` is refused (the message names the key and
 this)."""
+
+COUNTER_NAMES = (
+    "gets",
+    "get_pages",
+    "get_hits",
+    "get_misses",
+    "get_late",
+    "get_errors",
+    "sets",
+    "set_pages",
+    "set_stored",
+    "set_failed",
+)
+"""The backend's own counters (:meth:`UcmHiCacheStorage.stats`): calls and pages of the gets
+(``batch_get_v1``, ``batch_get``, ``get``) and sets. A page not loaded is a miss (no tier has
+it), late (past ``ucm_load_deadline_s``) or an error (a corrupt shard, a failed tier)."""
+
+METRICS_KEPT = 4096
+"""Per-call samples kept for SGLang's storage metrics between two of its ``get_stats`` calls
+(it drains them every scheduler step); older ones are dropped."""
 
 ONE_BYTE_DTYPES = ("torch.uint8", "torch.int8")
 """Host-pool dtypes SGLang stores several logical KV formats in (every fp8 format is uint8)."""
@@ -238,6 +264,15 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         self._pointers_per_page = 0
         self._flat_offsets: list[int] | None = None
         self._flat_problem = ""
+        self._counters: Counter[str] = Counter({name: 0 for name in COUNTER_NAMES})
+        self._counters_lock = threading.Lock()
+        """Guards the counters and the samples: SGLang gets on its prefetch thread and sets on
+        its backup thread."""
+        # SGLang's storage metrics, per call (only with --enable-storage-metrics).
+        self._samples: dict[str, deque[float]] = {
+            name: deque(maxlen=METRICS_KEPT)
+            for name in ("prefetch_pgs", "prefetch_bandwidth", "backup_pgs", "backup_bandwidth")
+        }
 
     # ---- set-up: the host pool fixes the geometry -----------------------------------------
 
@@ -438,10 +473,11 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Stores the host pool's pages at ``host_indices`` as pages ``keys``."""
+        started = time.monotonic()
         ids = self._block_ids(keys)
         pointers = self._page_pointers(len(ids), host_indices)
         task = self.store.dump_data(ids, [self.plan.shard_index] * len(ids), pointers)
-        return self._outcomes(task, ids)
+        return self._outcomes(task, ids, started)
 
     # ---- tensor interface (flat pages, SGLang's generic path) ------------------------------
 
@@ -488,13 +524,14 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         target_sizes: Any | None = None,
     ) -> bool:
         """Stores the flat pages ``values``; True when every page was stored."""
+        started = time.monotonic()
         ids = self._block_ids(keys)
         if values is None:
             raise InvalidArgumentError("values is None: batch_set needs one flat page per key")
         sources = list(values)
         pointers = self._flat_pointers(sources, len(ids), "values", for_load=False)
         task = self.store.dump_data(ids, [self.plan.shard_index] * len(ids), pointers)
-        return all(self._outcomes(task, ids))
+        return all(self._outcomes(task, ids, started))
 
     # ---- lookups ---------------------------------------------------------------------------
 
@@ -508,6 +545,42 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         """How many pages from the start of ``keys`` are stored, consecutively."""
         ids = self._block_ids(keys)
         return self.store.lookup_on_prefix(ids) + 1 if ids else 0
+
+    def get_stats(self) -> Any | None:
+        """SGLang's storage metrics (``--enable-storage-metrics``), drained: each get's and
+        set's page count and bandwidth (GB/s of pages loaded or stored, over the call's wall
+        time) since the last call. None when the metrics are off, as SGLang's base class."""
+        if not self.storage_config.enable_storage_metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics()
+        with self._counters_lock:
+            for name, samples in self._samples.items():
+                getattr(metrics, name).extend(samples)
+                samples.clear()
+        return metrics
+
+    def stats(self) -> dict[str, Any]:
+        """This backend's counters (``sglang``, :data:`COUNTER_NAMES`) beside the store's
+        (``ucm``, :meth:`ucm.Store.stats`)."""
+        with self._counters_lock:
+            counters = dict(self._counters)
+        return {"sglang": counters, "ucm": self.store.stats()}
+
+    def _record(self, kind: str, pages: int, done: int, started: float) -> None:
+        """One call's SGLang metrics sample (``kind``: prefetch or backup), when they are on."""
+        if not self.storage_config.enable_storage_metrics:
+            return
+        elapsed = max(time.monotonic() - started, 1e-9)
+        gigabytes = done * self.store.layout.shard_size / 1e9
+        with self._counters_lock:
+            self._samples[f"{kind}_pgs"].append(pages)
+            self._samples[f"{kind}_bandwidth"].append(gigabytes / elapsed)
+
+    def _count(self, **amounts: int) -> None:
+        with self._counters_lock:
+            self._counters.update(amounts)
 
     def close(self) -> None:
         """Finishes pending writes and closes the store (SGLang calls it on detach)."""
@@ -591,12 +664,27 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         corrupt, late...). Nothing is written into the host pool after it returns."""
         self._require_store()
         assert self._loads is not None
+        started = time.monotonic()
         failed = self._loads.load(ids, [self.plan.shard_index] * len(ids), pointers)
         if failed:
             logger.debug("UCM HiCache: %d of %d page(s) not loaded", len(failed), len(ids))
-        return [block not in failed for block in ids]
+        loaded = [block not in failed for block in ids]
+        causes = [failed.get(block) for block in ids]
+        late = sum(1 for cause in causes if isinstance(cause, LateLoadError))
+        misses = sum(1 for cause in causes if isinstance(cause, KeyMissingError))
+        hits = sum(loaded)
+        self._count(
+            gets=1,
+            get_pages=len(ids),
+            get_hits=hits,
+            get_misses=misses,
+            get_late=late,
+            get_errors=len(ids) - hits - misses - late,
+        )
+        self._record("prefetch", len(ids), hits, started)
+        return loaded
 
-    def _outcomes(self, task: ucm.Task, ids: Sequence[bytes]) -> list[bool]:
+    def _outcomes(self, task: ucm.Task, ids: Sequence[bytes], started: float) -> list[bool]:
         """Waits for a dump task in full; each page is True unless its key failed. SGLang
         writes on its own backup thread, off the requests' path. With a CacheBuffer a dump is
         done once in the buffer (a slow write-through tier is skipped, never waited for);
@@ -606,8 +694,13 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         except TaskError as error:
             failed = {block for block, _shard in error.failures}
             logger.debug("UCM HiCache: %s", error)
-            return [block not in failed for block in ids]
-        return [True] * len(ids)
+            stored = [block not in failed for block in ids]
+        else:
+            stored = [True] * len(ids)
+        done = sum(stored)
+        self._count(sets=1, set_pages=len(ids), set_stored=done, set_failed=len(ids) - done)
+        self._record("backup", len(ids), done, started)
+        return stored
 
 
 def _flat_page_offsets(
