@@ -21,7 +21,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -427,12 +427,47 @@ class StoreCollector:
             yield family
 
 
-def registry_for(store: Store) -> CollectorRegistry:
-    """A fresh registry holding only this store's collector."""
+class CountersCollector:
+    """An engine integration's own counters, read on every scrape: ``read()`` gives each
+    counter's value now; names in ``gauges`` are levels (exported as ``ucm_<engine>_<name>``),
+    the others only grow (``ucm_<engine>_<name>_total``). Every metric carries the
+    ``unique_id`` label, as the store's."""
+
+    def __init__(
+        self,
+        engine: str,
+        unique_id: str,
+        read: Callable[[], Mapping[str, int]],
+        gauges: frozenset[str] = frozenset(),
+    ) -> None:
+        self.engine = engine
+        self.unique_id = unique_id
+        self.read = read
+        self.gauges = gauges
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        for name, value in sorted(self.read().items()):
+            words = name.replace("_", " ")
+            kind = GaugeMetricFamily if name in self.gauges else CounterMetricFamily
+            family = kind(
+                _metric_name(f"ucm_{self.engine}_{name}"),
+                f"The {self.engine} integration's {words} (this process).",
+                labels=["unique_id"],
+            )
+            family.add_metric([self.unique_id], value)
+            yield family
+
+
+def registry_for(store: Store, *extra: CountersCollector) -> CollectorRegistry:
+    """A fresh registry holding this store's collector and ``extra`` (an integration's)."""
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StoreCollector(store))
+    for collector in extra:
+        registry.register(collector)
     return registry
 
 
@@ -469,8 +504,11 @@ class MetricsServer:
         self.close()
 
 
-def serve(store: Store, port: int = 0, host: str = "127.0.0.1") -> MetricsServer:
-    """Serves ``/metrics`` for ``store`` on a loopback address in a daemon thread.
+def serve(
+    store: Store, port: int = 0, host: str = "127.0.0.1", *extra: CountersCollector
+) -> MetricsServer:
+    """Serves ``/metrics`` for ``store`` (and ``extra``, an integration's counters) on a
+    loopback address in a daemon thread.
 
     ``port=0`` picks a free port (read it from the result). Only loopback addresses are allowed:
     the endpoint has no authentication, so expose it beyond the host through something that has
@@ -486,7 +524,7 @@ def serve(store: Store, port: int = 0, host: str = "127.0.0.1") -> MetricsServer
     from prometheus_client import start_http_server
 
     try:
-        server, thread = start_http_server(port, addr=host, registry=registry_for(store))
+        server, thread = start_http_server(port, addr=host, registry=registry_for(store, *extra))
     except OSError as exc:
         raise InvalidArgumentError(
             f"port={port} is not valid: cannot listen on it ({exc})"

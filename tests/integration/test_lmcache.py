@@ -786,6 +786,68 @@ def test_a_bad_load_deadline_is_refused_naming_the_key(
     )
 
 
+@pytest.mark.parametrize(
+    ("value", "shown"), [(-1, "-1"), (65536, "65536"), ("9000", "'9000'"), (True, "True")]
+)
+def test_a_bad_metrics_port_is_refused_naming_the_key(
+    unique_id: str, value: Any, shown: str
+) -> None:
+    cfg = lm.config(
+        {"unique_id": unique_id, "tiers": [{"type": "buffer", "capacity": "1MiB"}]},
+        extra_config={"storage_plugin.ucm.metrics_port": value},
+    )
+    with pytest.raises(ucm.ConfigError) as refused:
+        _construct(cfg)
+    assert str(refused.value) == (
+        f"extra_config['storage_plugin.ucm.metrics_port']: {shown} is not valid: expected an "
+        "integer port in [0, 65535] (0: a free port)"
+    )
+
+
+def test_a_worker_serves_ucm_prometheus_metrics_with_the_plugins_counters(
+    unique_id: str, tmp_path: Path
+) -> None:
+    """``storage_plugin.<name>.metrics_port``: each worker serves UCM's own Prometheus endpoint
+    (127.0.0.1), with this process's store counters and the plugin's (counters as
+    ``*_total``, its levels as gauges); the endpoint closes with the plugin."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    cfg = lm.config(
+        buffer_over_posix(unique_id, tmp_path),
+        extra_config={"storage_plugin.ucm.metrics_port": 0},
+    )
+    sm = lm.storage_manager(cfg, lm.metadata())
+    backend = sm.storage_backends["ucm"]
+    url = backend.metrics_url
+    try:
+        assert url is not None and url.startswith("http://127.0.0.1:")
+        keys = _store(sm, [41, 42])
+        sm.batched_remove(keys, locations=["LocalCPUBackend"])
+        got = backend.batched_get_blocking([keys[0], lm.key(998), keys[1]])
+        assert got[1] is None
+        for obj in (got[0], got[2]):
+            obj.ref_count_down()
+        with urllib.request.urlopen(url, timeout=30) as response:
+            families = {
+                family.name: family
+                for family in text_string_to_metric_families(response.read().decode())
+            }
+        value = {s.name: s.value for family in families.values() for s in family.samples}
+        assert value["ucm_lmcache_get_hits_total"] == 2
+        assert value["ucm_lmcache_get_misses_total"] == 1
+        assert value["ucm_lmcache_put_chunks_stored_total"] == 2
+        assert families["ucm_lmcache_pinned_keys"].type == "gauge"
+        assert value["ucm_lmcache_pinned_keys"] == 0
+        assert value["ucm_store_loaded_shards_total"] == 2
+        assert value["ucm_store_dumped_shards_total"] == 2
+    finally:
+        sm.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url, timeout=5)
+
+
 # ---- small leaks: lookup pins without a prefetch, a put batch that fails partway -------------
 
 

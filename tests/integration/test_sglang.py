@@ -383,6 +383,67 @@ def test_its_counters_and_sglangs_storage_metrics_count_every_page(
         reader.close()
 
 
+def test_each_rank_serves_ucm_prometheus_metrics_with_the_backends_counters(
+    sgl: SGLang, unique_id: Callable[[], str]
+) -> None:
+    """``ucm_metrics_port``: each rank serves UCM's own Prometheus endpoint (127.0.0.1, port
+    plus its rank on the node), with this process's store counters and the backend's; the
+    endpoint closes with the backend. A port in use is refused naming the key."""
+    import socket
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(url: str) -> dict[str, float]:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            text = response.read().decode()
+        return {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    pool = host_pool(sgl)
+    keys = keys_of(sgl, 3)
+    fill(pool, seed=31)
+    stack = buffer_stack(unique_id())
+    extra = {"ucm_stack": stack, "ucm_metrics_port": 0}
+    backend = create_backend(sgl, storage_config(sgl, extra), pool)
+    try:
+        url = backend.metrics_url
+        assert url is not None and url.startswith("http://127.0.0.1:")
+        assert backend.batch_set_v1(keys[:2], pages_at(pool, [0, 1])) == [True, True]
+        assert backend.batch_get_v1(keys, pages_at(pool, [4, 5, 6])) == [True, True, False]
+        scraped = scrape(url)
+        assert scraped["ucm_sglang_get_pages_total"] == 3
+        assert scraped["ucm_sglang_get_hits_total"] == 2
+        assert scraped["ucm_sglang_get_misses_total"] == 1
+        assert scraped["ucm_sglang_get_late_total"] == 0
+        assert scraped["ucm_sglang_set_stored_total"] == 2
+        assert scraped["ucm_store_loaded_shards_total"] == 2
+        assert scraped["ucm_store_dumped_shards_total"] == 2
+
+        # TP rank 1 of 2 serves on the port plus 1; that port taken, its start is refused.
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            base = taken.getsockname()[1] - 1
+            rank1 = storage_config(
+                sgl, {"ucm_stack": stack, "ucm_metrics_port": base}, tp_rank=1, tp_size=2
+            )
+            with pytest.raises(
+                ucm.ConfigError,
+                match=rf"^hicache_storage_backend_extra_config\['ucm_metrics_port'\]: "
+                rf"port={base + 1} is not valid: cannot listen on it",
+            ):
+                create_backend(sgl, rank1, pool)
+    finally:
+        backend.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+
+
 def test_the_tensor_interface_reads_and_writes_the_same_pages_as_v1(
     sgl: SGLang, unique_id: Callable[[], str]
 ) -> None:
@@ -642,7 +703,17 @@ def test_two_tp_ranks_of_a_node_share_one_buffer(sgl: SGLang, unique_id: Callabl
             {},
             r"unknown key\(s\) \['ucm_stak'\]; the UCM backend reads "
             r"\['ucm_stack', 'ucm_kv_dtype', 'ucm_weights_id', 'ucm_namespace', "
-            r"'ucm_load_deadline_s'\]",
+            r"'ucm_load_deadline_s', 'ucm_metrics_port'\]",
+        ),
+        *(
+            (
+                {"ucm_stack": {}, "ucm_metrics_port": bad},
+                {},
+                r"^hicache_storage_backend_extra_config\['ucm_metrics_port'\]: "
+                + shown
+                + r" is not valid: expected an integer port in \[0, 65535\] \(0: a free port\)$",
+            )
+            for bad, shown in ((-1, "-1"), (65536, "65536"), ("9000", "'9000'"), (True, "True"))
         ),
         *(
             (

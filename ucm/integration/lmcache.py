@@ -78,8 +78,10 @@ from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 from .. import DEFAULT_NAMESPACE, REMOVE_CHUNK_KEYS, Pin, Store, TaskError
 from .. import open as open_store
 from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, RoleError, UcmError
+from ..metrics import CountersCollector, MetricsServer
 from ..threadname import enter_thread
 from .bounded import LOAD_DEADLINE_S_DEFAULT, BoundedLoads, LateLoadError, check_load_deadline_s
+from .endpoint import check_metrics_port, serve_rank_metrics
 from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id, warn_node_local
 from .tenants import TenantMapping
 
@@ -111,6 +113,10 @@ LORA_REFUSED = (
     "plugin calls carry none"
 )
 """Why ``namespace: lora`` is refused (the message names the key and this)."""
+
+GAUGE_COUNTERS = frozenset({"puts_in_flight", "pinned_keys", "lookups_pinned"})
+"""Of :meth:`UcmStorageBackend.stats`' ``lmcache`` counters, the levels (Prometheus gauges);
+the others only grow."""
 
 SALTS_KEPT = 4096
 """Distinct (model, world size, dtype, tags) salts memoised per plugin (least recently used
@@ -354,6 +360,10 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             (config.extra_config or {}).get(deadline_key, LOAD_DEADLINE_S_DEFAULT),
             f"extra_config[{deadline_key!r}]",
         )
+        port_key = f"extra_config['storage_plugin.{self.name}.metrics_port']"
+        port = check_metrics_port(
+            (config.extra_config or {}).get(f"storage_plugin.{self.name}.metrics_port"), port_key
+        )
         self.is_scheduler = metadata.role == "scheduler"
         device_id = -1 if self.is_scheduler else int(metadata.local_worker_id)
         if not self.is_scheduler and local_cpu_backend is None:
@@ -372,6 +382,18 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         except UcmError as exc:  # e.g. a buffer larger than /dev/shm: say which key to change
             raise ConfigError(f"extra_config[{self.stack_key!r}]: {exc}") from exc
         self._loads = BoundedLoads(self.store, load_deadline_s)
+        self._metrics_server: MetricsServer | None = None
+        if port is not None and not self.is_scheduler:
+            counters = CountersCollector(
+                "lmcache", stack.unique_id, self._plugin_counters, GAUGE_COUNTERS
+            )
+            try:
+                self._metrics_server = serve_rank_metrics(
+                    self.store, port, device_id, port_key, f"LMCache worker {device_id}", counters
+                )
+            except ConfigError:
+                self.store.close()
+                raise
         self._space = (
             f"{self.layout.describe()}; use_mla={metadata.use_mla}; "
             f"save_only_first_rank={save_only_first_rank(config, metadata)}"
@@ -941,6 +963,14 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
 
     def stats(self) -> dict[str, Any]:
         """This plugin's counters (``lmcache``) beside the store's (``ucm``)."""
+        return {"lmcache": self._plugin_counters(), "ucm": self.store.stats()}
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where this worker serves UCM's Prometheus metrics (``metrics_port``), or None."""
+        return self._metrics_server.url if self._metrics_server is not None else None
+
+    def _plugin_counters(self) -> dict[str, int]:
         with self._counters_lock:
             counters = dict(self._counters)
         with self._put_lock:
@@ -948,7 +978,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         with self._pin_lock:
             counters["pinned_keys"] = len(self._pins)
             counters["lookups_pinned"] = len(self._lookup_pins)
-        return {"lmcache": counters, "ucm": self.store.stats()}
+        return counters
 
     def close(self) -> None:
         """Finishes the puts in flight, then closes the store (which finishes its own
@@ -966,6 +996,9 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         with self._pin_lock:  # the store's close releases what they hold
             self._pins.clear()
             self._lookup_pins.clear()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
         self.store.close()
 
     # ---- helpers ------------------------------------------------------------------------------

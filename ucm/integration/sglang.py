@@ -63,9 +63,11 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 import ucm
 from ucm.errors import ConfigError, InvalidArgumentError, KeyMissingError, TaskError, UcmError
+from ucm.metrics import CountersCollector, MetricsServer
 from ucm.stack import parse_stack
 
 from .bounded import LOAD_DEADLINE_S_DEFAULT, BoundedLoads, LateLoadError, check_load_deadline_s
+from .endpoint import check_metrics_port, serve_rank_metrics
 from .keys import (
     EngineGeometry,
     Epochs,
@@ -84,6 +86,7 @@ logger = logging.getLogger(__name__)
 
 STACK_KEY = "hicache_storage_backend_extra_config['ucm_stack']"
 """Where the stack is given; every configuration error starts with it."""
+METRICS_PORT_KEY = "hicache_storage_backend_extra_config['ucm_metrics_port']"
 
 EXTRA_CONFIG_KEYS = (
     "ucm_stack",
@@ -91,6 +94,7 @@ EXTRA_CONFIG_KEYS = (
     "ucm_weights_id",
     "ucm_namespace",
     "ucm_load_deadline_s",
+    "ucm_metrics_port",
 )
 """The ``ucm_*`` keys of the extra config this backend reads; any other ``ucm_*`` key is a typo."""
 
@@ -247,6 +251,8 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
             extra.get("ucm_load_deadline_s", LOAD_DEADLINE_S_DEFAULT),
             "hicache_storage_backend_extra_config['ucm_load_deadline_s']",
         )
+        self._metrics_port = check_metrics_port(extra.get("ucm_metrics_port"), METRICS_PORT_KEY)
+        self._metrics_server: MetricsServer | None = None
         self._loads: BoundedLoads | None = None
         self._kv_dtype: str | None = kv_dtype
         self._weights_id: str | None = weights_id
@@ -319,9 +325,7 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         self._flat_offsets, self._flat_problem = _flat_page_offsets(
             mem_pool_host, [int(p) for p in pointers], geometry.tensor_sizes
         )
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        self._close_store()
         self._page_size = page_size
         self._pointers_per_page = len(sizes)
         self._store = ucm.open(
@@ -332,6 +336,25 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         )
         self._loads = BoundedLoads(self._store, self._load_deadline_s)
         config = self.storage_config
+        if self._metrics_port is not None:
+            # One endpoint per rank of the node: TP ranks first, then pipeline stages, then
+            # data-parallel ranks (each is a scheduler process of its own).
+            offset = config.tp_rank + config.tp_size * (
+                config.pp_rank + config.pp_size * config.dp_rank
+            )
+            counters = CountersCollector("sglang", stack.unique_id, self._counts)
+            try:
+                self._metrics_server = serve_rank_metrics(
+                    self._store,
+                    self._metrics_port,
+                    offset,
+                    METRICS_PORT_KEY,
+                    f"SGLang dp{config.dp_rank}-pp{config.pp_rank}-tp{config.tp_rank}",
+                    counters,
+                )
+            except ConfigError:
+                self._close_store()
+                raise
         self._space = space
         if self._epochs is not None:
             self._epochs.close()
@@ -564,9 +587,16 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
     def stats(self) -> dict[str, Any]:
         """This backend's counters (``sglang``, :data:`COUNTER_NAMES`) beside the store's
         (``ucm``, :meth:`ucm.Store.stats`)."""
+        return {"sglang": self._counts(), "ucm": self.store.stats()}
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where this rank serves UCM's Prometheus metrics (``ucm_metrics_port``), or None."""
+        return self._metrics_server.url if self._metrics_server is not None else None
+
+    def _counts(self) -> dict[str, int]:
         with self._counters_lock:
-            counters = dict(self._counters)
-        return {"sglang": counters, "ucm": self.store.stats()}
+            return dict(self._counters)
 
     def _record(self, kind: str, pages: int, done: int, started: float) -> None:
         """One call's SGLang metrics sample (``kind``: prefetch or backup), when they are on."""
@@ -586,6 +616,13 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         """Finishes pending writes and closes the store (SGLang calls it on detach)."""
         if self._epochs is not None:
             self._epochs.close()
+        self._close_store()
+
+    def _close_store(self) -> None:
+        """Closes the metrics endpoint and the store (the closed store stays, for its stats)."""
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
         if self._store is not None:
             self._store.close()
 

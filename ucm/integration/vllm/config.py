@@ -13,6 +13,7 @@ from ucm.affinity import follow_binding
 from ucm.errors import ConfigError, UcmError
 
 from ..bounded import LOAD_DEADLINE_S_DEFAULT, check_load_deadline_s
+from ..endpoint import check_metrics_port
 from ..keys import EngineGeometry, engine_stack
 from ..tenants import TenantMapping
 
@@ -64,14 +65,7 @@ def check_extra_config(extra: Mapping[str, Any]) -> None:
         raise ConfigError(
             f"{extra_key(unknown[0])}: unknown UCM key (misspelled?); the UCM keys are: {valid}"
         )
-    port = extra.get("ucm_metrics_port")
-    if port is not None and (
-        isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535
-    ):
-        raise ConfigError(
-            f"{extra_key('ucm_metrics_port')}: {port!r} is not valid: expected an integer port "
-            "in [0, 65535] (0: a free port)"
-        )
+    check_metrics_port(extra.get("ucm_metrics_port"), extra_key("ucm_metrics_port"))
     weights_id = extra.get("ucm_weights_id")
     if weights_id is not None and (not isinstance(weights_id, str) or not weights_id):
         raise ConfigError(

@@ -22,6 +22,7 @@ from ucm.threadname import bind_new_threads
 
 from ..addresses import BlockAddresses, block_view
 from ..claims import ComputeClaims
+from ..endpoint import serve_rank_metrics
 from ..keys import Epochs, EpochState, warn_node_local, write_marker
 from ..tenants import TenantMapping
 from .config import (
@@ -281,18 +282,17 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._metrics_server: MetricsServer | None = None
         port = self._extra.get("ucm_metrics_port")
         if port is not None:
-            from ucm import metrics
-
             try:
-                self._metrics_server = metrics.serve(
-                    self._store, port=int(port) + self._rank if port else 0
+                self._metrics_server = serve_rank_metrics(
+                    self._store,
+                    int(port),
+                    self._rank,
+                    extra_key("ucm_metrics_port"),
+                    f"rank {self._rank}",
                 )
-            except UcmError as exc:
+            except ConfigError:
                 self._store.close()
-                raise ConfigError(f"{extra_key('ucm_metrics_port')}: {exc}") from exc
-            logger.info(
-                "UCM rank %d: Prometheus metrics on %s", self._rank, self._metrics_server.url
-            )
+                raise
         logger.info(
             "UCM worker rank %d: stack %r, %s",
             self._rank,
