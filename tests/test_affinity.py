@@ -185,8 +185,11 @@ def test_under_auto_the_engine_cpus_are_the_ones_vllm_gave_openmp(
 def _os_names() -> dict[int, str]:
     names = {}
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as comm:
-            names[int(tid)] = comm.read().strip()
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                names[int(tid)] = comm.read().strip()
+        except FileNotFoundError:  # the thread exited since the listing (an earlier test's)
+            continue
     return names
 
 
