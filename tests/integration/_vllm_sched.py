@@ -36,10 +36,12 @@ import ucm
 
 BLOCK = 16
 LOOKUP_TIMEOUT_MS = 120_000
-"""A lower tier's look-up deadline here, unless a test states its own. On a busy CI machine a
-posix look-up can pass the default 1 s; the reset epoch of an engine started then cannot be
-read, so (by design) it salts its block ids with a nonce of its own, and the next engine does
-not find what it stored (seen once under `fresh-check --load`)."""
+"""The look-up deadline of the posix tier the harness builds, and of the posix tiers tests that
+store for a later engine give it (``extra_tiers`` keep what they state: the bounded look-up
+tests need the default). On a busy CI machine a posix look-up can pass the default 1 s; the
+reset epoch of an engine started then cannot be read, so (by design) it salts its block ids
+with a nonce of its own, and the next engine does not find what it stored (seen once under
+`fresh-check --load`)."""
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 KV_HEADS, HEAD_SIZE = 2, 32
 SEED_ROW = 7
@@ -156,15 +158,14 @@ class Harness:
         self.order = order
         self.skip_wait_for_save = skip_wait_for_save
         self.async_scheduling = async_scheduling
-        chosen = tiers or [{"type": "posix", "path": str(root / "posix")}, *(extra_tiers or [])]
+        posix = {
+            "type": "posix",
+            "path": str(root / "posix"),
+            "lookup_timeout_ms": LOOKUP_TIMEOUT_MS,
+        }
         self.stack = {
             "unique_id": unique_id or f"vllm-sched-{uuid.uuid4().hex[:10]}",
-            "tiers": [
-                tier
-                if tier.get("type") == "buffer" or "lookup_timeout_ms" in tier
-                else {**tier, "lookup_timeout_ms": LOOKUP_TIMEOUT_MS}
-                for tier in chosen
-            ],
+            "tiers": tiers or [posix, *(extra_tiers or [])],
         }
         model = ModelConfig(
             model=str(_model_dir()),

@@ -28,7 +28,7 @@ if importlib.util.find_spec("vllm") is None:
 
 from loadpath import _tiers
 
-from ._vllm_sched import BLOCK, Harness
+from ._vllm_sched import BLOCK, LOOKUP_TIMEOUT_MS, Harness
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -59,7 +59,12 @@ def make(tmp_path: Path) -> Iterator[Make]:
     def factory(delay_s: float = 0.0, **kwargs: Any) -> Harness:
         tiers = [
             {"type": "buffer", "capacity": "16MiB"},
-            {"type": "slowposix", "path": str(posix), "delay_s": delay_s},
+            {
+                "type": "slowposix",
+                "path": str(posix),
+                "delay_s": delay_s,
+                "lookup_timeout_ms": LOOKUP_TIMEOUT_MS,
+            },
         ]
         harness = Harness(
             tmp_path / f"h{len(made)}",
