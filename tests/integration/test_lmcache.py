@@ -819,9 +819,9 @@ def test_a_worker_serves_ucm_prometheus_metrics_with_the_plugins_counters(
         extra_config={"storage_plugin.ucm.metrics_port": 0},
     )
     sm = lm.storage_manager(cfg, lm.metadata())
-    backend = sm.storage_backends["ucm"]
-    url = backend.metrics_url
     try:
+        backend = sm.storage_backends["ucm"]
+        url = backend.metrics_url
         assert url is not None and url.startswith("http://127.0.0.1:")
         keys = _store(sm, [41, 42])
         sm.batched_remove(keys, locations=["LocalCPUBackend"])
