@@ -93,7 +93,6 @@ class Store:
         config: StackConfig,
         device_id: int = 0,
         local_rank_size: int = 1,
-        write_queue_bytes: int | None = None,
         namespace: str = namespaces.DEFAULT_NAMESPACE,
     ) -> None:
         _check_rank(device_id, local_rank_size)
@@ -158,10 +157,7 @@ class Store:
         for name in (*named, self.namespace):
             self._register_quota(name)
         # One settings model with or without a buffer (the buffer tier's config is one).
-        settings = config.load_settings
-        if write_queue_bytes is not None:
-            settings = settings.model_copy(update={"write_queue_bytes": write_queue_bytes})
-        self.settings = settings
+        self.settings = settings = config.load_settings
         self._start = 1 if self._buffer is not None else 0
         # Tiers with an admit: condition (ucm.admission): written at admission, not by dumps
         # nor flushes. The stack's validation guarantees a buffer above them.
