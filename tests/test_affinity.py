@@ -222,7 +222,14 @@ def test_ucms_threads_carry_their_names_to_the_os(tmp_path: os.PathLike[str]) ->
                 time.sleep(0.05)
             new = {names[tid] for tid in started.started if tid in names}
             # The native queue's threads (named at spawn) and the store's Python threads.
-            for name in ("ucm-load-lane", "ucm-dump-lane", "ucm-copy", "ucm-loader-0", "ucm-dump"):
+            for name in (
+                "ucm-load-lane",
+                "ucm-prefetch",
+                "ucm-dump-lane",
+                "ucm-copy",
+                "ucm-loader-0",
+                "ucm-dump",
+            ):
                 assert name in new, f"{name} not among the new threads' OS names {sorted(new)}"
             # Python's threads, cut to the kernel's 15 bytes ("ucm-write-through").
             assert "ucm-write-throu" in new, sorted(new)

@@ -208,13 +208,14 @@ class LoadSettings(BaseModel):
     load_queue_depth: int = Field(
         default=64,
         ge=1,
-        le=_abi.QUEUE_TASKS_MAX // 2,
-        description="Load tasks queued for the dispatcher before load() blocks.",
+        le=_abi.QUEUE_LANE_DEPTH_MAX,
+        description="Load tasks queued for the dispatcher before load() blocks; prefetches "
+        "have a queue of their own of the same depth.",
     )
     dump_queue_depth: int = Field(
         default=64,
         ge=1,
-        le=_abi.QUEUE_TASKS_MAX // 2,
+        le=_abi.QUEUE_LANE_DEPTH_MAX,
         description="Dump tasks queued for the dump dispatcher before dump() blocks.",
     )
     queue_timeout_s: PositiveFloat = Field(

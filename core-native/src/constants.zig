@@ -32,8 +32,10 @@ comptime {
 
 // ---- The native load queue (queue.zig) ----
 
-/// Task records per queue (load and dump lanes together): the most tasks in flight at once.
-pub const queue_tasks_max: u32 = 1024;
+/// Tasks one lane (load, prefetch or dump) queues for its dispatcher at most (its depth).
+pub const queue_lane_depth_max: u32 = 512;
+/// Task records per queue (the three lanes together): the most tasks in flight at once.
+pub const queue_tasks_max: u32 = 3 * queue_lane_depth_max;
 /// Keys one task may hold (a task is walked in steps; this only bounds counters).
 pub const queue_task_keys_max: u32 = 1 << 24;
 /// Keys one step claims with one batched Get (the per-lane scratch is sized by step_keys).
@@ -68,7 +70,8 @@ pub const queue_wait_rounds_max: u32 = 8;
 pub const queue_dump_rounds_max: u32 = 3;
 
 comptime {
-    std.debug.assert(queue_tasks_max >= 2);
+    std.debug.assert(queue_lane_depth_max >= 1);
+    std.debug.assert(queue_tasks_max >= 3 * queue_lane_depth_max); // every lane at its depth
     std.debug.assert(queue_step_keys_max <= queue_task_keys_max);
     std.debug.assert(queue_ring_items >= 2 * queue_step_keys_max);
     std.debug.assert(queue_copy_batch_items > 0);

@@ -3,13 +3,17 @@
 //! engine) is never needed again until it asks whether the task is done.
 //!
 //! Threads (all pthreads, all signals blocked):
-//! - a **load dispatcher** takes load and prefetch tasks in order, walks each one in
-//!   RearrangeIndex order (own stride first, then rotation; Scenario A) in steps of at most
-//!   `step_keys` keys, one batched Get per step. Hits go to the copy threads at once; owned keys
-//!   go to the caller's *loaders* (Python threads that read the tiers below) through the work
-//!   ring; waiters sleep on the slot's futex, then go to the copy threads. A step ends when what
-//!   it owns has been filled (or `wait_timeout_ns` passed), so a rank never claims more than it
-//!   is loading. In the idle window after a task, it prewarms (block, index + 1) (Scenario E).
+//! - a **load dispatcher** takes load tasks in order, walks each one in RearrangeIndex order
+//!   (own stride first, then rotation; Scenario A) in steps of at most `step_keys` keys, one
+//!   batched Get per step. Hits go to the copy threads at once; owned keys go to the caller's
+//!   *loaders* (Python threads that read the tiers below) through the work ring; waiters sleep
+//!   on the slot's futex, then go to the copy threads. A step ends when what it owns has been
+//!   filled (or `wait_timeout_ns` passed), so a rank never claims more than it is loading. In
+//!   the idle window after a task, it prewarms (block, index + 1) (Scenario E).
+//! - a **prefetch dispatcher** walks prefetch tasks the same way, in a lane of their own: a
+//!   prefetch's step waits for its fills from the tiers below, and a load queued behind a
+//!   prefetch stalled on a slow tier would wait with it, even a load of blocks the buffer holds
+//!   (a memcpy). Engines prefetch what they will wait on only later, or up to a deadline.
 //! - a **dump dispatcher** does the buffer part of dump tasks: claim, copy in, commit Ready.
 //! - `copy_threads` **copy threads** move bytes between slots and caller memory with the C
 //!   library's memcpy, then release the slots and finish the entries.
@@ -378,7 +382,8 @@ const Lane = struct {
     entries: []u32 = &.{},
     /// Dump lane: keys already Ready, replaced after the step (remove, then claim again).
     again: []u32 = &.{},
-    /// Load lane: the current step (high 32 bits) and its owned keys not filled yet (low 32).
+    /// Load and prefetch lanes: the current step (high 32 bits) and its owned keys not filled
+    /// yet (low 32). A fill reports to its task's lane (`lane_of`).
     step_word: Atomic(u64) = Atomic(u64).init(0),
     /// Futex word bumped when the current step's last owned key is filled.
     step_wake: Atomic(u32) = Atomic(u32).init(0),
@@ -486,7 +491,7 @@ pub const Queue = struct {
     stopping: bool = false,
     /// `stopping` for threads outside the mutex.
     stop_flag: Atomic(bool) = Atomic(bool).init(false),
-    lanes: [2]Lane = .{ .{}, .{} },
+    lanes: [3]Lane = .{ .{}, .{}, .{} },
 
     work: Ring(WorkItem),
     copies: Ring(CopyItem),
@@ -497,6 +502,15 @@ pub const Queue = struct {
 
     const load_lane = 0;
     const dump_lane = 1;
+    const prefetch_lane = 2;
+
+    fn lane_of(kind: TaskKind) u32 {
+        return switch (kind) {
+            .load => load_lane,
+            .prefetch => prefetch_lane,
+            .dump => dump_lane,
+        };
+    }
 
     pub fn validate_settings(settings: Settings, buffer: ?Buffer) bool {
         if (settings.shard_size_bytes == 0) return false;
@@ -510,7 +524,8 @@ pub const Queue = struct {
         if (settings.copy_threads == 0 or settings.copy_threads > constants.queue_copy_threads_max) return false;
         if (settings.fill_parts == 0 or settings.fill_parts > constants.queue_fill_parts_max) return false;
         if (settings.load_queue_depth == 0 or settings.dump_queue_depth == 0) return false;
-        if (settings.load_queue_depth + settings.dump_queue_depth > constants.queue_tasks_max) return false;
+        if (settings.load_queue_depth > constants.queue_lane_depth_max) return false;
+        if (settings.dump_queue_depth > constants.queue_lane_depth_max) return false;
         if (settings.flags & ~(settings_flag_prealloc | settings_flag_rearrange) != 0) return false;
         return true;
     }
@@ -572,6 +587,7 @@ pub const Queue = struct {
         }
         queue.free_head = 0;
         queue.lanes[load_lane].depth = settings.load_queue_depth;
+        queue.lanes[prefetch_lane].depth = settings.load_queue_depth;
         queue.lanes[dump_lane].depth = settings.dump_queue_depth;
         errdefer queue.free_scratch();
         for (&queue.lanes) |*lane| {
@@ -591,6 +607,9 @@ pub const Queue = struct {
         queue.lanes[dump_lane].thread = std.Thread.spawn(.{}, dispatch_loop, .{ queue, @as(u32, dump_lane) }) catch
             return error.SystemResources;
         queue.lanes[dump_lane].thread.?.setName("ucm-dump-lane") catch {};
+        queue.lanes[prefetch_lane].thread = std.Thread.spawn(.{}, dispatch_loop, .{ queue, @as(u32, prefetch_lane) }) catch
+            return error.SystemResources;
+        queue.lanes[prefetch_lane].thread.?.setName("ucm-prefetch") catch {};
         var index: u32 = 0;
         while (index < settings.copy_threads) : (index += 1) {
             queue.copy_threads[index] = std.Thread.spawn(.{}, copy_loop, .{queue}) catch
@@ -719,8 +738,7 @@ pub const Queue = struct {
     /// task record is in use. Returns the token (generation << 32 | record index).
     pub fn submit(queue: *Queue, submission: Submission, timeout_ns: u64) error{ Full, Closed }!u64 {
         assert(queue.validate(submission));
-        const lane_index: u32 = if (submission.kind == .dump) dump_lane else load_lane;
-        const lane = &queue.lanes[lane_index];
+        const lane = &queue.lanes[lane_of(submission.kind)];
         @memset(submission.results, @intFromEnum(EntryResult.pending));
         queue.mutex.lock();
         defer queue.mutex.unlock();
@@ -852,7 +870,7 @@ pub const Queue = struct {
         // acquires the generation. The caller's arrays are not touched after this store.
         task.completed.store(generation, .release);
         _ = futex.wake_all(&task.completed);
-        queue.space.signal();
+        queue.space.broadcast(); // submitters of every lane wait on this one condition
         if (queue.tasks_live == 0) queue.drained.broadcast();
     }
 
@@ -930,7 +948,7 @@ pub const Queue = struct {
 
     /// Most slots the queue holds at once: half the regular pool, so that the copies of one
     /// step can still run while the next claims, and a task larger than the buffer (or the
-    /// two lanes together) never claims every slot and starves itself into NO_SLOT.
+    /// lanes together) never claims every slot and starves itself into NO_SLOT.
     fn claim_budget(queue: *const Queue) u32 {
         return @max(1, queue.buffer.?.geometry.slot_count_regular / 2);
     }
@@ -1190,7 +1208,7 @@ pub const Queue = struct {
         const index = lane.pending[lane.head];
         lane.head = (lane.head + 1) % @as(u32, lane.pending.len);
         lane.count -= 1;
-        queue.space.signal();
+        queue.space.broadcast(); // submitters of every lane wait on this one condition
         return index;
     }
 
@@ -1896,7 +1914,7 @@ pub const Queue = struct {
                 };
                 const committed = queue.commit(report.slot, state, false);
                 // The step may end now: the owned key is published (or given up).
-                fill_returned(&queue.lanes[load_lane], report.step);
+                fill_returned(&queue.lanes[lane_of(task.kind)], report.step);
                 if (committed and state == .ready) {
                     if (task.kind == .prefetch) queue.count(.prefetched_shards, 1);
                     // The report is applied; the entry goes on (a copy, or a caller copy
@@ -1912,7 +1930,7 @@ pub const Queue = struct {
                 const loaded = report.state == .ready or report.state == .hit;
                 if (queue.buffer == null) {
                     // Every key of a null buffer's step is outstanding until its report.
-                    fill_returned(&queue.lanes[load_lane], report.step);
+                    fill_returned(&queue.lanes[lane_of(task.kind)], report.step);
                     // The step counted nothing: the loader's report says which tier served it.
                     if (task.kind == .load) {
                         queue.count(if (report.state == .hit) .hits else .misses, 1);

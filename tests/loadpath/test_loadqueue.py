@@ -327,6 +327,47 @@ def test_dumps_do_not_starve_loads(test_tiers: None, unique_id: str) -> None:
         assert store.stats()["write_queue_bytes"] == 0
 
 
+def test_a_load_of_buffer_hits_never_waits_behind_prefetches_stalled_below(
+    test_tiers: None, unique_id: str
+) -> None:
+    """A prefetch's step waits for its fills from the tiers below, up to ``wait_timeout_s``.
+    Prefetches have a lane of their own, so an engine's load of blocks the buffer holds (a
+    memcpy; vLLM's synchronous loads, the bounded gets' pinned copies) is not queued behind
+    prefetches held by a stalled tier (a black-holed S3 under vLLM's asynchronous loads)."""
+    hot = [block(i) for i in range(4)]
+    cold = [block(10 + i) for i in range(4)]
+    fill_space("low", hot + cold, range(4))
+    lower = {"type": "recording", "space": "low", "gated": True}
+    gate = GATES.setdefault("low", threading.Event())
+    entered = ENTERED.setdefault("low", threading.Event())
+    # wait_timeout_s far past BOUND_S: a load queued behind the prefetches would wait it out.
+    with ucm.open(stack(unique_id, lower, slots=128, wait_timeout_s=600.0)) as store:
+        gate.set()
+        warm = store.prefetch(hot)
+        assert warm is not None
+        store.wait(warm)
+        gate.clear()
+        entered.clear()
+        held = [store.prefetch([b], background=True) for b in cold]
+        assert entered.wait(BOUND_S)  # the first prefetch's fill is held at the gate
+        dst = dst_for(4)
+
+        def load_hot() -> None:
+            store.wait(store.load(hot, 0, dst))
+
+        bounded(load_hot, "a load of buffer hits behind prefetches held below")
+        assert exact(hot, 0, dst)
+        assert not any(task is not None and store.check(task) for task in held)
+        gate.set()
+        for task in held:
+            assert task is not None
+            store.wait(task)
+        dst = dst_for(4)
+        store.wait(store.load(cold, 1, dst))  # the prefetches brought them up
+        assert exact(cold, 1, dst)
+        assert len(RECORDED["low"]) == 4 * 8  # every shard read from below once
+
+
 def test_a_full_load_queue_times_out_naming_the_knob(test_tiers: None, unique_id: str) -> None:
     blocks = [block(i) for i in range(4)]
     fill_space("low", blocks, range(4))

@@ -36,7 +36,7 @@ COUNTER_NAMES = _abi.QUEUE_COUNTER_NAMES
 COPY_THREADS_MAX = _abi.QUEUE_COPY_THREADS_MAX
 STEP_KEYS_MAX = _abi.QUEUE_STEP_KEYS_MAX
 FILL_PARTS_MAX = _abi.QUEUE_FILL_PARTS_MAX
-TASKS_MAX = _abi.QUEUE_TASKS_MAX
+LANE_DEPTH_MAX = _abi.QUEUE_LANE_DEPTH_MAX
 TASK_KEYS_MAX = _abi.QUEUE_TASK_KEYS_MAX
 TENSORS_MAX = _abi.QUEUE_TENSORS_MAX
 LOCAL_RANK_SIZE_MAX = _abi.QUEUE_LOCAL_RANK_SIZE_MAX
@@ -230,7 +230,7 @@ class NativeQueue:
             return token.value
         if status == _FULL:
             raise TimeoutError(
-                f"the {'dump' if kind is TaskKind.DUMP else 'load'} queue stayed full for "
+                f"the {kind.name.lower()} queue stayed full for "
                 f"{timeout_s} s: the rank submits faster than the cache drains; wait for earlier "
                 f"tasks or raise {depth_knob} / queue_timeout_s"
             )
@@ -555,11 +555,14 @@ def _check_rank(
             raise InvalidArgumentError(
                 f"{name}={value!r} is not valid: expected an integer in [{low}, {high}]"
             )
-    if settings.load_queue_depth + settings.dump_queue_depth > TASKS_MAX:
-        raise InvalidArgumentError(
-            f"load_queue_depth + dump_queue_depth={settings.load_queue_depth} + "
-            f"{settings.dump_queue_depth} is not valid: at most {TASKS_MAX} tasks in flight"
-        )
+    for name, depth in (
+        ("load_queue_depth", settings.load_queue_depth),
+        ("dump_queue_depth", settings.dump_queue_depth),
+    ):
+        if not 1 <= depth <= LANE_DEPTH_MAX:
+            raise InvalidArgumentError(
+                f"{name}={depth!r} is not valid: expected an integer in [1, {LANE_DEPTH_MAX}]"
+            )
     if not 1 <= len(tensor_sizes) <= TENSORS_MAX or not all(size > 0 for size in tensor_sizes):
         raise InvalidArgumentError(
             f"tensor_sizes has {len(tensor_sizes)} entries: expected 1 to {TENSORS_MAX} sizes > 0"
