@@ -238,11 +238,13 @@ class LoadPath:
         memory: arguments.ShardMemory | None,
         *,
         background: bool = False,
+        timeout_s: float | None = None,
     ) -> NativeJob:
         """Hands a task to the native queue; the job is the Task's completion. ``background``
         (loads and prefetches): nobody waits on it, so the loaders do its fill's tier I/O on
         their own threads rather than on the tiers' pools, and a load's copies yield the CPU
-        between batches."""
+        between batches. ``timeout_s``: longest to block on a full queue (loads and
+        prefetches; default ``queue_timeout_s``; a dump's is ``dump_submit_timeout_s``)."""
         if self._closed:
             raise StoreClosedError("the store is closed; open a new one with ucm.open()")
         job = NativeJob(self, kind, task_keys, memory, next(self._tags))
@@ -273,7 +275,9 @@ class LoadPath:
                 # A dump's caller is an engine's save call: bounded by its own, short timeout.
                 timeout_s=self._settings.dump_submit_timeout_s
                 if kind is TaskKind.DUMP
-                else self._settings.queue_timeout_s,
+                else self._settings.queue_timeout_s
+                if timeout_s is None
+                else timeout_s,
                 depth_knob="dump_queue_depth" if kind is TaskKind.DUMP else "load_queue_depth",
             )
         except BaseException:

@@ -294,15 +294,20 @@ class Store:
         *,
         namespace: str | None = None,
         background: bool = False,
+        submit_timeout_s: float | None = None,
     ) -> Task | None:
         """Starts moving the blocks' shards up into the top tier (asynchronously). Returns the
         prefetch's task (``check``/``wait`` it; a shard no tier has fails it), or None when
         there was nothing to move (every shard already in the top tier, or one tier only).
         ``background``: an engine does not wait on it (its asynchronous load), so the tiers
         below read its shards on the loader threads themselves rather than on their pools:
-        fewer threads taking the engine's GIL in turn while it computes."""
+        fewer threads taking the engine's GIL in turn while it computes.
+        ``submit_timeout_s``: longest the call blocks while the rank's prefetch queue is full
+        (default: the stack's ``queue_timeout_s``); past it, ``TimeoutError``."""
         self._check_open()
-        blocks = self._scoped(block_ids, namespace)
+        timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
+        originals = arguments.check_block_ids(block_ids)
+        blocks = self._scoped(originals, namespace)
         if not self._worker:
             raise RoleError(
                 f"prefetch is not allowed on a scheduler (device_id={self.device_id}): the "
@@ -317,13 +322,19 @@ class Store:
             return None
         assert self._native is not None
         job = self._native.submit(
-            TaskKind.PREFETCH, arguments.TaskKeys.of(missing), None, background=background
+            TaskKind.PREFETCH,
+            arguments.TaskKeys.of(missing),
+            None,
+            background=background,
+            timeout_s=timeout_s,
         )
         task = self._native.task("prefetch", job)
         with self._prefetch_lock:
             self._prefetches = [t for t in self._prefetches if not t.done()]
             self._prefetches.append(task)
-        return task
+        # Failures by the caller's ids, as a load's (a namespace's tiers store scoped ids).
+        scoped = blocks != originals
+        return _unscoped(task, dict(zip(blocks, originals, strict=True)) if scoped else None)
 
     def load(
         self,
@@ -333,13 +344,17 @@ class Store:
         *,
         namespace: str | None = None,
         background: bool = False,
+        submit_timeout_s: float | None = None,
     ) -> Task:
         """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``.
         ``background``: the caller does not wait on it (an engine's asynchronous load), so its
         copies give the CPU back between batches to the engine's spinning threads; a load an
-        engine waits on copies at full speed."""
+        engine waits on copies at full speed. ``submit_timeout_s``: longest the call blocks
+        while the rank's load queue is full (default: the stack's ``queue_timeout_s``); past
+        it, ``TimeoutError``."""
+        timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
         task_keys, memory, ids = self._prepare(block_ids, shard_index, "dst", dst, True, namespace)
-        return _unscoped(self._submit_load(task_keys, memory, background), ids)
+        return _unscoped(self._submit_load(task_keys, memory, background, timeout_s), ids)
 
     def dump(
         self,
@@ -361,12 +376,14 @@ class Store:
         *,
         namespace: str | None = None,
         background: bool = False,
+        submit_timeout_s: float | None = None,
     ) -> Task:
         """Like load, with raw addresses: ``dst_ptrs[i][j]`` receives tensor j of block i."""
+        timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
         task_keys, memory, ids = self._prepare(
             block_ids, shard_index, "dst_ptrs", dst_ptrs, True, namespace
         )
-        return _unscoped(self._submit_load(task_keys, memory, background), ids)
+        return _unscoped(self._submit_load(task_keys, memory, background, timeout_s), ids)
 
     def dump_data(
         self,
@@ -746,11 +763,14 @@ class Store:
         task_keys: arguments.TaskKeys,
         memory: arguments.ShardMemory,
         background: bool = False,
+        timeout_s: float | None = None,
     ) -> Task:
         if not len(task_keys):  # nothing to load: done at once, and not a task of the queue
             return Task("load", [], Progress([]))
         assert self._native is not None  # the queue counts its load tasks
-        job = self._native.submit(TaskKind.LOAD, task_keys, memory, background=background)
+        job = self._native.submit(
+            TaskKind.LOAD, task_keys, memory, background=background, timeout_s=timeout_s
+        )
         task = self._native.task("load", job)
         if self._admission is not None:
             self._admission.on_load(task.done, task_keys.keys)

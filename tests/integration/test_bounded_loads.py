@@ -18,6 +18,7 @@ from loadpath import _tiers
 from loadpath._tiers import CONTENTS, CORRUPT, ENTERED, GATES, RECORDED, block, payload
 
 import ucm
+from ucm import namespaces
 from ucm.errors import ConfigError, InvalidArgumentError, KeyMissingError, TierError
 from ucm.integration.bounded import BoundedLoads, LateLoadError, check_load_deadline_s
 
@@ -44,10 +45,21 @@ def space() -> Iterator[str]:
         _tiers.unregister()
 
 
-def stack(space: str, with_buffer: bool, gated: bool = False, slots: int = 64) -> dict[str, Any]:
+def stack(
+    space: str, with_buffer: bool, gated: bool = False, slots: int = 64, **buffer: Any
+) -> dict[str, Any]:
+    """``buffer``: more keys of the buffer (or, without one, of the ``load:`` section)."""
     tiers: list[dict[str, Any]] = [{"type": "recording", "space": space, "gated": gated}]
     if with_buffer:
-        tiers.insert(0, {"type": "buffer", "capacity": slots * SHARD})
+        tiers.insert(0, {"type": "buffer", "capacity": slots * SHARD, **buffer})
+    elif buffer:
+        return {
+            "unique_id": f"bl-{uuid.uuid4().hex[:12]}",
+            "tensor_size_list": list(TENSORS),
+            "shards_per_block": 1,
+            "tiers": tiers,
+            "load": buffer,
+        }
     return {
         "unique_id": f"bl-{uuid.uuid4().hex[:12]}",
         "tensor_size_list": list(TENSORS),
@@ -110,6 +122,91 @@ def test_a_load_held_below_returns_by_its_deadline_and_late_bytes_never_reach_th
         assert len(RECORDED[space]) == (4 if with_buffer else 8)
         assert loads.staged_blocks == (0 if with_buffer else 8)
         assert dst.untouched()
+
+
+def test_a_get_of_blocks_the_buffer_holds_returns_at_once_behind_a_late_get(space: str) -> None:
+    """A late get leaves its prefetch running, its step waiting on the stalled tier for up to
+    ``wait_timeout_s``; the next get, of blocks the buffer holds, copies them at once: loads
+    are not queued behind prefetches."""
+    held, stalled = block(1), block(2)
+    stored(space, [held, stalled])
+    config = stack(space, with_buffer=True, gated=True, wait_timeout_s=600.0)
+    with ucm.open(config) as store:
+        loads = BoundedLoads(store, deadline_s=0.3)
+        GATES[space].set()
+        assert loads.load([held], [0], Destinations(1).pointers) == {}  # now in the buffer
+        GATES[space].clear()
+        late = loads.load([stalled], [0], Destinations(1).pointers)
+        assert isinstance(late[stalled], LateLoadError)
+        assert ENTERED[space].is_set()  # its prefetch is held at the gate
+
+        dst = Destinations(1)
+        done: list[dict[bytes, Any]] = []
+        getter = threading.Thread(target=lambda: done.append(loads.load([held], [0], dst.pointers)))
+        getter.start()
+        getter.join(BOUND_S)
+        released = not getter.is_alive()
+        GATES[space].set()  # on the code before: the get waited for the prefetch's step
+        getter.join(BOUND_S)
+        assert released, f"a get of a block the buffer holds waited {BOUND_S} s behind a late get"
+        assert done == [{}]
+        assert dst.shard(0) == payload(held, 0, SHARD)
+        store.wait_prefetches()
+        assert loads.late_blocks == 1
+
+
+@pytest.mark.parametrize("with_buffer", [True, False], ids=["buffer", "no-buffer"])
+def test_gets_behind_a_full_queue_return_by_their_deadline(space: str, with_buffer: bool) -> None:
+    """With the tier stalled, late tasks fill the rank's queue (a depth of 1 here): a get whose
+    prefetch (with a buffer) or load (without one) finds it full fails its blocks as late by its
+    deadline, rather than wait ``queue_timeout_s`` and raise ``TimeoutError`` into the engine."""
+    blocks = [block(i) for i in range(1, 5)]
+    stored(space, blocks)
+    queue = {"load_queue_depth": 1, "queue_timeout_s": 600.0, "wait_timeout_s": 600.0}
+    with ucm.open(stack(space, with_buffer, gated=True, **queue)) as store:
+        loads = BoundedLoads(store, deadline_s=0.3)
+        outcomes: list[Any] = []
+
+        def gets() -> None:
+            for b in blocks:
+                try:
+                    outcomes.append(loads.load([b], [0], Destinations(1).pointers))
+                except BaseException as exc:  # the outcome under test
+                    outcomes.append(exc)
+
+        getter = threading.Thread(target=gets)
+        getter.start()
+        getter.join(BOUND_S)
+        released = not getter.is_alive()
+        GATES[space].set()
+        getter.join(BOUND_S)
+        assert released, f"4 gets of 0.3 s each took more than {BOUND_S} s"
+        assert len(outcomes) == 4
+        for b, outcome in zip(blocks, outcomes, strict=True):
+            assert isinstance(outcome, dict), outcome
+            assert list(outcome) == [b] and isinstance(outcome[b], LateLoadError)
+        assert loads.late_blocks == 4
+        if with_buffer:
+            store.wait_prefetches()
+        assert loads.wait_late(BOUND_S)
+
+
+@pytest.mark.parametrize("namespace", [None, "tenant-a"], ids=["default", "tenant"])
+def test_a_block_absent_from_every_tier_is_read_once(space: str, namespace: str | None) -> None:
+    """The prefetch's miss fails it at once, in any namespace (its failures name the caller's
+    ids, not the ids the tiers store): it is not read again through staging memory."""
+    present, absent = block(1), block(2)
+    # What the tier holds: the block under the id it stores in that namespace.
+    (stored_id,) = namespaces.scope(namespace or namespaces.DEFAULT_NAMESPACE, [present])
+    CONTENTS.setdefault(space, {})[(stored_id, 0)] = payload(present, 0, SHARD)
+    with ucm.open(stack(space, with_buffer=True)) as store:
+        loads = BoundedLoads(store, deadline_s=BOUND_S)
+        dst = Destinations(2)
+        failed = loads.load([present, absent], [0, 0], dst.pointers, namespace=namespace)
+        assert list(failed) == [absent] and isinstance(failed[absent], KeyMissingError)
+        assert dst.shard(0) == payload(present, 0, SHARD)
+        assert loads.staged_blocks == 0
+        assert len(RECORDED[space]) == 2  # each block asked of the tier once
 
 
 def test_blocks_a_full_buffer_cannot_hold_are_loaded_through_staging(space: str) -> None:

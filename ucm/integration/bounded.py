@@ -63,6 +63,11 @@ def _by_block(error: TaskError, causes: dict[bytes, BaseException | str]) -> Non
         causes.setdefault(block, cause)
 
 
+def _left(deadline: float) -> float:
+    """Seconds left until ``deadline`` (a ``time.monotonic()`` instant), at least 0."""
+    return max(0.0, deadline - time.monotonic())
+
+
 class LateLoadError(UcmError):
     """A block that did not reach the engine's memory within the load deadline."""
 
@@ -170,17 +175,24 @@ class BoundedLoads:
                 held.update(pin.block_id for pin in more if pin.held == every)
             chosen = [i for i, block in enumerate(block_ids) if block in held]
             if chosen:
-                # Every shard is pinned in the buffer: a memcpy, which no tier can hold up.
-                task = store.load_data(
-                    [block_ids[i] for i in chosen],
-                    [shard_index[i] for i in chosen],
-                    [pointers[i] for i in chosen],
-                    namespace=namespace,
-                )
+                # Every shard is pinned in the buffer: a memcpy, which no tier can hold up
+                # (prefetches, which wait on the tiers, have a queue of their own).
                 try:
-                    store.wait(task)
-                except TaskError as exc:
-                    _by_block(exc, failed)
+                    task = store.load_data(
+                        [block_ids[i] for i in chosen],
+                        [shard_index[i] for i in chosen],
+                        [pointers[i] for i in chosen],
+                        namespace=namespace,
+                        submit_timeout_s=_left(deadline),
+                    )
+                except TimeoutError:  # the load queue stayed full: nothing was submitted
+                    for i in chosen:
+                        failed.setdefault(block_ids[i], self._late("copied"))
+                else:
+                    try:
+                        store.wait(task)
+                    except TaskError as exc:
+                        _by_block(exc, failed)
         finally:
             store.unpin(pins)
         rest = []
@@ -192,9 +204,7 @@ class BoundedLoads:
             if isinstance(why, KeyMissingError):
                 failed[block] = why
             elif late or not time_left:
-                failed[block] = LateLoadError(
-                    f"not in the CacheBuffer within the load deadline ({self.deadline_s:g} s)"
-                )
+                failed[block] = self._late("in the CacheBuffer")
             else:
                 rest.append(i)
         return rest
@@ -211,14 +221,17 @@ class BoundedLoads:
         into the buffer only)."""
         store = self._store
         try:
-            prefetch = store.prefetch(blocks, namespace=namespace)
-        except UcmError as exc:  # e.g. a full load queue: the staging path may still load them
+            prefetch = store.prefetch(blocks, namespace=namespace, submit_timeout_s=_left(deadline))
+        except TimeoutError as exc:  # the prefetch queue stayed full until the deadline
+            logger.warning("UCM prefetch of %d block(s) not started: %s", len(blocks), exc)
+            return True
+        except UcmError as exc:  # the staging path may still load them
             logger.warning("UCM prefetch of %d block(s) not started: %s", len(blocks), exc)
             return False
         if prefetch is None:
             return False
         try:
-            store.wait(prefetch, timeout_s=max(0.0, deadline - time.monotonic()))
+            store.wait(prefetch, timeout_s=_left(deadline))
         except TimeoutError:
             return True
         except TaskError as exc:
@@ -254,22 +267,25 @@ class BoundedLoads:
         staged = [
             [base + n * shard_size + offset for offset in offsets] for n in range(len(chosen))
         ]
-        task = store.load_data(
-            [block_ids[i] for i in chosen],
-            [shard_index[i] for i in chosen],
-            staged,
-            namespace=namespace,
-        )
+        try:
+            task = store.load_data(
+                [block_ids[i] for i in chosen],
+                [shard_index[i] for i in chosen],
+                staged,
+                namespace=namespace,
+                submit_timeout_s=_left(deadline),
+            )
+        except TimeoutError:  # the load queue stayed full until the deadline
+            for i in chosen:
+                failed.setdefault(block_ids[i], self._late("loaded"))
+            return
         causes: dict[bytes, BaseException | str] = {}
         try:
-            store.wait(task, timeout_s=max(0.0, deadline - time.monotonic()))
+            store.wait(task, timeout_s=_left(deadline))
         except TimeoutError:
             self._keep(task, staging)
             for i in chosen:
-                failed.setdefault(
-                    block_ids[i],
-                    LateLoadError(f"not loaded within the load deadline ({self.deadline_s:g} s)"),
-                )
+                failed.setdefault(block_ids[i], self._late("loaded"))
             return
         except TaskError as exc:
             _by_block(exc, causes)
@@ -285,6 +301,9 @@ class BoundedLoads:
             tensors = addresses.flat[i * len(sizes) : (i + 1) * len(sizes)]
             for source, destination, size in zip(staged[n], tensors, sizes, strict=True):
                 ctypes.memmove(destination, source, size)
+
+    def _late(self, what: str) -> LateLoadError:
+        return LateLoadError(f"not {what} within the load deadline ({self.deadline_s:g} s)")
 
     def _keep(self, task: Task, staging: mmap.mmap) -> None:
         with _LATE_LOCK:

@@ -219,7 +219,10 @@ class WorkerSide:
             group = list(zip(transfer.ucm_ids, transfer.vllm_blocks, strict=True))
             prefetch: Task | None = None
             try:
-                prefetch = self._store.prefetch(list(transfer.ucm_ids), background=True)
+                # Never blocks the step: with the prefetch queue full, it is not started.
+                prefetch = self._store.prefetch(
+                    list(transfer.ucm_ids), background=True, submit_timeout_s=0.0
+                )
             except Exception as exc:  # copied from what is in the CacheBuffer; the rest fails
                 logger.warning("UCM prefetch of %d blocks not started: %s", len(group), exc)
             self._async.append(
