@@ -6,10 +6,12 @@ exactly: a plugin that writes asynchronously must hold its own reference until w
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 import os
 import re
+import socket
 import threading
 import time
 import uuid
@@ -846,6 +848,132 @@ def test_a_worker_serves_ucm_prometheus_metrics_with_the_plugins_counters(
         sm.close()
     with pytest.raises(OSError):
         urllib.request.urlopen(url, timeout=5)
+
+
+def _ucm_threads() -> set[tuple[str, int]]:
+    """UCM's threads alive in this process, by name and OS thread id: Python's threads named
+    ``ucm*`` and every task whose OS name (``/proc/self/task/*/comm``) starts with ``ucm``."""
+    found = {(t.name, t.native_id or 0) for t in threading.enumerate() if t.name.startswith("ucm")}
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        try:
+            name = comm.read_text().strip()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        if name.startswith("ucm"):
+            found.add((name, int(comm.parent.name)))
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_plugin_refused_by_a_late_check_leaves_no_thread_or_port(
+    unique_id: str, tmp_path: Path
+) -> None:
+    """An fp8 KV cache (LMCache says uint8) without ``kv_dtype``, with ``metrics_port`` set:
+    LMCache's launcher logs the constructor's error and runs on without the plugin, and
+    nothing of the plugin is left behind: no UCM thread, the metrics port free. (Before, the
+    store and the endpoint were opened before this check and never closed: ucm-loader-*,
+    ucm-dump and ucm-write-through ran on, and the port answered HTTP 500.)"""
+    port = _free_port()
+    before = _ucm_threads()
+    cfg = lm.config(
+        buffer_over_posix(unique_id, tmp_path),
+        extra_config={"storage_plugin.ucm.metrics_port": port},
+    )
+    meta = lm.metadata()
+    meta.kv_dtype = torch.uint8  # an fp8 KV cache, as LMCache's vLLM adapter reports it
+    with lm.lmcache_logs() as logs:
+        sm = lm.storage_manager(cfg, meta)
+    try:
+        assert "ucm" not in sm.storage_backends
+        assert [m for m in logs.messages() if "backend ucm" in m] == [
+            "Failed to create backend ucm: extra_config['storage_plugin.ucm.kv_dtype'] is "
+            "missing: LMCache hands UCM this KV cache as torch.uint8, the storage dtype of every "
+            "fp8 format, so chunks of fp8_e4m3 and fp8_e5m2 would share ids; state the format "
+            "('fp8_e4m3', 'fp8_e5m2', 'fp8_inc', 'fp8_ds_mla', 'int8'; vLLM's --kv-cache-dtype)"
+        ]
+        assert _ucm_threads() - before == set()
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))  # nothing listens there
+    finally:
+        sm.close()
+
+
+def test_a_metrics_port_in_use_closes_the_store_it_opened(unique_id: str, tmp_path: Path) -> None:
+    """The endpoint starts last, after the store opened: a port in use refuses the plugin by
+    its key, and the constructor closes the store and the put completer before it raises (no
+    UCM thread is left, and the stack's buffer opens again)."""
+    cfg_of = functools.partial(lm.config, buffer_over_posix(unique_id, tmp_path))
+    before = _ucm_threads()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ucm.ConfigError) as refused:
+            _construct(cfg_of(extra_config={"storage_plugin.ucm.metrics_port": port}))
+    assert str(refused.value).startswith(
+        f"extra_config['storage_plugin.ucm.metrics_port']: port={port} is not valid: cannot "
+        "listen on it ("
+    )
+    assert _ucm_threads() - before == set()
+    backend = _construct(cfg_of())
+    try:
+        assert backend.stats()["lmcache"] == {
+            "puts_in_flight": 0,
+            "pinned_keys": 0,
+            "lookups_pinned": 0,
+        }
+    finally:
+        backend.close()
+    assert _ucm_threads() - before == set()
+
+
+def test_the_endpoint_answers_a_scrape_from_the_moment_it_is_served(
+    unique_id: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scrape that comes as soon as the worker's endpoint listens (still inside the
+    constructor) answers 200 with the plugin's counters. Before, the endpoint was served before
+    the counters' and pins' locks existed, and such a scrape answered HTTP 500."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from ucm.integration import lmcache as plugin
+
+    scrapes: list[tuple[int, str]] = []
+    serve = plugin.serve_rank_metrics
+
+    def serve_and_scrape(*args: Any, **kwargs: Any) -> Any:
+        server = serve(*args, **kwargs)
+        try:
+            with urllib.request.urlopen(server.url, timeout=30) as response:
+                scrapes.append((response.status, response.read().decode()))
+        except urllib.error.HTTPError as exc:
+            scrapes.append((exc.code, ""))
+        return server
+
+    monkeypatch.setattr(plugin, "serve_rank_metrics", serve_and_scrape)
+    cfg = lm.config(
+        buffer_over_posix(unique_id, tmp_path),
+        extra_config={"storage_plugin.ucm.metrics_port": 0},
+    )
+    backend = _construct(cfg)
+    try:
+        assert [status for status, _ in scrapes] == [200]
+        value = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(scrapes[0][1])
+            for sample in family.samples
+        }
+        assert value["ucm_lmcache_puts_in_flight"] == 0
+        assert value["ucm_lmcache_pinned_keys"] == 0
+    finally:
+        backend.close()
 
 
 # ---- small leaks: lookup pins without a prefetch, a put batch that fails partway -------------

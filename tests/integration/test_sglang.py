@@ -9,6 +9,7 @@ dynamic path with a ``HiCacheStorageConfig`` of the controller's defaults, then
 from __future__ import annotations
 
 import json
+import logging
 import selectors
 import subprocess
 import sys
@@ -844,6 +845,125 @@ def test_closing_the_backend_finishes_write_through(
         assert after.batch_exists(keys) == 8
     finally:
         after.close()
+
+
+CLOSED = "the store is closed; open a new one with ucm.open()"
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "ucm.integration.sglang" and r.levelno >= logging.WARNING
+    ]
+
+
+def test_gets_and_sets_on_a_closed_store_fail_every_page_and_count_them(
+    sgl: SGLang, unique_id: Callable[[], str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A get whose load raises and a set whose dump raises (here: the store closed under
+    SGLang's prefetch and backup threads) do not raise into SGLang's thread, which would fail
+    the batch anyway: every page is False (a miss; not stored), counted in ``get_errors`` /
+    ``set_failed`` and SGLang's storage metrics, with one warning per call. Before, nothing was
+    counted, not even the call."""
+    pool = host_pool(sgl)
+    keys = keys_of(sgl, 3)
+    fill(pool, seed=31)
+    config = storage_config(
+        sgl, {"ucm_stack": buffer_stack(unique_id())}, enable_storage_metrics=True
+    )
+    backend = create_backend(sgl, config, pool)
+    assert backend.batch_set_v1(keys, pages_at(pool, [0, 1, 2])) == [True] * 3
+    backend.close()  # SGLang's detach, while its threads may still call
+    target = pages_at(pool, [4, 5, 6])
+    before = [page_bytes(pool, target, i) for i in range(3)]
+    with caplog.at_level(logging.WARNING, logger="ucm.integration.sglang"):
+        assert backend.batch_get_v1(keys, target) == [False] * 3
+        assert backend.get(keys[0]) is None  # the tensor interface: the same load
+        assert backend.batch_set_v1(keys[:2], pages_at(pool, [0, 1])) == [False] * 2
+    assert [page_bytes(pool, target, i) for i in range(3)] == before
+    assert _warnings(caplog) == [
+        f"UCM HiCache: a get of 3 page(s) failed, none loaded: {CLOSED}",
+        f"UCM HiCache: a get of 1 page(s) failed, none loaded: {CLOSED}",
+        f"UCM HiCache: a set of 2 page(s) failed, none stored: {CLOSED}",
+    ]
+    assert backend.stats()["sglang"] == {
+        "gets": 2,
+        "get_pages": 4,
+        "get_hits": 0,
+        "get_misses": 0,
+        "get_late": 0,
+        "get_errors": 4,
+        "sets": 2,
+        "set_pages": 5,
+        "set_stored": 3,
+        "set_failed": 2,
+    }
+    metrics = backend.get_stats()
+    assert (metrics.prefetch_pgs, metrics.backup_pgs) == ([3, 1], [3, 2])
+    assert metrics.prefetch_bandwidth == [0, 0] and metrics.backup_bandwidth[1] == 0
+
+
+def test_a_set_refused_by_a_full_dump_queue_fails_its_pages_and_counts_them(
+    sgl: SGLang, unique_id: Callable[[], str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A dump queue that stays full past ``dump_submit_timeout_s`` (the dump thread waits for
+    write-through room behind a stalled tier) refuses a set's dump with TimeoutError: the set
+    returns all False and counts its pages in ``set_failed``, and the same pages are stored
+    once the tier drains. Before, the TimeoutError reached SGLang's backup thread uncounted."""
+    import torch
+    from loadpath import _tiers
+    from loadpath._tiers import ENTERED, GATES
+
+    _tiers.register()
+    space = f"sgl-full-{uuid.uuid4().hex[:8]}"
+    GATES[space] = threading.Event()
+    ENTERED[space] = threading.Event()
+    pool = host_pool(sgl)
+    keys = keys_of(sgl, 3)
+    fill(pool, seed=41)
+    shard = len(page_bytes(pool, pages_at(pool, [0]), 0))  # one TP rank: a page is a shard
+    buffer = {
+        "type": "buffer",
+        "capacity": "4MiB",
+        "write_queue_bytes": shard,  # the write-through held at the gate fills it
+        "write_through_wait_s": 60.0,  # a dump waits that long for write-through room
+        "dump_queue_depth": 1,
+        "dump_submit_timeout_s": 2.0,
+    }
+    lower = {"type": "recording", "space": space, "write": "through", "gated": True}
+    stack = {"unique_id": unique_id(), "tiers": [buffer, lower]}
+    backend = create_backend(sgl, storage_config(sgl, {"ucm_stack": stack}), pool)
+    try:
+        assert backend.batch_set_v1(keys[:1], pages_at(pool, [0])) == [True]  # in the buffer
+        assert ENTERED[space].wait(60)  # its write-through waits at the gate
+        store = backend.store
+        zeros = [torch.zeros(size, dtype=torch.uint8) for size in store.config.tensor_size_list]
+        # The dump thread takes the first and waits for room; the second fills the queue.
+        held = [store.dump([bytes([n]) * 16], [0], [zeros]) for n in (1, 2)]
+        with caplog.at_level(logging.WARNING, logger="ucm.integration.sglang"):
+            assert backend.batch_set_v1(keys[1:], pages_at(pool, [1, 2])) == [False, False]
+        assert _warnings(caplog) == [
+            "UCM HiCache: a set of 2 page(s) failed, none stored: the dump queue stayed full "
+            "for 2.0 s: the rank submits faster than the cache drains; wait for earlier tasks "
+            "or raise dump_queue_depth / dump_submit_timeout_s"
+        ]
+        assert backend.batch_exists(keys) == 1
+        GATES[space].set()
+        for task in held:
+            store.wait(task, timeout_s=60)
+        assert backend.batch_set_v1(keys[1:], pages_at(pool, [1, 2])) == [True, True]
+        assert backend.batch_exists(keys) == 3
+        counted = backend.stats()["sglang"]
+        assert {name: counted[name] for name in ("sets", "set_pages")} == {
+            "sets": 3,
+            "set_pages": 5,
+        }
+        assert (counted["set_stored"], counted["set_failed"]) == (3, 2)
+    finally:
+        GATES[space].set()
+        backend.close()
+        _tiers.unregister()
 
 
 @pytest.mark.parametrize("with_buffer", [True, False], ids=["buffer", "no-buffer"])

@@ -372,35 +372,14 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 "worker has none: set max_local_cpu_size > 0 (local_cpu may stay false: LMCache "
                 "then uses it as the allocator only)"
             )
-        try:
-            self.store: Store = open_store(
-                stack,
-                device_id=device_id,
-                local_rank_size=int(metadata.local_world_size),
-                namespace=namespace,
-            )
-        except UcmError as exc:  # e.g. a buffer larger than /dev/shm: say which key to change
-            raise ConfigError(f"extra_config[{self.stack_key!r}]: {exc}") from exc
-        self._loads = BoundedLoads(self.store, load_deadline_s)
-        self._metrics_server: MetricsServer | None = None
-        if port is not None and not self.is_scheduler:
-            counters = CountersCollector(
-                "lmcache", stack.unique_id, self._plugin_counters, GAUGE_COUNTERS
-            )
-            try:
-                self._metrics_server = serve_rank_metrics(
-                    self.store, port, device_id, port_key, f"LMCache worker {device_id}", counters
-                )
-            except ConfigError:
-                self.store.close()
-                raise
+        # Every check that can refuse the config runs before anything is opened: LMCache's
+        # storage_plugin_launcher logs a constructor's error and runs on without the plugin,
+        # and nothing would close a store or an endpoint opened before the refusal.
         self._space = (
             f"{self.layout.describe()}; use_mla={metadata.use_mla}; "
             f"save_only_first_rank={save_only_first_rank(config, metadata)}"
         )
         self.kv_format = kv_format(config, self.layout, self.name)
-        nodes = max(1, int(metadata.world_size) // max(1, int(metadata.local_world_size)))
-        warn_node_local("LMCache", nodes, self.layout.geometry.shards_per_block, stack)
         self._salts = functools.lru_cache(maxsize=SALTS_KEPT)(self._compute_salt)
         self._tag_namespaces = functools.lru_cache(maxsize=SALTS_KEPT)(self._tag_namespace)
         self._counters: Counter[str] = Counter()
@@ -412,7 +391,6 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         self._completer = threading.Thread(
             target=self._complete_puts, name="ucm-lmcache-puts", daemon=True
         )
-        self._completer.start()
         # Pins: LMCache's lookup pins (and explicit pin()), counted per key.
         self._pin_lock = threading.Lock()
         # key -> one Store pin per pin of the key (the shards it holds in the CacheBuffer).
@@ -423,12 +401,39 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         self._lookup_pins: dict[str, tuple[float, list[CacheEngineKey]]] = {}
         self.lookup_pin_ttl_s = LOOKUP_PIN_TTL_S
         self.lookup_pins_max = LOOKUP_PINS_MAX
-        # Async lookups and prefetches run here, off LMCache's event loop.
+        self._closed = False
+        self._warned: set[str] = set()
+        self._metrics_server: MetricsServer | None = None
+        # Async lookups and prefetches run here, off LMCache's event loop (threads start with
+        # the first task).
         self._executor = ThreadPoolExecutor(
             max_workers=2, thread_name_prefix="ucm-lmcache", initializer=enter_thread
         )
-        self._closed = False
-        self._warned: set[str] = set()
+        try:
+            self.store: Store = open_store(
+                stack,
+                device_id=device_id,
+                local_rank_size=int(metadata.local_world_size),
+                namespace=namespace,
+            )
+        except UcmError as exc:  # e.g. a buffer larger than /dev/shm: say which key to change
+            raise ConfigError(f"extra_config[{self.stack_key!r}]: {exc}") from exc
+        try:
+            self._loads = BoundedLoads(self.store, load_deadline_s)
+            self._completer.start()
+            nodes = max(1, int(metadata.world_size) // max(1, int(metadata.local_world_size)))
+            warn_node_local("LMCache", nodes, self.layout.geometry.shards_per_block, stack)
+            # Last: a scrape reads every counter and lock above (a port in use raises here).
+            if port is not None and not self.is_scheduler:
+                counters = CountersCollector(
+                    "lmcache", stack.unique_id, self._plugin_counters, GAUGE_COUNTERS
+                )
+                self._metrics_server = serve_rank_metrics(
+                    self.store, port, device_id, port_key, f"LMCache worker {device_id}", counters
+                )
+        except BaseException:
+            self._close_opened()
+            raise
 
     def __str__(self) -> str:
         return CLASS_NAME
@@ -990,8 +995,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             with self._put_lock:
                 left = len(self._in_flight)
             logger.error("UCM: %d LMCache chunk(s) still being written at close", left)
-        self._completions.put(None)
-        self._completer.join(timeout=FLUSH_TIMEOUT_S)
+        self._stop_completer()
         self._executor.shutdown(wait=True)
         with self._pin_lock:  # the store's close releases what they hold
             self._pins.clear()
@@ -1000,6 +1004,29 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             self._metrics_server.close()
             self._metrics_server = None
         self.store.close()
+
+    def _close_opened(self) -> None:
+        """Closes what a failed constructor opened (the endpoint, the put completer, the store:
+        its threads and its attachment to the buffer), logging what fails to close, so the
+        constructor's own error is the one raised."""
+        steps: list[tuple[str, Callable[[], None]]] = []
+        if self._metrics_server is not None:
+            steps.append(("the metrics endpoint", self._metrics_server.close))
+        if self._completer.is_alive():
+            steps.append(("the put completer", self._stop_completer))
+        steps.append(("the executor", functools.partial(self._executor.shutdown, wait=True)))
+        steps.append(("the store", self.store.close))
+        for what, close in steps:
+            try:
+                close()
+            except Exception:
+                logger.exception("UCM: closing %s of a plugin that failed to start failed", what)
+        self._metrics_server = None
+        self._closed = True
+
+    def _stop_completer(self) -> None:
+        self._completions.put(None)
+        self._completer.join(timeout=FLUSH_TIMEOUT_S)
 
     # ---- helpers ------------------------------------------------------------------------------
 

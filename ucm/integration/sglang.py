@@ -33,7 +33,9 @@ pool fixes the geometry.
 - **Failures.** A missing page, a corrupt shard, a failed tier or a page not loaded within
   ``ucm_load_deadline_s`` (:mod:`~ucm.integration.bounded`: nothing is written into the host
   pool after a get returned) comes back as ``False`` (or ``None``) for that page only, so
-  SGLang recomputes it; bad arguments raise.
+  SGLang recomputes it; a load or dump that raises (:data:`STORE_ERRORS`: a closed store, a
+  full dump queue) fails every page of its call, counted, with one warning; bad arguments
+  raise.
 - **Counters.** :meth:`UcmHiCacheStorage.stats` counts each get's pages by outcome and each
   set's; with ``--enable-storage-metrics``, :meth:`UcmHiCacheStorage.get_stats` feeds SGLang's
   own storage histograms.
@@ -127,6 +129,14 @@ COUNTER_NAMES = (
 """The backend's own counters (:meth:`UcmHiCacheStorage.stats`): calls and pages of the gets
 (``batch_get_v1``, ``batch_get``, ``get``) and sets. A page not loaded is a miss (no tier has
 it), late (past ``ucm_load_deadline_s``) or an error (a corrupt shard, a failed tier)."""
+
+STORE_ERRORS = (UcmError, TimeoutError)
+"""What a get's load or a set's dump may raise that fails the call's pages instead: UCM's errors
+(a closed store, a failed tier) and ``TimeoutError`` (a load or dump queue that stayed full).
+SGLang 0.5.23's cache controller treats a raising ``batch_get_v1`` as no page found and a
+raising ``batch_set_v1`` as a failed backup, logging a traceback each time; the backend counts
+such a call's pages as ``get_errors`` / ``set_failed``, logs one warning, and returns all False
+(a miss; not stored). Any other exception is counted the same way and raised."""
 
 METRICS_KEPT = 4096
 """Per-call samples kept for SGLang's storage metrics between two of its ``get_stats`` calls
@@ -499,8 +509,7 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         started = time.monotonic()
         ids = self._block_ids(keys)
         pointers = self._page_pointers(len(ids), host_indices)
-        task = self.store.dump_data(ids, [self.plan.shard_index] * len(ids), pointers)
-        return self._outcomes(task, ids, started)
+        return self._dump(ids, pointers, started)
 
     # ---- tensor interface (flat pages, SGLang's generic path) ------------------------------
 
@@ -553,8 +562,7 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
             raise InvalidArgumentError("values is None: batch_set needs one flat page per key")
         sources = list(values)
         pointers = self._flat_pointers(sources, len(ids), "values", for_load=False)
-        task = self.store.dump_data(ids, [self.plan.shard_index] * len(ids), pointers)
-        return all(self._outcomes(task, ids, started))
+        return all(self._dump(ids, pointers, started))
 
     # ---- lookups ---------------------------------------------------------------------------
 
@@ -698,11 +706,22 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
 
     def _load(self, ids: list[bytes], pointers: list[list[int]]) -> list[bool]:
         """Loads the pages within the load deadline; each is True unless it failed (missing,
-        corrupt, late...). Nothing is written into the host pool after it returns."""
+        corrupt, late...). Nothing is written into the host pool after it returns. A load that
+        raises (a closed store, a full load queue) fails every page: see :data:`STORE_ERRORS`."""
         self._require_store()
         assert self._loads is not None
         started = time.monotonic()
-        failed = self._loads.load(ids, [self.plan.shard_index] * len(ids), pointers)
+        try:
+            failed = self._loads.load(ids, [self.plan.shard_index] * len(ids), pointers)
+        except Exception as exc:
+            self._count(gets=1, get_pages=len(ids), get_errors=len(ids))
+            self._record("prefetch", len(ids), 0, started)
+            if not isinstance(exc, STORE_ERRORS):
+                raise
+            logger.warning(
+                "UCM HiCache: a get of %d page(s) failed, none loaded: %s", len(ids), exc
+            )
+            return [False] * len(ids)
         if failed:
             logger.debug("UCM HiCache: %d of %d page(s) not loaded", len(failed), len(ids))
         loaded = [block not in failed for block in ids]
@@ -721,17 +740,29 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         self._record("prefetch", len(ids), hits, started)
         return loaded
 
-    def _outcomes(self, task: ucm.Task, ids: Sequence[bytes], started: float) -> list[bool]:
-        """Waits for a dump task in full; each page is True unless its key failed. SGLang
-        writes on its own backup thread, off the requests' path. With a CacheBuffer a dump is
-        done once in the buffer (a slow write-through tier is skipped, never waited for);
-        without one it waits for the tier, up to the tier's request deadline."""
+    def _dump(self, ids: list[bytes], pointers: list[list[int]], started: float) -> list[bool]:
+        """Stores the pages and waits for the dump in full; each page is True unless its key
+        failed. SGLang writes on its own backup thread, off the requests' path. With a
+        CacheBuffer a dump is done once in the buffer (a slow write-through tier is skipped,
+        never waited for); without one it waits for the tier, up to the tier's request
+        deadline. A dump that raises (a dump queue full past ``dump_submit_timeout_s``, a
+        closed store) fails every page: see :data:`STORE_ERRORS`."""
         try:
+            task = self.store.dump_data(ids, [self.plan.shard_index] * len(ids), pointers)
             self.store.wait(task)
         except TaskError as error:
             failed = {block for block, _shard in error.failures}
             logger.debug("UCM HiCache: %s", error)
             stored = [block not in failed for block in ids]
+        except Exception as exc:
+            self._count(sets=1, set_pages=len(ids), set_failed=len(ids))
+            self._record("backup", len(ids), 0, started)
+            if not isinstance(exc, STORE_ERRORS):
+                raise
+            logger.warning(
+                "UCM HiCache: a set of %d page(s) failed, none stored: %s", len(ids), exc
+            )
+            return [False] * len(ids)
         else:
             stored = [True] * len(ids)
         done = sum(stored)
