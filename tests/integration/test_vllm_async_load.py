@@ -46,6 +46,8 @@ A = tokens(1, 8 * BLOCK + 5)
 """8 full blocks and 5 tokens."""
 D = tokens(9, 2 * BLOCK + 3)
 """The decoder's prompt: nothing of it is in UCM."""
+E = tokens(5, 2 * BLOCK + 7)
+"""A prompt the loading engine computed itself: its 2 full blocks are in its CacheBuffer."""
 
 Make = Callable[..., Harness]
 
@@ -56,9 +58,11 @@ def make(tmp_path: Path) -> Iterator[Make]:
     made: list[Harness] = []
     posix = tmp_path / "posix"
 
-    def factory(delay_s: float = 0.0, **kwargs: Any) -> Harness:
+    def factory(
+        delay_s: float = 0.0, buffer: dict[str, Any] | None = None, **kwargs: Any
+    ) -> Harness:
         tiers = [
-            {"type": "buffer", "capacity": "16MiB"},
+            {"type": "buffer", "capacity": "16MiB", **(buffer or {})},
             {
                 "type": "slowposix",
                 "path": str(posix),
@@ -159,6 +163,35 @@ def test_a_buffer_hit_stays_synchronous(make: Make) -> None:
     h.run(STEPS_MAX)
     assert [r.step for r in h.records if "b" in r.loads]
     assert not any(r.async_loads for r in h.records)
+    assert h.outputs["b"] == Harness.expected_outputs(A, 3)
+    assert h.cached_tokens["b"] == 8 * BLOCK
+    _clean(h)
+
+
+def test_a_buffer_hit_is_not_held_up_by_an_async_load_from_a_slow_tier(make: Make) -> None:
+    """b's blocks come up from a tier that takes seconds per shard; c, admitted meanwhile, is
+    all in the CacheBuffer: its synchronous load (before a forward pass) is a memcpy and does not
+    wait for b's prefetch, which the native queue walks in a lane of its own."""
+    _store_a(make)
+    h = make(
+        delay_s=3.0,
+        async_scheduling=False,
+        extra_config={"ucm_load_deadline_s": 600.0},
+        buffer={"wait_timeout_s": 600.0},  # a prefetch's step may wait that long for its fills
+    )
+    h.add("e", E, 2)
+    h.run(STEPS_MAX)  # e's blocks are now in this engine's CacheBuffer
+    h.add("b", A, 3)
+    _step_until(h, lambda: _status(h, "b") == "WAITING_FOR_REMOTE_KVS")
+    h.add("c", E, 3)
+    _step_until(h, lambda: "c" in h.finished)
+    # c was served and finished while b's blocks were still on their way up.
+    assert "b" not in h.finished_recving
+    assert [r.step for r in h.records if "c" in r.loads]  # a synchronous load
+    assert h.outputs["c"] == Harness.expected_outputs(E, 3)
+    assert h.cached_tokens["c"] == 2 * BLOCK
+    _step_until(h, lambda: "b" in h.finished_recving)
+    h.run(STEPS_MAX)
     assert h.outputs["b"] == Harness.expected_outputs(A, 3)
     assert h.cached_tokens["b"] == 8 * BLOCK
     _clean(h)
