@@ -54,6 +54,7 @@ from .native.queue import (
     ENTRY_FLAG_CALLER_COPY,
     TASK_FLAG_BACKGROUND,
     TASK_FLAG_DIRTY,
+    TASK_FLAG_NO_FILL,
     EntryResult,
     NativeQueue,
     TaskKind,
@@ -239,12 +240,15 @@ class LoadPath:
         *,
         background: bool = False,
         timeout_s: float | None = None,
+        fill: bool = True,
     ) -> NativeJob:
         """Hands a task to the native queue; the job is the Task's completion. ``background``
         (loads and prefetches): nobody waits on it, so the loaders do its fill's tier I/O on
         their own threads rather than on the tiers' pools, and a load's copies yield the CPU
         between batches. ``timeout_s``: longest to block on a full queue (loads and
-        prefetches; default ``queue_timeout_s``; a dump's is ``dump_submit_timeout_s``)."""
+        prefetches; default ``queue_timeout_s``; a dump's is ``dump_submit_timeout_s``).
+        ``fill=False`` (loads): a shard the buffer does not hold fails (``KeyMissingError``)
+        rather than being read from the tiers below."""
         if self._closed:
             raise StoreClosedError("the store is closed; open a new one with ucm.open()")
         job = NativeJob(self, kind, task_keys, memory, next(self._tags))
@@ -256,8 +260,8 @@ class LoadPath:
                 self._prepare_cuda(job, memory)
         if kind is TaskKind.DUMP:
             flags = self._dump_flags
-        elif background and kind is TaskKind.LOAD:
-            flags = TASK_FLAG_BACKGROUND
+        elif kind is TaskKind.LOAD:
+            flags = (TASK_FLAG_BACKGROUND if background else 0) | (0 if fill else TASK_FLAG_NO_FILL)
         with self._lock:
             self._reap()
             self._jobs[job.tag] = job

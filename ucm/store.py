@@ -345,16 +345,20 @@ class Store:
         namespace: str | None = None,
         background: bool = False,
         submit_timeout_s: float | None = None,
+        fill: bool = True,
     ) -> Task:
         """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``.
         ``background``: the caller does not wait on it (an engine's asynchronous load), so its
         copies give the CPU back between batches to the engine's spinning threads; a load an
         engine waits on copies at full speed. ``submit_timeout_s``: longest the call blocks
         while the rank's load queue is full (default: the stack's ``queue_timeout_s``); past
-        it, ``TimeoutError``."""
+        it, ``TimeoutError``. ``fill=False``: only what the CacheBuffer holds (or another load
+        is filling) is copied; a shard it does not hold fails with ``KeyMissingError`` rather
+        than being read from the tiers below (a load that must cost a memcpy at most)."""
         timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
+        _check_flag(fill, "fill")
         task_keys, memory, ids = self._prepare(block_ids, shard_index, "dst", dst, True, namespace)
-        return _unscoped(self._submit_load(task_keys, memory, background, timeout_s), ids)
+        return _unscoped(self._submit_load(task_keys, memory, background, timeout_s, fill), ids)
 
     def dump(
         self,
@@ -377,13 +381,15 @@ class Store:
         namespace: str | None = None,
         background: bool = False,
         submit_timeout_s: float | None = None,
+        fill: bool = True,
     ) -> Task:
         """Like load, with raw addresses: ``dst_ptrs[i][j]`` receives tensor j of block i."""
         timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
+        _check_flag(fill, "fill")
         task_keys, memory, ids = self._prepare(
             block_ids, shard_index, "dst_ptrs", dst_ptrs, True, namespace
         )
-        return _unscoped(self._submit_load(task_keys, memory, background, timeout_s), ids)
+        return _unscoped(self._submit_load(task_keys, memory, background, timeout_s, fill), ids)
 
     def dump_data(
         self,
@@ -764,12 +770,18 @@ class Store:
         memory: arguments.ShardMemory,
         background: bool = False,
         timeout_s: float | None = None,
+        fill: bool = True,
     ) -> Task:
         if not len(task_keys):  # nothing to load: done at once, and not a task of the queue
             return Task("load", [], Progress([]))
         assert self._native is not None  # the queue counts its load tasks
         job = self._native.submit(
-            TaskKind.LOAD, task_keys, memory, background=background, timeout_s=timeout_s
+            TaskKind.LOAD,
+            task_keys,
+            memory,
+            background=background,
+            timeout_s=timeout_s,
+            fill=fill,
         )
         task = self._native.task("load", job)
         if self._admission is not None:
@@ -1017,6 +1029,11 @@ _NATIVE_STORE_COUNTERS = (
     "get_keys",
 )
 """Counters of the native queue that are the store's own (its loads, dumps, prefetches)."""
+
+
+def _check_flag(value: Any, name: str) -> None:
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_rank(device_id: Any, local_rank_size: Any) -> None:

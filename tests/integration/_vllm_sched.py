@@ -261,6 +261,8 @@ class Harness:
         self.evict: dict[int, list[bytes]] = {}
         """Step number → UCM ids removed from the store after that step is scheduled (its
         lookups said present) and before it runs: the step's loads of them fail."""
+        self.evict_buffer: dict[int, list[bytes]] = {}
+        """As ``evict``, from the CacheBuffer only: the tiers below still hold them."""
         self.violations: list[str] = []
         self._pending: tuple[Any, Any, StepRecord] | None = None
         self._step = 0
@@ -362,6 +364,9 @@ class Harness:
         output = self.scheduler.schedule()
         for block_id in self.evict.get(self._step, []):
             self.side_store().remove([block_id], force=True)
+        for block_id in self.evict_buffer.get(self._step, []):
+            side = self.side_store()
+            side.tiers[0].batched_remove(side.layout.keys_of_blocks([block_id]), force=True)
         record = StepRecord(
             step=self._step,
             scheduled=dict(output.num_scheduled_tokens),

@@ -197,6 +197,32 @@ def test_a_buffer_hit_is_not_held_up_by_an_async_load_from_a_slow_tier(make: Mak
     _clean(h)
 
 
+def test_a_buffer_hit_evicted_before_its_load_is_recomputed_not_read_from_below(
+    make: Make,
+) -> None:
+    """c's blocks were all in the CacheBuffer at its look-up, so its load is synchronous, run
+    before the forward pass; one of them leaves the buffer before the load (still in posix, which
+    takes seconds a shard here). The load does not read it from below inside the step: it fails,
+    and vLLM recomputes it."""
+    h = make(delay_s=3.0, async_scheduling=False)
+    h.add("e", E, 2)
+    h.run(STEPS_MAX)
+    h.worker._store.drain()  # e's 2 blocks are in the CacheBuffer and in posix
+    ids = h.block_ids_for(E)
+    h.evict_buffer[h._step + 1] = [ids[1]]  # c's step: after its look-up, before its load
+    h.add("c", E, 3)
+    h.run(STEPS_MAX)
+    assert [r.step for r in h.records if "c" in r.loads]  # a synchronous load
+    assert not any(r.async_loads for r in h.records)
+    (failed_step,) = [r for r in h.records if r.invalid]
+    assert len(failed_step.invalid) == 1
+    stats = h.worker._worker.stats.data
+    assert stats["load_failed_blocks"] == 1
+    assert stats["loaded_blocks"] == 1  # c's first block, a memcpy
+    assert h.outputs["c"] == Harness.expected_outputs(E, 3)
+    _clean(h)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("bad", [0, 3], ids=["first", "middle"])
 def test_a_failed_async_load_is_recomputed_once(

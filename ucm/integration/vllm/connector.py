@@ -163,17 +163,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             stats=self._stats,
             epoch=self._epochs.start(),
             tenants=TenantMapping.parse(self._extra.get("ucm_namespace"), "ucm_namespace"),
-            # Without a CacheBuffer an asynchronous load would have nowhere to put the bytes
-            # that arrive after its deadline but vLLM's blocks: every load is synchronous. With
-            # more than one shard per block (TP > 1) too, for now: a rank that finishes its
-            # prefetch before another rank's shards are in judges the block by all its shards.
-            resident=(
-                self._resident
-                if self._extra.get("ucm_async_load", True)
-                and self._store.buffer is not None
-                and self._geometry.shards_per_block == 1
-                else None
-            ),
+            resident=self._resident if self._async_loads() else None,
         )
         if transfer.is_kv_consumer and transfer.kv_load_failure_policy != "recompute":
             logger.warning(
@@ -187,6 +177,19 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._store.config.unique_id,
             self._geometry.explain(),
             self._key_space,
+        )
+
+    def _async_loads(self) -> bool:
+        """Whether loads of blocks not all in the CacheBuffer are asynchronous: then the
+        synchronous ones are buffer hits, which must cost a memcpy and never a read from below.
+        Without a CacheBuffer an asynchronous load would have nowhere to put the bytes that
+        arrive after its deadline but vLLM's blocks: every load is synchronous. With more than
+        one shard per block (TP > 1) too, for now: a rank that finishes its prefetch before
+        another rank's shards are in judges the block by all its shards."""
+        return (
+            bool(self._extra.get("ucm_async_load", True))
+            and self._store.buffer is not None
+            and self._geometry.shards_per_block == 1
         )
 
     def _resident(self, ids: Sequence[bytes]) -> list[bool]:
@@ -278,6 +281,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             shard_size=self._geometry.shard_size,
             stats=self._stats,
             load_deadline_s=load_deadline_s(self._extra),
+            hits_only=self._async_loads(),
         )
         self._metrics_server: MetricsServer | None = None
         port = self._extra.get("ucm_metrics_port")

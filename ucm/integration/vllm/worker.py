@@ -96,9 +96,14 @@ class WorkerSide:
         shard_size: int,
         stats: UcmConnectorStats | None = None,
         load_deadline_s: float = 10.0,
+        hits_only: bool = False,
     ) -> None:
         self._store = store
         self._load_deadline_s = load_deadline_s
+        self._hits_only = hits_only
+        """The scheduler loads asynchronously whatever is not all in the CacheBuffer, so a
+        synchronous load is of buffer hits: a block evicted since the look-up fails (vLLM
+        recomputes it) rather than being read from below before the forward pass."""
         self._async: list[_AsyncLoad] = []
         """Asynchronous loads not reported in finished_recving yet."""
         self._rank = rank
@@ -131,14 +136,17 @@ class WorkerSide:
     def _load_task(
         self, ids: list[bytes], vllm_blocks: list[int], background: bool = False
     ) -> Task:
-        """``background``: an asynchronous load's copy, which no step waits on."""
+        """``background``: an asynchronous load's copy, which no step waits on (of pinned
+        blocks). A step's synchronous load reads from below only if every load is synchronous
+        (``hits_only`` off)."""
+        fill = not self._hits_only
         addresses = self._addresses
         if addresses is not None:
             return self._store.load_data(
-                ids, self._rank, addresses.of(vllm_blocks), background=background
+                ids, self._rank, addresses.of(vllm_blocks), background=background, fill=fill
             )
         return self._store.load(
-            ids, self._rank, self._block_tensors(vllm_blocks), background=background
+            ids, self._rank, self._block_tensors(vllm_blocks), background=background, fill=fill
         )
 
     def _dump_task(self, ids: list[bytes], vllm_blocks: list[int]) -> Task:
