@@ -184,6 +184,7 @@ class BoundedLoads:
                         [pointers[i] for i in chosen],
                         namespace=namespace,
                         submit_timeout_s=_left(deadline),
+                        fill=False,  # pinned: never a read from below
                     )
                 except TimeoutError:  # the load queue stayed full: nothing was submitted
                     for i in chosen:
