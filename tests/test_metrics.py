@@ -180,6 +180,71 @@ def test_serve_answers_a_scrape_on_loopback_and_stops(store: ucm.Store) -> None:
         urllib.request.urlopen(server.url, timeout=5)
 
 
+SCRAPE_AFTER_CLOSE = r"""
+import ctypes, json, sys
+import ucm
+from prometheus_client import generate_latest
+from ucm import metrics
+
+store = ucm.open(json.loads(sys.argv[1]))
+registry = metrics.registry_for(store)
+page = ctypes.create_string_buffer(4096)
+store.wait(store.dump_data([bytes(16)], [0], [[ctypes.addressof(page)]]))
+store.close()
+snap = metrics.snapshot(store)  # the buffer's shared memory is unmapped now
+text = generate_latest(registry).decode()
+print(snap.buffer, snap.process["dump_tasks"], "ucm_store_dump_tasks_total{" in text)
+"""
+
+
+def test_a_snapshot_or_scrape_of_a_closed_store_reads_nothing_it_unmapped(tmp_path: Path) -> None:
+    """A scrape that comes as (or after) the engine closes its store: the node-wide figures
+    are left out, the process's counters are what it had at close. Before, the snapshot read
+    the unmapped buffer and the process died of SIGSEGV."""
+    unique_id = f"metrics-{uuid.uuid4().hex[:12]}"
+    config = {
+        "unique_id": unique_id,
+        "shard_size": SHARD,
+        "shards_per_block": 1,
+        "tiers": [
+            {"type": "buffer", "capacity": 16 * SHARD},
+            {"type": "posix", "path": str(tmp_path / "nvme")},
+        ],
+    }
+    from ucm.native.segments import unlink
+
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", SCRAPE_AFTER_CLOSE, json.dumps(config)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        unlink(unique_id)  # the node-wide segments outlive the store by design
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["None", "1", "True"]
+
+
+def test_close_waits_for_a_reader_of_the_stores_native_memory(store: ucm.Store) -> None:
+    """Store.reading() holds off close()'s unmapping while a scrape reads the buffer."""
+    import threading
+
+    closed = threading.Event()
+    closer = threading.Thread(target=lambda: (store.close(), closed.set()))
+    with store.reading() as live:
+        assert live
+        closer.start()
+        # close() finishes its tasks and flushes, then waits here for the reader.
+        assert not closed.wait(1.0)
+        assert store.buffer is not None
+        assert store.buffer.core.stats()["hits"] >= 0  # still mapped: readable
+    closer.join(60)
+    assert closed.is_set()
+    with store.reading() as live:
+        assert not live
+
+
 def test_serve_refuses_other_addresses_and_bad_ports(store: ucm.Store) -> None:
     with pytest.raises(InvalidArgumentError, match=r"host='0\.0\.0\.0' is not valid: the metrics"):
         metrics.serve(store, host="0.0.0.0")

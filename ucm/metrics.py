@@ -148,19 +148,23 @@ def snapshot(store: Store, scan_wait_s: float = 0.0) -> Snapshot:
     one-shot ``ucm stats``); 0 reads what they know now (a scrape never waits)."""
     if scan_wait_s > 0:
         store.namespace_tier_stats(scan_wait_s)
-    stats = store.stats()
-    tier_stats: list[dict[str, Any]] = stats.pop("tiers")
-    namespace_stats: dict[str, dict[str, int]] = stats.pop("namespaces")
-    namespace_tiers: dict[str, dict[str, dict[str, int]] | None] = stats.pop("namespace_tiers")
     buffer_counters: dict[str, int] | None = None
     occupancy: Occupancy | None = None
     attached_pids: list[int] | None = None
     buffer = store.buffer
+    # A scrape may run while the engine closes the store: the node-wide figures are read from
+    # the buffer's shared memory, which close() unmaps (after it, they are left out).
+    with store.reading() as live:
+        stats = store.stats()
+        if buffer is not None and live:
+            core = buffer.core
+            buffer_counters = core.stats()
+            occupancy = buffer_occupancy(core)
+            attached_pids = _attached_pids(core)
+    tier_stats: list[dict[str, Any]] = stats.pop("tiers")
+    namespace_stats: dict[str, dict[str, int]] = stats.pop("namespaces")
+    namespace_tiers: dict[str, dict[str, dict[str, int]] | None] = stats.pop("namespace_tiers")
     if buffer is not None:
-        core = buffer.core
-        buffer_counters = core.stats()
-        occupancy = buffer_occupancy(core)
-        attached_pids = _attached_pids(core)
         tier_stats[0] = {
             name: value for name, value in tier_stats[0].items() if name not in NODE_WIDE_COUNTERS
         }

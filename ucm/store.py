@@ -21,7 +21,7 @@ import threading
 import time
 from array import array
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from . import arguments, namespaces
@@ -108,6 +108,11 @@ class Store:
         )
         self._counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()
+        self._teardown_lock = threading.RLock()
+        """Held while native memory is read (:meth:`stats`, :meth:`reading`), and by
+        :meth:`close` while it destroys the queue and unmaps the tiers: a metrics scrape that
+        runs while the engine shuts down never reads memory being freed."""
+        self._torn_down = False
         self._closed = False
         self._final_tier_stats: list[dict[str, Any]] | None = None
         self.tiers: list[Tier] = []
@@ -562,7 +567,20 @@ class Store:
         ``namespaces``, each namespace's node-wide CacheBuffer figures (slots and bytes held,
         guarantee and cap, Get hits, misses, evictions; see ``BufferTier.namespace_stats``),
         and under ``namespace_tiers`` each lower tier's bytes and evictions per namespace
-        (:meth:`namespace_tier_stats`)."""
+        (:meth:`namespace_tier_stats`). Safe beside :meth:`close` (another thread's scrape):
+        once closed it reports what the store had at close."""
+        with self._teardown_lock:
+            return self._stats()
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[bool]:
+        """Holds off :meth:`close`'s unmapping while the caller reads this store's native
+        memory (``store.buffer.core``: a metrics snapshot from another thread); yields whether
+        that memory is still there (False once the store is closed: read nothing then)."""
+        with self._teardown_lock:
+            yield not self._torn_down
+
+    def _stats(self) -> dict[str, Any]:
         with self._counters_lock:
             counters: dict[str, Any] = dict(self._counters)
         # The load engine's counters: the queue owns these names (the store never counts them).
@@ -644,17 +662,19 @@ class Store:
                 except Exception as exc:
                     errors.append(exc)
         finally:
-            self._final_tier_stats = self._tier_stats()
-            if self._native is not None and not self._native.queue.destroyed:
-                native = self._native.queue.stats()
-                self._native_final = {name: native[name] for name in _NATIVE_STORE_COUNTERS}
-            if self._own_queue is not None:  # left alone when abandoned (tasks outlived close)
-                self._own_queue.destroy()
-            for tier in self.tiers:
-                tier.close()
-            for guard in self._guards:
-                if guard is not None:
-                    guard.close()
+            with self._teardown_lock:  # not while stats() reads what is freed here
+                self._torn_down = True
+                self._final_tier_stats = self._tier_stats()
+                if self._native is not None and not self._native.queue.destroyed:
+                    native = self._native.queue.stats()
+                    self._native_final = {name: native[name] for name in _NATIVE_STORE_COUNTERS}
+                if self._own_queue is not None:  # left alone when abandoned (tasks outlived it)
+                    self._own_queue.destroy()
+                for tier in self.tiers:
+                    tier.close()
+                for guard in self._guards:
+                    if guard is not None:
+                        guard.close()
         if errors:
             raise errors[0]
 
