@@ -545,7 +545,9 @@ class Store:
     def drain(self) -> None:
         """Blocks until every dump submitted so far is written to every ``write: through``
         tier (what close() also does), and, with ``admit:`` conditions, until the admission
-        checks of this process's finished loads and due residency checks ran."""
+        checks of this process's finished loads and due residency checks ran. After
+        :meth:`close` (which drains), :class:`~ucm.StoreClosedError`."""
+        self._check_open()
         if self._dumps is not None:
             self._dumps.drain()
         if self._admission is not None:

@@ -1,0 +1,103 @@
+"""Bad input to the public Store API found by an audit: each call refuses it with a UCM error
+naming the argument, the value and what is valid, and no call hangs on a closed store."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import ucm
+from ucm import arguments
+from ucm.errors import StoreClosedError
+from ucm.loadqueue import DumpItem
+from ucm.task import Progress
+
+from .conftest import SHARED, block
+
+
+def stack(*tiers: dict[str, Any], shards: int = 2) -> dict[str, Any]:
+    return {
+        "unique_id": "t",
+        "shards_per_block": shards,
+        "tensor_size_list": [32, 32],
+        "tiers": list(tiers) or [{"type": "dict", "space": "top"}],
+    }
+
+
+def pair() -> list[torch.Tensor]:
+    return [torch.zeros(32, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8)]
+
+
+def returns_within(call: Callable[[], Any], seconds: float = 10.0) -> BaseException | None:
+    """Runs ``call`` on a thread; fails the test if it is still running after ``seconds``.
+    Returns what it raised (None if it returned)."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{call} still blocked after {seconds} s"
+    return outcome[0]
+
+
+# ---- a closed store ----------------------------------------------------------------------
+
+
+WRITE_THROUGH = (
+    {"type": "dict", "space": "top"},
+    {"type": "dict", "space": "low", "write": "through"},
+)
+
+
+@pytest.mark.parametrize("tiers", [(), WRITE_THROUGH], ids=["one tier", "write-through"])
+def test_drain_after_close_raises_store_closed(dict_tier, tiers) -> None:
+    store = ucm.open(stack(*tiers))
+    store.close()
+    raised = returns_within(store.drain)
+    assert isinstance(raised, StoreClosedError), raised
+    assert str(raised) == "the store is closed; open a new one with ucm.open()"
+
+
+def test_no_call_blocks_on_a_closed_store(dict_tier) -> None:
+    tiers = ({"type": "dict", "space": "top"}, {"type": "dict", "space": "low"})
+    store = ucm.open(stack(*tiers))
+    SHARED["low"][(block(1), 0)] = bytes(64)
+    store.prefetch([block(1)])
+    task = store.dump([block(2)], 0, [pair()])
+    store.close()
+    assert returns_within(store.wait_prefetches) is None
+    assert returns_within(lambda: store.wait(task)) is None
+    assert store.check(task) is True
+    assert returns_within(store.stats) is None  # figures as they were at close
+    assert returns_within(store.namespace_tier_stats) is None
+    assert returns_within(lambda: store.unpin([])) is None
+    for call in (store.namespaces, lambda: store.purge("default"), lambda: store.pin([block(1)])):
+        assert isinstance(returns_within(call), StoreClosedError)
+
+
+def test_a_drain_queued_behind_close_is_ended_by_close(dict_tier) -> None:
+    """A drain (or dump) racing close can queue its item after the dump thread's stop: close
+    ends it instead of leaving its caller waiting for a thread that is gone."""
+    store = ucm.open(stack())
+    dumps = store._dumps
+    assert dumps is not None
+    dumps._pending.put(None)  # the dump thread stops here, as at close
+    dumps._thread.join(10)
+    marker = Progress([(bytes(16), 0)])
+    dumps._pending.put(DumpItem(arguments.TaskKeys.of([]), arguments.ShardMemory(views=[]), marker))
+    store.close()
+    assert marker.done()
+    failure = marker.failures(0)[(bytes(16), 0)]
+    assert isinstance(failure, StoreClosedError)
