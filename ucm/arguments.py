@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from .staging import StagedTask
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
+    """``repr(value)``, cut to 60 characters: what error messages show of a bad value."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -31,7 +32,7 @@ def check_block_ids(block_ids: Any, name: str = "block_ids") -> list[bytes]:
     if isinstance(block_ids, bytes | bytearray | str) or not isinstance(block_ids, Sequence):
         raise InvalidArgumentError(
             f"{name} must be a list of {BLOCK_ID_BYTES}-byte block ids, got "
-            f"{type(block_ids).__name__} {_short(block_ids)}"
+            f"{type(block_ids).__name__} {short(block_ids)}"
         )
     # Fast path: every id already 16 bytes of `bytes` (what runtimes pass): no copies.
     if all(type(b) is bytes and len(b) == BLOCK_ID_BYTES for b in block_ids):
@@ -41,13 +42,13 @@ def check_block_ids(block_ids: Any, name: str = "block_ids") -> list[bytes]:
         if not isinstance(block_id, bytes | bytearray | memoryview):
             raise InvalidArgumentError(
                 f"{name}[{i}] must be bytes of length {BLOCK_ID_BYTES}, got "
-                f"{type(block_id).__name__} {_short(block_id)}"
+                f"{type(block_id).__name__} {short(block_id)}"
             )
         raw = bytes(block_id)
         if len(raw) != BLOCK_ID_BYTES:
             raise InvalidArgumentError(
                 f"{name}[{i}] must be exactly {BLOCK_ID_BYTES} bytes, got {len(raw)} bytes "
-                f"({_short(raw)})"
+                f"({short(raw)})"
             )
         checked.append(raw)
     return checked
@@ -102,7 +103,7 @@ def check_timeout_s(timeout_s: Any, name: str = "timeout_s") -> float | None:
     valid = "None (no bound) or a finite number of seconds, 0 or more"
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
         raise InvalidArgumentError(
-            f"{name} must be {valid}, got {type(timeout_s).__name__} {_short(timeout_s)}"
+            f"{name} must be {valid}, got {type(timeout_s).__name__} {short(timeout_s)}"
         )
     if not math.isfinite(timeout_s) or timeout_s < 0:
         raise InvalidArgumentError(f"{name}={timeout_s!r} is not valid: expected {valid}")
@@ -166,12 +167,12 @@ def check_shard_indexes(shard_index: Any, count: int, layout: Layout) -> list[in
     else:
         raise InvalidArgumentError(
             f"shard_index must be an int or a list of ints, got {type(shard_index).__name__} "
-            f"{_short(shard_index)}"
+            f"{short(shard_index)}"
         )
     for i, index in enumerate(indexes):
         if not isinstance(index, int) or isinstance(index, bool):
             raise InvalidArgumentError(
-                f"shard_index[{i}]={_short(index)} is not valid: expected {valid}"
+                f"shard_index[{i}]={short(index)} is not valid: expected {valid}"
             )
         if not 0 <= index < layout.shards_per_block:
             raise InvalidArgumentError(
@@ -462,7 +463,7 @@ def check_pointers(pointers: Any, count: int, layout: Layout, name: str) -> Shar
         if not isinstance(items, Sequence) or len(items) != len(sizes):
             raise InvalidArgumentError(
                 f"{name}[{i}] must list {len(sizes)} address(es) (tensor_size_list="
-                f"{list(sizes)}), got {_short(entry)}"
+                f"{list(sizes)}), got {short(entry)}"
             )
         for j, address in enumerate(items):
             if (
@@ -471,7 +472,7 @@ def check_pointers(pointers: Any, count: int, layout: Layout, name: str) -> Shar
                 or not ADDRESS_MIN <= address < 1 << 64
             ):
                 raise InvalidArgumentError(
-                    f"{name}[{i}][{j}]={_short(address)} is not valid: expected an integer "
+                    f"{name}[{i}][{j}]={short(address)} is not valid: expected an integer "
                     f"address (at least {ADDRESS_MIN}: below is the null page)"
                 )
         flat.extend(items)

@@ -95,6 +95,12 @@ class Store:
         local_rank_size: int = 1,
         namespace: str = namespaces.DEFAULT_NAMESPACE,
     ) -> None:
+        if not isinstance(config, StackConfig):
+            raise InvalidArgumentError(
+                f"config must be a ucm.StackConfig (ucm.load_stack makes one from a path or a "
+                f"mapping; ucm.open takes those too), got {type(config).__name__} "
+                f"{arguments.short(config)}"
+            )
         _check_rank(device_id, local_rank_size)
         self.namespace = namespaces.check_namespace(namespace)
         """The namespace of every call that does not name one (``namespace=``)."""
@@ -1046,8 +1052,34 @@ def open_store(
     local_rank_size: int = 1,
     **options: Any,
 ) -> Store:
-    """Opens a store for one rank: ``ucm.open("stack.yaml", device_id=0, local_rank_size=4)``."""
+    """Opens a store for one rank: ``ucm.open("stack.yaml", device_id=0, local_rank_size=4)``.
+    ``stack``: the path of a YAML file (``str`` or ``os.PathLike``), a mapping of its contents,
+    or a :class:`StackConfig`; ``options``: ``namespace``."""
+    _check_stack(stack)
+    unknown = sorted(set(options) - _OPEN_OPTIONS)
+    if unknown:
+        raise InvalidArgumentError(
+            f"ucm.open got an unknown option {unknown[0]}={arguments.short(options[unknown[0]])}: "
+            "its options are device_id, local_rank_size and namespace"
+        )
     return Store(load_stack(stack), device_id=device_id, local_rank_size=local_rank_size, **options)
+
+
+_OPEN_OPTIONS = frozenset({"namespace"})
+"""The keyword options of :func:`open_store` beyond the rank's (those of :class:`Store`)."""
+
+
+def _check_stack(stack: Any) -> None:
+    """``stack`` of ``ucm.open``: a str path, an os.PathLike giving a str, a mapping or a
+    StackConfig (a bytes path, say, would fail deep in pathlib)."""
+    if isinstance(stack, str | Mapping | StackConfig):
+        return
+    if isinstance(stack, os.PathLike) and isinstance(os.fspath(stack), str):
+        return
+    raise InvalidArgumentError(
+        f"stack must be the path of a YAML file (str or os.PathLike), a mapping or a "
+        f"ucm.StackConfig, got {type(stack).__name__} {arguments.short(stack)}"
+    )
 
 
 def _namespace_bytes(config: StackConfig, label: str) -> NamespaceBytes | None:

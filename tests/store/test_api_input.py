@@ -3,8 +3,11 @@ naming the argument, the value and what is valid, and no call hangs on a closed 
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +15,7 @@ import torch
 
 import ucm
 from ucm import arguments
-from ucm.errors import StoreClosedError
+from ucm.errors import InvalidArgumentError, StoreClosedError
 from ucm.loadqueue import DumpItem
 from ucm.task import Progress
 
@@ -101,3 +104,63 @@ def test_a_drain_queued_behind_close_is_ended_by_close(dict_tier) -> None:
     assert marker.done()
     failure = marker.failures(0)[(bytes(16), 0)]
     assert isinstance(failure, StoreClosedError)
+
+
+# ---- what ucm.open and Store take ----------------------------------------------------------
+
+
+class BytesPath:
+    def __fspath__(self) -> bytes:
+        return b"/tmp/stack.yaml"
+
+
+OPEN_VALID = "a mapping or a ucm.StackConfig"
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (None, "NoneType None"),
+        (123, "int 123"),
+        ([1, 2], "list [1, 2]"),
+        (b"/tmp/stack.yaml", "bytes b'/tmp/stack.yaml'"),
+        (BytesPath(), "BytesPath <"),
+    ],
+)
+def test_open_refuses_a_stack_of_the_wrong_type(value, shown) -> None:
+    message = (
+        "stack must be the path of a YAML file (str or os.PathLike), a mapping or a "
+        f"ucm.StackConfig, got {shown}"
+    )
+    for call in (ucm.open, ucm.open_store):
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+            call(value)
+
+
+def test_open_still_takes_a_path_a_mapping_and_a_stack_config(dict_tier, tmp_path: Path) -> None:
+    path = tmp_path / "stack.yaml"
+    path.write_text(json.dumps(stack()))  # JSON is YAML
+    for source in (path, str(path), stack(), ucm.load_stack(stack())):
+        ucm.open(source).close()
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [({"unique_id": "t"}, "dict {'unique_id': 't'}"), ("stack.yaml", "str 'stack.yaml'")],
+)
+def test_store_refuses_anything_but_a_stack_config(value, shown) -> None:
+    message = (
+        "config must be a ucm.StackConfig (ucm.load_stack makes one from a path or a mapping; "
+        f"ucm.open takes those too), got {shown}"
+    )
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        ucm.Store(value)
+
+
+def test_open_refuses_an_unknown_option(dict_tier) -> None:
+    message = (
+        "ucm.open got an unknown option write_queue_bytes=-5: its options are device_id, "
+        "local_rank_size and namespace"
+    )
+    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        ucm.open(stack(), write_queue_bytes=-5)
