@@ -11,6 +11,7 @@ import itertools
 import math
 import operator
 import sys
+import threading
 from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -96,8 +97,14 @@ class TaskKeys:
         return packed
 
 
+TIMEOUT_S_MAX = threading.TIMEOUT_MAX
+"""The longest bound a wait takes (about 292 years: what ``threading`` waits accept); a longer
+one waits this long."""
+
+
 def check_timeout_s(timeout_s: Any, name: str = "timeout_s") -> float | None:
-    """A wait's bound: None (no bound) or a finite number of seconds, 0 or more."""
+    """A wait's bound: None (no bound) or a finite number of seconds, 0 or more (one above
+    ``TIMEOUT_S_MAX`` is taken as ``TIMEOUT_S_MAX``, which is no bound in practice)."""
     if timeout_s is None:
         return None
     valid = "None (no bound) or a finite number of seconds, 0 or more"
@@ -107,7 +114,28 @@ def check_timeout_s(timeout_s: Any, name: str = "timeout_s") -> float | None:
         )
     if not math.isfinite(timeout_s) or timeout_s < 0:
         raise InvalidArgumentError(f"{name}={timeout_s!r} is not valid: expected {valid}")
-    return float(timeout_s)
+    return min(float(timeout_s), TIMEOUT_S_MAX)
+
+
+def check_seconds(seconds: Any, name: str) -> float:
+    """A finite number of seconds, 0 or more (capped at ``TIMEOUT_S_MAX``), where None (no
+    bound) is not an option."""
+    valid = "a finite number of seconds, 0 or more"
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise InvalidArgumentError(
+            f"{name} must be {valid}, got {type(seconds).__name__} {short(seconds)}"
+        )
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidArgumentError(f"{name}={seconds!r} is not valid: expected {valid}")
+    return min(float(seconds), TIMEOUT_S_MAX)
+
+
+def check_flag(flag: Any, name: str) -> bool:
+    """A bool argument: True or False, nothing that merely converts to one (``"no"`` is
+    true)."""
+    if flag is not True and flag is not False:
+        raise InvalidArgumentError(f"{name} must be a bool, got {short(flag)}")
+    return flag
 
 
 def check_task_keys(block_ids: Any, shard_index: Any, layout: Layout) -> TaskKeys:

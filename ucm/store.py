@@ -264,6 +264,7 @@ class Store:
         :class:`~ucm.LookupUnansweredError` instead, for a caller to whom "absent" and "cannot
         tell" differ (the reset epoch's markers: :class:`~ucm.integration.keys.Epochs`)."""
         self._check_open()
+        arguments.check_flag(exact, "exact")
         blocks = self._scoped(block_ids, namespace)
         keys = self.layout.keys_of_blocks(blocks)
         present = self._lookup_keys(keys, exact=exact)
@@ -311,6 +312,7 @@ class Store:
         ``submit_timeout_s``: longest the call blocks while the rank's prefetch queue is full
         (default: the stack's ``queue_timeout_s``); past it, ``TimeoutError``."""
         self._check_open()
+        arguments.check_flag(background, "background")
         timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
         originals = arguments.check_block_ids(block_ids)
         blocks = self._scoped(originals, namespace)
@@ -358,6 +360,7 @@ class Store:
         engine waits on copies at full speed. ``submit_timeout_s``: longest the call blocks
         while the rank's load queue is full (default: the stack's ``queue_timeout_s``); past
         it, ``TimeoutError``."""
+        arguments.check_flag(background, "background")
         timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
         task_keys, memory, ids = self._prepare(block_ids, shard_index, "dst", dst, True, namespace)
         return _unscoped(self._submit_load(task_keys, memory, background, timeout_s), ids)
@@ -385,6 +388,7 @@ class Store:
         submit_timeout_s: float | None = None,
     ) -> Task:
         """Like load, with raw addresses: ``dst_ptrs[i][j]`` receives tensor j of block i."""
+        arguments.check_flag(background, "background")
         timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
         task_keys, memory, ids = self._prepare(
             block_ids, shard_index, "dst_ptrs", dst_ptrs, True, namespace
@@ -503,8 +507,7 @@ class Store:
         """Removes every shard of the blocks from every tier; returns distinct shards removed.
         Shards in use are kept unless ``force``."""
         self._check_open()
-        if not isinstance(force, bool):
-            raise InvalidArgumentError(f"force must be a bool, got {force!r}")
+        arguments.check_flag(force, "force")
         blocks = self._scoped(block_ids, namespace)
         keys = list(dict.fromkeys(self.layout.keys_of_blocks(blocks)))
         if not keys:
@@ -611,8 +614,8 @@ class Store:
         "evictions": ...}}}``, ``None`` for a tier that cannot tell (Mooncake Store lists no
         keys) or has not finished its first scan (see ``Tier.namespace_figures``: posix and
         fsspec scan in the background, at most once a minute, when stats are read). Waits at
-        most ``wait_s`` for a scan under way."""
-        deadline = time.monotonic() + wait_s
+        most ``wait_s`` (seconds, 0 or more) for a scan under way."""
+        deadline = time.monotonic() + arguments.check_seconds(wait_s, "wait_s")
         return {
             tier.label: tier.namespace_figures(max(0.0, deadline - time.monotonic()))
             for tier in self.tiers

@@ -164,3 +164,47 @@ def test_open_refuses_an_unknown_option(dict_tier) -> None:
     )
     with pytest.raises(InvalidArgumentError, match=re.escape(message)):
         ucm.open(stack(), write_queue_bytes=-5)
+
+
+# ---- bounds and flags ------------------------------------------------------------------------
+
+
+def test_a_wait_longer_than_threads_can_wait_is_capped(dict_tier) -> None:
+    with ucm.open(stack()) as store:
+        task = store.dump([block(1)], 0, [pair()])
+        store.wait(task, timeout_s=1e300)
+        store.wait(store.load([block(1)], 0, [pair()], submit_timeout_s=1e300), timeout_s=1e300)
+    assert arguments.check_timeout_s(1e300) == threading.TIMEOUT_MAX
+
+
+@pytest.mark.parametrize(
+    ("wait_s", "message"),
+    [
+        ("x", "wait_s must be a finite number of seconds, 0 or more, got str 'x'"),
+        (None, "wait_s must be a finite number of seconds, 0 or more, got NoneType None"),
+        (-5, "wait_s=-5 is not valid: expected a finite number of seconds, 0 or more"),
+        (float("nan"), "wait_s=nan is not valid: expected a finite number of seconds, 0 or more"),
+    ],
+)
+def test_namespace_tier_stats_checks_wait_s(dict_tier, wait_s, message) -> None:
+    with ucm.open(stack()) as store:
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+            store.namespace_tier_stats(wait_s=wait_s)
+        assert store.namespace_tier_stats(wait_s=1e300) == {"dict": None}
+
+
+FLAG_CALLS = [
+    (lambda s: s.lookup([block(1)], exact="no"), "exact must be a bool, got 'no'"),
+    (lambda s: s.prefetch([block(1)], background="x"), "background must be a bool, got 'x'"),
+    (lambda s: s.load([block(1)], 0, [pair()], background=1), "background must be a bool, got 1"),
+    (
+        lambda s: s.load_data([block(1)], 0, [[8192, 8192]], background=None),
+        "background must be a bool, got None",
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "message"), FLAG_CALLS)
+def test_flags_must_be_bools(dict_tier, call, message) -> None:
+    with ucm.open(stack()) as store, pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        call(store)
