@@ -296,6 +296,7 @@ def check_tensors(
     if fast is not None:
         return fast
     tensor_type = torch.Tensor if torch is not None else ()
+    strided = torch.strided if torch is not None else None
     sizes = layout.tensor_sizes
     memory = ShardMemory(sizes)
     keepalive = memory.keepalive
@@ -328,13 +329,26 @@ def check_tensors(
                 raise InvalidArgumentError(
                     f"{name}[{i}][{j}] must be a torch.Tensor, got {type(tensor).__name__}"
                 )
-            nbytes = tensor.nbytes
+            if tensor.layout is not strided:
+                raise InvalidArgumentError(
+                    f"{name}[{i}][{j}] is a {tensor.layout} tensor; UCM copies a tensor's bytes "
+                    "and needs a dense (torch.strided) contiguous tensor: pass tensor.to_dense()"
+                )
+            try:
+                nbytes = tensor.nbytes
+                contiguous = tensor.is_contiguous()
+                address = tensor.data_ptr() if tensor.is_cpu else 0
+            except RuntimeError as exc:  # a tensor without plain storage torch lets us read
+                raise InvalidArgumentError(
+                    f"{name}[{i}][{j}] has no memory UCM can copy ({_first_line(exc)}); pass a "
+                    "dense contiguous CPU or CUDA tensor"
+                ) from None
             if nbytes != sizes[j]:
                 raise InvalidArgumentError(
                     f"{name}[{i}][{j}] has {nbytes} bytes ({tuple(tensor.shape)} {tensor.dtype}) "
                     f"but the layout expects {sizes[j]} bytes (tensor_size_list[{j}])"
                 )
-            if not tensor.is_contiguous():
+            if not contiguous:
                 raise InvalidArgumentError(
                     f"{name}[{i}][{j}] is not contiguous (strides {tensor.stride()}); pass "
                     "tensor.contiguous() or a contiguous view"
@@ -344,7 +358,7 @@ def check_tensors(
                     f"{name}[{i}][{j}] requires grad; load into a tensor with requires_grad=False"
                 )
             if tensor.is_cpu:
-                flat.append(tensor.data_ptr())
+                flat.append(address)
                 keepalive.append(tensor)
             elif tensor.is_cuda:
                 flat.append(0)  # the staging slot's address, once the task's slots are taken
@@ -359,9 +373,64 @@ def check_tensors(
                 f"{name}[{i}] mixes CPU and CUDA tensors; keep one shard's tensors on one device"
             )
         memory.cuda.append(devices or None)
+    if for_load:
+        _check_distinct(memory, name)
     if any(memory.cuda):
         _stage_cuda(memory, layout, for_load)
     return memory
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _overlaps(starts: Sequence[int], sizes: tuple[int, ...]) -> bool:
+    """Whether any two of the ranges ``[starts[k], starts[k] + sizes[k % len(sizes)])``
+    overlap, in C-level passes (~100 ns per range, a quarter of the tensor checks' own cost).
+    Sorted starts at least the largest size apart: disjoint (exact for equal sizes). Else
+    disjoint ranges sorted by start are sorted by end too, so they are disjoint exactly when
+    each sorted start is at or past the sorted end before it."""
+    if len(starts) < 2:
+        return False
+    ordered = sorted(starts)
+    widest = max(sizes)
+    if min(map(operator.sub, itertools.islice(ordered, 1, None), ordered)) >= widest:
+        return False
+    if min(sizes) == widest:
+        return True
+    ends = sorted(map(operator.add, starts, sizes * (len(starts) // len(sizes))))
+    return not all(map(operator.ge, itertools.islice(ordered, 1, None), ends))
+
+
+def _check_distinct(memory: ShardMemory, name: str) -> None:
+    """A load's destinations must not share memory: two keys' bytes into one place would leave
+    one of them silently lost. CPU tensors by address; CUDA tensors by device and address."""
+    sizes = memory.sizes
+    per_key = len(sizes)
+    ranges: dict[Any, list[tuple[int, int, int]]] = {}  # device: (start, end, flat index)
+    host = [address for address in memory.flat if address]
+    if len(host) == len(memory.flat) and not _overlaps(memory.flat, sizes):
+        return  # the common case: CPU tensors only, disjoint
+    for k, address in enumerate(memory.flat):
+        if address:
+            ranges.setdefault("cpu", []).append((address, address + sizes[k % per_key], k))
+    for i, pairs in enumerate(memory.cuda):
+        for j, (tensor, _staging) in enumerate(pairs or ()):
+            start = tensor.data_ptr()
+            ranges.setdefault(tensor.device, []).append((start, start + sizes[j], i * per_key + j))
+    for spans in ranges.values():
+        spans.sort()
+        widest = spans[0]
+        for span in spans[1:]:
+            if span[0] < widest[1]:
+                first, second = sorted((widest[2], span[2]))
+                raise InvalidArgumentError(
+                    f"{name}[{second // per_key}][{second % per_key}] shares memory with "
+                    f"{name}[{first // per_key}][{first % per_key}]: a load writes each key's "
+                    "bytes to its own destination, so give every tensor distinct memory"
+                )
+            if span[1] > widest[1]:
+                widest = span
 
 
 def _stage_cuda(memory: ShardMemory, layout: Layout, for_load: bool) -> None:
@@ -417,18 +486,26 @@ def _fast_tensors(tensors: Any, layout: Layout, for_load: bool, torch: Any) -> S
         return None
     if set(map(type, every)) != {tensor_type}:
         return None
-    nbytes = list(map(_NBYTES, every))
-    if len(sizes) == 1:
-        if set(nbytes) != {sizes[0]}:
+    try:
+        nbytes = list(map(_NBYTES, every))
+        if len(sizes) == 1:
+            if set(nbytes) != {sizes[0]}:
+                return None
+        elif nbytes != list(sizes) * len(tensors):
             return None
-    elif nbytes != list(sizes) * len(tensors):
+        if not all(map(_IS_CPU, every)) or not all(map(tensor_type.is_contiguous, every)):
+            return None
+        if for_load and any(map(_REQUIRES_GRAD, every)):
+            return None
+        flat = array("Q", map(tensor_type.data_ptr, every))
+    except RuntimeError:
+        # A sparse or mkldnn tensor (torch has no nbytes, contiguity or address for it): the
+        # per-tensor checks name it.
         return None
-    if not all(map(_IS_CPU, every)) or not all(map(tensor_type.is_contiguous, every)):
-        return None
-    if for_load and any(map(_REQUIRES_GRAD, every)):
-        return None
+    if for_load and _overlaps(flat, sizes):
+        return None  # two destinations share memory: the per-tensor checks name them
     memory = ShardMemory(sizes)
-    memory.flat = array("Q", map(tensor_type.data_ptr, every))
+    memory.flat = flat
     memory.keepalive.append(every)
     return memory
 

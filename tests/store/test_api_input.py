@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import re
 import threading
+import warnings
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -208,3 +210,82 @@ FLAG_CALLS = [
 def test_flags_must_be_bools(dict_tier, call, message) -> None:
     with ucm.open(stack()) as store, pytest.raises(InvalidArgumentError, match=re.escape(message)):
         call(store)
+
+
+# ---- tensors ---------------------------------------------------------------------------------
+
+
+def _quiet(make: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    def made() -> torch.Tensor:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
+            return make()
+
+    return made
+
+
+LAYOUTS = {
+    "sparse_coo": _quiet(lambda: torch.zeros(32, dtype=torch.uint8).to_sparse()),
+    "sparse_csr": _quiet(lambda: torch.zeros(4, 8, dtype=torch.uint8).to_sparse_csr()),
+    "_mkldnn": _quiet(lambda: torch.zeros(8, dtype=torch.float32).to_mkldnn()),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUTS.keys())
+@pytest.mark.parametrize("verb", ["load", "dump"])
+def test_a_tensor_that_is_not_dense_is_refused_naming_it(dict_tier, layout, verb) -> None:
+    name = "dst" if verb == "load" else "src"
+    message = (
+        f"{name}[0][0] is a torch.{layout} tensor; UCM copies a tensor's bytes and needs a "
+        "dense (torch.strided) contiguous tensor: pass tensor.to_dense()"
+    )
+    with ucm.open(stack()) as store:
+        odd = LAYOUTS[layout]()
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+            getattr(store, verb)([block(1)], 0, [[odd, torch.zeros(32, dtype=torch.uint8)]])
+        assert SHARED["top"] == {}
+
+
+def test_loads_into_shared_memory_are_refused_naming_both_entries(dict_tier) -> None:
+    with ucm.open(stack()) as store:
+        ids = [block(1), block(2)]
+        store.wait(store.dump(ids, 0, [pair(), pair()]))
+        one = pair()
+        message = (
+            "dst[1][0] shares memory with dst[0][0]: a load writes each key's bytes to its own "
+            "destination, so give every tensor distinct memory"
+        )
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+            store.load(ids, 0, [one, [one[0], torch.zeros(32, dtype=torch.uint8)]])
+        # Views that overlap by part of a tensor, K and V of one key included.
+        buffer = torch.zeros(128, dtype=torch.uint8)
+        message = "dst[0][1] shares memory with dst[0][0]"
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+            store.load(ids, 0, [[buffer[0:32], buffer[16:48]], [buffer[64:96], buffer[96:128]]])
+        message = "dst[1][0] shares memory with dst[0][1]"
+        with pytest.raises(InvalidArgumentError, match=re.escape(message)):
+            store.load(ids, 0, [[buffer[0:32], buffer[32:64]], [buffer[48:80], buffer[96:128]]])
+        # Adjacent views of one buffer are distinct memory, and a dump may read one tensor twice.
+        store.wait(
+            store.load(
+                ids, 0, [[buffer[i : i + 32] for i in (0, 32)], [buffer[64:96], buffer[96:]]]
+            )
+        )
+        store.wait(store.dump([block(3), block(4)], 0, [one, one]))
+
+
+@pytest.mark.parametrize(
+    ("starts", "sizes", "overlap"),
+    [
+        ([4096, 4096 + 1000, 4096 + 4000], (1000, 3000, 96), False),  # K, V, extra packed
+        ([4096, 4096 + 999, 4096 + 4000], (1000, 3000, 96), True),
+        ([8192, 4096, 4096 + 1000, 8192 + 1000], (1000, 3000), True),  # sorted starts differ
+        ([4096 + 500, 4096], (3000, 1000), True),
+        ([4096 + 3000, 4096], (3000, 1000), False),
+        ([4096, 4096], (64,), True),
+        ([4096, 4096 + 64], (64,), False),
+        ([4096], (64,), False),
+    ],
+)
+def test_overlapping_ranges_are_found_for_any_sizes(starts, sizes, overlap) -> None:
+    assert arguments._overlaps(array("Q", starts), sizes) is overlap
