@@ -550,6 +550,8 @@ def check_pointers(pointers: Any, count: int, layout: Layout, name: str) -> Shar
     fast = _fast_pointers(pointers, count, layout)
     if fast is not None:
         return fast
+    if isinstance(pointers, array):
+        return _check_packed_pointers(pointers, count, layout, name)
     if not isinstance(pointers, Sequence) or isinstance(pointers, str | bytes):
         raise InvalidArgumentError(
             f"{name} must be a list with one list of addresses per block, got "
@@ -582,6 +584,31 @@ def check_pointers(pointers: Any, count: int, layout: Layout, name: str) -> Shar
                 )
         flat.extend(items)
     return memory
+
+
+def _check_packed_pointers(
+    pointers: array[Any], count: int, layout: Layout, name: str
+) -> ShardMemory:
+    """The errors of a packed ``array`` of addresses (the fast path took every valid one)."""
+    per_key = len(layout.tensor_sizes)
+    packed = f"an array('Q'): one unsigned 64-bit address per tensor, key-major ({per_key} per key)"
+    if pointers.typecode != "Q":
+        raise InvalidArgumentError(
+            f"{name} is an array('{pointers.typecode}'); packed addresses must be {packed}"
+        )
+    if len(pointers) != count * per_key:
+        raise InvalidArgumentError(
+            f"{name} holds {len(pointers)} addresses but {count} block(s) of {per_key} tensor(s) "
+            f"need {count * per_key}: packed addresses must be {packed}"
+        )
+    for k, address in enumerate(pointers):
+        if address < ADDRESS_MIN:
+            raise InvalidArgumentError(
+                f"{name}[{k}] (block {k // per_key}, tensor {k % per_key})={address} is not "
+                f"valid: expected an integer address (at least {ADDRESS_MIN}: below is the null "
+                "page)"
+            )
+    raise AssertionError("unreachable: the fast path takes a valid array")
 
 
 def _fast_pointers(pointers: Any, count: int, layout: Layout) -> ShardMemory | None:

@@ -289,3 +289,31 @@ def test_loads_into_shared_memory_are_refused_naming_both_entries(dict_tier) -> 
 )
 def test_overlapping_ranges_are_found_for_any_sizes(starts, sizes, overlap) -> None:
     assert arguments._overlaps(array("Q", starts), sizes) is overlap
+
+
+# ---- raw pointers ------------------------------------------------------------------------------
+
+
+POINTER_CALLS = [
+    (
+        array("i", [5000, 5000]),
+        "src_ptrs is an array('i'); packed addresses must be an array('Q'): one unsigned 64-bit "
+        "address per tensor, key-major (2 per key)",
+    ),
+    (
+        array("Q", [5000]),
+        "src_ptrs holds 1 addresses but 1 block(s) of 2 tensor(s) need 2: packed addresses must "
+        "be an array('Q')",
+    ),
+    (
+        array("Q", [8192, 0]),
+        "src_ptrs[1] (block 0, tensor 1)=0 is not valid: expected an integer address (at least "
+        "4096: below is the null page)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("pointers", "message"), POINTER_CALLS)
+def test_packed_addresses_of_the_wrong_form_are_named(dict_tier, pointers, message) -> None:
+    with ucm.open(stack()) as store, pytest.raises(InvalidArgumentError, match=re.escape(message)):
+        store.dump_data([block(1)], 0, pointers)
