@@ -354,7 +354,9 @@ class Store:
         background: bool = False,
         submit_timeout_s: float | None = None,
     ) -> Task:
-        """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``.
+        """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``: dense
+        (``torch.strided``), contiguous CPU or CUDA tensors of the layout's sizes, no two of
+        which share memory.
         ``background``: the caller does not wait on it (an engine's asynchronous load), so its
         copies give the CPU back between batches to the engine's spinning threads; a load an
         engine waits on copies at full speed. ``submit_timeout_s``: longest the call blocks
@@ -387,7 +389,15 @@ class Store:
         background: bool = False,
         submit_timeout_s: float | None = None,
     ) -> Task:
-        """Like load, with raw addresses: ``dst_ptrs[i][j]`` receives tensor j of block i."""
+        """Like load, with raw addresses: ``dst_ptrs[i][j]`` receives tensor j of block i
+        (``dst_ptrs`` may also be one ``array('Q')`` of every address, key-major).
+
+        The addresses are trusted beyond their shape and the null page (below 4096): each must
+        point at mapped, writable memory of tensor j's size (``tensor_size_list[j]``), distinct
+        from the call's other destinations, until the task is done; any other address crashes
+        the process (a segmentation fault in a copy thread), as checking it would cost a
+        system call per address. Check addresses once where they are made
+        (``ucm.integration.addresses``)."""
         arguments.check_flag(background, "background")
         timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
         task_keys, memory, ids = self._prepare(
@@ -403,7 +413,12 @@ class Store:
         *,
         namespace: str | None = None,
     ) -> Task:
-        """Like dump, with raw addresses: ``src_ptrs[i][j]`` holds tensor j of block i."""
+        """Like dump, with raw addresses: ``src_ptrs[i][j]`` holds tensor j of block i
+        (``src_ptrs`` may also be one ``array('Q')`` of every address, key-major).
+
+        The addresses are trusted beyond their shape and the null page (below 4096): each must
+        point at mapped memory of tensor j's size (``tensor_size_list[j]``) until the task is
+        done; any other address crashes the process (see :meth:`load_data`)."""
         task_keys, memory, ids = self._prepare(
             block_ids, shard_index, "src_ptrs", src_ptrs, False, namespace
         )
@@ -422,8 +437,9 @@ class Store:
     def wait(self, task: Task, timeout_s: float | None = None) -> None:
         """Blocks until the task finishes; raises TaskError naming each failed key.
 
-        ``timeout_s`` bounds the wait (None: until it finishes). Past it, TimeoutError names
-        the task, and the task goes on: a load may still write its destination memory and a
+        ``timeout_s`` bounds the wait (None: until it finishes; a bound above
+        ``threading.TIMEOUT_MAX``, about 292 years, is taken as that). Past it, TimeoutError
+        names the task, and the task goes on: a load may still write its destination memory and a
         dump may still read its source until ``check(task)`` is True, so keep that memory
         until then (wait again, or check)."""
         _check_task(task)
