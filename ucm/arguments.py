@@ -11,6 +11,7 @@ import itertools
 import math
 import operator
 import sys
+import threading
 from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,8 @@ if TYPE_CHECKING:
     from .staging import StagedTask
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
+    """``repr(value)``, cut to 60 characters: what error messages show of a bad value."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -31,7 +33,7 @@ def check_block_ids(block_ids: Any, name: str = "block_ids") -> list[bytes]:
     if isinstance(block_ids, bytes | bytearray | str) or not isinstance(block_ids, Sequence):
         raise InvalidArgumentError(
             f"{name} must be a list of {BLOCK_ID_BYTES}-byte block ids, got "
-            f"{type(block_ids).__name__} {_short(block_ids)}"
+            f"{type(block_ids).__name__} {short(block_ids)}"
         )
     # Fast path: every id already 16 bytes of `bytes` (what runtimes pass): no copies.
     if all(type(b) is bytes and len(b) == BLOCK_ID_BYTES for b in block_ids):
@@ -41,13 +43,13 @@ def check_block_ids(block_ids: Any, name: str = "block_ids") -> list[bytes]:
         if not isinstance(block_id, bytes | bytearray | memoryview):
             raise InvalidArgumentError(
                 f"{name}[{i}] must be bytes of length {BLOCK_ID_BYTES}, got "
-                f"{type(block_id).__name__} {_short(block_id)}"
+                f"{type(block_id).__name__} {short(block_id)}"
             )
         raw = bytes(block_id)
         if len(raw) != BLOCK_ID_BYTES:
             raise InvalidArgumentError(
                 f"{name}[{i}] must be exactly {BLOCK_ID_BYTES} bytes, got {len(raw)} bytes "
-                f"({_short(raw)})"
+                f"({short(raw)})"
             )
         checked.append(raw)
     return checked
@@ -95,18 +97,45 @@ class TaskKeys:
         return packed
 
 
+TIMEOUT_S_MAX = threading.TIMEOUT_MAX
+"""The longest bound a wait takes (about 292 years: what ``threading`` waits accept); a longer
+one waits this long."""
+
+
 def check_timeout_s(timeout_s: Any, name: str = "timeout_s") -> float | None:
-    """A wait's bound: None (no bound) or a finite number of seconds, 0 or more."""
+    """A wait's bound: None (no bound) or a finite number of seconds, 0 or more (one above
+    ``TIMEOUT_S_MAX`` is taken as ``TIMEOUT_S_MAX``, which is no bound in practice)."""
     if timeout_s is None:
         return None
     valid = "None (no bound) or a finite number of seconds, 0 or more"
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
         raise InvalidArgumentError(
-            f"{name} must be {valid}, got {type(timeout_s).__name__} {_short(timeout_s)}"
+            f"{name} must be {valid}, got {type(timeout_s).__name__} {short(timeout_s)}"
         )
     if not math.isfinite(timeout_s) or timeout_s < 0:
         raise InvalidArgumentError(f"{name}={timeout_s!r} is not valid: expected {valid}")
-    return float(timeout_s)
+    return min(float(timeout_s), TIMEOUT_S_MAX)
+
+
+def check_seconds(seconds: Any, name: str) -> float:
+    """A finite number of seconds, 0 or more (capped at ``TIMEOUT_S_MAX``), where None (no
+    bound) is not an option."""
+    valid = "a finite number of seconds, 0 or more"
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise InvalidArgumentError(
+            f"{name} must be {valid}, got {type(seconds).__name__} {short(seconds)}"
+        )
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidArgumentError(f"{name}={seconds!r} is not valid: expected {valid}")
+    return min(float(seconds), TIMEOUT_S_MAX)
+
+
+def check_flag(flag: Any, name: str) -> bool:
+    """A bool argument: True or False, nothing that merely converts to one (``"no"`` is
+    true)."""
+    if flag is not True and flag is not False:
+        raise InvalidArgumentError(f"{name} must be a bool, got {short(flag)}")
+    return flag
 
 
 def check_task_keys(block_ids: Any, shard_index: Any, layout: Layout) -> TaskKeys:
@@ -166,12 +195,12 @@ def check_shard_indexes(shard_index: Any, count: int, layout: Layout) -> list[in
     else:
         raise InvalidArgumentError(
             f"shard_index must be an int or a list of ints, got {type(shard_index).__name__} "
-            f"{_short(shard_index)}"
+            f"{short(shard_index)}"
         )
     for i, index in enumerate(indexes):
         if not isinstance(index, int) or isinstance(index, bool):
             raise InvalidArgumentError(
-                f"shard_index[{i}]={_short(index)} is not valid: expected {valid}"
+                f"shard_index[{i}]={short(index)} is not valid: expected {valid}"
             )
         if not 0 <= index < layout.shards_per_block:
             raise InvalidArgumentError(
@@ -267,6 +296,7 @@ def check_tensors(
     if fast is not None:
         return fast
     tensor_type = torch.Tensor if torch is not None else ()
+    strided = torch.strided if torch is not None else None
     sizes = layout.tensor_sizes
     memory = ShardMemory(sizes)
     keepalive = memory.keepalive
@@ -299,13 +329,26 @@ def check_tensors(
                 raise InvalidArgumentError(
                     f"{name}[{i}][{j}] must be a torch.Tensor, got {type(tensor).__name__}"
                 )
-            nbytes = tensor.nbytes
+            if tensor.layout is not strided:
+                raise InvalidArgumentError(
+                    f"{name}[{i}][{j}] is a {tensor.layout} tensor; UCM copies a tensor's bytes "
+                    "and needs a dense (torch.strided) contiguous tensor: pass tensor.to_dense()"
+                )
+            try:
+                nbytes = tensor.nbytes
+                contiguous = tensor.is_contiguous()
+                address = tensor.data_ptr() if tensor.is_cpu else 0
+            except RuntimeError as exc:  # a tensor without plain storage torch lets us read
+                raise InvalidArgumentError(
+                    f"{name}[{i}][{j}] has no memory UCM can copy ({_first_line(exc)}); pass a "
+                    "dense contiguous CPU or CUDA tensor"
+                ) from None
             if nbytes != sizes[j]:
                 raise InvalidArgumentError(
                     f"{name}[{i}][{j}] has {nbytes} bytes ({tuple(tensor.shape)} {tensor.dtype}) "
                     f"but the layout expects {sizes[j]} bytes (tensor_size_list[{j}])"
                 )
-            if not tensor.is_contiguous():
+            if not contiguous:
                 raise InvalidArgumentError(
                     f"{name}[{i}][{j}] is not contiguous (strides {tensor.stride()}); pass "
                     "tensor.contiguous() or a contiguous view"
@@ -315,7 +358,7 @@ def check_tensors(
                     f"{name}[{i}][{j}] requires grad; load into a tensor with requires_grad=False"
                 )
             if tensor.is_cpu:
-                flat.append(tensor.data_ptr())
+                flat.append(address)
                 keepalive.append(tensor)
             elif tensor.is_cuda:
                 flat.append(0)  # the staging slot's address, once the task's slots are taken
@@ -330,9 +373,62 @@ def check_tensors(
                 f"{name}[{i}] mixes CPU and CUDA tensors; keep one shard's tensors on one device"
             )
         memory.cuda.append(devices or None)
+    if for_load:
+        _check_distinct(memory, name)
     if any(memory.cuda):
         _stage_cuda(memory, layout, for_load)
     return memory
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _overlaps(starts: Sequence[int], sizes: tuple[int, ...]) -> bool:
+    """Whether any two of the ranges ``[starts[k], starts[k] + sizes[k % len(sizes)])``
+    overlap, in C-level passes (~100 ns per range, a quarter of the tensor checks' own cost).
+    Sorted starts at least the largest size apart: disjoint (exact for equal sizes). Else
+    disjoint ranges sorted by start are sorted by end too, so they are disjoint exactly when
+    each sorted start is at or past the sorted end before it."""
+    if len(starts) < 2:
+        return False
+    ordered = sorted(starts)
+    widest = max(sizes)
+    if min(map(operator.sub, itertools.islice(ordered, 1, None), ordered)) >= widest:
+        return False
+    if min(sizes) == widest:
+        return True
+    ends = sorted(map(operator.add, starts, sizes * (len(starts) // len(sizes))))
+    return not all(map(operator.ge, itertools.islice(ordered, 1, None), ends))
+
+
+def _check_distinct(memory: ShardMemory, name: str) -> None:
+    """A load's destinations must not share memory: two keys' bytes into one place would leave
+    one of them silently lost. CPU tensors, by address, in C-level passes; CUDA destinations
+    are not checked (a per-tensor Python pass would add about a fifth to what a CUDA load
+    already pays per tensor in Python, the path's known bottleneck: docs/benchmarks.md)."""
+    sizes = memory.sizes
+    per_key = len(sizes)
+    ranges: dict[Any, list[tuple[int, int, int]]] = {}  # device: (start, end, flat index)
+    host = [address for address in memory.flat if address]
+    if len(host) == len(memory.flat) and not _overlaps(memory.flat, sizes):
+        return  # the common case: CPU tensors only, disjoint
+    for k, address in enumerate(memory.flat):
+        if address:
+            ranges.setdefault("cpu", []).append((address, address + sizes[k % per_key], k))
+    for spans in ranges.values():
+        spans.sort()
+        widest = spans[0]
+        for span in spans[1:]:
+            if span[0] < widest[1]:
+                first, second = sorted((widest[2], span[2]))
+                raise InvalidArgumentError(
+                    f"{name}[{second // per_key}][{second % per_key}] shares memory with "
+                    f"{name}[{first // per_key}][{first % per_key}]: a load writes each key's "
+                    "bytes to its own destination, so give every tensor distinct memory"
+                )
+            if span[1] > widest[1]:
+                widest = span
 
 
 def _stage_cuda(memory: ShardMemory, layout: Layout, for_load: bool) -> None:
@@ -388,18 +484,26 @@ def _fast_tensors(tensors: Any, layout: Layout, for_load: bool, torch: Any) -> S
         return None
     if set(map(type, every)) != {tensor_type}:
         return None
-    nbytes = list(map(_NBYTES, every))
-    if len(sizes) == 1:
-        if set(nbytes) != {sizes[0]}:
+    try:
+        nbytes = list(map(_NBYTES, every))
+        if len(sizes) == 1:
+            if set(nbytes) != {sizes[0]}:
+                return None
+        elif nbytes != list(sizes) * len(tensors):
             return None
-    elif nbytes != list(sizes) * len(tensors):
+        if not all(map(_IS_CPU, every)) or not all(map(tensor_type.is_contiguous, every)):
+            return None
+        if for_load and any(map(_REQUIRES_GRAD, every)):
+            return None
+        flat = array("Q", map(tensor_type.data_ptr, every))
+    except RuntimeError:
+        # A sparse or mkldnn tensor (torch has no nbytes, contiguity or address for it): the
+        # per-tensor checks name it.
         return None
-    if not all(map(_IS_CPU, every)) or not all(map(tensor_type.is_contiguous, every)):
-        return None
-    if for_load and any(map(_REQUIRES_GRAD, every)):
-        return None
+    if for_load and _overlaps(flat, sizes):
+        return None  # two destinations share memory: the per-tensor checks name them
     memory = ShardMemory(sizes)
-    memory.flat = array("Q", map(tensor_type.data_ptr, every))
+    memory.flat = flat
     memory.keepalive.append(every)
     return memory
 
@@ -444,6 +548,8 @@ def check_pointers(pointers: Any, count: int, layout: Layout, name: str) -> Shar
     fast = _fast_pointers(pointers, count, layout)
     if fast is not None:
         return fast
+    if isinstance(pointers, array):
+        return _check_packed_pointers(pointers, count, layout, name)
     if not isinstance(pointers, Sequence) or isinstance(pointers, str | bytes):
         raise InvalidArgumentError(
             f"{name} must be a list with one list of addresses per block, got "
@@ -462,7 +568,7 @@ def check_pointers(pointers: Any, count: int, layout: Layout, name: str) -> Shar
         if not isinstance(items, Sequence) or len(items) != len(sizes):
             raise InvalidArgumentError(
                 f"{name}[{i}] must list {len(sizes)} address(es) (tensor_size_list="
-                f"{list(sizes)}), got {_short(entry)}"
+                f"{list(sizes)}), got {short(entry)}"
             )
         for j, address in enumerate(items):
             if (
@@ -471,11 +577,36 @@ def check_pointers(pointers: Any, count: int, layout: Layout, name: str) -> Shar
                 or not ADDRESS_MIN <= address < 1 << 64
             ):
                 raise InvalidArgumentError(
-                    f"{name}[{i}][{j}]={_short(address)} is not valid: expected an integer "
+                    f"{name}[{i}][{j}]={short(address)} is not valid: expected an integer "
                     f"address (at least {ADDRESS_MIN}: below is the null page)"
                 )
         flat.extend(items)
     return memory
+
+
+def _check_packed_pointers(
+    pointers: array[Any], count: int, layout: Layout, name: str
+) -> ShardMemory:
+    """The errors of a packed ``array`` of addresses (the fast path took every valid one)."""
+    per_key = len(layout.tensor_sizes)
+    packed = f"an array('Q'): one unsigned 64-bit address per tensor, key-major ({per_key} per key)"
+    if pointers.typecode != "Q":
+        raise InvalidArgumentError(
+            f"{name} is an array('{pointers.typecode}'); packed addresses must be {packed}"
+        )
+    if len(pointers) != count * per_key:
+        raise InvalidArgumentError(
+            f"{name} holds {len(pointers)} addresses but {count} block(s) of {per_key} tensor(s) "
+            f"need {count * per_key}: packed addresses must be {packed}"
+        )
+    for k, address in enumerate(pointers):
+        if address < ADDRESS_MIN:
+            raise InvalidArgumentError(
+                f"{name}[{k}] (block {k // per_key}, tensor {k % per_key})={address} is not "
+                f"valid: expected an integer address (at least {ADDRESS_MIN}: below is the null "
+                "page)"
+            )
+    raise AssertionError("unreachable: the fast path takes a valid array")
 
 
 def _fast_pointers(pointers: Any, count: int, layout: Layout) -> ShardMemory | None:

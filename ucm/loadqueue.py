@@ -696,7 +696,10 @@ class DumpQueue:
         )
 
     def drain(self) -> None:
-        """Waits for every queued dump, then for the write-through backlog."""
+        """Waits for every queued dump, then for the write-through backlog. Once closed,
+        StoreClosedError: no thread would finish the marker."""
+        if self._closed:
+            raise StoreClosedError("the store is closed; open a new one with ucm.open()")
         marker = Progress([(b"\0" * 16, 0)])  # finished by the dump thread when it gets here
         self._pending.put(
             DumpItem(arguments.TaskKeys.of([]), arguments.ShardMemory(views=[]), marker)
@@ -711,6 +714,16 @@ class DumpQueue:
         self._closed = True
         self._pending.put(None)
         self._thread.join()
+        # What a drain or submit racing this close queued behind the None: ended here, so that
+        # no caller waits for a thread that has gone.
+        closed = StoreClosedError("the store is closed; open a new one with ucm.open()")
+        while True:
+            try:
+                item = self._pending.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item.progress.finish(item.progress.unfinished(), closed)
         if self.writer is not None:
             self.writer.close()
 

@@ -95,6 +95,12 @@ class Store:
         local_rank_size: int = 1,
         namespace: str = namespaces.DEFAULT_NAMESPACE,
     ) -> None:
+        if not isinstance(config, StackConfig):
+            raise InvalidArgumentError(
+                f"config must be a ucm.StackConfig (ucm.load_stack makes one from a path or a "
+                f"mapping; ucm.open takes those too), got {type(config).__name__} "
+                f"{arguments.short(config)}"
+            )
         _check_rank(device_id, local_rank_size)
         self.namespace = namespaces.check_namespace(namespace)
         """The namespace of every call that does not name one (``namespace=``)."""
@@ -263,6 +269,7 @@ class Store:
         :class:`~ucm.LookupUnansweredError` instead, for a caller to whom "absent" and "cannot
         tell" differ (the reset epoch's markers: :class:`~ucm.integration.keys.Epochs`)."""
         self._check_open()
+        arguments.check_flag(exact, "exact")
         blocks = self._scoped(block_ids, namespace)
         keys = self.layout.keys_of_blocks(blocks)
         present = self._lookup_keys(keys, exact=exact)
@@ -310,6 +317,7 @@ class Store:
         ``submit_timeout_s``: longest the call blocks while the rank's prefetch queue is full
         (default: the stack's ``queue_timeout_s``); past it, ``TimeoutError``."""
         self._check_open()
+        arguments.check_flag(background, "background")
         timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
         originals = arguments.check_block_ids(block_ids)
         blocks = self._scoped(originals, namespace)
@@ -352,7 +360,9 @@ class Store:
         submit_timeout_s: float | None = None,
         fill: bool = True,
     ) -> Task:
-        """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``.
+        """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``: dense
+        (``torch.strided``), contiguous CPU or CUDA tensors of the layout's sizes, no two of
+        which share memory.
         ``background``: the caller does not wait on it (an engine's asynchronous load), so its
         copies give the CPU back between batches to the engine's spinning threads; a load an
         engine waits on copies at full speed. ``submit_timeout_s``: longest the call blocks
@@ -360,8 +370,9 @@ class Store:
         it, ``TimeoutError``. ``fill=False``: only what the CacheBuffer holds (or another load
         is filling) is copied; a shard it does not hold fails with ``KeyMissingError`` rather
         than being read from the tiers below (a load that must cost a memcpy at most)."""
+        arguments.check_flag(background, "background")
         timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
-        _check_flag(fill, "fill")
+        arguments.check_flag(fill, "fill")
         task_keys, memory, ids = self._prepare(block_ids, shard_index, "dst", dst, True, namespace)
         return _unscoped(self._submit_load(task_keys, memory, background, timeout_s, fill), ids)
 
@@ -388,9 +399,18 @@ class Store:
         submit_timeout_s: float | None = None,
         fill: bool = True,
     ) -> Task:
-        """Like load, with raw addresses: ``dst_ptrs[i][j]`` receives tensor j of block i."""
+        """Like load, with raw addresses: ``dst_ptrs[i][j]`` receives tensor j of block i
+        (``dst_ptrs`` may also be one ``array('Q')`` of every address, key-major).
+
+        The addresses are trusted beyond their shape and the null page (below 4096): each must
+        point at mapped, writable memory of tensor j's size (``tensor_size_list[j]``), distinct
+        from the call's other destinations, until the task is done; any other address crashes
+        the process (a segmentation fault in a copy thread), as checking it would cost a
+        system call per address. Check addresses once where they are made
+        (``ucm.integration.addresses``)."""
+        arguments.check_flag(background, "background")
         timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
-        _check_flag(fill, "fill")
+        arguments.check_flag(fill, "fill")
         task_keys, memory, ids = self._prepare(
             block_ids, shard_index, "dst_ptrs", dst_ptrs, True, namespace
         )
@@ -404,7 +424,12 @@ class Store:
         *,
         namespace: str | None = None,
     ) -> Task:
-        """Like dump, with raw addresses: ``src_ptrs[i][j]`` holds tensor j of block i."""
+        """Like dump, with raw addresses: ``src_ptrs[i][j]`` holds tensor j of block i
+        (``src_ptrs`` may also be one ``array('Q')`` of every address, key-major).
+
+        The addresses are trusted beyond their shape and the null page (below 4096): each must
+        point at mapped memory of tensor j's size (``tensor_size_list[j]``) until the task is
+        done; any other address crashes the process (see :meth:`load_data`)."""
         task_keys, memory, ids = self._prepare(
             block_ids, shard_index, "src_ptrs", src_ptrs, False, namespace
         )
@@ -423,8 +448,9 @@ class Store:
     def wait(self, task: Task, timeout_s: float | None = None) -> None:
         """Blocks until the task finishes; raises TaskError naming each failed key.
 
-        ``timeout_s`` bounds the wait (None: until it finishes). Past it, TimeoutError names
-        the task, and the task goes on: a load may still write its destination memory and a
+        ``timeout_s`` bounds the wait (None: until it finishes; a bound above
+        ``threading.TIMEOUT_MAX``, about 292 years, is taken as that). Past it, TimeoutError
+        names the task, and the task goes on: a load may still write its destination memory and a
         dump may still read its source until ``check(task)`` is True, so keep that memory
         until then (wait again, or check)."""
         _check_task(task)
@@ -508,8 +534,7 @@ class Store:
         """Removes every shard of the blocks from every tier; returns distinct shards removed.
         Shards in use are kept unless ``force``."""
         self._check_open()
-        if not isinstance(force, bool):
-            raise InvalidArgumentError(f"force must be a bool, got {force!r}")
+        arguments.check_flag(force, "force")
         blocks = self._scoped(block_ids, namespace)
         keys = list(dict.fromkeys(self.layout.keys_of_blocks(blocks)))
         if not keys:
@@ -556,7 +581,9 @@ class Store:
     def drain(self) -> None:
         """Blocks until every dump submitted so far is written to every ``write: through``
         tier (what close() also does), and, with ``admit:`` conditions, until the admission
-        checks of this process's finished loads and due residency checks ran."""
+        checks of this process's finished loads and due residency checks ran. After
+        :meth:`close` (which drains), :class:`~ucm.StoreClosedError`."""
+        self._check_open()
         if self._dumps is not None:
             self._dumps.drain()
         if self._admission is not None:
@@ -627,8 +654,8 @@ class Store:
         "evictions": ...}}}``, ``None`` for a tier that cannot tell (Mooncake Store lists no
         keys) or has not finished its first scan (see ``Tier.namespace_figures``: posix and
         fsspec scan in the background, at most once a minute, when stats are read). Waits at
-        most ``wait_s`` for a scan under way."""
-        deadline = time.monotonic() + wait_s
+        most ``wait_s`` (seconds, 0 or more) for a scan under way."""
+        deadline = time.monotonic() + arguments.check_seconds(wait_s, "wait_s")
         return {
             tier.label: tier.namespace_figures(max(0.0, deadline - time.monotonic()))
             for tier in self.tiers
@@ -1051,11 +1078,6 @@ _NATIVE_STORE_COUNTERS = (
 """Counters of the native queue that are the store's own (its loads, dumps, prefetches)."""
 
 
-def _check_flag(value: Any, name: str) -> None:
-    if not isinstance(value, bool):
-        raise InvalidArgumentError(f"{name} must be True or False, got {value!r}")
-
-
 def _check_rank(device_id: Any, local_rank_size: Any) -> None:
     if not isinstance(device_id, int) or isinstance(device_id, bool):
         raise InvalidArgumentError(
@@ -1081,8 +1103,34 @@ def open_store(
     local_rank_size: int = 1,
     **options: Any,
 ) -> Store:
-    """Opens a store for one rank: ``ucm.open("stack.yaml", device_id=0, local_rank_size=4)``."""
+    """Opens a store for one rank: ``ucm.open("stack.yaml", device_id=0, local_rank_size=4)``.
+    ``stack``: the path of a YAML file (``str`` or ``os.PathLike``), a mapping of its contents,
+    or a :class:`StackConfig`; ``options``: ``namespace``."""
+    _check_stack(stack)
+    unknown = sorted(set(options) - _OPEN_OPTIONS)
+    if unknown:
+        raise InvalidArgumentError(
+            f"ucm.open got an unknown option {unknown[0]}={arguments.short(options[unknown[0]])}: "
+            "its options are device_id, local_rank_size and namespace"
+        )
     return Store(load_stack(stack), device_id=device_id, local_rank_size=local_rank_size, **options)
+
+
+_OPEN_OPTIONS = frozenset({"namespace"})
+"""The keyword options of :func:`open_store` beyond the rank's (those of :class:`Store`)."""
+
+
+def _check_stack(stack: Any) -> None:
+    """``stack`` of ``ucm.open``: a str path, an os.PathLike giving a str, a mapping or a
+    StackConfig (a bytes path, say, would fail deep in pathlib)."""
+    if isinstance(stack, str | Mapping | StackConfig):
+        return
+    if isinstance(stack, os.PathLike) and isinstance(os.fspath(stack), str):
+        return
+    raise InvalidArgumentError(
+        f"stack must be the path of a YAML file (str or os.PathLike), a mapping or a "
+        f"ucm.StackConfig, got {type(stack).__name__} {arguments.short(stack)}"
+    )
 
 
 def _namespace_bytes(config: StackConfig, label: str) -> NamespaceBytes | None:

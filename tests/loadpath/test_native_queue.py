@@ -285,7 +285,10 @@ def test_raw_addresses_as_lists_or_one_packed_array_and_bad_ones_named(
         bad = [
             ([[addresses[0]], [True], [addresses[2]]], r"dst_ptrs\[1\]\[0\]=True is not valid"),
             ([addresses[0], 64, addresses[2]], r"dst_ptrs\[1\]\[0\]=64 is not valid: .*null page"),
-            (array("Q", addresses[:2]), r"dst_ptrs has 2 entries but block_ids has 3"),
+            (
+                array("Q", addresses[:2]),
+                r"dst_ptrs holds 2 addresses but 3 block\(s\) of 1 tensor\(s\) need 3",
+            ),
             (
                 [[addresses[0], addresses[1]], [addresses[1]], [addresses[2]]],
                 r"must list 1 address",
