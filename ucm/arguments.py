@@ -107,20 +107,16 @@ def check_timeout_s(timeout_s: Any, name: str = "timeout_s") -> float | None:
     ``TIMEOUT_S_MAX`` is taken as ``TIMEOUT_S_MAX``, which is no bound in practice)."""
     if timeout_s is None:
         return None
-    valid = "None (no bound) or a finite number of seconds, 0 or more"
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
-        raise InvalidArgumentError(
-            f"{name} must be {valid}, got {type(timeout_s).__name__} {short(timeout_s)}"
-        )
-    if not math.isfinite(timeout_s) or timeout_s < 0:
-        raise InvalidArgumentError(f"{name}={timeout_s!r} is not valid: expected {valid}")
-    return min(float(timeout_s), TIMEOUT_S_MAX)
+    return _seconds(timeout_s, name, "None (no bound) or a finite number of seconds, 0 or more")
 
 
 def check_seconds(seconds: Any, name: str) -> float:
     """A finite number of seconds, 0 or more (capped at ``TIMEOUT_S_MAX``), where None (no
     bound) is not an option."""
-    valid = "a finite number of seconds, 0 or more"
+    return _seconds(seconds, name, "a finite number of seconds, 0 or more")
+
+
+def _seconds(seconds: Any, name: str, valid: str) -> float:
     if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise InvalidArgumentError(
             f"{name} must be {valid}, got {type(seconds).__name__} {short(seconds)}"
