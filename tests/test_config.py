@@ -586,3 +586,34 @@ def test_a_background_read_rate_below_the_least_names_the_value_and_the_least() 
     paced = parse_stack(BASE | {"tiers": [{**buffer, "background_read_bytes_per_s": "512MiB"}]})
     assert paced.buffer is not None
     assert paced.buffer.load_settings().background_read_bytes_per_s == 512 << 20
+
+
+# -- bad input: each refused with the YAML path, the value and what is valid -------------------
+
+SMALL: dict[str, Any] = {"unique_id": "small", "shard_size": 4096, "shards_per_block": 2}
+
+
+def test_a_lower_tier_capacity_below_one_block_is_refused_with_the_least(tmp_path: Path) -> None:
+    # Such a tier evicted every block it was given: each dump "succeeded" and stored nothing.
+    posix = {"type": "posix", "path": str(tmp_path), "capacity": 100}
+    assert problems_of(SMALL | {"buffer": {"capacity": "1MiB"}, "tiers": [posix]}) == [
+        "tiers[0].capacity: 100 bytes cannot hold one block, which this posix tier stores in "
+        "12288 bytes (one file: 2 shard(s) of 4096 bytes and a 4096-byte footer, "
+        "4096-aligned); give at least 12288 bytes, or no capacity for no bound (got 100)"
+    ]
+    fsspec = {"type": "fsspec", "url": "memory://small", "capacity": 0}
+    assert problems_of(SMALL | {"tiers": [{"type": "buffer", "capacity": "1MiB"}, fsspec]}) == [
+        "tiers[1].capacity: 0 bytes cannot hold one block, which this fsspec tier stores in "
+        "8288 bytes (2 object(s) of a 48-byte envelope header and a 4096-byte shard); give at "
+        "least 8288 bytes, or no capacity for no bound (got 0)"
+    ]
+    # Exactly one block is enough; so is a tier type that cannot say, given one shard.
+    parse_stack(SMALL | {"tiers": [posix | {"capacity": "12KiB"}, fsspec | {"capacity": 8288}]})
+
+
+def test_a_tier_type_that_cannot_say_its_block_size_needs_one_shard(scratch_tier: Any) -> None:
+    assert problems_of(SMALL | {"tiers": [{"type": "scratch", "capacity": 4095}]}) == [
+        "tiers[0].capacity: 4095 bytes cannot hold one block, which this scratch tier stores "
+        "in 4096 bytes (one shard of 4096 bytes); give at least 4096 bytes, or no capacity for "
+        "no bound (got 4095)"
+    ]

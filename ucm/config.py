@@ -53,6 +53,13 @@ class TierConfig(BaseModel):
     def label(self) -> str:
         return self.name or self.type
 
+    def block_footprint(self, shard_size: int, shards_per_block: int) -> tuple[int, str] | None:
+        """Bytes this tier stores for one whole block of the stack's geometry (uncompressed),
+        and how they add up, in words: the least ``capacity`` that holds a block (the stack
+        refuses a smaller one, which would evict every block it is given). None: the tier
+        cannot say; the least is then one shard."""
+        return None
+
 
 class BreakerConfig(BaseModel):
     """A lower tier's circuit breaker (YAML ``tiers[i].breaker``; ``ucm.breaker`` runs it)."""

@@ -125,6 +125,7 @@ class StackConfig(BaseModel):
         in_section = self.buffer is not None
         self._place_buffer()
         self._check_admission(1 if in_section else 0)
+        self._check_capacities(1 if in_section else 0)
         if self.load is not None and self.buffer is not None:
             raise PydanticCustomError(
                 "load_with_buffer",
@@ -269,6 +270,26 @@ class StackConfig(BaseModel):
             object.__setattr__(self, "tiers", [self.buffer, *self.tiers])
         if not self.tiers:
             raise _located("tiers", "give a buffer section or at least one tier", self.tiers)
+
+    def _check_capacities(self, offset: int) -> None:
+        """A lower tier's ``capacity`` must hold one block (``TierConfig.block_footprint``;
+        one shard where the tier cannot say): a smaller one evicts every block it is given, so
+        every dump would succeed and store nothing."""
+        shard_size, spb = self.resolved_shard_size, self.shards_per_block
+        for position, tier in enumerate(self.tiers):
+            capacity = getattr(tier, "capacity", None)
+            if tier is self.buffer or not isinstance(capacity, int):
+                continue
+            footprint = tier.block_footprint(shard_size, spb)
+            least, held = footprint or (shard_size, f"one shard of {shard_size} bytes")
+            if capacity < least:
+                raise _located(
+                    f"tiers[{position - offset}].capacity",
+                    f"{capacity} bytes cannot hold one block, which this {tier.type} tier "
+                    f"stores in {least} bytes ({held}); give at least {least} bytes, or no "
+                    "capacity for no bound",
+                    capacity,
+                )
 
     def _check_admission(self, offset: int) -> None:
         """``admit:`` conditions need the CacheBuffer (it counts the uses) and a tier the

@@ -82,6 +82,13 @@ class FsspecConfig(LowerTierConfig):
     )
     io_threads: int = Field(default=8, ge=1, le=256, description="Concurrent requests per batch.")
 
+    def block_footprint(self, shard_size: int, shards_per_block: int) -> tuple[int, str] | None:
+        size = shards_per_block * (HEADER_BYTES + shard_size)
+        return size, (
+            f"{shards_per_block} object(s) of a {HEADER_BYTES}-byte envelope header and a "
+            f"{shard_size}-byte shard"
+        )
+
 
 def _protocol(url: str) -> str:
     return url.split("://", 1)[0] if "://" in url else "file"

@@ -126,6 +126,27 @@ class PosixConfig(LowerTierConfig):
         default=30.0, gt=0, description="Seconds to wait for a file lock before failing."
     )
 
+    def block_footprint(self, shard_size: int, shards_per_block: int) -> tuple[int, str] | None:
+        size = block_file_size(shard_size, shards_per_block)
+        footer = size - shard_size * shards_per_block
+        return size, (
+            f"one file: {shards_per_block} shard(s) of {shard_size} bytes and a {footer}-byte "
+            f"footer, {ALIGN}-aligned"
+        )
+
+
+def footer_lengths(shards_per_block: int) -> tuple[int, int]:
+    """(footer bytes, the footer's region in the file): the region also ends with a copy of the
+    head, so a file of another geometry (whose footer is elsewhere) is recognised from its last
+    bytes instead of looking corrupt."""
+    footer_len = _HEAD.size + _ENTRY_BYTES * shards_per_block + _CRC.size
+    return footer_len, _round_up(footer_len + _HEAD.size, ALIGN)
+
+
+def block_file_size(shard_size: int, shards_per_block: int) -> int:
+    """Bytes of one block file (every shard present, no codec)."""
+    return shard_size * shards_per_block + footer_lengths(shards_per_block)[1]
+
 
 def _round_up(value: int, align: int) -> int:
     return (value + align - 1) // align * align
@@ -202,10 +223,7 @@ class PosixTier(Tier):
         self.shard_size = layout.shard_size
         self.spb = layout.shards_per_block
         self.block_size = layout.block_size
-        self.footer_len = _HEAD.size + _ENTRY_BYTES * self.spb + _CRC.size
-        # The region also ends with a copy of the head, so a file of another geometry (whose
-        # footer is elsewhere) is recognised from its last bytes instead of looking corrupt.
-        self.footer_region = _round_up(self.footer_len + _HEAD.size, ALIGN)
+        self.footer_len, self.footer_region = footer_lengths(self.spb)
         self.file_size = self.block_size + self.footer_region
         try:
             (self.root / ".locks").mkdir(parents=True, exist_ok=True)
