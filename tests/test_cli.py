@@ -157,3 +157,19 @@ def test_demo_runs_ranks_and_reports_hits_with_verified_bytes(tmp_path: Path) ->
         # 3 documents and 12 requests: most prefixes repeat, so most blocks are hits.
         assert report["hit_blocks"] > report["blocks"] // 2
         assert report["loaded_bytes"] == report["hit_blocks"] * 256 * 1024
+
+
+def test_validate_shows_a_huge_setting_cut(tmp_path: Path) -> None:
+    # 6,000 storage options of 10 items (aliases within the limit): the table shows a few.
+    stack = tmp_path / "stack.yaml"
+    options = "".join(f"      k{i}: &v{i} [x, x, x, x, x, x, x, x, x, x]\n" for i in range(3000))
+    options += "".join(f"      m{i}: *v{i}\n" for i in range(3000))
+    stack.write_text(
+        "unique_id: big\nshard_size: 4096\nshards_per_block: 1\ntiers:\n"
+        "  - type: fsspec\n    url: memory://big\n    storage_options:\n" + options
+    )
+    result = ucm("validate", str(stack))
+    assert result.returncode == 0, result.stderr
+    assert "storage_options={'k0':" in result.stdout
+    assert "'k8'" not in result.stdout
+    assert len(result.stdout) < 4000

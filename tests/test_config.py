@@ -517,7 +517,7 @@ def test_invalid_yaml_names_the_file_and_the_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "kind"), [("", "NoneType"), ("- a\n- b\n", "list"), ("42\n", "int")]
+    ("text", "kind"), [("", "an empty file"), ("- a\n- b\n", "list"), ("42\n", "int")]
 )
 def test_yaml_file_that_is_not_a_mapping(tmp_path: Path, text: str, kind: str) -> None:
     path = tmp_path / "stack.yaml"
@@ -617,3 +617,74 @@ def test_a_tier_type_that_cannot_say_its_block_size_needs_one_shard(scratch_tier
         "in 4096 bytes (one shard of 4096 bytes); give at least 4096 bytes, or no capacity for "
         "no bound (got 4095)"
     ]
+
+
+BOMB = "".join(
+    [
+        "unique_id: bomb\nshard_size: 4096\nshards_per_block: 1\ntiers:\n  - type: fsspec\n",
+        "    url: memory://bomb\n    storage_options:\n",
+        "      a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n",
+        *(f"      a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9)),
+    ]
+)
+
+
+@pytest.mark.timeout(30)
+def test_a_yaml_alias_bomb_is_refused_before_anything_walks_it(tmp_path: Path) -> None:
+    # 20 lines that stand for a billion nodes: validating (and printing) them hung.
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BOMB)
+    with pytest.raises(ConfigError) as info:
+        load_stack(path)
+    assert str(info.value) == (
+        f"{path}: its aliases expand to more than 100000 YAML nodes (an alias bomb?); a stack "
+        "is a few hundred"
+    )
+    # Aliases that expand to a few nodes stay valid.
+    path.write_text(BOMB.split("      a0:")[0] + "      a: &a {k: v}\n      b: *a\n")
+    assert load_stack(path).tiers[0].model_dump()["storage_options"] == {
+        "a": {"k": "v"},
+        "b": {"k": "v"},
+    }
+
+
+@pytest.mark.timeout(30)
+def test_a_huge_value_in_an_error_is_cut_while_its_repr_is_built() -> None:
+    # A mapping from Python may share one list a billion times over; its repr is never whole.
+    huge: Any = ["x"] * 10
+    for _ in range(8):
+        huge = [huge] * 10
+    assert problems_of(BASE | {"tiers": [{"type": "posix", "path": "/x"}], "extra": huge}) == [
+        "extra: unknown key (misspelled?); not allowed here (got [[[[[...], [...], [...], "
+        "[...], [...], [...], [...], [...], ...], [[...], [.....)"
+    ]
+
+
+def test_a_stack_file_that_is_not_utf8_names_the_byte_and_offset(tmp_path: Path) -> None:
+    path = tmp_path / "n.yaml"
+    path.write_bytes(b"unique_id: x\n\xff\xfe bad\n")
+    with pytest.raises(ConfigError) as info:
+        load_stack(path)
+    assert str(info.value) == (
+        f"cannot read stack file {str(path)!r}: not UTF-8 text (byte 0xff at offset 13)"
+    )
+
+
+def test_a_duplicate_yaml_key_is_refused_naming_the_key_and_lines(tmp_path: Path) -> None:
+    # PyYAML keeps the last of two equal keys: the first one was lost silently.
+    path = tmp_path / "dup.yaml"
+    path.write_text("unique_id: a\nunique_id: b\nshard_size: 4096\nshards_per_block: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_stack(path)
+    assert str(info.value) == (
+        f"{path}: duplicate key 'unique_id' at line 2 (first at line 1); give each key once"
+    )
+    path.write_text("tiers: [{type: posix, path: /a, path: /b}]\n")
+    with pytest.raises(ConfigError, match="duplicate key 'path' at line 1 \\(first at line 1\\)"):
+        load_stack(path)
+    # A merge (<<) brings keys in that the mapping may override: not duplicates.
+    path.write_text(
+        "unique_id: m\nshard_size: 4096\nshards_per_block: 1\n"
+        "tiers: [&t {type: posix, path: /a}, {<<: *t, path: /b}]\n"
+    )
+    assert [tier.model_dump()["path"] for tier in load_stack(path).tiers] == ["/a", "/b"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -15,6 +15,9 @@ from rich.table import Table
 from . import cli_namespaces, cli_ops
 from .errors import ConfigError, PluginError
 from .sizes import format_size
+
+if TYPE_CHECKING:
+    from .config import TierConfig
 
 app = typer.Typer(
     name="ucm",
@@ -45,8 +48,7 @@ def validate(
     table.add_column("type")
     table.add_column("settings")
     for position, tier in enumerate(stack.tiers):
-        settings = tier.model_dump(exclude={"type"}, exclude_none=True)
-        table.add_row(str(position), tier.type, ", ".join(f"{k}={v}" for k, v in settings.items()))
+        table.add_row(str(position), tier.type, _settings(tier))
     console.print(table)
     sizes = stack.resolved_tensor_sizes
     console.print(
@@ -183,6 +185,28 @@ def gc(
     )
     if report.errors:
         raise typer.Exit(1)
+
+
+SETTING_CHARS_MAX = 200
+"""Most characters ``ucm validate`` shows of one setting's value (a long one ends in ...)."""
+
+
+def _settings(tier: TierConfig) -> str:
+    """A tier's settings as ``key=value, ...``, each value cut while its repr is built: a
+    mapping such as ``storage_options`` may be as large as the stack's YAML allows."""
+    from pydantic import BaseModel
+
+    from .stack import short_str
+
+    parts = []
+    for key in type(tier).model_fields:
+        value = getattr(tier, key)
+        if key == "type" or value is None:
+            continue
+        if isinstance(value, BaseModel):  # a small model of ours (codec, admit, breaker)
+            value = tier.model_dump(include={key}, exclude_none=True)[key]
+        parts.append(f"{key}={short_str(value, SETTING_CHARS_MAX)}")
+    return ", ".join(parts)
 
 
 def _rate(part: int, whole: int) -> str:
