@@ -688,3 +688,41 @@ def test_a_duplicate_yaml_key_is_refused_naming_the_key_and_lines(tmp_path: Path
         "tiers: [&t {type: posix, path: /a}, {<<: *t, path: /b}]\n"
     )
     assert [tier.model_dump()["path"] for tier in load_stack(path).tiers] == ["/a", "/b"]
+
+
+SECONDS_KEYS = [
+    "queue_timeout_s",
+    "dump_submit_timeout_s",
+    "wait_timeout_s",
+    "write_through_wait_s",
+    "write_snapshot_idle_s",
+    "flush_interval_s",
+]
+
+
+@pytest.mark.parametrize("key", [*SECONDS_KEYS, "lock_timeout"])
+def test_a_seconds_setting_must_be_finite_and_at_most_a_day(key: str, tmp_path: Path) -> None:
+    # .inf passed validation and crashed with OverflowError converting it to nanoseconds.
+    where = "tiers[0]" if key == "lock_timeout" else "buffer"
+
+    def stack(value: str) -> Path:
+        tier = f"tiers: [{{type: posix, path: {tmp_path}, {key}: {value}}}]\n"
+        if key != "lock_timeout":
+            tier = f"buffer: {{capacity: 1MiB, {key}: {value}}}\n"
+        path = tmp_path / "stack.yaml"
+        path.write_text("unique_id: s\nshard_size: 4096\nshards_per_block: 1\n" + tier)
+        return path
+
+    for value, shown in ((".inf", "inf"), (".nan", "nan"), ("-.inf", "-inf")):
+        with pytest.raises(ConfigError) as info:
+            load_stack(stack(value))
+        assert info.value.problems == [
+            f"{where}.{key}: Input should be a finite number (got {shown})"
+        ]
+    with pytest.raises(ConfigError) as info:
+        load_stack(stack("86401"))
+    assert info.value.problems == [
+        f"{where}.{key}: Input should be less than or equal to 86400 (got 86401)"
+    ]
+    load_stack(stack("86400"))
+    load_stack(stack("5"))  # an integer is a number of seconds

@@ -38,10 +38,10 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from pydantic import Field, PositiveFloat
+from pydantic import Field
 
 from . import namespaces, shm_gc
-from .config import BufferQuota, LoadSettings, Size, TierConfig
+from .config import BufferQuota, LoadSettings, Seconds, Size, TierConfig
 from .errors import (
     BufferLockTimeoutError,
     InvalidArgumentError,
@@ -106,7 +106,7 @@ class BufferTierConfig(TierConfig, LoadSettings):
         "still lack (write-back debt, node-wide); a dump waits for write-back beyond it, so a "
         "kill -9 of every rank loses at most this much. Capped at half the regular slots.",
     )
-    flush_interval_s: PositiveFloat = Field(
+    flush_interval_s: Seconds = Field(
         default=0.5,
         description="How often an idle rank's background flusher writes dirty slots down "
         "(after this long without a dump).",

@@ -17,9 +17,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    NonNegativeFloat,
     PlainSerializer,
-    PositiveFloat,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -30,6 +28,17 @@ from .sizes import parse_size
 
 Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
 """A byte count; accepts ``8GiB``-style strings."""
+
+SECONDS_MAX = 86_400.0
+"""Longest duration a seconds setting takes (a day): the native side counts time in u64
+nanoseconds, and a longer timeout is a typo or a stand-in for "forever", which no setting
+means."""
+
+Seconds = Annotated[float, Field(gt=0, le=SECONDS_MAX, allow_inf_nan=False)]
+"""A duration in seconds: finite, more than 0, at most ``SECONDS_MAX`` (a day)."""
+
+SecondsOrZero = Annotated[float, Field(ge=0, le=SECONDS_MAX, allow_inf_nan=False)]
+"""A duration in seconds that may be 0: finite, at most ``SECONDS_MAX`` (a day)."""
 
 WritePolicy = Literal["through", "back", "none"]
 
@@ -225,12 +234,12 @@ class LoadSettings(BaseModel):
         le=_abi.QUEUE_LANE_DEPTH_MAX,
         description="Dump tasks queued for the dump dispatcher before dump() blocks.",
     )
-    queue_timeout_s: PositiveFloat = Field(
+    queue_timeout_s: Seconds = Field(
         default=60.0,
         description="Longest load() blocks on a full queue before raising TimeoutError "
         "(dump(): dump_submit_timeout_s).",
     )
-    dump_submit_timeout_s: PositiveFloat = Field(
+    dump_submit_timeout_s: Seconds = Field(
         default=1.0,
         description="Longest dump() blocks on a full dump queue before raising TimeoutError "
         "(the task is then not taken): the bound on an engine's save call, such as vLLM's "
@@ -265,7 +274,7 @@ class LoadSettings(BaseModel):
         description="Prewarm (block, index + 1) of each loaded block in the dispatcher's idle "
         "window (seed 3.4; with a buffer only).",
     )
-    wait_timeout_s: PositiveFloat = Field(
+    wait_timeout_s: Seconds = Field(
         default=30.0,
         description="Longest a rank waits for another rank's load before loading it itself.",
     )
@@ -277,15 +286,13 @@ class LoadSettings(BaseModel):
         "snapshot memory a process keeps, once written, for the next dumps (freed after "
         "write_snapshot_idle_s).",
     )
-    write_through_wait_s: NonNegativeFloat = Field(
+    write_through_wait_s: SecondsOrZero = Field(
         default=0.0,
         description="Longest a dump waits for room in the write-through backlog before its "
         "shards skip the write-through tiers (0: never waits).",
     )
-    write_snapshot_idle_s: float = Field(
+    write_snapshot_idle_s: Seconds = Field(
         default=30.0,
-        gt=0,
-        le=86_400,
         description="How long the write-through writer may sit idle (seconds, at most a day) "
         "before it frees the snapshot memory it keeps for the next dumps (up to "
         "write_queue_bytes) and hands the pages back to the system.",

@@ -67,7 +67,7 @@ from pydantic import Field
 import ucm
 from ucm import envelope, namespaces
 from ucm.affinity import in_background
-from ucm.config import LowerTierConfig, Size
+from ucm.config import LowerTierConfig, Seconds, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key
 from ucm.native.pybuffer import copy_into
@@ -122,8 +122,8 @@ class PosixConfig(LowerTierConfig):
         description="Parallel file I/O per batch (a deeper queue keeps the device busy).",
     )
     fsync: bool = Field(default=False, description="fsync each block file and its directory.")
-    lock_timeout: float = Field(
-        default=30.0, gt=0, description="Seconds to wait for a file lock before failing."
+    lock_timeout: Seconds = Field(
+        default=30.0, description="Seconds to wait for a file lock before failing."
     )
 
     def block_footprint(self, shard_size: int, shards_per_block: int) -> tuple[int, str] | None:
