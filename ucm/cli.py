@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -85,8 +85,8 @@ def demo(
     settings = DemoSettings(
         ranks=ranks, requests=requests, documents=documents, blocks_per_document=blocks, seed=seed
     )
-    stack_yaml = stack.read_text() if stack else None
-    reports = run_demo(settings, stack_yaml=stack_yaml)
+    stack_data = _demo_stack(stack, ranks) if stack is not None else None
+    reports = run_demo(settings, stack=stack_data)
     table = Table(title=f"ucm demo: {ranks} ranks, {requests} requests each")
     for column in (
         "rank",
@@ -149,6 +149,27 @@ def demo(
         json_out.write_text(json.dumps([asdict(r) for r in reports], indent=2))
     if failed:
         raise typer.Exit(1)
+
+
+def _demo_stack(path: Path, ranks: int) -> dict[str, Any]:
+    """The mapping of ``ucm demo --stack``, checked before any rank starts: a file that cannot
+    be read or is not a valid stack, or whose ``shards_per_block`` is not ``--ranks`` (the demo
+    runs one rank per shard; left out, it is ``--ranks``), exits 2 naming the problem."""
+    from .demo import shards_mismatch
+    from .stack import parse_stack, read_stack_source
+
+    try:
+        data, name = read_stack_source(path)
+        stack = {"shards_per_block": ranks, **data}
+        config = parse_stack(stack, source=name)
+        if config.shards_per_block != ranks:
+            raise ConfigError(f"{name}: {shards_mismatch(config.shards_per_block, ranks)}")
+    except (ConfigError, PluginError) as exc:
+        errors.print(
+            f"[red]invalid --stack:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True
+        )
+        raise typer.Exit(2) from None
+    return stack
 
 
 app.command("bench")(cli_ops.bench)
