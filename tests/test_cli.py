@@ -223,3 +223,33 @@ def test_demo_runs_on_a_stack_file_without_shards_per_block(tmp_path: Path) -> N
     result = ucm("demo", "--ranks", "2", "--stack", str(stack), *args, timeout=200)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "KV blocks served from cache instead of recomputed" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "target", "problem"),
+    [
+        ("bench", "--json", "adir", "a directory; give a file to write"),
+        ("bench", "--markdown", "adir", "a directory; give a file to write"),
+        (
+            "bench",
+            "--json",
+            "afile/r.json",
+            "'{tmp}/afile' is not a directory; give a file to write",
+        ),
+        ("bench", "--plot", "afile", "not a directory; give a directory to write into"),
+        ("bench", "--workdir", "afile", "not a directory; give a directory to write into"),
+        ("demo", "--json", "adir", "a directory; give a file to write"),
+    ],
+)
+def test_a_bad_output_path_is_refused_before_the_run(
+    tmp_path: Path, command: str, option: str, target: str, problem: str
+) -> None:
+    # Each was a traceback after the whole run, its results lost.
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
+    path = tmp_path / target
+    quick = ["--quick", "--only", "futex_wake"] if command == "bench" else ["--requests", "2"]
+    result = ucm(command, *quick, option, str(path), timeout=200)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == f"error: {option} {str(path)!r}: {problem.format(tmp=tmp_path)}\n"
+    assert result.stdout == ""  # nothing ran

@@ -85,6 +85,7 @@ def demo(
     settings = DemoSettings(
         ranks=ranks, requests=requests, documents=documents, blocks_per_document=blocks, seed=seed
     )
+    cli_ops.check_outputs(("--json", json_out, False))
     stack_data = _demo_stack(stack, ranks) if stack is not None else None
     reports = run_demo(settings, stack=stack_data)
     table = Table(title=f"ucm demo: {ranks} ranks, {requests} requests each")
@@ -146,7 +147,10 @@ def demo(
     if json_out:
         from dataclasses import asdict
 
-        json_out.write_text(json.dumps([asdict(r) for r in reports], indent=2))
+        with cli_ops.writing("--json", json_out) as written:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps([asdict(r) for r in reports], indent=2))
+        failed |= not written
     if failed:
         raise typer.Exit(1)
 
