@@ -279,3 +279,30 @@ def test_stats_refuses_a_control_segment_that_is_not_a_cachebuffer(
             "CacheBuffer, or one of another UCM version (every process of a node must run the "
             "same UCM version)"
         )
+
+
+def test_stats_serve_on_a_port_in_use_is_a_clean_error(tmp_path: Path) -> None:
+    # It printed a traceback ending in the InvalidArgumentError.
+    import socket
+
+    stack = tmp_path / "stack.yaml"
+    stack.write_text(
+        yaml.safe_dump(
+            {
+                "unique_id": "posix-only",
+                "shard_size": 4096,
+                "shards_per_block": 1,
+                "tiers": [{"type": "posix", "path": str(tmp_path / "nvme")}],
+            }
+        )
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = ucm_cli("stats", str(stack), "--serve", str(port))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        f"error: --serve {port}: port={port} is not valid: cannot listen on it ([Errno 98] "
+        "Address already in use)\n"
+    )

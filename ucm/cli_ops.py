@@ -412,7 +412,15 @@ def stats(
             )
             raise typer.Exit(1)
         if serve is not None:
-            server = cleanup.enter_context(metrics.serve(store, port=serve))
+            try:
+                server = cleanup.enter_context(metrics.serve(store, port=serve))
+            except UcmError as exc:  # the port is taken, or not ours to bind
+                errors.print(
+                    f"[red]error:[/red] --serve {serve}: {escape(str(exc))}",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+                raise typer.Exit(2) from None
             errors.print(f"serving Prometheus metrics on {server.url}", highlight=False)
         readings = count if count is not None else (None if watch or serve is not None else 1)
         _stats_loop(console, store, readings, interval, json_out, watch, by_namespace)
