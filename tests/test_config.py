@@ -465,8 +465,7 @@ def test_every_problem_is_reported_at_once() -> None:
         f"shard_size: Value error, invalid size '8 GiBs': expected {VALID_SIZE_HINT} "
         "(got '8 GiBs')",
         "tiers[0].capcity: unknown key (misspelled?); not allowed here (got 1)",
-        "tiers[1].promote: Input should be a valid boolean, unable to interpret input "
-        "(got 'maybe')",
+        "tiers[1].promote: expected true or false (got 'maybe')",
     ]
 
 
@@ -726,3 +725,39 @@ def test_a_seconds_setting_must_be_finite_and_at_most_a_day(key: str, tmp_path: 
     ]
     load_stack(stack("86400"))
     load_stack(stack("5"))  # an integer is a number of seconds
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "problem"),
+    [
+        ("buffer", "reserved_slots", True, "expected a number, not a boolean"),
+        ("buffer", "load_workers", True, "expected a number, not a boolean"),
+        ("buffer", "wait_timeout_s", True, "expected a number, not a boolean"),
+        ("buffer", "prealloc", 0, "expected true or false"),
+        ("buffer", "rearrange", "yes", "expected true or false"),
+        ("posix", "io_threads", True, "expected a number, not a boolean"),
+        ("posix", "lock_timeout", False, "expected a number, not a boolean"),
+        ("posix", "o_direct", 0, "expected true or false"),
+        ("posix", "fsync", 1, "expected true or false"),
+        ("top", "shards_per_block", True, "expected a number, not a boolean"),
+    ],
+)
+def test_a_boolean_is_no_number_and_a_number_no_boolean(
+    section: str, key: str, value: Any, problem: str
+) -> None:
+    # Pydantic's lax int and float took true as 1, and its lax bool took 0 as false.
+    stack: dict[str, Any] = SMALL | {"tiers": [{"type": "posix", "path": "/x"}]}
+    where = key
+    if section == "buffer":
+        stack["buffer"], where = {"capacity": "1MiB", key: value}, f"buffer.{key}"
+    elif section == "posix":
+        stack["tiers"], where = [{"type": "posix", "path": "/x", key: value}], f"tiers[0].{key}"
+    else:
+        stack[key] = value
+    assert problems_of(stack) == [f"{where}: {problem} (got {value!r})"]
+
+
+def test_a_number_of_seconds_may_be_an_integer() -> None:
+    buffer = {"capacity": "1MiB", "wait_timeout_s": 5, "write_through_wait_s": 0}
+    stack = parse_stack(SMALL | {"buffer": buffer})
+    assert stack.load_settings.wait_timeout_s == 5.0

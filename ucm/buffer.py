@@ -41,7 +41,7 @@ from typing import Literal
 from pydantic import Field
 
 from . import namespaces, shm_gc
-from .config import BufferQuota, LoadSettings, Seconds, Size, TierConfig
+from .config import BufferQuota, LoadSettings, Size, TierConfig
 from .errors import (
     BufferLockTimeoutError,
     InvalidArgumentError,
@@ -50,6 +50,7 @@ from .errors import (
     RoleError,
     TierError,
 )
+from .fieldtypes import Int, Seconds
 from .hookspecs import hookimpl
 from .layout import Key
 from .native import _abi
@@ -89,10 +90,10 @@ class BufferTierConfig(TierConfig, LoadSettings):
 
     type: Literal["buffer"] = "buffer"
     capacity: Size = Field(description="Bytes of regular slots (at least one shard).")
-    reserved_slots: int = Field(
+    reserved_slots: Int = Field(
         default=0, ge=0, description="Extra slots used by Prealloc and dumps when the pool is full."
     )
-    populate_threads: int = Field(
+    populate_threads: Int = Field(
         default=2,
         ge=0,
         le=_abi.POPULATE_THREADS_MAX,

@@ -23,22 +23,12 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .codecs import CodecConfig, NoCodec
+from .fieldtypes import Flag, Int, Seconds, SecondsOrZero
 from .native import _abi
 from .sizes import parse_size
 
 Size = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
 """A byte count; accepts ``8GiB``-style strings."""
-
-SECONDS_MAX = 86_400.0
-"""Longest duration a seconds setting takes (a day): the native side counts time in u64
-nanoseconds, and a longer timeout is a typo or a stand-in for "forever", which no setting
-means."""
-
-Seconds = Annotated[float, Field(gt=0, le=SECONDS_MAX, allow_inf_nan=False)]
-"""A duration in seconds: finite, more than 0, at most ``SECONDS_MAX`` (a day)."""
-
-SecondsOrZero = Annotated[float, Field(ge=0, le=SECONDS_MAX, allow_inf_nan=False)]
-"""A duration in seconds that may be 0: finite, at most ``SECONDS_MAX`` (a day)."""
 
 WritePolicy = Literal["through", "back", "none"]
 
@@ -75,13 +65,13 @@ class BreakerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    failures: int = Field(
+    failures: Int = Field(
         default=3,
         ge=1,
         le=1_000_000,
         description="Consecutive failed or timed-out calls that open the breaker.",
     )
-    probe_interval_ms: int = Field(
+    probe_interval_ms: Int = Field(
         default=10_000,
         ge=1,
         le=24 * 3600 * 1000,
@@ -99,14 +89,14 @@ class AdmitConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    after_reuse: int | None = Field(
+    after_reuse: Int | None = Field(
         default=None,
         ge=1,
         le=_abi.BUFFER_REUSES_MAX,
         description="Uses (node-wide CacheBuffer hits, and waits on another rank's load of "
         "it) a shard needs before it is written to this tier.",
     )
-    min_residency_ms: int | None = Field(
+    min_residency_ms: Int | None = Field(
         default=None,
         ge=1,
         le=24 * 3600 * 1000,
@@ -177,7 +167,7 @@ class LowerTierConfig(TierConfig):
             "from the tier above; none: never written by the cascade (read-only)."
         ),
     )
-    promote: bool = Field(
+    promote: Flag = Field(
         default=False,
         description="Also store keys that were loaded from a tier below this one.",
     )
@@ -193,7 +183,7 @@ class LowerTierConfig(TierConfig):
         "used N times node-wide in the CacheBuffer, {min_residency_ms: T}: once they stayed T ms "
         "in the CacheBuffer, or both. Needs a buffer tier at the top of the stack.",
     )
-    lookup_timeout_ms: int = Field(
+    lookup_timeout_ms: Int = Field(
         default=1000,
         ge=1,
         le=3_600_000,
@@ -221,14 +211,14 @@ class LoadSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    load_queue_depth: int = Field(
+    load_queue_depth: Int = Field(
         default=64,
         ge=1,
         le=_abi.QUEUE_LANE_DEPTH_MAX,
         description="Load tasks queued for the dispatcher before load() blocks; prefetches "
         "have a queue of their own of the same depth.",
     )
-    dump_queue_depth: int = Field(
+    dump_queue_depth: Int = Field(
         default=64,
         ge=1,
         le=_abi.QUEUE_LANE_DEPTH_MAX,
@@ -245,31 +235,31 @@ class LoadSettings(BaseModel):
         "(the task is then not taken): the bound on an engine's save call, such as vLLM's "
         "wait_for_save.",
     )
-    load_workers: int = Field(
+    load_workers: Int = Field(
         default=4,
         ge=1,
         le=_abi.QUEUE_FILL_PARTS_MAX,
         description="Concurrent loads from the tiers below, per rank (loader threads; a step's "
         "keys are cut into this many batches).",
     )
-    step_keys: int = Field(
+    step_keys: Int = Field(
         default=1024,
         ge=1,
         le=_abi.QUEUE_STEP_KEYS_MAX,
         description="Most keys one dispatcher step claims (one batched Get).",
     )
-    copy_threads: int = Field(
+    copy_threads: Int = Field(
         default=4,
         ge=1,
         le=_abi.QUEUE_COPY_THREADS_MAX,
         description="Native threads copying shard bytes between buffer slots and caller memory.",
     )
-    rearrange: bool = Field(
+    rearrange: Flag = Field(
         default=True,
         description="Walk each load task in RearrangeIndex order (false: natural order, kept "
         "only to measure what the rotation buys).",
     )
-    prealloc: bool = Field(
+    prealloc: Flag = Field(
         default=True,
         description="Prewarm (block, index + 1) of each loaded block in the dispatcher's idle "
         "window (seed 3.4; with a buffer only).",

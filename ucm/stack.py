@@ -25,7 +25,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PositiveInt,
     SerializeAsAny,
     ValidationError,
     ValidatorFunctionWrapHandler,
@@ -37,6 +36,7 @@ from pydantic_core import PydanticCustomError
 from .buffer import BufferTierConfig
 from .config import AdmitConfig, LoadSettings, QuotasConfig, Share, Size, TierConfig
 from .errors import ConfigError
+from .fieldtypes import Int
 from .namespaces import NAME_PATTERN, NAME_RULE
 from .native import _abi
 from .plugins import tier_types
@@ -78,10 +78,10 @@ class StackConfig(BaseModel):
         description="Names the node-wide shared segments: one CacheBuffer per unique_id.",
     )
     shard_size: Size | None = Field(default=None, description="Bytes per shard.")
-    tensor_size_list: list[PositiveInt] | None = Field(
+    tensor_size_list: list[Annotated[Int, Field(gt=0)]] | None = Field(
         default=None, description="Byte sizes of the tensors a shard is made of, in order."
     )
-    shards_per_block: PositiveInt = Field(description="Shards (e.g. TP ranks) per block.")
+    shards_per_block: Int = Field(gt=0, description="Shards (e.g. TP ranks) per block.")
     buffer: BufferTierConfig | None = Field(
         default=None,
         exclude=True,  # serialized as tiers[0], the one place a re-parse reads it from

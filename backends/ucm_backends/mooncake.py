@@ -71,8 +71,9 @@ from pydantic import Field, ValidationInfo, field_validator
 
 import ucm
 from ucm import envelope, namespaces
-from ucm.config import LowerTierConfig, Seconds, Size
+from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
+from ucm.fieldtypes import Int, Seconds
 from ucm.layout import Key
 from ucm.native.pybuffer import buffer_address
 from ucm.tier import (
@@ -193,7 +194,7 @@ class MooncakeConfig(LowerTierConfig):
         default=16 * 1024 * 1024,
         description="Mooncake's client-side staging buffer (UCM's zero-copy path bypasses it).",
     )
-    replica_num: int = Field(
+    replica_num: Int = Field(
         default=1,
         ge=1,
         le=16,

@@ -67,8 +67,9 @@ from pydantic import Field
 import ucm
 from ucm import envelope, namespaces
 from ucm.affinity import in_background
-from ucm.config import LowerTierConfig, Seconds, Size
+from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
+from ucm.fieldtypes import Flag, Int, Seconds
 from ucm.layout import Key
 from ucm.native.pybuffer import copy_into
 from ucm.threadname import enter_thread
@@ -110,18 +111,18 @@ class PosixConfig(LowerTierConfig):
     capacity: Size | None = Field(
         default=None, description="Bound on the bytes on disk; oldest-touched blocks go first."
     )
-    o_direct: bool = Field(
+    o_direct: Flag = Field(
         default=False,
         description="Bypass the page cache (O_DIRECT) when the filesystem and geometry allow it "
         "(shard_size a multiple of 4096); falls back to buffered I/O otherwise.",
     )
-    io_threads: int = Field(
+    io_threads: Int = Field(
         default=8,
         ge=1,
         le=256,
         description="Parallel file I/O per batch (a deeper queue keeps the device busy).",
     )
-    fsync: bool = Field(default=False, description="fsync each block file and its directory.")
+    fsync: Flag = Field(default=False, description="fsync each block file and its directory.")
     lock_timeout: Seconds = Field(
         default=30.0, description="Seconds to wait for a file lock before failing."
     )
