@@ -306,3 +306,32 @@ def test_stats_serve_on_a_port_in_use_is_a_clean_error(tmp_path: Path) -> None:
         f"error: --serve {port}: port={port} is not valid: cannot listen on it ([Errno 98] "
         "Address already in use)\n"
     )
+
+
+def test_stats_of_an_invalid_stack_names_its_problem_before_looking_for_a_buffer(
+    tmp_path: Path,
+) -> None:
+    # It said "no live CacheBuffer ... start a rank", hiding the stack's own error.
+    stack = tmp_path / "badsize.yaml"
+    stack.write_text(
+        f"unique_id: bad-{uuid.uuid4().hex[:8]}\nshard_size: 12XB\nshards_per_block: 1\n"
+        "buffer: {capacity: 1MiB}\n"
+    )
+    result = ucm_cli("stats", str(stack))
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"invalid: {stack}: invalid stack:\n  shard_size: Value error, invalid size '12XB': "
+        "expected an integer byte count or a string like '64GiB', '512MiB', '4096', '1.5GB' "
+        "(got '12XB')\n"
+    )
+    # An engine's stack (no geometry: the live buffer gives it) is checked as well.
+    stack.write_text(
+        f"unique_id: bad-{uuid.uuid4().hex[:8]}\ntiers:\n  - {{type: buffer, capacity: 1MiB, "
+        "load_workers: 0}\n"
+    )
+    result = ucm_cli("stats", str(stack))
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"invalid: {stack}: invalid stack:\n  tiers[0].load_workers: Input should be greater "
+        "than or equal to 1 (got 0)\n"
+    )

@@ -458,6 +458,9 @@ def live_stack(path: Path) -> StackConfig:
         control = ctrl_path(unique_id)
     except InvalidArgumentError:
         return parse_stack(data, source=name)  # the stack's own error names the bad unique_id
+    # A bad stack is a config error whether or not its buffer is live: checked first, with the
+    # geometry the live buffer gives (when the stack leaves it out) stood in for by 1 byte.
+    _merge_geometry(data, section is not None, top, tiers, shard_size=1, capacity=None, name=name)
     try:
         geometry = live_geometry(unique_id)
     except FileNotFoundError:
@@ -468,20 +471,18 @@ def live_stack(path: Path) -> StackConfig:
         ) from None
     except InvalidArgumentError as exc:
         raise ConfigError(f"{name}: unique_id {unique_id!r}: {exc}") from None
-    merged = dict(data)
-    if merged.get("shard_size") is None and merged.get("tensor_size_list") is None:
-        merged["shard_size"] = geometry.shard_size_bytes
-    merged.setdefault("shards_per_block", 1)
-    live_top = {
-        **top,
-        "capacity": geometry.slot_count_regular * geometry.shard_size_bytes,
-        "reserved_slots": geometry.slot_count_reserved,
-    }
-    if section is not None:
-        merged["buffer"] = live_top
-    else:
-        merged["tiers"] = [live_top, *tiers[1:]]
-    config = parse_stack(merged, source=name)
+    config = _merge_geometry(
+        data,
+        section is not None,
+        top,
+        tiers,
+        shard_size=geometry.shard_size_bytes,
+        capacity=(
+            geometry.slot_count_regular * geometry.shard_size_bytes,
+            geometry.slot_count_reserved,
+        ),
+        name=name,
+    )
     if config.resolved_shard_size != geometry.shard_size_bytes:
         raise ConfigError(
             f"{name}: the stack states a shard size of {config.resolved_shard_size} bytes, but "
@@ -490,6 +491,35 @@ def live_stack(path: Path) -> StackConfig:
             "`ucm stats` reads them from the live buffer"
         )
     return config
+
+
+def _merge_geometry(
+    data: Mapping[str, Any],
+    in_section: bool,
+    top: Mapping[str, Any],
+    tiers: list[Any],
+    shard_size: int,
+    capacity: tuple[int, int] | None,
+    name: str = "stack",
+) -> StackConfig:
+    """``data`` validated with ``shard_size`` where it states no geometry, 1 shard per block
+    unless it states one, and the buffer's (capacity, reserved slots) set to ``capacity``
+    (None: as stated, 1 byte when not)."""
+    from .stack import parse_stack
+
+    merged = dict(data)
+    if merged.get("shard_size") is None and merged.get("tensor_size_list") is None:
+        merged["shard_size"] = shard_size
+    merged.setdefault("shards_per_block", 1)
+    if capacity is not None:
+        live_top = {**top, "capacity": capacity[0], "reserved_slots": capacity[1]}
+    else:
+        live_top = {"capacity": 1, **top}
+    if in_section:
+        merged["buffer"] = live_top
+    else:
+        merged["tiers"] = [live_top, *tiers[1:]]
+    return parse_stack(merged, source=name)
 
 
 def _stats_loop(
