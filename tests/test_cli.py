@@ -157,3 +157,99 @@ def test_demo_runs_ranks_and_reports_hits_with_verified_bytes(tmp_path: Path) ->
         # 3 documents and 12 requests: most prefixes repeat, so most blocks are hits.
         assert report["hit_blocks"] > report["blocks"] // 2
         assert report["loaded_bytes"] == report["hit_blocks"] * 256 * 1024
+
+
+def test_validate_shows_a_huge_setting_cut(tmp_path: Path) -> None:
+    # 6,000 storage options of 10 items (aliases within the limit): the table shows a few.
+    stack = tmp_path / "stack.yaml"
+    options = "".join(f"      k{i}: &v{i} [x, x, x, x, x, x, x, x, x, x]\n" for i in range(3000))
+    options += "".join(f"      m{i}: *v{i}\n" for i in range(3000))
+    stack.write_text(
+        "unique_id: big\nshard_size: 4096\nshards_per_block: 1\ntiers:\n"
+        "  - type: fsspec\n    url: memory://big\n    storage_options:\n" + options
+    )
+    result = ucm("validate", str(stack))
+    assert result.returncode == 0, result.stderr
+    assert "storage_options={'k0':" in result.stdout
+    assert "'k8'" not in result.stdout
+    assert len(result.stdout) < 4000
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "problem"),
+    [
+        ("missing.yaml", None, "cannot read stack file '{path}': No such file or directory"),
+        ("adir", "dir", "cannot read stack file '{path}': Is a directory"),
+        ("n.yaml", b"unique_id: x\n\xff", "cannot read stack file '{path}': not UTF-8 text"),
+        ("bad.yaml", b"tiers: [\n", "{path}: not valid YAML: "),
+        ("list.yaml", b"- a\n", "{path}: a stack must be a mapping, got list"),
+        ("empty.yaml", b"", "{path}: a stack must be a mapping, got an empty file"),
+        (
+            "size.yaml",
+            b"unique_id: d\nshard_size: 12XB\nbuffer: {capacity: 1MiB}\n",
+            "{path}: invalid stack:\n  shard_size: Value error, invalid size '12XB'",
+        ),
+        (
+            "spb.yaml",
+            b"unique_id: d\nshard_size: 4096\nshards_per_block: 1\nbuffer: {capacity: 1MiB}\n",
+            "{path}: shards_per_block is 1, but --ranks is 2: the demo runs one rank per shard; "
+            "give --ranks 1, or leave shards_per_block out of the stack",
+        ),
+    ],
+)
+def test_demo_refuses_a_bad_stack_file_before_running(
+    tmp_path: Path, name: str, content: bytes | str | None, problem: str
+) -> None:
+    # Each was a traceback (or, for the empty file, a run on the embedded stack, exit 0; for
+    # shards_per_block, a run that silently overwrote it with --ranks).
+    path = tmp_path / name
+    if content == "dir":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    result = ucm("demo", "--ranks", "2", "--stack", str(path))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("invalid --stack: " + problem.format(path=path))
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_demo_runs_on_a_stack_file_without_shards_per_block(tmp_path: Path) -> None:
+    stack = tmp_path / "stack.yaml"
+    stack.write_text(
+        f"unique_id: demo-{os.getpid()}\nshard_size: 8192\nbuffer: {{capacity: 1MiB}}\n"
+        f"tiers: [{{type: posix, path: {tmp_path / 'disk'}}}]\n"
+    )
+    args = ("--requests", "4", "--documents", "2", "--blocks", "4")
+    result = ucm("demo", "--ranks", "2", "--stack", str(stack), *args, timeout=200)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "KV blocks served from cache instead of recomputed" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "option", "target", "problem"),
+    [
+        ("bench", "--json", "adir", "a directory; give a file to write"),
+        ("bench", "--markdown", "adir", "a directory; give a file to write"),
+        (
+            "bench",
+            "--json",
+            "afile/r.json",
+            "'{tmp}/afile' is not a directory; give a file to write",
+        ),
+        ("bench", "--plot", "afile", "not a directory; give a directory to write into"),
+        ("bench", "--workdir", "afile", "not a directory; give a directory to write into"),
+        ("demo", "--json", "adir", "a directory; give a file to write"),
+    ],
+)
+def test_a_bad_output_path_is_refused_before_the_run(
+    tmp_path: Path, command: str, option: str, target: str, problem: str
+) -> None:
+    # Each was a traceback after the whole run, its results lost.
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("")
+    path = tmp_path / target
+    quick = ["--quick", "--only", "futex_wake"] if command == "bench" else ["--requests", "2"]
+    result = ucm(command, *quick, option, str(path), timeout=200)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == f"error: {option} {str(path)!r}: {problem.format(tmp=tmp_path)}\n"
+    assert result.stdout == ""  # nothing ran

@@ -465,8 +465,7 @@ def test_every_problem_is_reported_at_once() -> None:
         f"shard_size: Value error, invalid size '8 GiBs': expected {VALID_SIZE_HINT} "
         "(got '8 GiBs')",
         "tiers[0].capcity: unknown key (misspelled?); not allowed here (got 1)",
-        "tiers[1].promote: Input should be a valid boolean, unable to interpret input "
-        "(got 'maybe')",
+        "tiers[1].promote: expected true or false (got 'maybe')",
     ]
 
 
@@ -517,7 +516,7 @@ def test_invalid_yaml_names_the_file_and_the_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "kind"), [("", "NoneType"), ("- a\n- b\n", "list"), ("42\n", "int")]
+    ("text", "kind"), [("", "an empty file"), ("- a\n- b\n", "list"), ("42\n", "int")]
 )
 def test_yaml_file_that_is_not_a_mapping(tmp_path: Path, text: str, kind: str) -> None:
     path = tmp_path / "stack.yaml"
@@ -586,3 +585,179 @@ def test_a_background_read_rate_below_the_least_names_the_value_and_the_least() 
     paced = parse_stack(BASE | {"tiers": [{**buffer, "background_read_bytes_per_s": "512MiB"}]})
     assert paced.buffer is not None
     assert paced.buffer.load_settings().background_read_bytes_per_s == 512 << 20
+
+
+# -- bad input: each refused with the YAML path, the value and what is valid -------------------
+
+SMALL: dict[str, Any] = {"unique_id": "small", "shard_size": 4096, "shards_per_block": 2}
+
+
+def test_a_lower_tier_capacity_below_one_block_is_refused_with_the_least(tmp_path: Path) -> None:
+    # Such a tier evicted every block it was given: each dump "succeeded" and stored nothing.
+    posix = {"type": "posix", "path": str(tmp_path), "capacity": 100}
+    assert problems_of(SMALL | {"buffer": {"capacity": "1MiB"}, "tiers": [posix]}) == [
+        "tiers[0].capacity: 100 bytes cannot hold one block, which this posix tier stores in "
+        "12288 bytes (one file: 2 shard(s) of 4096 bytes and a 4096-byte footer, "
+        "4096-aligned); give at least 12288 bytes, or no capacity for no bound (got 100)"
+    ]
+    fsspec = {"type": "fsspec", "url": "memory://small", "capacity": 0}
+    assert problems_of(SMALL | {"tiers": [{"type": "buffer", "capacity": "1MiB"}, fsspec]}) == [
+        "tiers[1].capacity: 0 bytes cannot hold one block, which this fsspec tier stores in "
+        "8288 bytes (2 object(s) of a 48-byte envelope header and a 4096-byte shard); give at "
+        "least 8288 bytes, or no capacity for no bound (got 0)"
+    ]
+    # Exactly one block is enough; so is a tier type that cannot say, given one shard.
+    parse_stack(SMALL | {"tiers": [posix | {"capacity": "12KiB"}, fsspec | {"capacity": 8288}]})
+
+
+def test_a_tier_type_that_cannot_say_its_block_size_needs_one_shard(scratch_tier: Any) -> None:
+    assert problems_of(SMALL | {"tiers": [{"type": "scratch", "capacity": 4095}]}) == [
+        "tiers[0].capacity: 4095 bytes cannot hold one block, which this scratch tier stores "
+        "in 4096 bytes (one shard of 4096 bytes); give at least 4096 bytes, or no capacity for "
+        "no bound (got 4095)"
+    ]
+
+
+BOMB = "".join(
+    [
+        "unique_id: bomb\nshard_size: 4096\nshards_per_block: 1\ntiers:\n  - type: fsspec\n",
+        "    url: memory://bomb\n    storage_options:\n",
+        "      a0: &a0 [x, x, x, x, x, x, x, x, x, x]\n",
+        *(f"      a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]\n" for i in range(1, 9)),
+    ]
+)
+
+
+@pytest.mark.timeout(30)
+def test_a_yaml_alias_bomb_is_refused_before_anything_walks_it(tmp_path: Path) -> None:
+    # 20 lines that stand for a billion nodes: validating (and printing) them hung.
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BOMB)
+    with pytest.raises(ConfigError) as info:
+        load_stack(path)
+    assert str(info.value) == (
+        f"{path}: its aliases expand to more than 100000 YAML nodes (an alias bomb?); a stack "
+        "is a few hundred"
+    )
+    # Aliases that expand to a few nodes stay valid.
+    path.write_text(BOMB.split("      a0:")[0] + "      a: &a {k: v}\n      b: *a\n")
+    assert load_stack(path).tiers[0].model_dump()["storage_options"] == {
+        "a": {"k": "v"},
+        "b": {"k": "v"},
+    }
+
+
+@pytest.mark.timeout(30)
+def test_a_huge_value_in_an_error_is_cut_while_its_repr_is_built() -> None:
+    # A mapping from Python may share one list a billion times over; its repr is never whole.
+    huge: Any = ["x"] * 10
+    for _ in range(8):
+        huge = [huge] * 10
+    assert problems_of(BASE | {"tiers": [{"type": "posix", "path": "/x"}], "extra": huge}) == [
+        "extra: unknown key (misspelled?); not allowed here (got [[[[[...], [...], [...], "
+        "[...], [...], [...], [...], [...], ...], [[...], [.....)"
+    ]
+
+
+def test_a_stack_file_that_is_not_utf8_names_the_byte_and_offset(tmp_path: Path) -> None:
+    path = tmp_path / "n.yaml"
+    path.write_bytes(b"unique_id: x\n\xff\xfe bad\n")
+    with pytest.raises(ConfigError) as info:
+        load_stack(path)
+    assert str(info.value) == (
+        f"cannot read stack file {str(path)!r}: not UTF-8 text (byte 0xff at offset 13)"
+    )
+
+
+def test_a_duplicate_yaml_key_is_refused_naming_the_key_and_lines(tmp_path: Path) -> None:
+    # PyYAML keeps the last of two equal keys: the first one was lost silently.
+    path = tmp_path / "dup.yaml"
+    path.write_text("unique_id: a\nunique_id: b\nshard_size: 4096\nshards_per_block: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_stack(path)
+    assert str(info.value) == (
+        f"{path}: duplicate key 'unique_id' at line 2 (first at line 1); give each key once"
+    )
+    path.write_text("tiers: [{type: posix, path: /a, path: /b}]\n")
+    with pytest.raises(ConfigError, match="duplicate key 'path' at line 1 \\(first at line 1\\)"):
+        load_stack(path)
+    # A merge (<<) brings keys in that the mapping may override: not duplicates.
+    path.write_text(
+        "unique_id: m\nshard_size: 4096\nshards_per_block: 1\n"
+        "tiers: [&t {type: posix, path: /a}, {<<: *t, path: /b}]\n"
+    )
+    assert [tier.model_dump()["path"] for tier in load_stack(path).tiers] == ["/a", "/b"]
+
+
+SECONDS_KEYS = [
+    "queue_timeout_s",
+    "dump_submit_timeout_s",
+    "wait_timeout_s",
+    "write_through_wait_s",
+    "write_snapshot_idle_s",
+    "flush_interval_s",
+]
+
+
+@pytest.mark.parametrize("key", [*SECONDS_KEYS, "lock_timeout"])
+def test_a_seconds_setting_must_be_finite_and_at_most_a_day(key: str, tmp_path: Path) -> None:
+    # .inf passed validation and crashed with OverflowError converting it to nanoseconds.
+    where = "tiers[0]" if key == "lock_timeout" else "buffer"
+
+    def stack(value: str) -> Path:
+        tier = f"tiers: [{{type: posix, path: {tmp_path}, {key}: {value}}}]\n"
+        if key != "lock_timeout":
+            tier = f"buffer: {{capacity: 1MiB, {key}: {value}}}\n"
+        path = tmp_path / "stack.yaml"
+        path.write_text("unique_id: s\nshard_size: 4096\nshards_per_block: 1\n" + tier)
+        return path
+
+    for value, shown in ((".inf", "inf"), (".nan", "nan"), ("-.inf", "-inf")):
+        with pytest.raises(ConfigError) as info:
+            load_stack(stack(value))
+        assert info.value.problems == [
+            f"{where}.{key}: Input should be a finite number (got {shown})"
+        ]
+    with pytest.raises(ConfigError) as info:
+        load_stack(stack("86401"))
+    assert info.value.problems == [
+        f"{where}.{key}: Input should be less than or equal to 86400 (got 86401)"
+    ]
+    load_stack(stack("86400"))
+    load_stack(stack("5"))  # an integer is a number of seconds
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "problem"),
+    [
+        ("buffer", "reserved_slots", True, "expected a number, not a boolean"),
+        ("buffer", "load_workers", True, "expected a number, not a boolean"),
+        ("buffer", "wait_timeout_s", True, "expected a number, not a boolean"),
+        ("buffer", "prealloc", 0, "expected true or false"),
+        ("buffer", "rearrange", "yes", "expected true or false"),
+        ("posix", "io_threads", True, "expected a number, not a boolean"),
+        ("posix", "lock_timeout", False, "expected a number, not a boolean"),
+        ("posix", "o_direct", 0, "expected true or false"),
+        ("posix", "fsync", 1, "expected true or false"),
+        ("top", "shards_per_block", True, "expected a number, not a boolean"),
+    ],
+)
+def test_a_boolean_is_no_number_and_a_number_no_boolean(
+    section: str, key: str, value: Any, problem: str
+) -> None:
+    # Pydantic's lax int and float took true as 1, and its lax bool took 0 as false.
+    stack: dict[str, Any] = SMALL | {"tiers": [{"type": "posix", "path": "/x"}]}
+    where = key
+    if section == "buffer":
+        stack["buffer"], where = {"capacity": "1MiB", key: value}, f"buffer.{key}"
+    elif section == "posix":
+        stack["tiers"], where = [{"type": "posix", "path": "/x", key: value}], f"tiers[0].{key}"
+    else:
+        stack[key] = value
+    assert problems_of(stack) == [f"{where}: {problem} (got {value!r})"]
+
+
+def test_a_number_of_seconds_may_be_an_integer() -> None:
+    buffer = {"capacity": "1MiB", "wait_timeout_s": 5, "write_through_wait_s": 0}
+    stack = parse_stack(SMALL | {"buffer": buffer})
+    assert stack.load_settings.wait_timeout_s == 5.0

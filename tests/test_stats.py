@@ -279,3 +279,59 @@ def test_stats_refuses_a_control_segment_that_is_not_a_cachebuffer(
             "CacheBuffer, or one of another UCM version (every process of a node must run the "
             "same UCM version)"
         )
+
+
+def test_stats_serve_on_a_port_in_use_is_a_clean_error(tmp_path: Path) -> None:
+    # It printed a traceback ending in the InvalidArgumentError.
+    import socket
+
+    stack = tmp_path / "stack.yaml"
+    stack.write_text(
+        yaml.safe_dump(
+            {
+                "unique_id": "posix-only",
+                "shard_size": 4096,
+                "shards_per_block": 1,
+                "tiers": [{"type": "posix", "path": str(tmp_path / "nvme")}],
+            }
+        )
+    )
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = ucm_cli("stats", str(stack), "--serve", str(port))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        f"error: --serve {port}: port={port} is not valid: cannot listen on it ([Errno 98] "
+        "Address already in use)\n"
+    )
+
+
+def test_stats_of_an_invalid_stack_names_its_problem_before_looking_for_a_buffer(
+    tmp_path: Path,
+) -> None:
+    # It said "no live CacheBuffer ... start a rank", hiding the stack's own error.
+    stack = tmp_path / "badsize.yaml"
+    stack.write_text(
+        f"unique_id: bad-{uuid.uuid4().hex[:8]}\nshard_size: 12XB\nshards_per_block: 1\n"
+        "buffer: {capacity: 1MiB}\n"
+    )
+    result = ucm_cli("stats", str(stack))
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"invalid: {stack}: invalid stack:\n  shard_size: Value error, invalid size '12XB': "
+        "expected an integer byte count or a string like '64GiB', '512MiB', '4096', '1.5GB' "
+        "(got '12XB')\n"
+    )
+    # An engine's stack (no geometry: the live buffer gives it) is checked as well.
+    stack.write_text(
+        f"unique_id: bad-{uuid.uuid4().hex[:8]}\ntiers:\n  - {{type: buffer, capacity: 1MiB, "
+        "load_workers: 0}\n"
+    )
+    result = ucm_cli("stats", str(stack))
+    assert result.returncode == 1
+    assert result.stderr == (
+        f"invalid: {stack}: invalid stack:\n  tiers[0].load_workers: Input should be greater "
+        "than or equal to 1 (got 0)\n"
+    )

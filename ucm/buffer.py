@@ -38,7 +38,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from pydantic import Field, PositiveFloat
+from pydantic import Field
 
 from . import namespaces, shm_gc
 from .config import BufferQuota, LoadSettings, Size, TierConfig
@@ -50,6 +50,7 @@ from .errors import (
     RoleError,
     TierError,
 )
+from .fieldtypes import Int, Seconds
 from .hookspecs import hookimpl
 from .layout import Key
 from .native import _abi
@@ -89,10 +90,10 @@ class BufferTierConfig(TierConfig, LoadSettings):
 
     type: Literal["buffer"] = "buffer"
     capacity: Size = Field(description="Bytes of regular slots (at least one shard).")
-    reserved_slots: int = Field(
+    reserved_slots: Int = Field(
         default=0, ge=0, description="Extra slots used by Prealloc and dumps when the pool is full."
     )
-    populate_threads: int = Field(
+    populate_threads: Int = Field(
         default=2,
         ge=0,
         le=_abi.POPULATE_THREADS_MAX,
@@ -106,7 +107,7 @@ class BufferTierConfig(TierConfig, LoadSettings):
         "still lack (write-back debt, node-wide); a dump waits for write-back beyond it, so a "
         "kill -9 of every rank loses at most this much. Capped at half the regular slots.",
     )
-    flush_interval_s: PositiveFloat = Field(
+    flush_interval_s: Seconds = Field(
         default=0.5,
         description="How often an idle rank's background flusher writes dirty slots down "
         "(after this long without a dump).",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -15,6 +15,9 @@ from rich.table import Table
 from . import cli_namespaces, cli_ops
 from .errors import ConfigError, PluginError
 from .sizes import format_size
+
+if TYPE_CHECKING:
+    from .config import TierConfig
 
 app = typer.Typer(
     name="ucm",
@@ -45,8 +48,7 @@ def validate(
     table.add_column("type")
     table.add_column("settings")
     for position, tier in enumerate(stack.tiers):
-        settings = tier.model_dump(exclude={"type"}, exclude_none=True)
-        table.add_row(str(position), tier.type, ", ".join(f"{k}={v}" for k, v in settings.items()))
+        table.add_row(str(position), tier.type, _settings(tier))
     console.print(table)
     sizes = stack.resolved_tensor_sizes
     console.print(
@@ -83,8 +85,9 @@ def demo(
     settings = DemoSettings(
         ranks=ranks, requests=requests, documents=documents, blocks_per_document=blocks, seed=seed
     )
-    stack_yaml = stack.read_text() if stack else None
-    reports = run_demo(settings, stack_yaml=stack_yaml)
+    cli_ops.check_outputs(("--json", json_out, False))
+    stack_data = _demo_stack(stack, ranks) if stack is not None else None
+    reports = run_demo(settings, stack=stack_data)
     table = Table(title=f"ucm demo: {ranks} ranks, {requests} requests each")
     for column in (
         "rank",
@@ -144,9 +147,33 @@ def demo(
     if json_out:
         from dataclasses import asdict
 
-        json_out.write_text(json.dumps([asdict(r) for r in reports], indent=2))
+        with cli_ops.writing("--json", json_out) as written:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps([asdict(r) for r in reports], indent=2))
+        failed |= not written
     if failed:
         raise typer.Exit(1)
+
+
+def _demo_stack(path: Path, ranks: int) -> dict[str, Any]:
+    """The mapping of ``ucm demo --stack``, checked before any rank starts: a file that cannot
+    be read or is not a valid stack, or whose ``shards_per_block`` is not ``--ranks`` (the demo
+    runs one rank per shard; left out, it is ``--ranks``), exits 2 naming the problem."""
+    from .demo import shards_mismatch
+    from .stack import parse_stack, read_stack_source
+
+    try:
+        data, name = read_stack_source(path)
+        stack = {"shards_per_block": ranks, **data}
+        config = parse_stack(stack, source=name)
+        if config.shards_per_block != ranks:
+            raise ConfigError(f"{name}: {shards_mismatch(config.shards_per_block, ranks)}")
+    except (ConfigError, PluginError) as exc:
+        errors.print(
+            f"[red]invalid --stack:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True
+        )
+        raise typer.Exit(2) from None
+    return stack
 
 
 app.command("bench")(cli_ops.bench)
@@ -183,6 +210,28 @@ def gc(
     )
     if report.errors:
         raise typer.Exit(1)
+
+
+SETTING_CHARS_MAX = 200
+"""Most characters ``ucm validate`` shows of one setting's value (a long one ends in ...)."""
+
+
+def _settings(tier: TierConfig) -> str:
+    """A tier's settings as ``key=value, ...``, each value cut while its repr is built: a
+    mapping such as ``storage_options`` may be as large as the stack's YAML allows."""
+    from pydantic import BaseModel
+
+    from .stack import short_str
+
+    parts = []
+    for key in type(tier).model_fields:
+        value = getattr(tier, key)
+        if key == "type" or value is None:
+            continue
+        if isinstance(value, BaseModel):  # a small model of ours (codec, admit, breaker)
+            value = tier.model_dump(include={key}, exclude_none=True)[key]
+        parts.append(f"{key}={short_str(value, SETTING_CHARS_MAX)}")
+    return ", ".join(parts)
 
 
 def _rate(part: int, whole: int) -> str:

@@ -4,10 +4,11 @@ running CacheBuffer. Registered on the typer app in ``ucm.cli``."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -70,6 +71,12 @@ def bench(
     from .bench._runner import SuiteReport, machine_info, run_one, select, write_plots
 
     console = _stdout()
+    check_outputs(
+        ("--json", json_out, False),
+        ("--markdown", markdown_out, False),
+        ("--plot", plot_dir, True),
+        ("--workdir", workdir, True),
+    )
     benchmarks = discover()
     if list_only:
         for benchmark in benchmarks:
@@ -93,7 +100,10 @@ def bench(
             )
             raise typer.Exit(2) from None
     if workdir is not None:
-        workdir.mkdir(parents=True, exist_ok=True)
+        with writing("--workdir", workdir) as made:
+            workdir.mkdir(parents=True, exist_ok=True)
+        if not made:
+            raise typer.Exit(2)
     report = SuiteReport(quick=quick, machine=machine_info(), started_at=time.time())
     console.print(_machine_table(report.machine))
     started = time.perf_counter()
@@ -101,30 +111,94 @@ def bench(
         for outcome in _run_with_progress(chosen, quick, Path(scratch), run_one):
             report.outcomes.append(outcome)
     report.seconds = time.perf_counter() - started
-    if plot_dir is not None:
-        taken: set[str] = set()
-        for outcome in report.outcomes:
-            write_plots(outcome, plot_dir, taken)
     console.print(_results_table(report))
     _print_notes(console, report)
+    # The paths were checked before the run; one that fails now (a full disk, a file system
+    # gone read-only) is reported and the other outputs are still written.
+    unwritten = False
+    if plot_dir is not None:
+        taken: set[str] = set()
+        with writing("--plot", plot_dir) as ok:
+            for outcome in report.outcomes:
+                write_plots(outcome, plot_dir, taken)
+        unwritten |= not ok
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report.to_json(), indent=2, allow_nan=False) + "\n")
-        console.print(f"JSON: {json_out}", highlight=False)
+        with writing("--json", json_out) as ok:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps(report.to_json(), indent=2, allow_nan=False) + "\n")
+            console.print(f"JSON: {json_out}", highlight=False)
+        unwritten |= not ok
     if markdown_out is not None:
         from .bench._runner import markdown_report
 
-        markdown_out.parent.mkdir(parents=True, exist_ok=True)
-        markdown_out.write_text(markdown_report(report, relative_to=markdown_out.parent))
-        console.print(f"Markdown: {markdown_out}", highlight=False)
+        with writing("--markdown", markdown_out) as ok:
+            markdown_out.parent.mkdir(parents=True, exist_ok=True)
+            markdown_out.write_text(markdown_report(report, relative_to=markdown_out.parent))
+            console.print(f"Markdown: {markdown_out}", highlight=False)
+        unwritten |= not ok
     for outcome in report.failed:
         errors.print(
             f"[red]FAILED[/red] {escape(outcome.name)}: {escape(outcome.error or '')}",
             highlight=False,
             soft_wrap=True,
         )
-    if report.failed:
+    if report.failed or unwritten:
         raise typer.Exit(1)
+
+
+class _Written:
+    """Whether a :func:`writing` block wrote its output (truthy) or failed."""
+
+    def __init__(self) -> None:
+        self.ok = True
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+@contextmanager
+def writing(option: str, path: Path) -> Iterator[_Written]:
+    """Runs a block that writes ``option``'s ``path``; an OSError in it is printed as an
+    error naming the option and path (no traceback), and the result is falsy."""
+    written = _Written()
+    try:
+        yield written
+    except OSError as exc:
+        written.ok = False
+        problem = f"{option} {str(path)!r}: cannot write: {exc.strerror or exc}"
+        errors.print(f"[red]error:[/red] {escape(problem)}", highlight=False, soft_wrap=True)
+
+
+def output_problem(path: Path, option: str, directory: bool = False) -> str | None:
+    """Why ``option``'s ``path`` cannot be written (None: it can): a file to write (or, with
+    ``directory``, a directory to create or fill) whose missing parents are made. Checked
+    before a run, so that a bad path never costs the run's results."""
+    shown = f"{option} {str(path)!r}"
+    want = "a directory to write into" if directory else "a file to write"
+    try:
+        if path.exists() and path.is_dir() != directory:
+            what = "a directory" if path.is_dir() else "not a directory"
+            return f"{shown}: {what}; give {want}"
+        probe = path
+        while not probe.exists():
+            probe = probe.parent
+        if probe != path and not probe.is_dir():
+            return f"{shown}: {str(probe)!r} is not a directory; give {want}"
+        if not os.access(probe, os.W_OK | (os.X_OK if probe.is_dir() else 0)):
+            return f"{shown}: {str(probe)!r} is not writable; give {want} in a writable place"
+    except OSError as exc:
+        return f"{shown}: {exc.strerror}; give {want}"
+    return None
+
+
+def check_outputs(*outputs: tuple[str, Path | None, bool]) -> None:
+    """Exits 2 naming the first (option, path, is a directory) whose path cannot be written
+    (:func:`output_problem`); a None path is not given."""
+    for option, path, directory in outputs:
+        problem = None if path is None else output_problem(path, option, directory)
+        if problem is not None:
+            errors.print(f"[red]error:[/red] {escape(problem)}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
 
 
 def _run_with_progress(
@@ -338,7 +412,15 @@ def stats(
             )
             raise typer.Exit(1)
         if serve is not None:
-            server = cleanup.enter_context(metrics.serve(store, port=serve))
+            try:
+                server = cleanup.enter_context(metrics.serve(store, port=serve))
+            except UcmError as exc:  # the port is taken, or not ours to bind
+                errors.print(
+                    f"[red]error:[/red] --serve {serve}: {escape(str(exc))}",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+                raise typer.Exit(2) from None
             errors.print(f"serving Prometheus metrics on {server.url}", highlight=False)
         readings = count if count is not None else (None if watch or serve is not None else 1)
         _stats_loop(console, store, readings, interval, json_out, watch, by_namespace)
@@ -376,6 +458,9 @@ def live_stack(path: Path) -> StackConfig:
         control = ctrl_path(unique_id)
     except InvalidArgumentError:
         return parse_stack(data, source=name)  # the stack's own error names the bad unique_id
+    # A bad stack is a config error whether or not its buffer is live: checked first, with the
+    # geometry the live buffer gives (when the stack leaves it out) stood in for by 1 byte.
+    _merge_geometry(data, section is not None, top, tiers, shard_size=1, capacity=None, name=name)
     try:
         geometry = live_geometry(unique_id)
     except FileNotFoundError:
@@ -386,20 +471,18 @@ def live_stack(path: Path) -> StackConfig:
         ) from None
     except InvalidArgumentError as exc:
         raise ConfigError(f"{name}: unique_id {unique_id!r}: {exc}") from None
-    merged = dict(data)
-    if merged.get("shard_size") is None and merged.get("tensor_size_list") is None:
-        merged["shard_size"] = geometry.shard_size_bytes
-    merged.setdefault("shards_per_block", 1)
-    live_top = {
-        **top,
-        "capacity": geometry.slot_count_regular * geometry.shard_size_bytes,
-        "reserved_slots": geometry.slot_count_reserved,
-    }
-    if section is not None:
-        merged["buffer"] = live_top
-    else:
-        merged["tiers"] = [live_top, *tiers[1:]]
-    config = parse_stack(merged, source=name)
+    config = _merge_geometry(
+        data,
+        section is not None,
+        top,
+        tiers,
+        shard_size=geometry.shard_size_bytes,
+        capacity=(
+            geometry.slot_count_regular * geometry.shard_size_bytes,
+            geometry.slot_count_reserved,
+        ),
+        name=name,
+    )
     if config.resolved_shard_size != geometry.shard_size_bytes:
         raise ConfigError(
             f"{name}: the stack states a shard size of {config.resolved_shard_size} bytes, but "
@@ -408,6 +491,35 @@ def live_stack(path: Path) -> StackConfig:
             "`ucm stats` reads them from the live buffer"
         )
     return config
+
+
+def _merge_geometry(
+    data: Mapping[str, Any],
+    in_section: bool,
+    top: Mapping[str, Any],
+    tiers: list[Any],
+    shard_size: int,
+    capacity: tuple[int, int] | None,
+    name: str = "stack",
+) -> StackConfig:
+    """``data`` validated with ``shard_size`` where it states no geometry, 1 shard per block
+    unless it states one, and the buffer's (capacity, reserved slots) set to ``capacity``
+    (None: as stated, 1 byte when not)."""
+    from .stack import parse_stack
+
+    merged = dict(data)
+    if merged.get("shard_size") is None and merged.get("tensor_size_list") is None:
+        merged["shard_size"] = shard_size
+    merged.setdefault("shards_per_block", 1)
+    if capacity is not None:
+        live_top = {**top, "capacity": capacity[0], "reserved_slots": capacity[1]}
+    else:
+        live_top = {"capacity": 1, **top}
+    if in_section:
+        merged["buffer"] = live_top
+    else:
+        merged["tiers"] = [live_top, *tiers[1:]]
+    return parse_stack(merged, source=name)
 
 
 def _stats_loop(

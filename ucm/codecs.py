@@ -43,6 +43,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .fieldtypes import Int
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -89,7 +91,7 @@ class ZstdCodec(_CodecModel):
     """Zstandard at ``level``, optionally over byte-shuffled elements."""
 
     type: Literal["zstd"] = "zstd"
-    level: int = Field(
+    level: Int = Field(
         default=3,
         ge=ZSTD_LEVEL_MIN,
         le=ZSTD_LEVEL_MAX,
@@ -118,7 +120,7 @@ class Fp8Codec(_CodecModel):
         description="Element type of the shards (the KV cache dtype); required, since a tier "
         "sees only bytes."
     )
-    block_elements: int = Field(
+    block_elements: Int = Field(
         default=128,
         ge=16,
         le=1 << 16,

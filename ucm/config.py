@@ -17,14 +17,13 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    NonNegativeFloat,
     PlainSerializer,
-    PositiveFloat,
     field_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from .codecs import CodecConfig, NoCodec
+from .fieldtypes import Flag, Int, Seconds, SecondsOrZero
 from .native import _abi
 from .sizes import parse_size
 
@@ -53,19 +52,26 @@ class TierConfig(BaseModel):
     def label(self) -> str:
         return self.name or self.type
 
+    def block_footprint(self, shard_size: int, shards_per_block: int) -> tuple[int, str] | None:
+        """Bytes this tier stores for one whole block of the stack's geometry (uncompressed),
+        and how they add up, in words: the least ``capacity`` that holds a block (the stack
+        refuses a smaller one, which would evict every block it is given). None: the tier
+        cannot say; the least is then one shard."""
+        return None
+
 
 class BreakerConfig(BaseModel):
     """A lower tier's circuit breaker (YAML ``tiers[i].breaker``; ``ucm.breaker`` runs it)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    failures: int = Field(
+    failures: Int = Field(
         default=3,
         ge=1,
         le=1_000_000,
         description="Consecutive failed or timed-out calls that open the breaker.",
     )
-    probe_interval_ms: int = Field(
+    probe_interval_ms: Int = Field(
         default=10_000,
         ge=1,
         le=24 * 3600 * 1000,
@@ -83,14 +89,14 @@ class AdmitConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    after_reuse: int | None = Field(
+    after_reuse: Int | None = Field(
         default=None,
         ge=1,
         le=_abi.BUFFER_REUSES_MAX,
         description="Uses (node-wide CacheBuffer hits, and waits on another rank's load of "
         "it) a shard needs before it is written to this tier.",
     )
-    min_residency_ms: int | None = Field(
+    min_residency_ms: Int | None = Field(
         default=None,
         ge=1,
         le=24 * 3600 * 1000,
@@ -161,7 +167,7 @@ class LowerTierConfig(TierConfig):
             "from the tier above; none: never written by the cascade (read-only)."
         ),
     )
-    promote: bool = Field(
+    promote: Flag = Field(
         default=False,
         description="Also store keys that were loaded from a tier below this one.",
     )
@@ -177,7 +183,7 @@ class LowerTierConfig(TierConfig):
         "used N times node-wide in the CacheBuffer, {min_residency_ms: T}: once they stayed T ms "
         "in the CacheBuffer, or both. Needs a buffer tier at the top of the stack.",
     )
-    lookup_timeout_ms: int = Field(
+    lookup_timeout_ms: Int = Field(
         default=1000,
         ge=1,
         le=3_600_000,
@@ -205,60 +211,60 @@ class LoadSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    load_queue_depth: int = Field(
+    load_queue_depth: Int = Field(
         default=64,
         ge=1,
         le=_abi.QUEUE_LANE_DEPTH_MAX,
         description="Load tasks queued for the dispatcher before load() blocks; prefetches "
         "have a queue of their own of the same depth.",
     )
-    dump_queue_depth: int = Field(
+    dump_queue_depth: Int = Field(
         default=64,
         ge=1,
         le=_abi.QUEUE_LANE_DEPTH_MAX,
         description="Dump tasks queued for the dump dispatcher before dump() blocks.",
     )
-    queue_timeout_s: PositiveFloat = Field(
+    queue_timeout_s: Seconds = Field(
         default=60.0,
         description="Longest load() blocks on a full queue before raising TimeoutError "
         "(dump(): dump_submit_timeout_s).",
     )
-    dump_submit_timeout_s: PositiveFloat = Field(
+    dump_submit_timeout_s: Seconds = Field(
         default=1.0,
         description="Longest dump() blocks on a full dump queue before raising TimeoutError "
         "(the task is then not taken): the bound on an engine's save call, such as vLLM's "
         "wait_for_save.",
     )
-    load_workers: int = Field(
+    load_workers: Int = Field(
         default=4,
         ge=1,
         le=_abi.QUEUE_FILL_PARTS_MAX,
         description="Concurrent loads from the tiers below, per rank (loader threads; a step's "
         "keys are cut into this many batches).",
     )
-    step_keys: int = Field(
+    step_keys: Int = Field(
         default=1024,
         ge=1,
         le=_abi.QUEUE_STEP_KEYS_MAX,
         description="Most keys one dispatcher step claims (one batched Get).",
     )
-    copy_threads: int = Field(
+    copy_threads: Int = Field(
         default=4,
         ge=1,
         le=_abi.QUEUE_COPY_THREADS_MAX,
         description="Native threads copying shard bytes between buffer slots and caller memory.",
     )
-    rearrange: bool = Field(
+    rearrange: Flag = Field(
         default=True,
         description="Walk each load task in RearrangeIndex order (false: natural order, kept "
         "only to measure what the rotation buys).",
     )
-    prealloc: bool = Field(
+    prealloc: Flag = Field(
         default=True,
         description="Prewarm (block, index + 1) of each loaded block in the dispatcher's idle "
         "window (seed 3.4; with a buffer only).",
     )
-    wait_timeout_s: PositiveFloat = Field(
+    wait_timeout_s: Seconds = Field(
         default=30.0,
         description="Longest a rank waits for another rank's load before loading it itself.",
     )
@@ -270,15 +276,13 @@ class LoadSettings(BaseModel):
         "snapshot memory a process keeps, once written, for the next dumps (freed after "
         "write_snapshot_idle_s).",
     )
-    write_through_wait_s: NonNegativeFloat = Field(
+    write_through_wait_s: SecondsOrZero = Field(
         default=0.0,
         description="Longest a dump waits for room in the write-through backlog before its "
         "shards skip the write-through tiers (0: never waits).",
     )
-    write_snapshot_idle_s: float = Field(
+    write_snapshot_idle_s: Seconds = Field(
         default=30.0,
-        gt=0,
-        le=86_400,
         description="How long the write-through writer may sit idle (seconds, at most a day) "
         "before it frees the snapshot memory it keeps for the next dumps (up to "
         "write_queue_bytes) and hands the pages back to the system.",

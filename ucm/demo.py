@@ -17,6 +17,7 @@ import queue
 import random
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,6 +37,15 @@ tiers:
     path: {cold}
     write: through
 """
+
+
+def shards_mismatch(shards_per_block: int, ranks: int) -> str:
+    """Why a stack of ``shards_per_block`` does not suit a demo of ``ranks`` ranks."""
+    return (
+        f"shards_per_block is {shards_per_block}, but --ranks is {ranks}: the demo runs one "
+        f"rank per shard; give --ranks {shards_per_block}, or leave shards_per_block out of "
+        "the stack"
+    )
 
 
 @dataclass(frozen=True)
@@ -162,23 +172,29 @@ def _rank_main(
 
 
 def run_demo(
-    settings: DemoSettings, stack_yaml: str | None = None, workdir: str | None = None
+    settings: DemoSettings, stack: Mapping[str, Any] | None = None, workdir: str | None = None
 ) -> list[RankReport]:
-    """Runs the workload in ``settings.ranks`` processes and returns their reports."""
+    """Runs the workload in ``settings.ranks`` processes and returns their reports; on
+    ``stack`` (a stack's mapping, whose ``shards_per_block`` must be ``settings.ranks``: one
+    rank per shard) or else on the embedded one."""
     import yaml
     from rich.progress import Progress
 
+    from .errors import ConfigError
     from .stack import load_stack
 
     with tempfile.TemporaryDirectory(prefix="ucm-demo-", dir=workdir) as cold_dir:
-        text = stack_yaml or DEFAULT_STACK_YAML.format(
-            unique_id=f"ucm-demo-{os.getpid()}",
-            cold=cold_dir,
-            hot_capacity=settings.hot_capacity_blocks * settings.ranks * 256 * 1024,
-        )
-        stack = yaml.safe_load(text)
-        stack["shards_per_block"] = settings.ranks
-        load_stack(stack)  # validate before starting processes
+        if stack is None:
+            text = DEFAULT_STACK_YAML.format(
+                unique_id=f"ucm-demo-{os.getpid()}",
+                cold=cold_dir,
+                hot_capacity=settings.hot_capacity_blocks * settings.ranks * 256 * 1024,
+            )
+            stack = {**yaml.safe_load(text), "shards_per_block": settings.ranks}
+        stack = dict(stack)
+        config = load_stack(stack)  # validate before starting processes
+        if config.shards_per_block != settings.ranks:
+            raise ConfigError(shards_mismatch(config.shards_per_block, settings.ranks))
         total = settings.requests * settings.ranks
         reports: list[RankReport] = []
         with RankGroup(parties=settings.ranks) as group, Progress(transient=True) as bar:

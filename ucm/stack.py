@@ -15,6 +15,7 @@ types); ``ucm.config`` is the leaf below both.
 from __future__ import annotations
 
 import os
+import reprlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Union
@@ -24,7 +25,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PositiveInt,
     SerializeAsAny,
     ValidationError,
     ValidatorFunctionWrapHandler,
@@ -36,6 +36,7 @@ from pydantic_core import PydanticCustomError
 from .buffer import BufferTierConfig
 from .config import AdmitConfig, LoadSettings, QuotasConfig, Share, Size, TierConfig
 from .errors import ConfigError
+from .fieldtypes import Int
 from .namespaces import NAME_PATTERN, NAME_RULE
 from .native import _abi
 from .plugins import tier_types
@@ -77,10 +78,10 @@ class StackConfig(BaseModel):
         description="Names the node-wide shared segments: one CacheBuffer per unique_id.",
     )
     shard_size: Size | None = Field(default=None, description="Bytes per shard.")
-    tensor_size_list: list[PositiveInt] | None = Field(
+    tensor_size_list: list[Annotated[Int, Field(gt=0)]] | None = Field(
         default=None, description="Byte sizes of the tensors a shard is made of, in order."
     )
-    shards_per_block: PositiveInt = Field(description="Shards (e.g. TP ranks) per block.")
+    shards_per_block: Int = Field(gt=0, description="Shards (e.g. TP ranks) per block.")
     buffer: BufferTierConfig | None = Field(
         default=None,
         exclude=True,  # serialized as tiers[0], the one place a re-parse reads it from
@@ -125,6 +126,7 @@ class StackConfig(BaseModel):
         in_section = self.buffer is not None
         self._place_buffer()
         self._check_admission(1 if in_section else 0)
+        self._check_capacities(1 if in_section else 0)
         if self.load is not None and self.buffer is not None:
             raise PydanticCustomError(
                 "load_with_buffer",
@@ -270,6 +272,26 @@ class StackConfig(BaseModel):
         if not self.tiers:
             raise _located("tiers", "give a buffer section or at least one tier", self.tiers)
 
+    def _check_capacities(self, offset: int) -> None:
+        """A lower tier's ``capacity`` must hold one block (``TierConfig.block_footprint``;
+        one shard where the tier cannot say): a smaller one evicts every block it is given, so
+        every dump would succeed and store nothing."""
+        shard_size, spb = self.resolved_shard_size, self.shards_per_block
+        for position, tier in enumerate(self.tiers):
+            capacity = getattr(tier, "capacity", None)
+            if tier is self.buffer or not isinstance(capacity, int):
+                continue
+            footprint = tier.block_footprint(shard_size, spb)
+            least, held = footprint or (shard_size, f"one shard of {shard_size} bytes")
+            if capacity < least:
+                raise _located(
+                    f"tiers[{position - offset}].capacity",
+                    f"{capacity} bytes cannot hold one block, which this {tier.type} tier "
+                    f"stores in {least} bytes ({held}); give at least {least} bytes, or no "
+                    "capacity for no bound",
+                    capacity,
+                )
+
     def _check_admission(self, offset: int) -> None:
         """``admit:`` conditions need the CacheBuffer (it counts the uses) and a tier the
         cascade writes; at most ``BUFFER_ADMISSION_TIERS_MAX`` gated tiers (bits per slot)."""
@@ -365,9 +387,54 @@ def _strip_validator_tags(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
     return tuple(p for p in loc if not (isinstance(p, str) and "[" in p and "(" in p))
 
 
+class _InOrderRepr(reprlib.Repr):
+    """``reprlib.Repr`` that keeps a mapping's keys in their order (as ``repr`` does; reprlib
+    sorts them): the YAML's order."""
+
+    def repr_dict(self, x: dict[Any, Any], level: int) -> str:
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        pieces = []
+        for count, (key, value) in enumerate(x.items()):
+            if count == self.maxdict:
+                pieces.append("...")
+                break
+            pieces.append(f"{self.repr1(key, level - 1)}: {self.repr1(value, level - 1)}")
+        return "{" + ", ".join(pieces) + "}"
+
+
+def _bounded_repr() -> reprlib.Repr:
+    bounded = _InOrderRepr()
+    bounded.maxlevel = 4
+    bounded.maxdict = bounded.maxlist = bounded.maxtuple = bounded.maxset = 8
+    bounded.maxfrozenset = bounded.maxdeque = bounded.maxarray = 8
+    bounded.maxstring = bounded.maxother = 100
+    bounded.maxlong = 60
+    return bounded
+
+
+_REPR = _bounded_repr()
+"""A repr cut while it is built (at most 8 items of a container, 4 levels deep): a value
+that an alias-laden mapping makes huge costs no more to show than a small one."""
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, at most ``limit`` characters, in time bounded whatever its size."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def short_str(value: Any, limit: int = 80) -> str:
+    """``str(value)`` for a string, else :func:`short_repr`: bounded likewise."""
+    if isinstance(value, str):
+        return value if len(value) <= limit else value[: limit - 3] + "..."
+    return short_repr(value, limit)
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return short_repr(value)
 
 
 def parse_stack(data: Mapping[str, Any] | StackConfig, source: str = "stack") -> StackConfig:
@@ -384,26 +451,117 @@ def parse_stack(data: Mapping[str, Any] | StackConfig, source: str = "stack") ->
         raise ConfigError(message, problems) from None
 
 
+YAML_NODES_MAX = 100_000
+"""Most YAML nodes a stack file may stand for once its aliases are expanded: a stack is a few
+hundred; an alias bomb (a small file that expands to billions) is refused before anything
+walks it."""
+
+
+class _StackYamlError(yaml.YAMLError):
+    """A YAML document that parses but is refused as a stack source (duplicate keys, aliases
+    that expand too far); its message is complete."""
+
+
+class _StackLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses duplicate keys of a mapping (YAML forbids them;
+    PyYAML keeps the last one silently) and documents whose aliases expand past
+    ``YAML_NODES_MAX`` nodes."""
+
+    def get_single_node(self) -> yaml.Node | None:
+        node = super().get_single_node()
+        if node is not None:
+            _check_expansion(node)
+        return node
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(
+                key_node, yaml.ScalarNode
+            ):
+                continue  # keys a merge (<<) brings in may be overridden; not scalar: rare
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:
+                continue  # an unhashable key: constructing the mapping refuses it
+            if first is not None:
+                raise _StackYamlError(
+                    f"duplicate key {short_repr(key)} at line {line} (first at line "
+                    f"{first}); give each key once"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuses a document whose aliases expand past ``YAML_NODES_MAX`` nodes (or into a cycle),
+    counting each node once per place it appears, without expanding anything."""
+    sizes: dict[int, int] = {}
+    visiting: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in visiting:
+            raise _StackYamlError("an alias refers to a node that contains it (a cycle)")
+        visiting.add(key)
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            total += sum(size(item) for item in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total += sum(size(k) + size(v) for k, v in node.value)
+        visiting.discard(key)
+        sizes[key] = total = min(total, YAML_NODES_MAX + 1)
+        return total
+
+    if size(root) > YAML_NODES_MAX:
+        raise _StackYamlError(
+            f"its aliases expand to more than {YAML_NODES_MAX} YAML nodes (an alias bomb?); a "
+            "stack is a few hundred"
+        )
+
+
+def parse_stack_yaml(text: str, name: str) -> Any:
+    """The document of a stack's YAML ``text`` (``name``: what errors call it). Raises
+    ConfigError for bad YAML, duplicate keys, aliases that expand too far, or a document too
+    deep; any document else (a non-mapping too: :func:`parse_stack` refuses it)."""
+    try:
+        return yaml.load(text, Loader=_StackLoader)  # a SafeLoader
+    except _StackYamlError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{name}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{name}: YAML nested too deeply to be a stack") from None
+
+
 def read_stack_source(
     source: str | os.PathLike[str] | Mapping[str, Any],
 ) -> tuple[Mapping[str, Any], str]:
     """The raw mapping of a stack (a YAML file's contents, or the mapping itself) and the name
-    errors use for it. Raises ConfigError for an unreadable file, bad YAML or a non-mapping."""
+    errors use for it. Raises ConfigError for an unreadable file, one that is not UTF-8 text,
+    bad YAML or a non-mapping."""
     if isinstance(source, Mapping):
         return source, "stack"
     path = Path(source)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read stack file {str(path)!r}: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    except RecursionError:
-        raise ConfigError(f"{path}: YAML nested too deeply to be a stack") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"cannot read stack file {str(path)!r}: not UTF-8 text (byte 0x{raw[exc.start]:02x} "
+            f"at offset {exc.start})"
+        ) from None
+    data = parse_stack_yaml(text, str(path))
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: a stack must be a mapping, got {type(data).__name__}")
+        got = "an empty file" if data is None else type(data).__name__
+        raise ConfigError(f"{path}: a stack must be a mapping, got {got}")
     return data, str(path)
 
 

@@ -40,6 +40,7 @@ import ucm
 from ucm import envelope, namespaces
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
+from ucm.fieldtypes import Int
 from ucm.layout import Key
 from ucm.threadname import enter_thread
 from ucm.tier import (
@@ -80,7 +81,14 @@ class FsspecConfig(LowerTierConfig):
     capacity: Size | None = Field(
         default=None, description="Bound on the bytes stored; oldest-touched blocks go first."
     )
-    io_threads: int = Field(default=8, ge=1, le=256, description="Concurrent requests per batch.")
+    io_threads: Int = Field(default=8, ge=1, le=256, description="Concurrent requests per batch.")
+
+    def block_footprint(self, shard_size: int, shards_per_block: int) -> tuple[int, str] | None:
+        size = shards_per_block * (HEADER_BYTES + shard_size)
+        return size, (
+            f"{shards_per_block} object(s) of a {HEADER_BYTES}-byte envelope header and a "
+            f"{shard_size}-byte shard"
+        )
 
 
 def _protocol(url: str) -> str:

@@ -67,12 +67,13 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, PositiveFloat, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 import ucm
 from ucm import envelope, namespaces
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
+from ucm.fieldtypes import Int, Seconds
 from ucm.layout import Key
 from ucm.native.pybuffer import buffer_address
 from ucm.tier import (
@@ -193,7 +194,7 @@ class MooncakeConfig(LowerTierConfig):
         default=16 * 1024 * 1024,
         description="Mooncake's client-side staging buffer (UCM's zero-copy path bypasses it).",
     )
-    replica_num: int = Field(
+    replica_num: Int = Field(
         default=1,
         ge=1,
         le=16,
@@ -204,16 +205,16 @@ class MooncakeConfig(LowerTierConfig):
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
         description="Namespace of this stack's objects in the pool: <key_prefix>/<block>/<shard>.",
     )
-    connect_timeout: PositiveFloat = Field(
+    connect_timeout: Seconds = Field(
         default=10.0,
         description="Seconds to reach the master when the tier opens (and Mooncake's RPC "
         "connect timeout).",
     )
-    rpc_timeout: PositiveFloat | None = Field(
+    rpc_timeout: Seconds | None = Field(
         default=None,
         description="Seconds per master RPC (Mooncake's MC_RPC_TIMEOUT_MS; its default is 30).",
     )
-    master_retry_interval: PositiveFloat = Field(
+    master_retry_interval: Seconds = Field(
         default=2.0,
         description="After a call finds the master unreachable, calls fail at once (lookups "
         "answer absent) and the master is probed again at most this often.",

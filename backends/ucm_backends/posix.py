@@ -69,6 +69,7 @@ from ucm import envelope, namespaces
 from ucm.affinity import in_background
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
+from ucm.fieldtypes import Flag, Int, Seconds
 from ucm.layout import Key
 from ucm.native.pybuffer import copy_into
 from ucm.threadname import enter_thread
@@ -110,21 +111,42 @@ class PosixConfig(LowerTierConfig):
     capacity: Size | None = Field(
         default=None, description="Bound on the bytes on disk; oldest-touched blocks go first."
     )
-    o_direct: bool = Field(
+    o_direct: Flag = Field(
         default=False,
         description="Bypass the page cache (O_DIRECT) when the filesystem and geometry allow it "
         "(shard_size a multiple of 4096); falls back to buffered I/O otherwise.",
     )
-    io_threads: int = Field(
+    io_threads: Int = Field(
         default=8,
         ge=1,
         le=256,
         description="Parallel file I/O per batch (a deeper queue keeps the device busy).",
     )
-    fsync: bool = Field(default=False, description="fsync each block file and its directory.")
-    lock_timeout: float = Field(
-        default=30.0, gt=0, description="Seconds to wait for a file lock before failing."
+    fsync: Flag = Field(default=False, description="fsync each block file and its directory.")
+    lock_timeout: Seconds = Field(
+        default=30.0, description="Seconds to wait for a file lock before failing."
     )
+
+    def block_footprint(self, shard_size: int, shards_per_block: int) -> tuple[int, str] | None:
+        size = block_file_size(shard_size, shards_per_block)
+        footer = size - shard_size * shards_per_block
+        return size, (
+            f"one file: {shards_per_block} shard(s) of {shard_size} bytes and a {footer}-byte "
+            f"footer, {ALIGN}-aligned"
+        )
+
+
+def footer_lengths(shards_per_block: int) -> tuple[int, int]:
+    """(footer bytes, the footer's region in the file): the region also ends with a copy of the
+    head, so a file of another geometry (whose footer is elsewhere) is recognised from its last
+    bytes instead of looking corrupt."""
+    footer_len = _HEAD.size + _ENTRY_BYTES * shards_per_block + _CRC.size
+    return footer_len, _round_up(footer_len + _HEAD.size, ALIGN)
+
+
+def block_file_size(shard_size: int, shards_per_block: int) -> int:
+    """Bytes of one block file (every shard present, no codec)."""
+    return shard_size * shards_per_block + footer_lengths(shards_per_block)[1]
 
 
 def _round_up(value: int, align: int) -> int:
@@ -202,10 +224,7 @@ class PosixTier(Tier):
         self.shard_size = layout.shard_size
         self.spb = layout.shards_per_block
         self.block_size = layout.block_size
-        self.footer_len = _HEAD.size + _ENTRY_BYTES * self.spb + _CRC.size
-        # The region also ends with a copy of the head, so a file of another geometry (whose
-        # footer is elsewhere) is recognised from its last bytes instead of looking corrupt.
-        self.footer_region = _round_up(self.footer_len + _HEAD.size, ALIGN)
+        self.footer_len, self.footer_region = footer_lengths(self.spb)
         self.file_size = self.block_size + self.footer_region
         try:
             (self.root / ".locks").mkdir(parents=True, exist_ok=True)
