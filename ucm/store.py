@@ -362,7 +362,7 @@ class Store:
     ) -> Task:
         """Loads shard ``shard_index[i]`` of block i into the tensors ``dst[i]``: dense
         (``torch.strided``), contiguous CPU or CUDA tensors of the layout's sizes, no two of
-        which share memory.
+        which share memory (refused for CPU tensors; CUDA ones are not checked).
         ``background``: the caller does not wait on it (an engine's asynchronous load), so its
         copies give the CPU back between batches to the engine's spinning threads; a load an
         engine waits on copies at full speed. ``submit_timeout_s``: longest the call blocks
