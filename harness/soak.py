@@ -1046,6 +1046,7 @@ def run_soak(
 ) -> SoakReport:
     """Runs the kill soak for ``settings.seconds`` and returns what it saw."""
     import ucm
+    from ucm.fieldtypes import SECONDS_MAX
     from ucm.native import segments
 
     settings.check()
@@ -1059,7 +1060,7 @@ def run_soak(
     # It is no rank: its own background flusher stays off, so the slot audit at the end never
     # meets a reference it holds mid-flush (the ranks' flushers run, and its close pays).
     observer_stack = json.loads(json.dumps(controller.stack))
-    observer_stack["tiers"][0]["flush_interval_s"] = 1e9
+    observer_stack["tiers"][0]["flush_interval_s"] = SECONDS_MAX  # a day: never, in a soak
     observer = ucm.open(observer_stack, device_id=0, local_rank_size=settings.ranks)
     try:
         top: Any = observer.tiers[0]
