@@ -38,17 +38,22 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return found
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[ucm.Store]:
-    config = {
+def stack_config(tmp_path: Path, **buffer: Any) -> dict[str, Any]:
+    """A buffer of 16 shards (``buffer``: more of its keys) over a posix tier; a fresh id."""
+    return {
         "unique_id": f"metrics-{uuid.uuid4().hex[:12]}",
         "shard_size": SHARD,
         "shards_per_block": 1,
         "tiers": [
-            {"type": "buffer", "capacity": 16 * SHARD, "reserved_slots": 2},
+            {"type": "buffer", "capacity": 16 * SHARD, **buffer},
             {"type": "posix", "path": str(tmp_path / "nvme")},
         ],
     }
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[ucm.Store]:
+    config = stack_config(tmp_path, reserved_slots=2)
     with ucm.open(config) as opened:
         yield opened
     from ucm.native.segments import unlink
@@ -201,16 +206,8 @@ def test_a_snapshot_or_scrape_of_a_closed_store_reads_nothing_it_unmapped(tmp_pa
     """A scrape that comes as (or after) the engine closes its store: the node-wide figures
     are left out, the process's counters are what it had at close. Before, the snapshot read
     the unmapped buffer and the process died of SIGSEGV."""
-    unique_id = f"metrics-{uuid.uuid4().hex[:12]}"
-    config = {
-        "unique_id": unique_id,
-        "shard_size": SHARD,
-        "shards_per_block": 1,
-        "tiers": [
-            {"type": "buffer", "capacity": 16 * SHARD},
-            {"type": "posix", "path": str(tmp_path / "nvme")},
-        ],
-    }
+    config = stack_config(tmp_path)
+    unique_id = config["unique_id"]
     from ucm.native.segments import unlink
 
     try:

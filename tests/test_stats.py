@@ -228,7 +228,8 @@ def test_stats_refuses_a_buffer_that_is_not_running(tmp_path: Path, engine_stack
     assert not ctrl_path(unique_id).exists()  # looking did not create one
 
 
-def test_stats_on_a_stack_without_buffer_and_on_a_bad_stack(tmp_path: Path) -> None:
+def _posix_only_stack(tmp_path: Path) -> Path:
+    """A stack file without a buffer: one posix tier under ``tmp_path``."""
     stack = tmp_path / "stack.yaml"
     stack.write_text(
         yaml.safe_dump(
@@ -240,6 +241,11 @@ def test_stats_on_a_stack_without_buffer_and_on_a_bad_stack(tmp_path: Path) -> N
             }
         )
     )
+    return stack
+
+
+def test_stats_on_a_stack_without_buffer_and_on_a_bad_stack(tmp_path: Path) -> None:
+    stack = _posix_only_stack(tmp_path)
     shown = ucm_cli("stats", str(stack), "--json")
     assert shown.returncode == 0, shown.stderr
     data = json.loads(shown.stdout)
@@ -285,17 +291,7 @@ def test_stats_serve_on_a_port_in_use_is_a_clean_error(tmp_path: Path) -> None:
     # It printed a traceback ending in the InvalidArgumentError.
     import socket
 
-    stack = tmp_path / "stack.yaml"
-    stack.write_text(
-        yaml.safe_dump(
-            {
-                "unique_id": "posix-only",
-                "shard_size": 4096,
-                "shards_per_block": 1,
-                "tiers": [{"type": "posix", "path": str(tmp_path / "nvme")}],
-            }
-        )
-    )
+    stack = _posix_only_stack(tmp_path)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
