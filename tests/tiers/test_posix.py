@@ -211,6 +211,31 @@ def test_file_of_another_geometry_is_a_miss_and_kept(tmp_path: Path, o_direct: b
     reader.close()
 
 
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_file_of_another_geometry_of_the_same_size_is_a_miss_and_kept(
+    tmp_path: Path, o_direct: bool
+) -> None:
+    # 2 shards of 8 KiB and 4 shards of 4 KiB: block files of the same size (16 KiB and a
+    # 4 KiB footer region), so only the head copy at the end tells the geometries apart.
+    other = Layout(shard_size=8192, shards_per_block=2, tensor_sizes=(8192,))
+    mine = Layout(shard_size=4096, shards_per_block=4, tensor_sizes=(4096,))
+    writer = posix_tier(tmp_path, other)
+    reader = posix_tier(tmp_path, mine, o_direct=o_direct)
+    assert writer.file_size == reader.file_size
+    (block,) = block_ids(1)
+    dump_keys(writer, [(block, 0), (block, 1)])
+    outcomes, _ = load_keys(reader, [(block, 0), (block, 3)])
+    for outcome in outcomes:
+        assert isinstance(outcome, KeyMissingError), outcome
+        assert "block file of another geometry" in str(outcome)
+    assert reader.lookup([(block, 0)]) == [False]
+    assert reader.stats()["corrupt"] == 0
+    assert_loads_exact(writer, [(block, 0), (block, 1)])  # the writer's file is intact
+    assert writer.stats()["corrupt"] == 0
+    writer.close()
+    reader.close()
+
+
 def _old_format_file(tier: PosixTier, block: bytes, version: int) -> bytes:
     """A whole, valid block file (both shards present) as the posix tier wrote it before the
     shard envelope: footer magic UCMPOSX1, version 1 (crc32 per shard) or 2 (XXH3 per shard),
