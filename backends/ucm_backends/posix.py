@@ -24,10 +24,12 @@ block, and only the first one to read a torn file sees it torn. A lost shard is 
 
 Writes. A block file is never modified in place: a dump builds the new file (the shards already
 present plus the new ones) under a temporary name and ``os.replace``-s it, so readers, which take
-no lock, always see a complete file. We keep one file per block (rather than one per shard) so a
-block is one sequential read and one inode; the price is a read-modify-write when a shard joins an
-existing block, done under an exclusive ``flock`` on the block's lock stripe, so writers of
-different shards of one block in different processes never lose each other's shard.
+no lock, always see a complete file. The temp files of writers killed mid-dump are removed
+behind each open of the tier and by every eviction scan (those of live processes are kept).
+We keep one file per block (rather than one per shard) so a block is one sequential read and
+one inode; the price is a read-modify-write when a shard joins an existing block, done under
+an exclusive ``flock`` on the block's lock stripe, so writers of different shards of one block
+in different processes never lose each other's shard.
 
 Locks (``<path>/.locks``): ``global.lock`` is taken shared by writers/touch and exclusive by
 ``batched_remove`` (once per chunk of REMOVE_CHUNK_KEYS keys) and eviction, each time through
@@ -278,6 +280,10 @@ class PosixTier(Tier):
             total, entries = self._scan()
             self._usage = total
             self._namespace_usage.rescanned(_by_namespace(entries))
+        else:
+            # No eviction scan will ever reap what writers killed mid-dump left: sweep once,
+            # behind open (close waits for it).
+            self._pool.submit(self._reap_temps)
         if quotas is not None:
             self.evict_namespace_quotas()
 
@@ -1086,6 +1092,25 @@ class PosixTier(Tier):
             if footer is not None:
                 keys += [(block_id, s) for s in range(self.spb) if footer.present[s]]
         return keys
+
+    def _reap_temps(self) -> None:
+        """Removes the temp files of dead writers (killed mid-dump) from every stripe
+        directory, as each scan does."""
+        now = time.time()
+        for directory in self._stripe_dirs():
+            try:
+                iterator = os.scandir(directory)
+            except FileNotFoundError:
+                continue
+            with iterator:
+                for entry in iterator:
+                    if not entry.name.endswith(".tmp"):
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    self._reap_temp(entry.path, entry.name, st.st_mtime, now)
 
     @staticmethod
     def _reap_temp(path: str, name: str, mtime: float, now: float) -> None:

@@ -216,3 +216,60 @@ def test_a_writer_killed_mid_dump_never_leaves_readable_torn_shards(tmp_path: Pa
                 verified += 1
         assert verified >= 8  # six writer runs filled both shards of the blocks
         assert store.stats()["tiers"][0]["corrupt"] == 0  # temp file + rename: nothing torn
+
+
+BIG_WRITER = r"""
+import ctypes, json, sys
+import ucm
+from harness.soak import block_id_of
+config = json.loads(sys.argv[1])
+size = config["shard_size"]
+store = ucm.open(config)
+ids = [block_id_of(b"big", i) for i in range(4)]
+memory = [ctypes.create_string_buffer(b"k" * size, size) for _ in ids]
+print("ready", flush=True)
+shard = 0
+while True:
+    store.wait(store.dump_data(ids, shard, [[ctypes.addressof(m)] for m in memory]))
+    shard ^= 1
+"""
+
+
+def _temp_files(directory: Path) -> list[Path]:
+    return sorted(directory.rglob(".*.tmp"))
+
+
+@pytest.mark.timeout(600)
+def test_temp_files_of_writers_killed_mid_dump_are_reaped_without_a_capacity(
+    tmp_path: Path,
+) -> None:
+    # Big shards: a dump spends most of its time writing its block files' temp copies, where
+    # the kill lands. No capacity: no eviction scan ever runs in this directory.
+    config = {
+        "unique_id": _fresh_id(),
+        "shard_size": 4 << 20,
+        "shards_per_block": SHARDS_PER_BLOCK,
+        "tiers": [{"type": "posix", "path": str(tmp_path / "nvme")}],
+    }
+    rng = random.Random(11)
+    left: list[Path] = []
+    for run in range(12):
+        stderr = tmp_path / f"writer-{run}.stderr"
+        with open(stderr, "w") as errors:
+            writer = subprocess.Popen(
+                [sys.executable, "-c", BIG_WRITER, json.dumps(config)],
+                stdout=subprocess.PIPE,
+                stderr=errors,
+                text=True,
+            )
+        _ready_within(writer, stderr, WRITER_PHASE_S)
+        time.sleep(rng.uniform(0.1, 0.5))
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(WRITER_PHASE_S)
+        left = _temp_files(tmp_path / "nvme")
+        if left:
+            break
+    assert left, "no writer was killed while it wrote a block file"
+    with ucm.open(config) as store:  # a later process using the directory
+        store.lookup([block_id_of(b"big", 0)])
+    assert _temp_files(tmp_path / "nvme") == []
