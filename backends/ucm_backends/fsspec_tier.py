@@ -643,14 +643,22 @@ class FsspecTier(Tier):
             buffers = [bytearray(self.shard_size) for _ in keys]
             loaded = self.load(keys, [[memoryview(b)] for b in buffers])
             readable = [i for i, outcome in enumerate(loaded) if outcome is None]
+            # A shard that could not be read (a failed request, not a miss) was not written
+            # down: it stays. A corrupt one was removed by the load already.
+            keep = {
+                key
+                for key, outcome in zip(keys, loaded, strict=True)
+                if outcome is not None and not isinstance(outcome, KeyMissingError)
+            }
             try:
                 outcomes = list(
                     sink([keys[i] for i in readable], [[memoryview(buffers[i])] for i in readable])
                 )
             except Exception:
                 outcomes = [TierError("evict sink raised")] * len(readable)
-            keep = {keys[i] for i, o in zip(readable, outcomes, strict=True) if o is not None}
-            self._bump(evict_sink_failures=len(keep))
+            failed = {keys[i] for i, o in zip(readable, outcomes, strict=True) if o is not None}
+            self._bump(evict_sink_failures=len(failed))
+            keep |= failed
         drop = [key for key in keys if key not in keep]
         # By namespace, so that each one's evictions count (its bytes come off the estimate
         # in batched_remove).

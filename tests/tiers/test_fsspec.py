@@ -274,6 +274,40 @@ def test_evict_sink_failure_keeps_the_shard(memory_url: str) -> None:
     tier.close()
 
 
+def test_eviction_keeps_a_shard_it_could_not_read_for_the_write_down(
+    memory_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An object store that fails a GET now and then (throttling, a timeout) but not the
+    # DELETE that follows: the shard was never written down, so it must stay here.
+    received: list[Key] = []
+
+    def sink(keys: Sequence[Key], views: Sequence[ShardViews]) -> list[Outcome]:
+        received.extend(keys)
+        return [None] * len(keys)
+
+    object_bytes = HEADER_BYTES + LAYOUT.shard_size
+    tier = fsspec_tier(memory_url, LAYOUT, evict_sink=sink, capacity=4 * object_bytes)
+    a, b, c = block_ids(3)
+    unreadable = f"{a.hex()}/0"
+    read = tier.fs.cat_file
+
+    def throttled(path: str, *args: object, **kwargs: object) -> bytes:
+        if str(path).endswith(unreadable):
+            raise OSError("503 SlowDown")
+        return bytes(read(path, *args, **kwargs))
+
+    monkeypatch.setattr(tier.fs, "cat_file", throttled)
+    for block in (a, b, c):
+        dump_keys(tier, LAYOUT.keys_of_blocks([block]))
+        time.sleep(0.01)
+    assert received == [(a, 1)]  # (a, 0) could not be read: not written down ...
+    assert tier.stats()["evictions"] == 1
+    monkeypatch.undo()
+    assert tier.lookup([(a, 0), (a, 1)]) == [True, False]  # ... so it is kept
+    assert_loads_exact(tier, [(a, 0)])
+    tier.close()
+
+
 def test_eviction_drops_a_leftover_touch_marker(memory_url: str) -> None:
     object_bytes = HEADER_BYTES + LAYOUT.shard_size
     tier = fsspec_tier(memory_url, LAYOUT, capacity=2 * object_bytes)
