@@ -7,7 +7,8 @@ envelope (``ucm.envelope``: codec, length, XXH3-64 of the shard, digest of its k
 the shard as the tier's ``codec:`` stored it (encoded and decoded on the I/O threads); a short
 or corrupted object is deleted and its load fails with a TierError saying so (not a miss, so
 the stack repairs it from below). An object of the format before the envelope
-(``UCF2``/``UCMF``) is deleted too and reads as a miss.
+(``UCF2``/``UCMF``) is deleted too and reads as a miss. On ``file://`` an object is written to
+a temp name and renamed; the temp files of writers killed mid-dump are removed behind open.
 ``<hex>/touch`` is a marker whose modification time records the block's last touch; with
 ``capacity`` set, an eviction pass drops whole blocks whose newest object is oldest.
 
@@ -18,6 +19,7 @@ instead of hanging a rank; ``storage_options`` overrides any of it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import os
@@ -59,6 +61,9 @@ from ucm.tier import (
 HEADER_BYTES = envelope.HEADER_BYTES
 """Bytes before the shard in every object (capacity counts them)."""
 TOUCH_MARKER = "touch"
+TEMP_MAX_AGE_S = 3600.0
+"""A local root's temp file older than this is reaped even if a process of its writer's pid
+is alive (the pid was reused since)."""
 
 S3_DEFAULT_CONFIG: dict[str, Any] = {
     "connect_timeout": 5,
@@ -223,6 +228,9 @@ class FsspecTier(Tier):
             self._namespace_usage.rescanned(_by_namespace(entries))
         if quotas is not None:
             self.evict_namespace_quotas()
+        if self._local_fs:
+            # The temp files of writers killed mid-dump: removed behind open (close waits).
+            self._pool.submit(self._reap_temps)
 
     # --------------------------------------------------------------------------------- paths
 
@@ -426,6 +434,25 @@ class FsspecTier(Tier):
             self._bump(errors=1)
             return self._error("writing", key, exc), 0
         return None, len(data)
+
+    def _reap_temps(self) -> None:
+        """Removes the temp files (``<shard>.<pid>.<hex>.tmp``) that writers of a local root
+        left when they died mid-dump: those of processes gone, or older than an hour."""
+        now = time.time()
+        for directory, _dirs, names in os.walk(self.root):
+            for name in names:
+                parts = name.split(".")
+                if len(parts) != 4 or parts[3] != "tmp" or not parts[1].isdigit():
+                    continue
+                path = os.path.join(directory, name)
+                try:
+                    age_s = now - os.stat(path).st_mtime
+                except FileNotFoundError:
+                    continue
+                if _alive(int(parts[1])) and age_s <= TEMP_MAX_AGE_S:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     # --------------------------------------------------------------------------------- touch
 
@@ -697,6 +724,17 @@ class FsspecTier(Tier):
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists here (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _by_namespace(entries: list[tuple[float, int, bytes, list[str]]]) -> dict[str, int]:

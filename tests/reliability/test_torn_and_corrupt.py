@@ -236,20 +236,26 @@ while True:
 
 
 def _temp_files(directory: Path) -> list[Path]:
-    return sorted(directory.rglob(".*.tmp"))
+    return sorted(directory.rglob("*.tmp"))
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("kind", ["posix", "fsspec"])
 def test_temp_files_of_writers_killed_mid_dump_are_reaped_without_a_capacity(
-    tmp_path: Path,
+    tmp_path: Path, kind: str
 ) -> None:
-    # Big shards: a dump spends most of its time writing its block files' temp copies, where
-    # the kill lands. No capacity: no eviction scan ever runs in this directory.
+    # Big shards: a dump spends most of its time writing its files' temp copies, where the
+    # kill lands. No capacity: no eviction scan ever runs in this directory.
+    tier: dict[str, Any] = (
+        {"type": "posix", "path": str(tmp_path / "nvme")}
+        if kind == "posix"
+        else {"type": "fsspec", "url": f"file://{tmp_path / 'nvme'}"}
+    )
     config = {
         "unique_id": _fresh_id(),
         "shard_size": 4 << 20,
         "shards_per_block": SHARDS_PER_BLOCK,
-        "tiers": [{"type": "posix", "path": str(tmp_path / "nvme")}],
+        "tiers": [tier],
     }
     rng = random.Random(11)
     left: list[Path] = []

@@ -3,6 +3,7 @@ concurrency, eviction by last touch."""
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 import threading
@@ -20,6 +21,7 @@ from ucm import envelope
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Key, Layout
 from ucm.native.checksum import checksum
+from ucm.ranks import RankGroup
 from ucm.stack import parse_stack
 from ucm.testing import make_context
 from ucm.testing.conformance import (
@@ -58,6 +60,23 @@ def test_file_url_layout_and_no_temp_left(tmp_path: Path) -> None:
     assert files == sorted(f"{b.hex()[:2]}/{b.hex()}/{s}" for b, s in keys)
     assert_loads_exact(tier, keys)
     tier.close()
+
+
+def test_temp_files_of_dead_writers_are_reaped_at_open(tmp_path: Path) -> None:
+    with RankGroup(parties=1) as group:
+        dead = group.spawn(int)
+    assert group.join() == [0] and dead.pid is not None
+    (block,) = block_ids(1)
+    directory = tmp_path / block.hex()[:2] / block.hex()
+    directory.mkdir(parents=True)
+    stale = directory / f"0.{dead.pid}.abcd1234.tmp"
+    mine = directory / f"1.{os.getpid()}.abcd1234.tmp"
+    stale.write_bytes(b"partial")
+    mine.write_bytes(b"in progress")
+    tier = fsspec_tier(f"file://{tmp_path}", LAYOUT)
+    tier.close()  # waits for the sweep behind open
+    assert not stale.exists()
+    assert mine.exists()  # a live writer's temp file is left alone
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
