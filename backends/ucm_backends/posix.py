@@ -19,8 +19,9 @@ with a TierError saying so (not a miss: the stack then repairs it from a tier be
 shard stays marked *lost* in the footer (a file whose footer is unreadable becomes a footer-only
 file with every shard lost), so a later load of it, by any rank or process, is again a failure and
 gets repaired too, instead of a plain miss that nobody repairs: ranks load different shards of a
-block, and only the first one to read a torn file sees it torn. A lost shard is not present
-(lookup says False); a dump, remove or eviction of it clears the mark.
+block, and only the first one to read a torn file sees it torn. A dump that meets a file whose
+footer is unreadable marks every shard it does not write lost the same way. A lost shard is not
+present (lookup says False); a dump, remove or eviction of it clears the mark.
 
 Writes. A block file is never modified in place: a dump builds the new file (the shards already
 present plus the new ones) under a temporary name and ``os.replace``-s it, so readers, which take
@@ -891,8 +892,14 @@ class PosixTier(Tier):
                 if footer is None:
                     try:
                         footer = self._read_footer(block_id, old_fd, False)
-                    except (_Corrupt, _Foreign):
+                    except _Foreign:
                         footer = None  # replaced wholesale below
+                    except _Corrupt:
+                        # A torn file (replaced wholesale below): which shards it held is
+                        # unknown, so every one not written now is lost, as when a reader
+                        # meets it first (_drop_corrupt), and gets repaired from below.
+                        footer = None
+                        lost = [shard not in new and shard not in drop for shard in range(self.spb)]
                 if footer is not None:
                     for shard in range(self.spb):
                         if footer.lost[shard] and shard not in new and shard not in drop:

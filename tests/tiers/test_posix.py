@@ -179,6 +179,29 @@ def test_corrupt_shard_fails_and_only_it_is_removed(tmp_path: Path) -> None:
     tier.close()
 
 
+def test_a_dump_into_a_torn_file_leaves_its_other_shards_lost(tmp_path: Path) -> None:
+    # The first process to meet a torn file may be a writer (another rank's shard of the
+    # block): the shards it does not rewrite must stay failures a stack repairs, as when a
+    # reader meets the file first, not plain misses that nobody repairs.
+    tier = posix_tier(tmp_path, LAYOUT)
+    (torn,) = block_ids(1)
+    dump_keys(tier, LAYOUT.keys_of_blocks([torn]))
+    os.truncate(tier.block_path(torn), LAYOUT.block_size + 10)  # the footer is cut off
+    dump_keys(tier, [(torn, 0)], salt=1)
+    assert_loads_exact(tier, [(torn, 0)], salt=1)
+    assert tier.lookup([(torn, 1)]) == [False]
+    outcomes, _ = load_keys(tier, [(torn, 1)])
+    assert is_failure(outcomes[0])
+    assert str(outcomes[0]) == (
+        f"posix tier 'posix': block {torn.hex()} shard 1 is corrupt (it was removed earlier; a "
+        "tier below may repair it)"
+    )
+    dump_keys(tier, [(torn, 1)])  # the repair
+    assert_loads_exact(tier, [(torn, 0)], salt=1)
+    assert_loads_exact(tier, [(torn, 1)])
+    tier.close()
+
+
 def test_eviction_drops_a_footer_left_by_a_torn_file(tmp_path: Path) -> None:
     file_bytes = LAYOUT.block_size + ALIGN
     tier = posix_tier(tmp_path, LAYOUT, capacity=3 * file_bytes)
