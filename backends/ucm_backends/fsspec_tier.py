@@ -27,7 +27,7 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 import fsspec  # type: ignore[import-untyped]
@@ -228,9 +228,12 @@ class FsspecTier(Tier):
             self._namespace_usage.rescanned(_by_namespace(entries))
         if quotas is not None:
             self.evict_namespace_quotas()
+        self.temp_sweep: Future[None] | None = None
+        """The sweep of dead writers' temp files behind open (``file://`` only)."""
         if self._local_fs:
-            # The temp files of writers killed mid-dump: removed behind open (close waits).
-            self._pool.submit(self._reap_temps)
+            # The temp files of writers killed mid-dump: removed behind open (close stops it
+            # between two directories).
+            self.temp_sweep = self._pool.submit(self._reap_temps)
 
     # --------------------------------------------------------------------------------- paths
 
@@ -440,6 +443,8 @@ class FsspecTier(Tier):
         left when they died mid-dump: those of processes gone, or older than an hour."""
         now = time.time()
         for directory, _dirs, names in os.walk(self.root):
+            if self._closed:
+                return  # the next open sweeps again
             for name in names:
                 parts = name.split(".")
                 if len(parts) != 4 or parts[3] != "tmp" or not parts[1].isdigit():

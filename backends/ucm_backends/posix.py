@@ -59,7 +59,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,14 +277,16 @@ class PosixTier(Tier):
         # what stats report per namespace.
         quotas: NamespaceBytes | None = context.options.get(NAMESPACE_BYTES_OPTION)
         self._namespace_usage = NamespaceUsage(quotas)
+        self.temp_sweep: Future[None] | None = None
+        """The sweep of dead writers' temp files behind open (None: the scans reap them)."""
         if config.capacity is not None:
             total, entries = self._scan()
             self._usage = total
             self._namespace_usage.rescanned(_by_namespace(entries))
         else:
             # No eviction scan will ever reap what writers killed mid-dump left: sweep once,
-            # behind open (close waits for it).
-            self._pool.submit(self._reap_temps)
+            # behind open (close stops it between two directories).
+            self.temp_sweep = self._pool.submit(self._reap_temps)
         if quotas is not None:
             self.evict_namespace_quotas()
 
@@ -1105,6 +1107,8 @@ class PosixTier(Tier):
         directory, as each scan does."""
         now = time.time()
         for directory in self._stripe_dirs():
+            if self._closed:
+                return  # the next open sweeps again
             try:
                 iterator = os.scandir(directory)
             except FileNotFoundError:

@@ -277,5 +277,6 @@ def test_temp_files_of_writers_killed_mid_dump_are_reaped_without_a_capacity(
             break
     assert left, "no writer was killed while it wrote a block file"
     with ucm.open(config) as store:  # a later process using the directory
-        store.lookup([block_id_of(b"big", 0)])
-    assert _temp_files(tmp_path / "nvme") == []
+        sweep = store.tiers[0].temp_sweep
+        sweep.result(timeout=WRITER_PHASE_S)
+        assert _temp_files(tmp_path / "nvme") == []

@@ -74,9 +74,11 @@ def test_temp_files_of_dead_writers_are_reaped_at_open(tmp_path: Path) -> None:
     stale.write_bytes(b"partial")
     mine.write_bytes(b"in progress")
     tier = fsspec_tier(f"file://{tmp_path}", LAYOUT)
-    tier.close()  # waits for the sweep behind open
+    assert tier.temp_sweep is not None
+    tier.temp_sweep.result(timeout=60)  # the sweep behind open
     assert not stale.exists()
     assert mine.exists()  # a live writer's temp file is left alone
+    tier.close()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
