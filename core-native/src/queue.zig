@@ -110,11 +110,18 @@ pub const TaskKind = enum(u8) { load = 0, prefetch = 1, dump = 2 };
 /// Dump: commit the slots dirty (write-back debt, issue 11). Carried to the commit.
 pub const task_flag_dirty: u32 = 1 << 0;
 /// Load: nothing below the buffer; a key not Ready here is a miss, never handed to a loader.
+/// A key another load is filling (this process's or another rank's) is waited for, as a
+/// waiter's (up to `wait_timeout_ns`, longer while the filler is this process's), unless
+/// `task_flag_no_wait` is set too.
 pub const task_flag_no_fill: u32 = 1 << 1;
 /// Load: nobody waits on it (an engine's asynchronous load): its copies yield the CPU after
 /// each batch (see `copy_loop`). Dumps always do.
 pub const task_flag_background: u32 = 1 << 2;
-pub const task_flags_valid: u32 = task_flag_dirty | task_flag_no_fill | task_flag_background;
+/// Load, with `task_flag_no_fill` only: a key not Ready when claimed is `missing` at once,
+/// even one another load is filling: the task waits on no tier, not even through another
+/// load's fill (an engine's synchronous load, which must cost a memcpy at most).
+pub const task_flag_no_wait: u32 = 1 << 3;
+pub const task_flags_valid: u32 = task_flag_dirty | task_flag_no_fill | task_flag_background | task_flag_no_wait;
 
 /// Per entry (optional array): the caller copies this entry's bytes itself (a CUDA destination):
 /// it gets a `copy_out` work item holding the Ready slot instead of a native copy.
@@ -138,7 +145,7 @@ pub const EntryResult = enum(u8) {
     lock_timeout = 5,
     /// Shared memory ran out while faulting the slot in.
     no_memory = 6,
-    /// `task_flag_no_fill`: not Ready in the buffer.
+    /// `task_flag_no_fill`: not Ready in the buffer (`task_flag_no_wait`: when claimed).
     missing = 7,
     /// A loader could not hand a caller copy on: the work ring stayed full (its consumers are
     /// the loaders themselves, so a loader never waits on it for long).
@@ -713,6 +720,9 @@ pub const Queue = struct {
         // A null buffer has no slots to dump into (the top tier takes dumps).
         if (submission.kind == .dump and queue.buffer == null) return false;
         if (submission.flags & task_flag_no_fill != 0 and queue.buffer == null) return false;
+        if (submission.flags & task_flag_no_wait != 0) {
+            if (submission.kind != .load or submission.flags & task_flag_no_fill == 0) return false;
+        }
         for (submission.shards) |shard| {
             if (shard >= queue.settings.shards_per_block) return false;
         }
@@ -1415,11 +1425,19 @@ pub const Queue = struct {
             queue.bypass(task_index, entry, step, part_ends(bypassed, bypass_count, bypass_parts));
         }
         // Waiters: sleep on each slot's futex, one deadline for the step. A prefetch does not
-        // wait: whoever fills the slot brings the key up anyway.
+        // wait: whoever fills the slot brings the key up anyway. A no-wait load does not
+        // either: the key is not Ready here, so it is missing.
         var waited: u64 = 0;
         const deadline_ns = started_ns +| queue.settings.wait_timeout_ns;
+        const no_wait = task.flags & task_flag_no_wait != 0;
+        assert(!no_wait or no_fill);
         for (entries, results, slots) |entry, result, slot| {
             if (result != .waiter) continue;
+            if (no_wait) {
+                queue.release_one(slot);
+                queue.finish_entry(task_index, entry, .missing);
+                continue;
+            }
             waited += 1;
             if (task.kind == .prefetch) {
                 queue.release_one(slot);

@@ -368,6 +368,52 @@ def test_a_load_of_buffer_hits_never_waits_behind_prefetches_stalled_below(
         assert len(RECORDED["low"]) == 4 * 8  # every shard read from below once
 
 
+def test_a_no_fill_load_fails_a_key_being_filled_instead_of_waiting_for_the_fill(
+    test_tiers: None, unique_id: str
+) -> None:
+    """``fill=False`` (vLLM's synchronous loads: a memcpy at most) never waits on a tier: a
+    key that a prefetch of this process is filling from a stalled tier below fails at once,
+    missing, instead of waiting for that fill (``wait_timeout_s``, extended while the filler
+    is this process's); the keys the buffer holds load byte-exact."""
+    hot, cold = block(0), block(1)
+    fill_space("low", [hot, cold], range(4))
+    lower = {"type": "recording", "space": "low", "gated": True}
+    gate = GATES.setdefault("low", threading.Event())
+    entered = ENTERED.setdefault("low", threading.Event())
+    # wait_timeout_s far past BOUND_S: a load waiting for the held fill would wait it out.
+    with ucm.open(stack(unique_id, lower, wait_timeout_s=600.0)) as store:
+        gate.set()
+        warm = store.prefetch([hot])
+        assert warm is not None
+        store.wait(warm)
+        gate.clear()
+        entered.clear()
+        held = store.prefetch([cold], background=True)
+        assert held is not None
+        assert entered.wait(BOUND_S)  # the prefetch owns cold's shards, held at the gate
+        dst = dst_for(2)
+
+        def load_no_fill() -> TaskError:
+            task = store.load([hot, cold], 0, dst, fill=False)
+            with pytest.raises(TaskError) as info:
+                store.wait(task)
+            return info.value
+
+        error = bounded(load_no_fill, "a fill=False load of a key being filled below")
+        assert set(error.failures) == {(cold, 0)}
+        assert str(error) == (
+            f"1 key(s) failed: block {cold.hex()} shard 0: KeyMissingError: not in the buffer"
+        )
+        assert exact([hot], 0, dst[:1])
+        assert not store.check(held)  # still held at the gate: nothing waited for it
+        gate.set()
+        store.wait(held)
+        dst = dst_for(2)
+        store.wait(store.load([hot, cold], 0, dst, fill=False))  # brought up: both in the buffer
+        assert exact([hot, cold], 0, dst)
+        assert len(RECORDED["low"]) == 2 * 4  # every shard read from below once
+
+
 def test_a_full_load_queue_times_out_naming_the_knob(test_tiers: None, unique_id: str) -> None:
     blocks = [block(i) for i in range(4)]
     fill_space("low", blocks, range(4))

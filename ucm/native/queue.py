@@ -57,7 +57,11 @@ WorkState = _abi.WorkState
 TASK_FLAG_DIRTY = _abi.TASK_FLAG_DIRTY
 """Dump: commit the slots dirty (write-back debt)."""
 TASK_FLAG_NO_FILL = _abi.TASK_FLAG_NO_FILL
-"""Load: nothing below the buffer; a key not Ready here is a miss."""
+"""Load: nothing below the buffer; a key not Ready here is a miss (one another load is filling
+is waited for, unless ``TASK_FLAG_NO_WAIT``)."""
+TASK_FLAG_NO_WAIT = _abi.TASK_FLAG_NO_WAIT
+"""Load, with ``TASK_FLAG_NO_FILL`` only: a key another load is filling is a miss at once, not
+waited for (the load waits on no tier)."""
 TASK_FLAG_BACKGROUND = _abi.TASK_FLAG_BACKGROUND
 """Load: nobody waits on it; its copies yield the CPU between batches, as dumps' do."""
 ENTRY_FLAG_CALLER_COPY = _abi.ENTRY_FLAG_CALLER_COPY
@@ -573,6 +577,7 @@ __all__ = [
     "ENTRY_FLAG_CALLER_COPY",
     "TASK_FLAG_DIRTY",
     "TASK_FLAG_NO_FILL",
+    "TASK_FLAG_NO_WAIT",
     "EntryResult",
     "NativeQueue",
     "TaskKind",
