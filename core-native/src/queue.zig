@@ -31,7 +31,8 @@
 //! reference. `local_flags` remembers what this process knows of a slot it holds: owned here
 //! (not committed yet) or Ready.
 //!
-//! Tasks live in a fixed pool of `queue_tasks_max` records; the caller's arrays (keys, caller
+//! Tasks live in a fixed pool of `queue_tasks_max` records, of which each lane holds at most
+//! `queue_lane_depth_max` (queued or in flight); the caller's arrays (keys, caller
 //! memory addresses, per-entry results) stay the caller's and must outlive the task. A task's
 //! completion is one release store of its generation into the record's `completed` word and a
 //! futex wake on it: `wait` blocks on that word, `done` reads it; nobody polls. After that store
@@ -379,6 +380,12 @@ const Lane = struct {
     head: u32 = 0,
     count: u32 = 0,
     depth: u32 = 0,
+    /// This lane's tasks submitted and not completed (queued or walked): at most
+    /// `queue_lane_depth_max`, so that the three lanes together never need more than the
+    /// pool's `queue_tasks_max` records. A task walked past its step's `wait_timeout` stays in
+    /// flight while its fills do (a stalled tier's): without this bound one lane's such tasks
+    /// would take every record, and a load of buffer hits would find none.
+    live: u32 = 0,
     not_empty: std.Thread.Condition = .{},
     thread: ?std.Thread = null,
     // Step scratch (dispatcher-local): `step_keys` entries each.
@@ -744,8 +751,9 @@ pub const Queue = struct {
         return true;
     }
 
-    /// Hands a task over. Blocks up to `timeout_ns` while the lane is at its depth or every
-    /// task record is in use. Returns the token (generation << 32 | record index).
+    /// Hands a task over. Blocks up to `timeout_ns` while the lane is at its depth or holds
+    /// `queue_lane_depth_max` tasks in flight (a record is then always free: the other lanes
+    /// hold at most as many each). Returns the token (generation << 32 | record index).
     pub fn submit(queue: *Queue, submission: Submission, timeout_ns: u64) error{ Full, Closed }!u64 {
         assert(queue.validate(submission));
         const lane = &queue.lanes[lane_of(submission.kind)];
@@ -754,7 +762,7 @@ pub const Queue = struct {
         defer queue.mutex.unlock();
         const deadline_ns = futex.monotonic_ns() +| timeout_ns;
         var rounds: u64 = 0;
-        while (queue.free_head == task_none or lane.count >= lane.depth) : (rounds += 1) {
+        while (lane.count >= lane.depth or lane.live >= constants.queue_lane_depth_max) : (rounds += 1) {
             assert(rounds < std.math.maxInt(u32));
             if (queue.closing) return error.Closed;
             const now_ns = futex.monotonic_ns();
@@ -762,6 +770,9 @@ pub const Queue = struct {
             queue.space.timedWait(&queue.mutex, @min(deadline_ns - now_ns, constants.queue_ring_wait_slice_ns)) catch {};
         }
         if (queue.closing) return error.Closed;
+        comptime assert(constants.queue_tasks_max >= 3 * constants.queue_lane_depth_max);
+        assert(queue.tasks_live == queue.lanes[0].live + queue.lanes[1].live + queue.lanes[2].live);
+        assert(queue.free_head != task_none); // every lane holds at most its share of records
         const index = queue.free_head;
         const task = &queue.tasks[index];
         assert(!task.live);
@@ -782,6 +793,7 @@ pub const Queue = struct {
         task.next_free = task_none;
         task.live = true;
         queue.tasks_live += 1;
+        lane.live += 1;
         lane.pending[(lane.head + lane.count) % lane.pending.len] = index;
         lane.count += 1;
         lane.not_empty.signal();
@@ -876,6 +888,9 @@ pub const Queue = struct {
         queue.free_head = task_index;
         assert(queue.tasks_live > 0);
         queue.tasks_live -= 1;
+        const lane = &queue.lanes[lane_of(task.kind)];
+        assert(lane.live > 0);
+        lane.live -= 1;
         // Release: every result byte and copied destination byte is visible to whoever
         // acquires the generation. The caller's arrays are not touched after this store.
         task.completed.store(generation, .release);

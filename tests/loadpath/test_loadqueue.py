@@ -414,6 +414,57 @@ def test_a_no_fill_load_fails_a_key_being_filled_instead_of_waiting_for_the_fill
         assert len(RECORDED["low"]) == 2 * 4  # every shard read from below once
 
 
+def test_prefetches_stalled_below_never_take_every_task_record_from_the_loads(
+    test_tiers: None, unique_id: str
+) -> None:
+    """A prefetch step that waited ``wait_timeout_s`` for its fills moves on, and its task
+    stays in flight until the stalled tier answers: an engine that keeps prefetching holds
+    more and more task records. They come from one pool (``QUEUE_TASKS_MAX``) shared by the
+    three lanes: each lane holds at most ``QUEUE_LANE_DEPTH_MAX`` tasks in flight, so a load
+    of blocks the buffer holds still finds a record (its submit does not time out)."""
+    from ucm.native import _abi
+
+    per_lane, records = _abi.QUEUE_LANE_DEPTH_MAX, _abi.QUEUE_TASKS_MAX
+    hot = block(0)
+    cold = [block(1 + i) for i in range(records)]
+    fill_space("low", [hot, *cold], range(1))
+    lower = {"type": "recording", "space": "low", "gated": True}
+    gate = GATES.setdefault("low", threading.Event())
+    entered = ENTERED.setdefault("low", threading.Event())
+    config = stack(
+        unique_id, lower, slots=records + 512, shards=1, wait_timeout_s=0.01, load_workers=1
+    )
+    with ucm.open(config) as store:
+        gate.set()
+        warm = store.prefetch([hot])
+        assert warm is not None
+        store.wait(warm)
+        gate.clear()
+        entered.clear()
+        held = []
+        refused = 0
+        for b in cold:  # one key each: its slot is owned, its fill held at the gate
+            try:
+                task = store.prefetch([b], background=True, submit_timeout_s=2.0)
+            except TimeoutError as exc:
+                assert "prefetch queue stayed full" in str(exc)
+                refused += 1
+                break
+            assert task is not None
+            held.append(task)
+        assert entered.is_set()
+        dst = dst_for(1)
+        # The load lane is empty: its submit takes a record at once (10 s: a generous bound).
+        store.wait(store.load([hot], 0, dst, fill=False, submit_timeout_s=10.0))
+        assert exact([hot], 0, dst)
+        assert refused == 1
+        assert len(held) == per_lane
+        assert not any(store.check(task) for task in held)
+        gate.set()
+        for task in held:
+            store.wait(task, timeout_s=BOUND_S)
+
+
 def test_a_full_load_queue_times_out_naming_the_knob(test_tiers: None, unique_id: str) -> None:
     blocks = [block(i) for i in range(4)]
     fill_space("low", blocks, range(4))
