@@ -3,6 +3,8 @@ TaskError, idle-window Prealloc (Scenario E), repair and promotion, dumps beside
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -463,6 +465,55 @@ def test_prefetches_stalled_below_never_take_every_task_record_from_the_loads(
         gate.set()
         for task in held:
             store.wait(task, timeout_s=BOUND_S)
+
+
+_EXIT_SCRIPT = """
+import sys, threading, time
+import torch
+import ucm
+
+sys.path.insert(0, sys.argv[3])  # the tests' directory, as pytest puts it first
+from loadpath import _tiers
+
+_tiers.register()
+unique_id, close = sys.argv[1], sys.argv[2] == "close"
+cold = bytes([7]) * 16
+_tiers.CONTENTS["low"] = {(cold, s): bytes(4096) for s in range(4)}
+stack = {
+    "unique_id": unique_id, "shard_size": 4096, "shards_per_block": 4,
+    "tiers": [
+        {"type": "buffer", "capacity": 64 * 4096, "queue_timeout_s": 2.0},
+        {"type": "recording", "space": "low", "gated": True},
+    ],
+}
+store = ucm.open(stack)
+entered = _tiers.ENTERED.setdefault("low", threading.Event())
+held = store.prefetch([cold])  # its fill stays at the gate: the tier never answers
+assert entered.wait(60)
+load = store.load([cold], 0, [[torch.zeros(4096, dtype=torch.uint8)]])
+time.sleep(0.3)  # the load's dispatcher waits on the slot the prefetch fills
+assert not store.check(load)
+if close:
+    store.close()  # gives up on the tasks after queue_timeout_s, leaving the queue running
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("close", ["close", "no-close"])
+def test_a_process_exits_cleanly_while_a_load_waits_on_a_fill_held_below(
+    unique_id: str, close: str
+) -> None:
+    """A process that exits (after ``close()`` gave up on stalled tasks, or without it) while
+    a load's dispatcher waits on a slot that a fill from a stalled tier holds: the native
+    threads stop before the shared memory is unmapped at exit (they read it: SIGSEGV)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, unique_id, close, str(Path(__file__).parents[1])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout == "exiting\n", done.stderr
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_full_load_queue_times_out_naming_the_knob(test_tiers: None, unique_id: str) -> None:

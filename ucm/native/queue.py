@@ -19,6 +19,7 @@ written by native threads until the task completes: the caller keeps them alive 
 from __future__ import annotations
 
 import ctypes
+import weakref
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -180,6 +181,11 @@ class NativeQueue:
         if status != _OK:
             raise InvalidArgumentError(f"the native load queue refused its settings ({status})")
         self._handle = int(handle.value)
+        # At the interpreter's exit (or if this object goes without destroy()), the native
+        # threads stop first: the finalizer of the mappings they read (the SharedRegion's,
+        # created before this one, so run after it) unmaps them, and a dispatcher waiting on
+        # a slot then read unmapped memory (SIGSEGV at exit).
+        self._stop_at_exit = weakref.finalize(self, self._native.ucm_queue_stop, self._handle)
         self._stopped = False
         self._destroyed = False
         self._abandoned = False
@@ -468,7 +474,8 @@ class NativeQueue:
     def abandon(self) -> None:
         """Marks the queue as never to be freed: its tasks outlived the close, so native
         threads, loaders or waiters may still use it (and the mappings it copies between).
-        :meth:`destroy` then does nothing; the process's exit reclaims it."""
+        :meth:`destroy` then does nothing; at the process's exit its threads are stopped
+        before the mappings go, and the exit reclaims the rest."""
         self._abandoned = True
 
     @property
@@ -482,6 +489,7 @@ class NativeQueue:
             return
         self.stop()
         self._destroyed = True
+        self._stop_at_exit.detach()  # the handle is freed below
         self._native.ucm_queue_destroy(self._handle)
 
     @property
