@@ -19,6 +19,8 @@ written by native threads until the task completes: the caller keeps them alive 
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
 import weakref
 from array import array
 from collections.abc import Sequence
@@ -74,6 +76,9 @@ _Status = _abi.QueueStatus
 _OK, _INVALID, _FULL = _Status.OK, _Status.INVALID_ARGUMENT, _Status.FULL
 _CLOSED, _WRONG_PROCESS, _NO_MEMORY = _Status.CLOSED, _Status.WRONG_PROCESS, _Status.OUT_OF_MEMORY
 _WAIT_FOREVER_NS = 2**63
+_WAIT_SLICE_NS = 500_000_000
+"""Longest one native wait of :meth:`NativeQueue.wait` (it waits in slices): a thread waiting
+past :meth:`NativeQueue.destroy` leaves the queue within this, before it is freed."""
 
 _Settings = _abi.Settings
 
@@ -188,6 +193,10 @@ class NativeQueue:
         self._stop_at_exit = weakref.finalize(self, self._native.ucm_queue_stop, self._handle)
         self._stopped = False
         self._destroyed = False
+        # Threads inside the native wait/done (destroy waits for them: they read the queue).
+        self._callers = 0
+        self._callers_left = threading.Condition()
+        self._freeing = False
         self._abandoned = False
         # Bound once: these sit on every task's path.
         self._submit = self._native.ucm_queue_submit
@@ -250,20 +259,57 @@ class NativeQueue:
         raise AssertionError  # unreachable
 
     def done(self, token: int) -> bool:
-        status = self._done(self._handle, token)
+        """Whether the task completed (True once the queue is being freed: see :meth:`wait`)."""
+        if not self._enter():
+            return True
+        try:
+            status = self._done(self._handle, token)
+        finally:
+            self._leave()
         if status < 0:
             self._raise(status, "done")
         return bool(status)
 
     def wait(self, token: int, timeout_s: float | None) -> bool:
-        """Blocks (futex, GIL released) until the task completes; False on timeout."""
-        timeout_ns = _WAIT_FOREVER_NS
+        """Blocks (futex, GIL released) until the task completes; False on timeout. True also
+        once the queue is being freed (:meth:`destroy`, after a close): its threads are stopped,
+        so the task is complete or never will be (its unfinished entries read as failed)."""
+        deadline_ns = None
         if timeout_s is not None and timeout_s * 1e9 < _WAIT_FOREVER_NS:  # inf and NaN: forever
-            timeout_ns = max(0, int(timeout_s * 1e9))
-        status = self._wait(self._handle, token, timeout_ns)
-        if status < 0:
-            self._raise(status, "wait")
-        return bool(status)
+            deadline_ns = time.monotonic_ns() + max(0, int(timeout_s * 1e9))
+        if not self._enter():
+            return True
+        try:
+            # In slices, so that destroy() never frees the queue under this thread.
+            while True:
+                slice_ns = _WAIT_SLICE_NS
+                if deadline_ns is not None:
+                    slice_ns = max(0, min(slice_ns, deadline_ns - time.monotonic_ns()))
+                status = self._wait(self._handle, token, slice_ns)
+                if status < 0:
+                    self._raise(status, "wait")
+                if status:
+                    return True
+                if deadline_ns is not None and time.monotonic_ns() >= deadline_ns:
+                    return False
+                if self._freeing:
+                    return True
+        finally:
+            self._leave()
+
+    def _enter(self) -> bool:
+        """Counts a thread in (False: the queue is being freed; touch nothing)."""
+        with self._callers_left:
+            if self._freeing:
+                return False
+            self._callers += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._callers_left:
+            self._callers -= 1
+            if not self._callers:
+                self._callers_left.notify_all()
 
     # -- loaders -----------------------------------------------------------------------------
 
@@ -488,6 +534,9 @@ class NativeQueue:
         if self._destroyed or self._abandoned:
             return
         self.stop()
+        with self._callers_left:  # each leaves within one wait slice: the threads are stopped
+            self._freeing = True
+            self._callers_left.wait_for(lambda: not self._callers)
         self._destroyed = True
         self._stop_at_exit.detach()  # the handle is freed below
         self._native.ucm_queue_destroy(self._handle)
