@@ -4,7 +4,7 @@
 const std = @import("std");
 
 /// Bumped whenever the C ABI changes; the Python binding refuses a library with another value.
-pub const abi_version: u32 = 7;
+pub const abi_version: u32 = 8;
 
 /// Futex words are 32-bit on Linux, and they must be naturally aligned.
 pub const futex_word_size_bytes: usize = 4;
@@ -32,9 +32,11 @@ comptime {
 
 // ---- The native load queue (queue.zig) ----
 
-/// Tasks one lane (load, prefetch or dump) queues for its dispatcher at most (its depth).
+/// Tasks one lane (load, prefetch or dump) queues for its dispatcher at most (its depth), and
+/// holds in flight at most (queued or walked, not completed).
 pub const queue_lane_depth_max: u32 = 512;
-/// Task records per queue (the three lanes together): the most tasks in flight at once.
+/// Task records per queue (the three lanes together): the most tasks in flight at once. Each
+/// lane holds at most `queue_lane_depth_max`, so no lane's tasks take another lane's records.
 pub const queue_tasks_max: u32 = 3 * queue_lane_depth_max;
 /// Keys one task may hold (a task is walked in steps; this only bounds counters).
 pub const queue_task_keys_max: u32 = 1 << 24;

@@ -31,7 +31,8 @@
 //! reference. `local_flags` remembers what this process knows of a slot it holds: owned here
 //! (not committed yet) or Ready.
 //!
-//! Tasks live in a fixed pool of `queue_tasks_max` records; the caller's arrays (keys, caller
+//! Tasks live in a fixed pool of `queue_tasks_max` records, of which each lane holds at most
+//! `queue_lane_depth_max` (queued or in flight); the caller's arrays (keys, caller
 //! memory addresses, per-entry results) stay the caller's and must outlive the task. A task's
 //! completion is one release store of its generation into the record's `completed` word and a
 //! futex wake on it: `wait` blocks on that word, `done` reads it; nobody polls. After that store
@@ -110,11 +111,18 @@ pub const TaskKind = enum(u8) { load = 0, prefetch = 1, dump = 2 };
 /// Dump: commit the slots dirty (write-back debt, issue 11). Carried to the commit.
 pub const task_flag_dirty: u32 = 1 << 0;
 /// Load: nothing below the buffer; a key not Ready here is a miss, never handed to a loader.
+/// A key another load is filling (this process's or another rank's) is waited for, as a
+/// waiter's (up to `wait_timeout_ns`, longer while the filler is this process's), unless
+/// `task_flag_no_wait` is set too.
 pub const task_flag_no_fill: u32 = 1 << 1;
 /// Load: nobody waits on it (an engine's asynchronous load): its copies yield the CPU after
 /// each batch (see `copy_loop`). Dumps always do.
 pub const task_flag_background: u32 = 1 << 2;
-pub const task_flags_valid: u32 = task_flag_dirty | task_flag_no_fill | task_flag_background;
+/// Load, with `task_flag_no_fill` only: a key not Ready when claimed is `missing` at once,
+/// even one another load is filling: the task waits on no tier, not even through another
+/// load's fill (an engine's synchronous load, which must cost a memcpy at most).
+pub const task_flag_no_wait: u32 = 1 << 3;
+pub const task_flags_valid: u32 = task_flag_dirty | task_flag_no_fill | task_flag_background | task_flag_no_wait;
 
 /// Per entry (optional array): the caller copies this entry's bytes itself (a CUDA destination):
 /// it gets a `copy_out` work item holding the Ready slot instead of a native copy.
@@ -138,7 +146,7 @@ pub const EntryResult = enum(u8) {
     lock_timeout = 5,
     /// Shared memory ran out while faulting the slot in.
     no_memory = 6,
-    /// `task_flag_no_fill`: not Ready in the buffer.
+    /// `task_flag_no_fill`: not Ready in the buffer (`task_flag_no_wait`: when claimed).
     missing = 7,
     /// A loader could not hand a caller copy on: the work ring stayed full (its consumers are
     /// the loaders themselves, so a loader never waits on it for long).
@@ -372,6 +380,12 @@ const Lane = struct {
     head: u32 = 0,
     count: u32 = 0,
     depth: u32 = 0,
+    /// This lane's tasks submitted and not completed (queued or walked): at most
+    /// `queue_lane_depth_max`, so that the three lanes together never need more than the
+    /// pool's `queue_tasks_max` records. A task walked past its step's `wait_timeout` stays in
+    /// flight while its fills do (a stalled tier's): without this bound one lane's such tasks
+    /// would take every record, and a load of buffer hits would find none.
+    live: u32 = 0,
     not_empty: std.Thread.Condition = .{},
     thread: ?std.Thread = null,
     // Step scratch (dispatcher-local): `step_keys` entries each.
@@ -713,6 +727,9 @@ pub const Queue = struct {
         // A null buffer has no slots to dump into (the top tier takes dumps).
         if (submission.kind == .dump and queue.buffer == null) return false;
         if (submission.flags & task_flag_no_fill != 0 and queue.buffer == null) return false;
+        if (submission.flags & task_flag_no_wait != 0) {
+            if (submission.kind != .load or submission.flags & task_flag_no_fill == 0) return false;
+        }
         for (submission.shards) |shard| {
             if (shard >= queue.settings.shards_per_block) return false;
         }
@@ -734,8 +751,9 @@ pub const Queue = struct {
         return true;
     }
 
-    /// Hands a task over. Blocks up to `timeout_ns` while the lane is at its depth or every
-    /// task record is in use. Returns the token (generation << 32 | record index).
+    /// Hands a task over. Blocks up to `timeout_ns` while the lane is at its depth or holds
+    /// `queue_lane_depth_max` tasks in flight (a record is then always free: the other lanes
+    /// hold at most as many each). Returns the token (generation << 32 | record index).
     pub fn submit(queue: *Queue, submission: Submission, timeout_ns: u64) error{ Full, Closed }!u64 {
         assert(queue.validate(submission));
         const lane = &queue.lanes[lane_of(submission.kind)];
@@ -744,7 +762,7 @@ pub const Queue = struct {
         defer queue.mutex.unlock();
         const deadline_ns = futex.monotonic_ns() +| timeout_ns;
         var rounds: u64 = 0;
-        while (queue.free_head == task_none or lane.count >= lane.depth) : (rounds += 1) {
+        while (lane.count >= lane.depth or lane.live >= constants.queue_lane_depth_max) : (rounds += 1) {
             assert(rounds < std.math.maxInt(u32));
             if (queue.closing) return error.Closed;
             const now_ns = futex.monotonic_ns();
@@ -752,6 +770,9 @@ pub const Queue = struct {
             queue.space.timedWait(&queue.mutex, @min(deadline_ns - now_ns, constants.queue_ring_wait_slice_ns)) catch {};
         }
         if (queue.closing) return error.Closed;
+        comptime assert(constants.queue_tasks_max >= 3 * constants.queue_lane_depth_max);
+        assert(queue.tasks_live == queue.lanes[0].live + queue.lanes[1].live + queue.lanes[2].live);
+        assert(queue.free_head != task_none); // every lane holds at most its share of records
         const index = queue.free_head;
         const task = &queue.tasks[index];
         assert(!task.live);
@@ -772,6 +793,7 @@ pub const Queue = struct {
         task.next_free = task_none;
         task.live = true;
         queue.tasks_live += 1;
+        lane.live += 1;
         lane.pending[(lane.head + lane.count) % lane.pending.len] = index;
         lane.count += 1;
         lane.not_empty.signal();
@@ -866,6 +888,9 @@ pub const Queue = struct {
         queue.free_head = task_index;
         assert(queue.tasks_live > 0);
         queue.tasks_live -= 1;
+        const lane = &queue.lanes[lane_of(task.kind)];
+        assert(lane.live > 0);
+        lane.live -= 1;
         // Release: every result byte and copied destination byte is visible to whoever
         // acquires the generation. The caller's arrays are not touched after this store.
         task.completed.store(generation, .release);
@@ -1415,11 +1440,19 @@ pub const Queue = struct {
             queue.bypass(task_index, entry, step, part_ends(bypassed, bypass_count, bypass_parts));
         }
         // Waiters: sleep on each slot's futex, one deadline for the step. A prefetch does not
-        // wait: whoever fills the slot brings the key up anyway.
+        // wait: whoever fills the slot brings the key up anyway. A no-wait load does not
+        // either: the key is not Ready here, so it is missing.
         var waited: u64 = 0;
         const deadline_ns = started_ns +| queue.settings.wait_timeout_ns;
+        const no_wait = task.flags & task_flag_no_wait != 0;
+        assert(!no_wait or no_fill);
         for (entries, results, slots) |entry, result, slot| {
             if (result != .waiter) continue;
+            if (no_wait) {
+                queue.release_one(slot);
+                queue.finish_entry(task_index, entry, .missing);
+                continue;
+            }
             waited += 1;
             if (task.kind == .prefetch) {
                 queue.release_one(slot);

@@ -23,13 +23,16 @@ const expect = std.testing.expect;
 const expectEqual = std.testing.expectEqual;
 
 // Model:
-// Random tasks (loads, prefetches, dumps, no-fill loads) from this process, interleaved with
-// simulated other ranks that own keys and commit them Ready, Failed or Missing, or die while
-// owning them; a loader that fails some keys. The model: the latest bytes dumped per key
-// (pattern salt), and which keys the loader fails. Checked for every task: it completes
-// within its bound; every entry has a final code; an `ok` load entry holds exactly the bytes
-// its key has (the loader's pattern or the last dump's); failure codes are those the
-// injected faults can produce. At the end: this process holds no slot (no leak).
+// Random tasks (loads, prefetches, dumps, no-fill and no-wait loads) from this process, often
+// with a prefetch in the prefetch lane beside them (its own dispatcher, the same shard index,
+// overlapping keys), interleaved with simulated other ranks that own keys and commit them
+// Ready, Failed or Missing, or die while owning them; a loader that fails some keys. The
+// model: the latest bytes dumped per key (pattern salt), and which keys the loader fails.
+// Checked for every task: it completes within its bound; every entry has a final code; an
+// `ok` load entry holds exactly the bytes its key has (the loader's pattern or the last
+// dump's); failure codes are those the injected faults can produce (a no-wait load: only
+// `missing`); a load counts one hit or miss per key and prefetches none. At the end of each
+// round this process holds no slot (no leak).
 
 const fuzz_seeds = [_]u64{ 1, 7, 42, 1234 };
 const fuzz_rounds = 60;
@@ -182,6 +185,8 @@ fn fuzz_seed(seed: u64, rounds: u64, null_buffer: bool, summary: *Summary) !void
         // A null buffer takes no dumps and no no-fill loads (the top tier holds the bytes).
         if (null_buffer and kind == .dump) kind = .load;
         const no_fill = kind == .load and random.uintLessThan(u8, 4) == 0 and !null_buffer;
+        // An engine's synchronous load: not even another load's fill is waited for.
+        const no_wait = no_fill and random.boolean();
         if (kind == .dump) call.with_pattern(0);
         if (kind == .load and random.uintLessThan(u8, 3) == 0) {
             // Some destinations copied by the caller (CUDA): handed out with their Ready slot.
@@ -189,7 +194,26 @@ fn fuzz_seed(seed: u64, rounds: u64, null_buffer: bool, summary: *Summary) !void
             for (call.entry_flags.?) |*flags| flags.* = if (random.boolean()) queue_module.entry_flag_caller_copy else 0;
         }
         const evictions_before = harness.base.counter_value(.evictions);
-        const token = try call.submit(harness.queue, kind, if (no_fill) queue_module.task_flag_no_fill else 0);
+        const lookups_before = harness.queue.counter_value(.hits) + harness.queue.counter_value(.misses);
+        const load_tasks_before = harness.queue.counter_value(.load_tasks);
+        var flags: u32 = 0;
+        if (no_fill) flags |= queue_module.task_flag_no_fill;
+        if (no_wait) flags |= queue_module.task_flag_no_wait;
+        const token = try call.submit(harness.queue, kind, flags);
+        // The prefetch lane at the same time: some of the task's keys and others of the same
+        // shard index, claimed (owned, waited on, filled) by two dispatchers at once.
+        var side_blocks: [fuzz_blocks]u32 = undefined;
+        var side_count: usize = 0;
+        if (kind != .prefetch and random.boolean()) {
+            for (0..fuzz_blocks) |block| {
+                if (random.uintLessThan(u8, 3) != 0) continue;
+                side_blocks[side_count] = @intCast(block);
+                side_count += 1;
+            }
+        }
+        var side = try Call.init(side_blocks[0..side_count], shard);
+        defer side.deinit();
+        const side_token: ?u64 = if (side_count > 0) try side.submit(harness.queue, .prefetch, 0) else null;
         // Pins taken while the task runs (this rank's other thread): up to two keys, any shard.
         var pin_keys: [2]u32 = undefined;
         var pin_ids: [2]BlockId = undefined;
@@ -212,6 +236,7 @@ fn fuzz_seed(seed: u64, rounds: u64, null_buffer: bool, summary: *Summary) !void
         if (ending != 4) try finish_other(&harness, rank, ending, other_slots[0..other_count], other_keys[0..other_count]);
         if (ending == 0) fake_processes[rank].alive = false;
         try expectEqual(@as(?bool, true), harness.queue.wait(token, 30 * std.time.ns_per_s));
+        if (side_token) |side_task| try expectEqual(@as(?bool, true), harness.queue.wait(side_task, 30 * std.time.ns_per_s));
         if (ending == 4) try finish_other(&harness, rank, 1, other_slots[0..other_count], other_keys[0..other_count]);
         if (ending == 0) {
             _ = try harness.base.reclaim_dead();
@@ -245,6 +270,8 @@ fn fuzz_seed(seed: u64, rounds: u64, null_buffer: bool, summary: *Summary) !void
                 .load => {
                     if (result == .ok) {
                         try expect(call.exact(i, 0));
+                    } else if (no_wait) {
+                        try expect(result == .missing);
                     } else if (no_fill) {
                         try expect(result == .missing or result == .owner_failed or result == .owner_missing);
                     } else {
@@ -253,6 +280,14 @@ fn fuzz_seed(seed: u64, rounds: u64, null_buffer: bool, summary: *Summary) !void
                 },
             }
         }
+        for (side.results) |code| {
+            const result: EntryResult = @enumFromInt(code);
+            try expect(result == .ok or result == .caller_failed);
+        }
+        // Both tasks done: a load counted one hit or miss per key, a prefetch nothing.
+        const lookups = harness.queue.counter_value(.hits) + harness.queue.counter_value(.misses) - lookups_before;
+        try expectEqual(@as(u64, if (kind == .load) count else 0), lookups);
+        try expectEqual(@as(u64, @intFromBool(kind == .load)), harness.queue.counter_value(.load_tasks) - load_tasks_before);
         // A pinned slot was never reused: it still holds its key's bytes, and is Ready.
         var unpin: [2]u32 = undefined;
         var unpin_count: usize = 0;

@@ -283,8 +283,8 @@ pub const Call = struct {
         if (call.entry_flags) |flags| allocator.free(flags);
     }
 
-    pub fn submit(call: *Call, queue: *Queue, kind: queue_module.TaskKind, flags: u32) !u64 {
-        const submission = Queue.Submission{
+    pub fn submission(call: *Call, kind: queue_module.TaskKind, flags: u32) Queue.Submission {
+        return .{
             .kind = kind,
             .flags = flags,
             .ids = call.ids,
@@ -294,8 +294,12 @@ pub const Call = struct {
             .results = call.results,
             .tag = 42,
         };
-        try expect(queue.validate(submission));
-        return queue.submit(submission, std.time.ns_per_s);
+    }
+
+    pub fn submit(call: *Call, queue: *Queue, kind: queue_module.TaskKind, flags: u32) !u64 {
+        const task = call.submission(kind, flags);
+        try expect(queue.validate(task));
+        return queue.submit(task, std.time.ns_per_s);
     }
 
     pub fn run(call: *Call, queue: *Queue, kind: queue_module.TaskKind, flags: u32) !void {
@@ -423,6 +427,68 @@ test "queue: waiters sleep on another rank's load and copy once it commits (Scen
     }
     try expectEqual(@as(u64, 3), counter(harness.queue, .waited));
     try expectEqual(@as(usize, 0), harness.fills.items.len); // nothing was read from below here
+    try expect_no_references(&harness);
+}
+
+test "queue: a no-wait load misses a key another rank is filling, at once; no-fill alone waits" {
+    var harness: Harness = undefined;
+    // A wait would outlast the test's bound (`Call.run` waits 20 s).
+    try harness.init(.{ .wait_timeout_ns = 600 * std.time.ns_per_s });
+    defer harness.deinit();
+    var dump = try Call.init(&.{9}, 0);
+    defer dump.deinit();
+    dump.with_pattern(0);
+    try dump.run(harness.queue, .dump, 0);
+    try expect(dump.all_ok());
+    var result = [1]buffer_module.GetResult{.hit};
+    var slot = [1]u32{0};
+    harness.others[0].get(&.{block_id_of(8)}, &.{0}, .{ .results = &result, .slots = &slot });
+    try expectEqual(buffer_module.GetResult.owner, result[0]); // filling it, for as long as it likes
+    const no_wait = queue_module.task_flag_no_fill | queue_module.task_flag_no_wait;
+    var call = try Call.init(&.{ 8, 9 }, 0);
+    defer call.deinit();
+    try call.run(harness.queue, .load, no_wait);
+    try expectEqual(@intFromEnum(EntryResult.missing), call.results[0]);
+    try expectEqual(@intFromEnum(EntryResult.ok), call.results[1]);
+    try expect(call.exact(1, 0));
+    try expectEqual(@as(u64, 0), counter(harness.queue, .waited));
+    try expectEqual(@as(u64, 0), counter(harness.queue, .wait_timeouts));
+    try expectEqual(@as(usize, 0), harness.fills.items.len);
+    // The other rank's fill is untouched: it commits, and the key is a hit for both kinds.
+    var out = [1]buffer_module.CommitResult{.ok};
+    fill_pattern(@ptrFromInt(harness.queue.slot_address_of(slot[0])), &block_id_of(8), 0, 0);
+    harness.others[0].commit(&slot, &.{1}, &out);
+    try expectEqual(buffer_module.CommitResult.ok, out[0]);
+    _ = harness.others[0].release(&slot);
+    var again = try Call.init(&.{ 8, 9 }, 0);
+    defer again.deinit();
+    try again.run(harness.queue, .load, no_wait);
+    try expect(again.all_ok());
+    for (0..2) |i| try expect(again.exact(i, 0));
+    // No-fill alone (the buffer tier's load) waits for another rank's fill: Missing there.
+    harness.others[0].get(&.{block_id_of(7)}, &.{0}, .{ .results = &result, .slots = &slot });
+    try expectEqual(buffer_module.GetResult.owner, result[0]);
+    var waiter = try Call.init(&.{7}, 0);
+    defer waiter.deinit();
+    const claimed_before = counter(harness.queue, .get_keys);
+    const token = try waiter.submit(harness.queue, .load, queue_module.task_flag_no_fill);
+    // Claimed (a waiter): it then waits for the fill, far past this test's bounds.
+    var rounds: u32 = 0;
+    while (counter(harness.queue, .get_keys) == claimed_before and rounds < 20_000) : (rounds += 1) std.Thread.sleep(std.time.ns_per_ms);
+    try expectEqual(claimed_before + 1, counter(harness.queue, .get_keys));
+    std.Thread.sleep(20 * std.time.ns_per_ms);
+    try expectEqual(@as(?bool, false), harness.queue.done(token));
+    harness.others[0].commit(&slot, &.{3}, &out);
+    _ = harness.others[0].release(&slot);
+    try expectEqual(@as(?bool, true), harness.queue.wait(token, 20 * std.time.ns_per_s));
+    try expectEqual(@intFromEnum(EntryResult.owner_missing), waiter.results[0]);
+    // No-wait is a no-fill load's option only.
+    var bad = waiter.submission(.load, queue_module.task_flag_no_wait);
+    try expect(!harness.queue.validate(bad));
+    bad.kind = .prefetch;
+    bad.addresses = null;
+    bad.flags = queue_module.task_flag_no_fill | queue_module.task_flag_no_wait;
+    try expect(!harness.queue.validate(bad));
     try expect_no_references(&harness);
 }
 

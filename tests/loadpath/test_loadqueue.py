@@ -3,6 +3,8 @@ TaskError, idle-window Prealloc (Scenario E), repair and promotion, dumps beside
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -366,6 +368,152 @@ def test_a_load_of_buffer_hits_never_waits_behind_prefetches_stalled_below(
         store.wait(store.load(cold, 1, dst))  # the prefetches brought them up
         assert exact(cold, 1, dst)
         assert len(RECORDED["low"]) == 4 * 8  # every shard read from below once
+
+
+def test_a_no_fill_load_fails_a_key_being_filled_instead_of_waiting_for_the_fill(
+    test_tiers: None, unique_id: str
+) -> None:
+    """``fill=False`` (vLLM's synchronous loads: a memcpy at most) never waits on a tier: a
+    key that a prefetch of this process is filling from a stalled tier below fails at once,
+    missing, instead of waiting for that fill (``wait_timeout_s``, extended while the filler
+    is this process's); the keys the buffer holds load byte-exact."""
+    hot, cold = block(0), block(1)
+    fill_space("low", [hot, cold], range(4))
+    lower = {"type": "recording", "space": "low", "gated": True}
+    gate = GATES.setdefault("low", threading.Event())
+    entered = ENTERED.setdefault("low", threading.Event())
+    # wait_timeout_s far past BOUND_S: a load waiting for the held fill would wait it out.
+    with ucm.open(stack(unique_id, lower, wait_timeout_s=600.0)) as store:
+        gate.set()
+        warm = store.prefetch([hot])
+        assert warm is not None
+        store.wait(warm)
+        gate.clear()
+        entered.clear()
+        held = store.prefetch([cold], background=True)
+        assert held is not None
+        assert entered.wait(BOUND_S)  # the prefetch owns cold's shards, held at the gate
+        dst = dst_for(2)
+
+        def load_no_fill() -> TaskError:
+            task = store.load([hot, cold], 0, dst, fill=False)
+            with pytest.raises(TaskError) as info:
+                store.wait(task)
+            return info.value
+
+        error = bounded(load_no_fill, "a fill=False load of a key being filled below")
+        assert set(error.failures) == {(cold, 0)}
+        assert str(error) == (
+            f"1 key(s) failed: block {cold.hex()} shard 0: KeyMissingError: not in the buffer"
+        )
+        assert exact([hot], 0, dst[:1])
+        assert not store.check(held)  # still held at the gate: nothing waited for it
+        gate.set()
+        store.wait(held)
+        dst = dst_for(2)
+        store.wait(store.load([hot, cold], 0, dst, fill=False))  # brought up: both in the buffer
+        assert exact([hot, cold], 0, dst)
+        assert len(RECORDED["low"]) == 2 * 4  # every shard read from below once
+
+
+def test_prefetches_stalled_below_never_take_every_task_record_from_the_loads(
+    test_tiers: None, unique_id: str
+) -> None:
+    """A prefetch step that waited ``wait_timeout_s`` for its fills moves on, and its task
+    stays in flight until the stalled tier answers: an engine that keeps prefetching holds
+    more and more task records. They come from one pool (``QUEUE_TASKS_MAX``) shared by the
+    three lanes: each lane holds at most ``QUEUE_LANE_DEPTH_MAX`` tasks in flight, so a load
+    of blocks the buffer holds still finds a record (its submit does not time out)."""
+    from ucm.native import _abi
+
+    per_lane, records = _abi.QUEUE_LANE_DEPTH_MAX, _abi.QUEUE_TASKS_MAX
+    hot = block(0)
+    cold = [block(1 + i) for i in range(records)]
+    fill_space("low", [hot, *cold], range(1))
+    lower = {"type": "recording", "space": "low", "gated": True}
+    gate = GATES.setdefault("low", threading.Event())
+    entered = ENTERED.setdefault("low", threading.Event())
+    config = stack(
+        unique_id, lower, slots=records + 512, shards=1, wait_timeout_s=0.01, load_workers=1
+    )
+    with ucm.open(config) as store:
+        gate.set()
+        warm = store.prefetch([hot])
+        assert warm is not None
+        store.wait(warm)
+        gate.clear()
+        entered.clear()
+        held = []
+        refused = 0
+        for b in cold:  # one key each: its slot is owned, its fill held at the gate
+            try:
+                task = store.prefetch([b], background=True, submit_timeout_s=2.0)
+            except TimeoutError as exc:
+                assert "prefetch queue stayed full" in str(exc)
+                refused += 1
+                break
+            assert task is not None
+            held.append(task)
+        assert entered.is_set()
+        dst = dst_for(1)
+        # The load lane is empty: its submit takes a record at once (10 s: a generous bound).
+        store.wait(store.load([hot], 0, dst, fill=False, submit_timeout_s=10.0))
+        assert exact([hot], 0, dst)
+        assert refused == 1
+        assert len(held) == per_lane
+        assert not any(store.check(task) for task in held)
+        gate.set()
+        for task in held:
+            store.wait(task, timeout_s=BOUND_S)
+
+
+_EXIT_SCRIPT = """
+import sys, threading, time
+import torch
+import ucm
+
+sys.path.insert(0, sys.argv[3])  # the tests' directory, as pytest puts it first
+from loadpath import _tiers
+
+_tiers.register()
+unique_id, close = sys.argv[1], sys.argv[2] == "close"
+cold = bytes([7]) * 16
+_tiers.CONTENTS["low"] = {(cold, s): bytes(4096) for s in range(4)}
+stack = {
+    "unique_id": unique_id, "shard_size": 4096, "shards_per_block": 4,
+    "tiers": [
+        {"type": "buffer", "capacity": 64 * 4096, "queue_timeout_s": 2.0},
+        {"type": "recording", "space": "low", "gated": True},
+    ],
+}
+store = ucm.open(stack)
+entered = _tiers.ENTERED.setdefault("low", threading.Event())
+held = store.prefetch([cold])  # its fill stays at the gate: the tier never answers
+assert entered.wait(60)
+load = store.load([cold], 0, [[torch.zeros(4096, dtype=torch.uint8)]])
+time.sleep(0.3)  # the load's dispatcher waits on the slot the prefetch fills
+assert not store.check(load)
+if close:
+    store.close()  # gives up on the tasks after queue_timeout_s, leaving the queue running
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("close", ["close", "no-close"])
+def test_a_process_exits_cleanly_while_a_load_waits_on_a_fill_held_below(
+    unique_id: str, close: str
+) -> None:
+    """A process that exits (after ``close()`` gave up on stalled tasks, or without it) while
+    a load's dispatcher waits on a slot that a fill from a stalled tier holds: the native
+    threads stop before the shared memory is unmapped at exit (they read it: SIGSEGV)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, unique_id, close, str(Path(__file__).parents[1])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout == "exiting\n", done.stderr
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_full_load_queue_times_out_naming_the_knob(test_tiers: None, unique_id: str) -> None:

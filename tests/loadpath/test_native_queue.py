@@ -8,6 +8,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -520,3 +522,53 @@ def test_a_caller_reusing_its_lists_after_submit_changes_no_task(
         store.wait(task)
         assert [bytes(b) for b in buffers] == [payload(b, 0, SHARD) for b in blocks]
         assert all(bytes(b) == bytes(SHARD) for b in scratch)
+
+
+_FREE_UNDER_A_WAIT = """
+import sys, threading, time
+import torch
+import ucm
+
+sys.path.insert(0, sys.argv[2])  # the tests' directory, as pytest puts it first
+from loadpath import _tiers
+
+_tiers.register()
+cold = bytes([7]) * 16
+_tiers.CONTENTS["low"] = {(cold, 0): bytes(4096)}
+stack = {
+    "unique_id": sys.argv[1], "shard_size": 4096, "shards_per_block": 1,
+    "tiers": [
+        {"type": "buffer", "capacity": 16 * 4096},
+        {"type": "recording", "space": "low", "gated": True, "write": "none"},
+    ],
+}
+store = ucm.open(stack)
+queue = store._native.queue
+entered = _tiers.ENTERED.setdefault("low", threading.Event())
+dst = [[torch.zeros(4096, dtype=torch.uint8)]]
+job = store.load([cold], 0, dst).completion  # the task's NativeJob: its token
+assert entered.wait(60)  # the load's fill is held at the gate: the task does not complete
+outcome = []
+waiter = threading.Thread(target=lambda: outcome.append(queue.wait(job.token, 3.0)))
+waiter.start()
+time.sleep(0.5)  # the waiter is inside the native wait
+queue.destroy()  # what Store.close does after its drain (here: without one)
+waiter.join(60)
+print("waiter", outcome, flush=True)
+"""
+
+
+def test_destroy_never_frees_the_queue_under_a_thread_inside_wait(unique_id: str) -> None:
+    """A thread inside ``NativeQueue.wait`` when the queue is freed (``Store.close`` beside
+    a ``Store.wait`` in another thread: a race) read the freed queue when its native wait
+    returned: SIGSEGV. ``destroy`` waits for the threads inside ``wait`` and ``done`` to
+    leave (within one wait slice); a wait then answers True: the queue's threads are
+    stopped, and the task's unfinished entries read as failed."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FREE_UNDER_A_WAIT, unique_id, str(Path(__file__).parents[1])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout == "waiter [True]\n", done.stderr
+    assert done.returncode == 0, done.stderr

@@ -19,6 +19,9 @@ written by native threads until the task completes: the caller keeps them alive 
 from __future__ import annotations
 
 import ctypes
+import threading
+import time
+import weakref
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,7 +60,11 @@ WorkState = _abi.WorkState
 TASK_FLAG_DIRTY = _abi.TASK_FLAG_DIRTY
 """Dump: commit the slots dirty (write-back debt)."""
 TASK_FLAG_NO_FILL = _abi.TASK_FLAG_NO_FILL
-"""Load: nothing below the buffer; a key not Ready here is a miss."""
+"""Load: nothing below the buffer; a key not Ready here is a miss (one another load is filling
+is waited for, unless ``TASK_FLAG_NO_WAIT``)."""
+TASK_FLAG_NO_WAIT = _abi.TASK_FLAG_NO_WAIT
+"""Load, with ``TASK_FLAG_NO_FILL`` only: a key another load is filling is a miss at once, not
+waited for (the load waits on no tier)."""
 TASK_FLAG_BACKGROUND = _abi.TASK_FLAG_BACKGROUND
 """Load: nobody waits on it; its copies yield the CPU between batches, as dumps' do."""
 ENTRY_FLAG_CALLER_COPY = _abi.ENTRY_FLAG_CALLER_COPY
@@ -69,6 +76,9 @@ _Status = _abi.QueueStatus
 _OK, _INVALID, _FULL = _Status.OK, _Status.INVALID_ARGUMENT, _Status.FULL
 _CLOSED, _WRONG_PROCESS, _NO_MEMORY = _Status.CLOSED, _Status.WRONG_PROCESS, _Status.OUT_OF_MEMORY
 _WAIT_FOREVER_NS = 2**63
+_WAIT_SLICE_NS = 500_000_000
+"""Longest one native wait of :meth:`NativeQueue.wait` (it waits in slices): a thread waiting
+past :meth:`NativeQueue.destroy` leaves the queue within this, before it is freed."""
 
 _Settings = _abi.Settings
 
@@ -176,8 +186,17 @@ class NativeQueue:
         if status != _OK:
             raise InvalidArgumentError(f"the native load queue refused its settings ({status})")
         self._handle = int(handle.value)
+        # At the interpreter's exit (or if this object goes without destroy()), the native
+        # threads stop first: the finalizer of the mappings they read (the SharedRegion's,
+        # created before this one, so run after it) unmaps them, and a dispatcher waiting on
+        # a slot then read unmapped memory (SIGSEGV at exit).
+        self._stop_at_exit = weakref.finalize(self, self._native.ucm_queue_stop, self._handle)
         self._stopped = False
         self._destroyed = False
+        # Threads inside the native wait/done (destroy waits for them: they read the queue).
+        self._callers = 0
+        self._callers_left = threading.Condition()
+        self._freeing = False
         self._abandoned = False
         # Bound once: these sit on every task's path.
         self._submit = self._native.ucm_queue_submit
@@ -240,20 +259,57 @@ class NativeQueue:
         raise AssertionError  # unreachable
 
     def done(self, token: int) -> bool:
-        status = self._done(self._handle, token)
+        """Whether the task completed (True once the queue is being freed: see :meth:`wait`)."""
+        if not self._enter():
+            return True
+        try:
+            status = self._done(self._handle, token)
+        finally:
+            self._leave()
         if status < 0:
             self._raise(status, "done")
         return bool(status)
 
     def wait(self, token: int, timeout_s: float | None) -> bool:
-        """Blocks (futex, GIL released) until the task completes; False on timeout."""
-        timeout_ns = _WAIT_FOREVER_NS
+        """Blocks (futex, GIL released) until the task completes; False on timeout. True also
+        once the queue is being freed (:meth:`destroy`, after a close): its threads are stopped,
+        so the task is complete or never will be (its unfinished entries read as failed)."""
+        deadline_ns = None
         if timeout_s is not None and timeout_s * 1e9 < _WAIT_FOREVER_NS:  # inf and NaN: forever
-            timeout_ns = max(0, int(timeout_s * 1e9))
-        status = self._wait(self._handle, token, timeout_ns)
-        if status < 0:
-            self._raise(status, "wait")
-        return bool(status)
+            deadline_ns = time.monotonic_ns() + max(0, int(timeout_s * 1e9))
+        if not self._enter():
+            return True
+        try:
+            # In slices, so that destroy() never frees the queue under this thread.
+            while True:
+                slice_ns = _WAIT_SLICE_NS
+                if deadline_ns is not None:
+                    slice_ns = max(0, min(slice_ns, deadline_ns - time.monotonic_ns()))
+                status = self._wait(self._handle, token, slice_ns)
+                if status < 0:
+                    self._raise(status, "wait")
+                if status:
+                    return True
+                if deadline_ns is not None and time.monotonic_ns() >= deadline_ns:
+                    return False
+                if self._freeing:
+                    return True
+        finally:
+            self._leave()
+
+    def _enter(self) -> bool:
+        """Counts a thread in (False: the queue is being freed; touch nothing)."""
+        with self._callers_left:
+            if self._freeing:
+                return False
+            self._callers += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._callers_left:
+            self._callers -= 1
+            if not self._callers:
+                self._callers_left.notify_all()
 
     # -- loaders -----------------------------------------------------------------------------
 
@@ -464,7 +520,8 @@ class NativeQueue:
     def abandon(self) -> None:
         """Marks the queue as never to be freed: its tasks outlived the close, so native
         threads, loaders or waiters may still use it (and the mappings it copies between).
-        :meth:`destroy` then does nothing; the process's exit reclaims it."""
+        :meth:`destroy` then does nothing; at the process's exit its threads are stopped
+        before the mappings go, and the exit reclaims the rest."""
         self._abandoned = True
 
     @property
@@ -477,7 +534,11 @@ class NativeQueue:
         if self._destroyed or self._abandoned:
             return
         self.stop()
+        with self._callers_left:  # each leaves within one wait slice: the threads are stopped
+            self._freeing = True
+            self._callers_left.wait_for(lambda: not self._callers)
         self._destroyed = True
+        self._stop_at_exit.detach()  # the handle is freed below
         self._native.ucm_queue_destroy(self._handle)
 
     @property
@@ -573,6 +634,7 @@ __all__ = [
     "ENTRY_FLAG_CALLER_COPY",
     "TASK_FLAG_DIRTY",
     "TASK_FLAG_NO_FILL",
+    "TASK_FLAG_NO_WAIT",
     "EntryResult",
     "NativeQueue",
     "TaskKind",
