@@ -55,6 +55,7 @@ from .native.queue import (
     TASK_FLAG_BACKGROUND,
     TASK_FLAG_DIRTY,
     TASK_FLAG_NO_FILL,
+    TASK_FLAG_NO_WAIT,
     EntryResult,
     NativeQueue,
     TaskKind,
@@ -247,8 +248,9 @@ class LoadPath:
         their own threads rather than on the tiers' pools, and a load's copies yield the CPU
         between batches. ``timeout_s``: longest to block on a full queue (loads and
         prefetches; default ``queue_timeout_s``; a dump's is ``dump_submit_timeout_s``).
-        ``fill=False`` (loads): a shard the buffer does not hold fails (``KeyMissingError``)
-        rather than being read from the tiers below."""
+        ``fill=False`` (loads): a shard the buffer does not hold Ready fails
+        (``KeyMissingError``) rather than being read from the tiers below, or waited for while
+        another load or prefetch (of any process) fills it."""
         if self._closed:
             raise StoreClosedError("the store is closed; open a new one with ucm.open()")
         job = NativeJob(self, kind, task_keys, memory, next(self._tags))
@@ -261,7 +263,8 @@ class LoadPath:
         if kind is TaskKind.DUMP:
             flags = self._dump_flags
         elif kind is TaskKind.LOAD:
-            flags = (TASK_FLAG_BACKGROUND if background else 0) | (0 if fill else TASK_FLAG_NO_FILL)
+            no_fill = TASK_FLAG_NO_FILL | TASK_FLAG_NO_WAIT
+            flags = (TASK_FLAG_BACKGROUND if background else 0) | (0 if fill else no_fill)
         with self._lock:
             self._reap()
             self._jobs[job.tag] = job

@@ -367,9 +367,11 @@ class Store:
         copies give the CPU back between batches to the engine's spinning threads; a load an
         engine waits on copies at full speed. ``submit_timeout_s``: longest the call blocks
         while the rank's load queue is full (default: the stack's ``queue_timeout_s``); past
-        it, ``TimeoutError``. ``fill=False``: only what the CacheBuffer holds (or another load
-        is filling) is copied; a shard it does not hold fails with ``KeyMissingError`` rather
-        than being read from the tiers below (a load that must cost a memcpy at most)."""
+        it, ``TimeoutError``. ``fill=False``: only what the CacheBuffer holds Ready is copied; a
+        shard it does not hold, or that another load or prefetch (of any process) is filling
+        right now, fails with ``KeyMissingError`` rather than being read from the tiers below or
+        waited for (a load that must cost a memcpy at most: the filler may be reading a stalled
+        tier)."""
         arguments.check_flag(background, "background")
         timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
         arguments.check_flag(fill, "fill")

@@ -40,6 +40,7 @@ pub fn generate(writer: *std.Io.Writer) !void {
     try write_int(writer, "TASK_FLAG_DIRTY", queue.task_flag_dirty);
     try write_int(writer, "TASK_FLAG_NO_FILL", queue.task_flag_no_fill);
     try write_int(writer, "TASK_FLAG_BACKGROUND", queue.task_flag_background);
+    try write_int(writer, "TASK_FLAG_NO_WAIT", queue.task_flag_no_wait);
     try write_int(writer, "ENTRY_FLAG_CALLER_COPY", queue.entry_flag_caller_copy);
     try write_int(writer, "SETTINGS_FLAG_PREALLOC", queue.settings_flag_prealloc);
     try write_int(writer, "SETTINGS_FLAG_REARRANGE", queue.settings_flag_rearrange);

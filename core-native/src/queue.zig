@@ -114,7 +114,12 @@ pub const task_flag_no_fill: u32 = 1 << 1;
 /// Load: nobody waits on it (an engine's asynchronous load): its copies yield the CPU after
 /// each batch (see `copy_loop`). Dumps always do.
 pub const task_flag_background: u32 = 1 << 2;
-pub const task_flags_valid: u32 = task_flag_dirty | task_flag_no_fill | task_flag_background;
+/// Load with `task_flag_no_fill`: a key another load or prefetch (of any process) is filling
+/// right now is a miss too, never waited for: the filler may be reading a stalled tier, and
+/// such a load must cost a memcpy at most (an engine's load before its forward pass).
+pub const task_flag_no_wait: u32 = 1 << 3;
+pub const task_flags_valid: u32 = task_flag_dirty | task_flag_no_fill | task_flag_background |
+    task_flag_no_wait;
 
 /// Per entry (optional array): the caller copies this entry's bytes itself (a CUDA destination):
 /// it gets a `copy_out` work item holding the Ready slot instead of a native copy.
@@ -713,6 +718,10 @@ pub const Queue = struct {
         // A null buffer has no slots to dump into (the top tier takes dumps).
         if (submission.kind == .dump and queue.buffer == null) return false;
         if (submission.flags & task_flag_no_fill != 0 and queue.buffer == null) return false;
+        if (submission.flags & task_flag_no_wait != 0) {
+            if (submission.kind != .load) return false;
+            if (submission.flags & task_flag_no_fill == 0) return false;
+        }
         for (submission.shards) |shard| {
             if (shard >= queue.settings.shards_per_block) return false;
         }
@@ -1420,6 +1429,11 @@ pub const Queue = struct {
         const deadline_ns = started_ns +| queue.settings.wait_timeout_ns;
         for (entries, results, slots) |entry, result, slot| {
             if (result != .waiter) continue;
+            if (task.flags & task_flag_no_wait != 0) {
+                queue.release_one(slot);
+                queue.finish_entry(task_index, entry, .missing);
+                continue;
+            }
             waited += 1;
             if (task.kind == .prefetch) {
                 queue.release_one(slot);

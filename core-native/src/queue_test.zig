@@ -464,6 +464,36 @@ test "queue: a waiter that outlives a live owner loads the key from below (bypas
     try expect_no_references(&harness);
 }
 
+test "queue: a no-wait load misses a key another rank is filling at once; no-wait needs no-fill" {
+    var harness: Harness = undefined;
+    try harness.init(.{ .wait_timeout_ns = 10 * std.time.ns_per_s });
+    defer harness.deinit();
+    var result = [1]buffer_module.GetResult{.hit};
+    var slot = [1]u32{0};
+    harness.others[0].get(&.{block_id_of(8)}, &.{0}, .{ .results = &result, .slots = &slot });
+    try expectEqual(buffer_module.GetResult.owner, result[0]);
+    var call = try Call.init(&.{8}, 0);
+    defer call.deinit();
+    const no_wait = queue_module.task_flag_no_fill | queue_module.task_flag_no_wait;
+    try call.run(harness.queue, .load, no_wait);
+    try expectEqual(@intFromEnum(EntryResult.missing), call.results[0]);
+    try expectEqual(@as(u64, 0), counter(harness.queue, .waited));
+    try expectEqual(@as(usize, 0), harness.fills.items.len); // nothing was read from below
+    var out = [1]buffer_module.CommitResult{.ok};
+    harness.others[0].commit(&slot, &.{1}, &out);
+    _ = harness.others[0].release(&slot);
+    const valid = Queue.Submission{ .kind = .load, .flags = no_wait, .ids = call.ids, .shards = call.shards, .addresses = call.addresses, .entry_flags = null, .results = call.results, .tag = 1 };
+    try expect(harness.queue.validate(valid));
+    var alone = valid;
+    alone.flags = queue_module.task_flag_no_wait;
+    try expect(!harness.queue.validate(alone));
+    var prefetch = valid;
+    prefetch.kind = .prefetch;
+    prefetch.addresses = null;
+    try expect(!harness.queue.validate(prefetch));
+    try expect_no_references(&harness);
+}
+
 test "queue: no-fill loads miss, prefetch brings keys up, Prealloc prewarms the next index" {
     var harness: Harness = undefined;
     try harness.init(.{ .regular = 16, .reserved = 8, .prealloc = true });

@@ -60,6 +60,9 @@ TASK_FLAG_NO_FILL = _abi.TASK_FLAG_NO_FILL
 """Load: nothing below the buffer; a key not Ready here is a miss."""
 TASK_FLAG_BACKGROUND = _abi.TASK_FLAG_BACKGROUND
 """Load: nobody waits on it; its copies yield the CPU between batches, as dumps' do."""
+TASK_FLAG_NO_WAIT = _abi.TASK_FLAG_NO_WAIT
+"""Load with ``TASK_FLAG_NO_FILL``: a key another load or prefetch is filling is a miss too,
+never waited for."""
 ENTRY_FLAG_CALLER_COPY = _abi.ENTRY_FLAG_CALLER_COPY
 """The entry's destination is copied by the caller (a CUDA tensor): ``COPY_OUT`` work."""
 _SETTINGS_FLAG_PREALLOC = _abi.SETTINGS_FLAG_PREALLOC
@@ -573,6 +576,7 @@ __all__ = [
     "ENTRY_FLAG_CALLER_COPY",
     "TASK_FLAG_DIRTY",
     "TASK_FLAG_NO_FILL",
+    "TASK_FLAG_NO_WAIT",
     "EntryResult",
     "NativeQueue",
     "TaskKind",
