@@ -286,3 +286,45 @@ def test_a_buffer_hit_evicted_before_its_load_under_the_async_scheduler(
     # reproduce how vLLM's runner recovers its input tokens after vLLM discards a step's
     # output (see test_vllm_scheduler); what the store holds is checked by _clean.
     _clean(h)
+
+
+X = tokens(9, 5 * BLOCK + 3)
+"""6 blocks: beside b's 9 only once b's are freed, and then in 4 of them."""
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_an_aborted_async_loads_blocks_are_reused_and_its_late_bytes_never_reach_them(
+    make: Make, space: Space, async_scheduling: bool
+) -> None:
+    """b is aborted while its prefetch waits at the tier's gate, and its load passes its
+    deadline: it is reported in finished_recving (every block failed), vLLM frees its blocks,
+    and x, which could not fit beside it, computes in them. The gate opens while x runs: b's
+    late bytes land in the CacheBuffer, never in the vLLM blocks x now holds."""
+    _store(make, A)
+    h = make(
+        gated=True,
+        lower={"write": "none"},  # x's dumps stay in the CacheBuffer: none reach the gate
+        async_scheduling=async_scheduling,
+        num_blocks=12,  # 11 usable: b's 9 and x's 6 do not fit together
+        extra_config={"ucm_load_deadline_s": 0.05},
+    )
+    h.add("b", A, 3)
+    _step_until(h, lambda: _status(h, "b") == "WAITING_FOR_REMOTE_KVS")
+    space.wait_entered()  # b's prefetch waits at the gate
+    h.abort("b")
+    h.add("x", X, 20)
+    _step_until(h, lambda: len(h.outputs.get("x", [])) >= 2)
+    b_table = _async_table(h, "b")
+    x_table = list(h.scheduler.kv_cache_manager.get_block_ids("x")[0])
+    assert set(b_table) & set(x_table), "x must compute in blocks b held"
+    assert h.finished_recving == {"b": 1}
+    (done,) = [r for r in h.records if "b" in r.finished_recving]
+    assert done.invalid == set(b_table)
+    space.open_gate()
+    h.worker._store.wait_prefetches()  # b's late bytes: into the CacheBuffer only
+    h.run(STEPS_MAX)
+    if not async_scheduling:  # see test_vllm_scheduler: the simulated runner's token recovery
+        assert h.outputs["x"] == Harness.expected_outputs(X, 20)
+    assert "b" not in h.outputs or h.outputs["b"] == []
+    assert h.worker._worker.stats.data["load_late_blocks"] == 8  # b's 8 full blocks
+    _clean(h)
