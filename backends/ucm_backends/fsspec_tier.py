@@ -193,6 +193,9 @@ class FsspecTier(Tier):
         self._pool = ThreadPoolExecutor(
             config.io_threads, thread_name_prefix="ucm-fsspec", initializer=enter_thread
         )
+        self._sweeper = ThreadPoolExecutor(
+            1, thread_name_prefix="ucm-temp-sweep", initializer=enter_thread
+        )
         self._lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._stat: dict[str, int] = dict.fromkeys(
@@ -231,9 +234,11 @@ class FsspecTier(Tier):
         self.temp_sweep: Future[None] | None = None
         """The sweep of dead writers' temp files behind open (``file://`` only)."""
         if self._local_fs:
-            # The temp files of writers killed mid-dump: removed behind open (close stops it
-            # between two directories).
-            self.temp_sweep = self._pool.submit(self._reap_temps)
+            # The temp files of writers killed mid-dump: removed behind open, on a thread
+            # of its own (never one of the I/O pool's, which loads wait for); close stops
+            # it between two directories.
+            self.temp_sweep = self._sweeper.submit(self._reap_temps)
+            self._sweeper.shutdown(wait=False)  # its thread exits when done
 
     # --------------------------------------------------------------------------------- paths
 
@@ -729,6 +734,7 @@ class FsspecTier(Tier):
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        self._sweeper.shutdown(wait=True)
 
 
 def _alive(pid: int) -> bool:

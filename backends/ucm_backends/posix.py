@@ -267,6 +267,9 @@ class PosixTier(Tier):
         self._pool = ThreadPoolExecutor(
             config.io_threads, thread_name_prefix="ucm-posix", initializer=enter_thread
         )
+        self._sweeper = ThreadPoolExecutor(
+            1, thread_name_prefix="ucm-temp-sweep", initializer=enter_thread
+        )
         self._closed = False
         self._usage = 0
         self._written_since_scan = 0
@@ -285,8 +288,10 @@ class PosixTier(Tier):
             self._namespace_usage.rescanned(_by_namespace(entries))
         else:
             # No eviction scan will ever reap what writers killed mid-dump left: sweep once,
-            # behind open (close stops it between two directories).
-            self.temp_sweep = self._pool.submit(self._reap_temps)
+            # behind open, on a thread of its own (never one of the I/O pool's, which
+            # loads wait for); close stops it between two directories.
+            self.temp_sweep = self._sweeper.submit(self._reap_temps)
+            self._sweeper.shutdown(wait=False)  # its thread exits when done
         if quotas is not None:
             self.evict_namespace_quotas()
 
@@ -1304,6 +1309,7 @@ class PosixTier(Tier):
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        self._sweeper.shutdown(wait=True)
 
 
 def _by_namespace(entries: list[tuple[int, int, int, bytes]]) -> dict[str, int]:
