@@ -133,6 +133,7 @@ class Harness:
         extra_tiers: list[dict[str, Any]] | None = None,
         tiers: list[dict[str, Any]] | None = None,
         extra_config: dict[str, Any] | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         from vllm.config import (
             CacheConfig,
@@ -182,7 +183,7 @@ class Harness:
             is_encoder_decoder=False,
             async_scheduling=async_scheduling,
         )
-        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=False)
+        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
         transfer = KVTransferConfig(
             kv_connector="UcmConnector",
             kv_connector_module_path="ucm.integration.vllm",
@@ -209,6 +210,18 @@ class Harness:
         )
         self.config = config
         self.kv_config = kv_config
+        self.block_hasher: Any = None
+        """vLLM's block hasher, as its engine core makes it: with prefix caching on, requests
+        share the vLLM blocks of a common prefix. The harness still fills a freed block with
+        garbage, which vLLM's cache would serve to a later request: a test resets vLLM's
+        prefix cache (``kv_cache_manager.reset_prefix_cache()``) once its requests are done."""
+        if prefix_caching:
+            from vllm.utils.hashing import get_hash_fn_by_name
+            from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+            hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
+            init_none_hash(hash_fn)
+            self.block_hasher = get_request_block_hasher(BLOCK, hash_fn)
         _init_distributed(config)
         cls = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = cls(
@@ -288,6 +301,7 @@ class Harness:
             prompt_token_ids=list(prompt),
             sampling_params=params,
             pooling_params=None,
+            block_hasher=self.block_hasher,
         )
         self.prompts[req_id] = list(prompt)
         self.scheduler.add_request(request)
