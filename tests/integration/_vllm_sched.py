@@ -4,8 +4,9 @@ calls the worker-side ``UcmConnector`` hooks in vLLM's orders over real CPU KV t
 
 The simulated model makes KV that names its token prefix: the KV row of position p is
 ``mix(digest of rows 0..p-1 as read from the KV cache through the block table, token p)``
-(every layer, every head), so a row is right only if every row before it is right: a block that
-failed to load corrupts every block computed after it, as attention over it would. A block vLLM
+(every layer, every head; the digest is :func:`fold`'s, which never forgets a row), so a
+row is right only if every row before it is right: a block that failed to load corrupts every
+block computed after it, as attention over it would. A block vLLM
 frees is overwritten with garbage (another request's KV, as far as this one can tell), so a
 failed load never finds right KV left over. The sampled token is a function of the last row, so
 wrong KV also changes the tokens. :meth:`Harness.expected_rows` computes the right rows from the
@@ -53,6 +54,14 @@ GARBAGE = -123456789
 
 def mix(previous: int, token: int) -> int:
     return (previous * 1_000_003 + token * 7919 + 1) & MASK
+
+
+def fold(context: int, row: int) -> int:
+    """The digest of the rows so far, after ``row``: one to one in ``context`` for a given
+    token (its factor, 1_000_003 * 7919 through ``row = mix(context, token)``, is odd), so a
+    wrong row is never forgotten. (Folding with ``mix`` multiplied a difference by
+    1_000_003 * 7920, a multiple of 16: gone mod 2**31 eight rows later.)"""
+    return (context * 1_000_003 + row * 7918 + 1) & MASK
 
 
 def sample(row: int) -> int:
@@ -324,11 +333,20 @@ class Harness:
 
     @staticmethod
     def expected_rows(tokens: list[int]) -> list[int]:
-        rows, context = [], SEED_ROW
+        return Harness.next_rows([], tokens)
+
+    @staticmethod
+    def next_rows(before: list[int], tokens: list[int]) -> list[int]:
+        """The rows the model computes for ``tokens`` after the rows ``before`` (as it reads
+        them from the KV cache): each depends on every row before it."""
+        context = SEED_ROW
+        for row in before:
+            context = fold(context, row)
+        rows = []
         for token in tokens:
             row = mix(context, token)
             rows.append(row)
-            context = mix(context, row)
+            context = fold(context, row)
         return rows
 
     def _rows(self, table: list[int], count: int) -> list[int]:
@@ -465,13 +483,9 @@ class Harness:
             start = starts[req_id]
             # Attention: every new row depends on every row before it, as the KV cache holds
             # them (a block that failed to load corrupts every row computed after it).
-            context = SEED_ROW
-            for row in self._rows(table, start):
-                context = mix(context, row)
-            for position in range(start, start + count):
-                row = mix(context, tokens[position])
+            rows = self.next_rows(self._rows(table, start), tokens[start : start + count])
+            for position, row in enumerate(rows, start):
                 self._write(table[position // BLOCK], position % BLOCK, row)
-                context = mix(context, row)
             last = start + count - 1
             if start + count >= len(tokens):  # not a partial prefill chunk: one token sampled
                 token = sample(self._row(table[last // BLOCK], last % BLOCK))

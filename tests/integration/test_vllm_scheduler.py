@@ -355,3 +355,19 @@ def test_kv_computed_over_another_requests_failed_load_is_never_saved(
     assert h.side_store().lookup(c_ids[5:8]) == [not fails] * 3
     if not async_scheduling:
         assert h.outputs["c"] == Harness.expected_outputs(c_prompt, 3)
+
+
+def test_the_harness_kv_model_never_forgets_a_wrong_row() -> None:
+    """The invariants rest on it: a row computed after a wrong one (a block that failed to
+    load) is wrong, however far after it, so a stored block computed over garbage is caught
+    (``wrong_stored_blocks``) whichever block it is."""
+    from ._vllm_sched import GARBAGE
+
+    prompt = tokens(4, 6 * BLOCK)
+    right = Harness.expected_rows(prompt)
+    for bad in (0, BLOCK - 1, 2 * BLOCK + 3):
+        before = list(right[: 3 * BLOCK])
+        before[bad] = GARBAGE
+        later = Harness.next_rows(before, prompt[3 * BLOCK :])
+        same = [p for p, (a, b) in enumerate(zip(later, right[3 * BLOCK :], strict=True)) if a == b]
+        assert same == [], (bad, same)
