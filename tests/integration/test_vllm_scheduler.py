@@ -312,15 +312,23 @@ def test_prompt_logprobs_requests_are_answered_without_a_lookup(make: object) ->
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("fails", [True, False], ids=["load-fails", "load-holds"])
+@pytest.mark.parametrize("c_tokens", [3, 1], ids=["c-decodes", "c-finishes-at-once"])
 def test_kv_computed_over_another_requests_failed_load_is_never_saved(
-    make: object, async_scheduling: bool, fails: bool
+    make: object, async_scheduling: bool, fails: bool, c_tokens: int
 ) -> None:
     """With vLLM's prefix caching on, C reuses the vLLM blocks that B's load writes in the same
     step (C is B's first 5 blocks, then 3 blocks of its own and 5 tokens) and computes its own
     blocks over them. When B's block 2 fails to load (evicted after the lookup), C's blocks
     were computed over garbage, and UCM must never store them; when B's load holds, C's
-    blocks are saved once it is confirmed."""
-    h = make(async_scheduling=async_scheduling, prefix_caching=True)  # type: ignore[operator]
+    blocks are saved once it is confirmed, also when C finishes in the step it computes them
+    (``c_tokens`` 1)."""
+    # B's look-up must answer in its step (a busy machine can pass the default 20 ms wait:
+    # then C is scheduled first, and loads instead of sharing).
+    h = make(  # type: ignore[operator]
+        async_scheduling=async_scheduling,
+        prefix_caching=True,
+        extra_config={"ucm_lookup_wait_ms": 10_000},
+    )
     _store_a(h)
     assert h.scheduler.kv_cache_manager.reset_prefix_cache()  # A's freed blocks are garbage
     first_step = h._step + 1
@@ -329,7 +337,7 @@ def test_kv_computed_over_another_requests_failed_load_is_never_saved(
     c_prompt = A[: 5 * BLOCK] + tokens(3, 3 * BLOCK + 5)
     start = len(h.records)
     h.add("b", B, 3)
-    h.add("c", c_prompt, 3)
+    h.add("c", c_prompt, c_tokens)
     h.step()
     # The regime under test: B loads its 5 blocks from UCM, C shares them through vLLM's
     # prefix cache (no load of its own) and computes its 3 full blocks in the same step.
@@ -354,7 +362,7 @@ def test_kv_computed_over_another_requests_failed_load_is_never_saved(
     # always recompute them: under asynchronous scheduling it keeps them).
     assert h.side_store().lookup(c_ids[5:8]) == [not fails] * 3
     if not async_scheduling:
-        assert h.outputs["c"] == Harness.expected_outputs(c_prompt, 3)
+        assert h.outputs["c"] == Harness.expected_outputs(c_prompt, c_tokens)
 
 
 def test_the_harness_kv_model_never_forgets_a_wrong_row() -> None:

@@ -481,7 +481,7 @@ class SchedulerSide:
         """Makes the request's saves wait for each unconfirmed load of another request whose
         vLLM blocks are among its first ``ready`` blocks (shared through vLLM's prefix cache):
         every block of the request from the first shared one on was computed over it."""
-        if not table:
+        if not table or unconfirmed.keys().isdisjoint(table[:ready]):
             return
         known = {id(load) for load in state.pending}
         known |= {id(load.source) for load in state.pending if load.source is not None}
