@@ -379,3 +379,46 @@ def test_the_harness_kv_model_never_forgets_a_wrong_row() -> None:
         later = Harness.next_rows(before, prompt[3 * BLOCK :])
         same = [p for p, (a, b) in enumerate(zip(later, right[3 * BLOCK :], strict=True)) if a == b]
         assert same == [], (bad, same)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("fails", [True, False], ids=["load-fails", "load-holds"])
+def test_a_request_sharing_an_unconfirmed_load_waits_for_its_outcome(
+    make: object, async_scheduling: bool, fails: bool
+) -> None:
+    """B loads 5 blocks from UCM in one step; C (B's first 5 blocks, then its own) arrives in
+    the next. Under asynchronous scheduling C is scheduled before B's load is confirmed and
+    would compute over B's blocks through vLLM's prefix cache; when B's block 2 failed, vLLM
+    rolls back B but keeps what C computed over garbage, and C's tokens are wrong. UCM
+    answers C "ask again" until B's load is confirmed: C's tokens are right either way."""
+    h = make(  # type: ignore[operator]
+        async_scheduling=async_scheduling,
+        prefix_caching=True,
+        extra_config={"ucm_lookup_wait_ms": 10_000},  # B's look-up answers in its step
+    )
+    _store_a(h)
+    assert h.scheduler.kv_cache_manager.reset_prefix_cache()  # A's freed blocks are garbage
+    first_step = h._step + 1
+    if fails:
+        h.evict[first_step] = [h.block_ids_of("a", len(A))[2]]
+    c_prompt = A[: 5 * BLOCK] + tokens(3, 3 * BLOCK + 5)
+    start = len(h.records)
+    h.add("b", B, 3)
+    h.step()
+    h.add("c", c_prompt, 3)
+    h.step()
+    h.settle_dumps()
+    h.run()
+    first = next(r for r in h.records[start:] if r.step == first_step)
+    assert set(first.loads) == {"b"}
+    assert first.invalid == ({first.loads["b"][2]} if fails else set())
+    assert not any("c" in r.loads or "c" in r.async_loads for r in h.records[start:])
+    assert h.outputs["c"] == Harness.expected_outputs(c_prompt, 3)
+    c_first = min(r.step for r in h.records[start:] if "c" in r.scheduled)
+    # C is first scheduled once B's load is confirmed: with B's step's output processed.
+    assert c_first == first_step + (2 if async_scheduling else 1)
+    assert h.violations == []
+    assert h.wrong_stored_blocks(["b", "c"]) == []
+    assert h.side_store().lookup(h.block_ids_of("c", len(h.tokens["c"]))) == [True] * 8
+    assert all(count == 1 for count in h.finished_sending.values()), h.finished_sending
+    assert not h.scheduler.requests, list(h.scheduler.requests)

@@ -58,6 +58,8 @@ class _PendingLoad:
     rank done), not with its step's output."""
     invalid: set[int] = field(default_factory=set)
     """Its blocks that some rank reported failed so far (an asynchronous load)."""
+    ucm_ids: list[bytes] = field(default_factory=list, repr=False)
+    """The UCM ids it loads (a load of the request's own; empty for one of ``source``)."""
     source: _PendingLoad | None = field(default=None, repr=False, compare=False)
     """Set on a load of *another* request (``source``) whose vLLM blocks this request
     shares through vLLM's prefix cache and computed over: ``vllm_blocks`` are this request's
@@ -207,6 +209,9 @@ class SchedulerSide:
         self._step = 0
         self._dumping_ids: dict[bytes, int] = {}
         """Blocks the workers were asked to dump → ranks not done yet: present for lookups."""
+        self._loading_ids: set[bytes] | None = None
+        """The UCM ids of the synchronous loads not confirmed yet (None: to compute again,
+        after the pending loads changed)."""
 
     def on_new_request(self, request: Request) -> None:
         self._state(request)
@@ -290,6 +295,8 @@ class SchedulerSide:
         if full <= start:
             return 0, False
         ids = self._chain(state, full)
+        if start > 0 and self._shares_unconfirmed(ids[:start]):
+            return None, False  # computing over a load that may have failed: ask again
         try:
             matched = self._matched(request.request_id, ids[start:], start)
         except Exception as exc:  # a lookup never fails a request: it is a miss
@@ -311,6 +318,25 @@ class SchedulerSide:
         load_async = self._loads_async(ids[start : math.ceil(hit / bs)])
         state.planned = (start, external, load_async)
         return external, load_async
+
+    def _shares_unconfirmed(self, local: Sequence[bytes]) -> bool:
+        """Whether vLLM's prefix cache hit (blocks ``local``) holds blocks that a synchronous
+        load of an earlier step writes, whose outcome the scheduler has not seen yet (under
+        asynchronous scheduling, for one step). vLLM rolls back, when that load failed, the
+        request that loaded and what others computed over it *in the load's step*, not what
+        a request scheduled in a later step computed over it: that request would decode from
+        garbage. It waits (``None``: vLLM asks again) until the outcome is known."""
+        loading = self._loading_ids
+        if loading is None:
+            states = [*self._requests.values(), *(f.state for f in self._finishing.values())]
+            loading = self._loading_ids = {
+                block_id
+                for state in states
+                for load in state.pending
+                if not load.load_async
+                for block_id in load.ucm_ids
+            }
+        return bool(loading) and not loading.isdisjoint(local)
 
     def _waits_for_compute(self, state: _RequestState, ids: Sequence[bytes], missing: int) -> bool:
         """Whether the request waits, this step, for another engine on the node that is
@@ -403,11 +429,18 @@ class SchedulerSide:
                 first = self._load_first[transfer.req_id]
                 load_async = transfer.req_id in self._load_async
                 state.pending.append(
-                    _PendingLoad(step, first, list(transfer.vllm_blocks), load_async)
+                    _PendingLoad(
+                        step,
+                        first,
+                        list(transfer.vllm_blocks),
+                        load_async,
+                        ucm_ids=list(transfer.ucm_ids),
+                    )
                 )
         self._loads.clear()
         self._load_first.clear()
         self._load_async.clear()
+        self._loading_ids = None
         computed_before: dict[str, int] = {
             new.req_id: int(new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs
         }
@@ -622,6 +655,7 @@ class SchedulerSide:
         self._settle(lambda load: not load.load_async and load.step in steps, invalid)
 
     def _settle(self, done: Callable[[_PendingLoad], bool], invalid: set[int]) -> None:
+        self._loading_ids = None
         by_state = {id(f.state): f for f in self._finishing.values()}
         for state in [*self._requests.values(), *(f.state for f in self._finishing.values())]:
             settled = [load for load in state.pending if done(load)]
