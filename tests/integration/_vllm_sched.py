@@ -4,8 +4,9 @@ calls the worker-side ``UcmConnector`` hooks in vLLM's orders over real CPU KV t
 
 The simulated model makes KV that names its token prefix: the KV row of position p is
 ``mix(digest of rows 0..p-1 as read from the KV cache through the block table, token p)``
-(every layer, every head), so a row is right only if every row before it is right: a block that
-failed to load corrupts every block computed after it, as attention over it would. A block vLLM
+(every layer, every head; the digest is :func:`fold`'s, which never forgets a row), so a
+row is right only if every row before it is right: a block that failed to load corrupts every
+block computed after it, as attention over it would. A block vLLM
 frees is overwritten with garbage (another request's KV, as far as this one can tell), so a
 failed load never finds right KV left over. The sampled token is a function of the last row, so
 wrong KV also changes the tokens. :meth:`Harness.expected_rows` computes the right rows from the
@@ -53,6 +54,14 @@ GARBAGE = -123456789
 
 def mix(previous: int, token: int) -> int:
     return (previous * 1_000_003 + token * 7919 + 1) & MASK
+
+
+def fold(context: int, row: int) -> int:
+    """The digest of the rows so far, after ``row``: one to one in ``context`` for a given
+    token (its factor, 1_000_003 * 7919 through ``row = mix(context, token)``, is odd), so a
+    wrong row is never forgotten. (Folding with ``mix`` multiplied a difference by
+    1_000_003 * 7920, a multiple of 16: gone mod 2**31 eight rows later.)"""
+    return (context * 1_000_003 + row * 7918 + 1) & MASK
 
 
 def sample(row: int) -> int:
@@ -133,6 +142,7 @@ class Harness:
         extra_tiers: list[dict[str, Any]] | None = None,
         tiers: list[dict[str, Any]] | None = None,
         extra_config: dict[str, Any] | None = None,
+        prefix_caching: bool = False,
     ) -> None:
         from vllm.config import (
             CacheConfig,
@@ -182,7 +192,7 @@ class Harness:
             is_encoder_decoder=False,
             async_scheduling=async_scheduling,
         )
-        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=False)
+        cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching)
         transfer = KVTransferConfig(
             kv_connector="UcmConnector",
             kv_connector_module_path="ucm.integration.vllm",
@@ -209,6 +219,18 @@ class Harness:
         )
         self.config = config
         self.kv_config = kv_config
+        self.block_hasher: Any = None
+        """vLLM's block hasher, as its engine core makes it: with prefix caching on, requests
+        share the vLLM blocks of a common prefix. The harness still fills a freed block with
+        garbage, which vLLM's cache would serve to a later request: a test resets vLLM's
+        prefix cache (``kv_cache_manager.reset_prefix_cache()``) once its requests are done."""
+        if prefix_caching:
+            from vllm.utils.hashing import get_hash_fn_by_name
+            from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+            hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
+            init_none_hash(hash_fn)
+            self.block_hasher = get_request_block_hasher(BLOCK, hash_fn)
         _init_distributed(config)
         cls = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler = cls(
@@ -288,6 +310,7 @@ class Harness:
             prompt_token_ids=list(prompt),
             sampling_params=params,
             pooling_params=None,
+            block_hasher=self.block_hasher,
         )
         self.prompts[req_id] = list(prompt)
         self.scheduler.add_request(request)
@@ -310,11 +333,20 @@ class Harness:
 
     @staticmethod
     def expected_rows(tokens: list[int]) -> list[int]:
-        rows, context = [], SEED_ROW
+        return Harness.next_rows([], tokens)
+
+    @staticmethod
+    def next_rows(before: list[int], tokens: list[int]) -> list[int]:
+        """The rows the model computes for ``tokens`` after the rows ``before`` (as it reads
+        them from the KV cache): each depends on every row before it."""
+        context = SEED_ROW
+        for row in before:
+            context = fold(context, row)
+        rows = []
         for token in tokens:
             row = mix(context, token)
             rows.append(row)
-            context = mix(context, row)
+            context = fold(context, row)
         return rows
 
     def _rows(self, table: list[int], count: int) -> list[int]:
@@ -451,13 +483,9 @@ class Harness:
             start = starts[req_id]
             # Attention: every new row depends on every row before it, as the KV cache holds
             # them (a block that failed to load corrupts every row computed after it).
-            context = SEED_ROW
-            for row in self._rows(table, start):
-                context = mix(context, row)
-            for position in range(start, start + count):
-                row = mix(context, tokens[position])
+            rows = self.next_rows(self._rows(table, start), tokens[start : start + count])
+            for position, row in enumerate(rows, start):
                 self._write(table[position // BLOCK], position % BLOCK, row)
-                context = mix(context, row)
             last = start + count - 1
             if start + count >= len(tokens):  # not a partial prefill chunk: one token sampled
                 token = sample(self._row(table[last // BLOCK], last % BLOCK))

@@ -305,3 +305,120 @@ def test_prompt_logprobs_requests_are_answered_without_a_lookup(make: object) ->
     assert h.cached_tokens["c"] == 0
     assert h.outputs["c"] == Harness.expected_outputs(A, 2)
     _clean(h)
+
+
+# ---- vLLM's prefix cache: KV computed over another request's load ----------------------------
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("fails", [True, False], ids=["load-fails", "load-holds"])
+@pytest.mark.parametrize("c_tokens", [3, 1], ids=["c-decodes", "c-finishes-at-once"])
+def test_kv_computed_over_another_requests_failed_load_is_never_saved(
+    make: object, async_scheduling: bool, fails: bool, c_tokens: int
+) -> None:
+    """With vLLM's prefix caching on, C reuses the vLLM blocks that B's load writes in the same
+    step (C is B's first 5 blocks, then 3 blocks of its own and 5 tokens) and computes its own
+    blocks over them. When B's block 2 fails to load (evicted after the lookup), C's blocks
+    were computed over garbage, and UCM must never store them; when B's load holds, C's
+    blocks are saved once it is confirmed, also when C finishes in the step it computes them
+    (``c_tokens`` 1)."""
+    # B's look-up must answer in its step (a busy machine can pass the default 20 ms wait:
+    # then C is scheduled first, and loads instead of sharing).
+    h = make(  # type: ignore[operator]
+        async_scheduling=async_scheduling,
+        prefix_caching=True,
+        extra_config={"ucm_lookup_wait_ms": 10_000},
+    )
+    _store_a(h)
+    assert h.scheduler.kv_cache_manager.reset_prefix_cache()  # A's freed blocks are garbage
+    first_step = h._step + 1
+    if fails:
+        h.evict[first_step] = [h.block_ids_of("a", len(A))[2]]
+    c_prompt = A[: 5 * BLOCK] + tokens(3, 3 * BLOCK + 5)
+    start = len(h.records)
+    h.add("b", B, 3)
+    h.add("c", c_prompt, c_tokens)
+    h.step()
+    # The regime under test: B loads its 5 blocks from UCM, C shares them through vLLM's
+    # prefix cache (no load of its own) and computes its 3 full blocks in the same step.
+    record = h.records[start]
+    assert record.step == first_step
+    b_table = list(h.scheduler.kv_cache_manager.get_block_ids("b")[0])
+    c_table = list(h.scheduler.kv_cache_manager.get_block_ids("c")[0])
+    assert record.loads == {"b": b_table[:5]}
+    assert c_table[:5] == b_table[:5]
+    assert record.scheduled["c"] == len(c_prompt) - 5 * BLOCK
+    assert record.invalid == ({b_table[2]} if fails else set())
+    assert "c" not in record.saves  # not before B's load is confirmed
+    h.settle_dumps()
+    h.run()
+    assert h.violations == []
+    assert h.wrong_stored_blocks(["b", "c"]) == []
+    assert all(count == 1 for count in h.finished_sending.values()), h.finished_sending
+    assert not h.scheduler.requests, list(h.scheduler.requests)
+    assert h.stored_count("b") == 8
+    c_ids = h.block_ids_of("c", len(h.tokens["c"]))
+    # C's own blocks: saved over a load that held; never over one that failed (vLLM does not
+    # always recompute them: under asynchronous scheduling it keeps them).
+    assert h.side_store().lookup(c_ids[5:8]) == [not fails] * 3
+    if not async_scheduling:
+        assert h.outputs["c"] == Harness.expected_outputs(c_prompt, c_tokens)
+
+
+def test_the_harness_kv_model_never_forgets_a_wrong_row() -> None:
+    """The invariants rest on it: a row computed after a wrong one (a block that failed to
+    load) is wrong, however far after it, so a stored block computed over garbage is caught
+    (``wrong_stored_blocks``) whichever block it is."""
+    from ._vllm_sched import GARBAGE
+
+    prompt = tokens(4, 6 * BLOCK)
+    right = Harness.expected_rows(prompt)
+    for bad in (0, BLOCK - 1, 2 * BLOCK + 3):
+        before = list(right[: 3 * BLOCK])
+        before[bad] = GARBAGE
+        later = Harness.next_rows(before, prompt[3 * BLOCK :])
+        same = [p for p, (a, b) in enumerate(zip(later, right[3 * BLOCK :], strict=True)) if a == b]
+        assert same == [], (bad, same)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("fails", [True, False], ids=["load-fails", "load-holds"])
+def test_a_request_sharing_an_unconfirmed_load_waits_for_its_outcome(
+    make: object, async_scheduling: bool, fails: bool
+) -> None:
+    """B loads 5 blocks from UCM in one step; C (B's first 5 blocks, then its own) arrives in
+    the next. Under asynchronous scheduling C is scheduled before B's load is confirmed and
+    would compute over B's blocks through vLLM's prefix cache; when B's block 2 failed, vLLM
+    rolls back B but keeps what C computed over garbage, and C's tokens are wrong. UCM
+    answers C "ask again" until B's load is confirmed: C's tokens are right either way."""
+    h = make(  # type: ignore[operator]
+        async_scheduling=async_scheduling,
+        prefix_caching=True,
+        extra_config={"ucm_lookup_wait_ms": 10_000},  # B's look-up answers in its step
+    )
+    _store_a(h)
+    assert h.scheduler.kv_cache_manager.reset_prefix_cache()  # A's freed blocks are garbage
+    first_step = h._step + 1
+    if fails:
+        h.evict[first_step] = [h.block_ids_of("a", len(A))[2]]
+    c_prompt = A[: 5 * BLOCK] + tokens(3, 3 * BLOCK + 5)
+    start = len(h.records)
+    h.add("b", B, 3)
+    h.step()
+    h.add("c", c_prompt, 3)
+    h.step()
+    h.settle_dumps()
+    h.run()
+    first = next(r for r in h.records[start:] if r.step == first_step)
+    assert set(first.loads) == {"b"}
+    assert first.invalid == ({first.loads["b"][2]} if fails else set())
+    assert not any("c" in r.loads or "c" in r.async_loads for r in h.records[start:])
+    assert h.outputs["c"] == Harness.expected_outputs(c_prompt, 3)
+    c_first = min(r.step for r in h.records[start:] if "c" in r.scheduled)
+    # C is first scheduled once B's load is confirmed: with B's step's output processed.
+    assert c_first == first_step + (2 if async_scheduling else 1)
+    assert h.violations == []
+    assert h.wrong_stored_blocks(["b", "c"]) == []
+    assert h.side_store().lookup(h.block_ids_of("c", len(h.tokens["c"]))) == [True] * 8
+    assert all(count == 1 for count in h.finished_sending.values()), h.finished_sending
+    assert not h.scheduler.requests, list(h.scheduler.requests)

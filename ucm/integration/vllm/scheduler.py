@@ -58,6 +58,13 @@ class _PendingLoad:
     rank done), not with its step's output."""
     invalid: set[int] = field(default_factory=set)
     """Its blocks that some rank reported failed so far (an asynchronous load)."""
+    ucm_ids: list[bytes] = field(default_factory=list, repr=False)
+    """The UCM ids it loads (a load of the request's own; empty for one of ``source``)."""
+    source: _PendingLoad | None = field(default=None, repr=False, compare=False)
+    """Set on a load of *another* request (``source``) whose vLLM blocks this request
+    shares through vLLM's prefix cache and computed over: ``vllm_blocks`` are this request's
+    blocks from ``first_block`` on. If that load fails, this request's blocks from the first
+    failed one on are never saved (:attr:`_RequestState.save_cap`)."""
 
 
 @dataclass
@@ -106,6 +113,11 @@ class _RequestState:
     """Blocks this request claimed (:class:`ComputeClaims`) because it computes them."""
     waiting_since: float | None = None
     """When it began to wait for another engine's compute of its first missing block."""
+    save_cap: int | None = None
+    """Blocks from this index on were computed over another request's load that failed (a
+    vLLM block shared through vLLM's prefix cache): never saved by this request. vLLM does
+    not always recompute them (under asynchronous scheduling it keeps what a request sharing
+    the failed block computed in a later step)."""
 
     def barrier(self) -> int | None:
         return min((load.first_block for load in self.pending), default=None)
@@ -197,6 +209,9 @@ class SchedulerSide:
         self._step = 0
         self._dumping_ids: dict[bytes, int] = {}
         """Blocks the workers were asked to dump → ranks not done yet: present for lookups."""
+        self._loading_ids: set[bytes] | None = None
+        """The UCM ids of the synchronous loads not confirmed yet (None: to compute again,
+        after the pending loads changed)."""
 
     def on_new_request(self, request: Request) -> None:
         self._state(request)
@@ -280,6 +295,8 @@ class SchedulerSide:
         if full <= start:
             return 0, False
         ids = self._chain(state, full)
+        if start > 0 and self._shares_unconfirmed(ids[:start]):
+            return None, False  # computing over a load that may have failed: ask again
         try:
             matched = self._matched(request.request_id, ids[start:], start)
         except Exception as exc:  # a lookup never fails a request: it is a miss
@@ -301,6 +318,25 @@ class SchedulerSide:
         load_async = self._loads_async(ids[start : math.ceil(hit / bs)])
         state.planned = (start, external, load_async)
         return external, load_async
+
+    def _shares_unconfirmed(self, local: Sequence[bytes]) -> bool:
+        """Whether vLLM's prefix cache hit (blocks ``local``) holds blocks that a synchronous
+        load of an earlier step writes, whose outcome the scheduler has not seen yet (under
+        asynchronous scheduling, for one step). vLLM rolls back, when that load failed, the
+        request that loaded and what others computed over it *in the load's step*, not what
+        a request scheduled in a later step computed over it: that request would decode from
+        garbage. It waits (``None``: vLLM asks again) until the outcome is known."""
+        loading = self._loading_ids
+        if loading is None:
+            states = [*self._requests.values(), *(f.state for f in self._finishing.values())]
+            loading = self._loading_ids = {
+                block_id
+                for state in states
+                for load in state.pending
+                if not load.load_async
+                for block_id in load.ucm_ids
+            }
+        return bool(loading) and not loading.isdisjoint(local)
 
     def _waits_for_compute(self, state: _RequestState, ids: Sequence[bytes], missing: int) -> bool:
         """Whether the request waits, this step, for another engine on the node that is
@@ -393,11 +429,18 @@ class SchedulerSide:
                 first = self._load_first[transfer.req_id]
                 load_async = transfer.req_id in self._load_async
                 state.pending.append(
-                    _PendingLoad(step, first, list(transfer.vllm_blocks), load_async)
+                    _PendingLoad(
+                        step,
+                        first,
+                        list(transfer.vllm_blocks),
+                        load_async,
+                        ucm_ids=list(transfer.ucm_ids),
+                    )
                 )
         self._loads.clear()
         self._load_first.clear()
         self._load_async.clear()
+        self._loading_ids = None
         computed_before: dict[str, int] = {
             new.req_id: int(new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs
         }
@@ -408,6 +451,7 @@ class SchedulerSide:
         if self._producer:
             bs = self._block_tokens
             block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+            unconfirmed = self._unconfirmed_blocks()
             for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
                 state = self._requests.get(req_id)
                 if state is None:
@@ -419,11 +463,15 @@ class SchedulerSide:
                     state.saved = before // bs
                 # A block is saved in the step that computes it (its dump runs after this
                 # step's forward pass), once its tokens are known, and only while no load
-                # beneath it is unconfirmed.
+                # beneath it is unconfirmed, its own or another request's.
                 ready = min(before + int(scheduled), int(state.request.num_tokens)) // bs
+                if unconfirmed and ready > state.saved:
+                    self._depend(state, self._block_table(block_state, req_id), ready, unconfirmed)
                 barrier = state.barrier()
                 if barrier is not None:
                     ready = min(ready, barrier)
+                if state.save_cap is not None:
+                    ready = min(ready, state.save_cap)
                 if ready <= state.saved:
                     continue
                 table = self._block_table(block_state, req_id)
@@ -441,6 +489,43 @@ class SchedulerSide:
         self._final_saves = []
         meta.released, self._release = self._release, set()
         return meta
+
+    def _unconfirmed_blocks(self) -> dict[int, _PendingLoad]:
+        """The vLLM blocks that synchronous loads not confirmed yet write into. vLLM's prefix
+        cache shares them with requests scheduled after the load (in its step, or in the next
+        one under asynchronous scheduling) at once; an asynchronous load's blocks are shared
+        only once its outcome is known."""
+        states = [*self._requests.values(), *(f.state for f in self._finishing.values())]
+        return {
+            block: load
+            for state in states
+            for load in state.pending
+            if not load.load_async and load.source is None
+            for block in load.vllm_blocks
+        }
+
+    def _depend(
+        self,
+        state: _RequestState,
+        table: list[int] | None,
+        ready: int,
+        unconfirmed: dict[int, _PendingLoad],
+    ) -> None:
+        """Makes the request's saves wait for each unconfirmed load of another request whose
+        vLLM blocks are among its first ``ready`` blocks (shared through vLLM's prefix cache):
+        every block of the request from the first shared one on was computed over it."""
+        if not table or unconfirmed.keys().isdisjoint(table[:ready]):
+            return
+        known = {id(load) for load in state.pending}
+        known |= {id(load.source) for load in state.pending if load.source is not None}
+        for index, vllm_block in enumerate(table[:ready]):
+            load = unconfirmed.get(vllm_block)
+            if load is None or id(load) in known:
+                continue
+            known.add(id(load))
+            state.pending.append(
+                _PendingLoad(load.step, index, list(table[index:ready]), source=load)
+            )
 
     def _matched(self, request_id: str, ids: Sequence[bytes], start: int) -> int | None:
         """How many of ``ids`` (the request's blocks from ``start`` on) are in the store or
@@ -570,6 +655,7 @@ class SchedulerSide:
         self._settle(lambda load: not load.load_async and load.step in steps, invalid)
 
     def _settle(self, done: Callable[[_PendingLoad], bool], invalid: set[int]) -> None:
+        self._loading_ids = None
         by_state = {id(f.state): f for f in self._finishing.values()}
         for state in [*self._requests.values(), *(f.state for f in self._finishing.values())]:
             settled = [load for load in state.pending if done(load)]
@@ -582,7 +668,16 @@ class SchedulerSide:
                     for i, block in enumerate(load.vllm_blocks)
                     if block in invalid or block in load.invalid
                 ]
-                if bad:
+                if bad and load.source is not None:
+                    # Another request's load this one computed over: vLLM may keep what this
+                    # one computed over the failed block; nothing from it on is saved.
+                    failed = load.first_block + bad[0]
+                    state.save_cap = (
+                        failed if state.save_cap is None else min(state.save_cap, failed)
+                    )
+                    if id(state) in by_state:
+                        by_state[id(state)].ready = min(by_state[id(state)].ready, failed)
+                elif bad:
                     failed = load.first_block + bad[0]
                     state.load_cap = (
                         failed if state.load_cap is None else min(state.load_cap, failed)
@@ -674,6 +769,8 @@ class SchedulerSide:
     ) -> bool:
         """Sends a finished request's last saves; whether vLLM must keep its blocks until the
         workers report it (then it is released to them with the next step)."""
+        if state.save_cap is not None:
+            ready = min(ready, state.save_cap)
         if self._producer and ready > state.saved and len(block_ids) >= ready:
             ids = self._chain(state, ready)
             transfer = BlockTransfer(
