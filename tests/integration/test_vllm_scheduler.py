@@ -381,13 +381,16 @@ def test_the_harness_kv_model_never_forgets_a_wrong_row() -> None:
         assert same == [], (bad, same)
 
 
+@pytest.mark.parametrize("own_blocks", [3, 0], ids=["own-blocks", "whole-prefix"])
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("fails", [True, False], ids=["load-fails", "load-holds"])
 def test_a_request_sharing_an_unconfirmed_load_waits_for_its_outcome(
-    make: object, async_scheduling: bool, fails: bool
+    make: object, async_scheduling: bool, fails: bool, own_blocks: int
 ) -> None:
-    """B loads 5 blocks from UCM in one step; C (B's first 5 blocks, then its own) arrives in
-    the next. Under asynchronous scheduling C is scheduled before B's load is confirmed and
+    """B loads 5 blocks from UCM in one step; C (B's first 5 blocks, then ``own_blocks`` of
+    its own and 5 tokens) arrives in the next. With no block of its own, vLLM's prefix cache
+    holds every full block of C's prompt: C would compute only its last tokens, over B's
+    blocks. Under asynchronous scheduling C is scheduled before B's load is confirmed and
     would compute over B's blocks through vLLM's prefix cache; when B's block 2 failed, vLLM
     rolls back B but keeps what C computed over garbage, and C's tokens are wrong. UCM
     answers C "ask again" until B's load is confirmed: C's tokens are right either way."""
@@ -401,7 +404,7 @@ def test_a_request_sharing_an_unconfirmed_load_waits_for_its_outcome(
     first_step = h._step + 1
     if fails:
         h.evict[first_step] = [h.block_ids_of("a", len(A))[2]]
-    c_prompt = A[: 5 * BLOCK] + tokens(3, 3 * BLOCK + 5)
+    c_prompt = A[: 5 * BLOCK] + tokens(3, own_blocks * BLOCK + 5)
     start = len(h.records)
     h.add("b", B, 3)
     h.step()
@@ -419,6 +422,7 @@ def test_a_request_sharing_an_unconfirmed_load_waits_for_its_outcome(
     assert c_first == first_step + (2 if async_scheduling else 1)
     assert h.violations == []
     assert h.wrong_stored_blocks(["b", "c"]) == []
-    assert h.side_store().lookup(h.block_ids_of("c", len(h.tokens["c"]))) == [True] * 8
+    c_blocks = len(h.tokens["c"]) // BLOCK
+    assert h.side_store().lookup(h.block_ids_of("c", len(h.tokens["c"]))) == [True] * c_blocks
     assert all(count == 1 for count in h.finished_sending.values()), h.finished_sending
     assert not h.scheduler.requests, list(h.scheduler.requests)

@@ -292,11 +292,13 @@ class SchedulerSide:
         bs = self._block_tokens
         start = num_computed_tokens // bs
         full = int(request.num_tokens) // bs
-        if full <= start:
-            return 0, False
         ids = self._chain(state, full)
+        # Before anything else: a request whose every full block vLLM's prefix cache holds
+        # would compute its last tokens over them too.
         if start > 0 and self._shares_unconfirmed(ids[:start]):
             return None, False  # computing over a load that may have failed: ask again
+        if full <= start:
+            return 0, False
         try:
             matched = self._matched(request.request_id, ids[start:], start)
         except Exception as exc:  # a lookup never fails a request: it is a miss
