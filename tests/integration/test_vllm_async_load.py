@@ -283,13 +283,11 @@ def test_a_load_past_its_deadline_is_recomputed_and_its_late_bytes_touch_no_vllm
         assert h.outputs["d"] == Harness.expected_outputs(D, 30)
     assert h.cached_tokens["b"] == 0
     _clean(h)
-    # They warmed the CacheBuffer: the next request is served all 8 blocks from it,
-    # synchronously (under the AsyncScheduler every load is asynchronous: docs/vllm.md).
+    # They warmed the CacheBuffer: the next request is served synchronously, all 8 blocks.
     first = len(h.records)
     h.add("c", A, 3)
     h.run(STEPS_MAX)
-    assert any(r.async_loads for r in h.records[first:]) == async_scheduling
-    assert any("c" in r.loads for r in h.records[first:]) != async_scheduling
+    assert not any(r.async_loads for r in h.records[first:])
     assert h.cached_tokens["c"] == 8 * BLOCK
     assert h.outputs["c"] == Harness.expected_outputs(A, 3)
     _clean(h)
@@ -332,15 +330,13 @@ def test_a_connector_reset_during_an_async_load(make: Make, async_scheduling: bo
     _clean(h)
 
 
-@pytest.mark.parametrize("async_scheduling", [False], ids=["sync"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_preempted_request_resumes_through_an_async_load(
     make: Make, async_scheduling: bool
 ) -> None:
     """d is preempted (vLLM's reset_prefix_cache(reset_running_requests=True)) after its
     blocks left the CacheBuffer: it comes back through WAITING_FOR_REMOTE_KVS as a preempted
-    request, from the posix tier, with its tokens unchanged. Synchronous scheduling only:
-    under asynchronous scheduling vLLM defers the frees of a consumer's blocks by a step
-    (``defer_block_free``), and that reset then raises inside vLLM."""
+    request, from the posix tier, with its tokens unchanged."""
     h = make(delay_s=0.02, async_scheduling=async_scheduling)
     prompt = A
     h.add("d", prompt, 40)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -163,10 +163,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             stats=self._stats,
             epoch=self._epochs.start(),
             tenants=TenantMapping.parse(self._extra.get("ucm_namespace"), "ucm_namespace"),
-            resident=self._residency(vllm_config),
-            async_scheduling=bool(
-                getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False)
-            ),
+            resident=self._resident if self._async_loads() else None,
         )
         if transfer.is_kv_consumer and transfer.kv_load_failure_policy != "recompute":
             logger.warning(
@@ -194,20 +191,6 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             and self._store.buffer is not None
             and self._geometry.shards_per_block == 1
         )
-
-    def _residency(self, vllm_config: VllmConfig) -> Callable[[Sequence[bytes]], list[bool]] | None:
-        """What makes a load synchronous (None: every load is). Under vLLM's asynchronous
-        scheduling, nothing: every load is asynchronous. There, step K+1 is scheduled before
-        step K's output is processed, and when a request's own synchronous load failed in
-        step K, vLLM discards step K's token but keeps the one step K+1 decoded over the
-        failed block (it marks in-flight outputs stale only for preemptions): a wrong token.
-        An asynchronous load's outcome is known before its request is scheduled."""
-        if not self._async_loads():
-            return None
-        scheduler_config = getattr(vllm_config, "scheduler_config", None)
-        if getattr(scheduler_config, "async_scheduling", False):
-            return _none_resident
-        return self._resident
 
     def _resident(self, ids: Sequence[bytes]) -> list[bool]:
         """Whether every shard of each block is in the CacheBuffer."""
@@ -467,8 +450,3 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             "scheduler" if self._role == KVConnectorRole.SCHEDULER else f"rank {self._rank}",
             time.perf_counter() - started,
         )
-
-
-def _none_resident(ids: Sequence[bytes]) -> list[bool]:
-    """No block counts as in the CacheBuffer: every load is asynchronous."""
-    return [False] * len(ids)

@@ -156,12 +156,8 @@ class SchedulerSide:
         lookup_wait_s: float = 0.0,
         claims: ComputeClaims | None = None,
         compute_wait_s: float = 0.0,
-        async_scheduling: bool = False,
     ) -> None:
         self._lookup = lookup
-        self._async_scheduling = async_scheduling
-        """vLLM's asynchronous scheduling: step K+1 is scheduled before step K's output is
-        processed (see :meth:`_settle`)."""
         self._lookup_prefix: LookupPrefix = lookup_prefix or (
             lambda ids: _prefix_of(self._lookup(ids))
         )
@@ -688,16 +684,6 @@ class SchedulerSide:
                     state.load_cap = (
                         failed if state.load_cap is None else min(state.load_cap, failed)
                     )
-                    if self._async_scheduling and not load.load_async:
-                        # Step K+1 decoded this request over the failed block before vLLM
-                        # saw the failure, and vLLM keeps that token (it marks in-flight
-                        # outputs stale only for preemptions): a block holding an output
-                        # token may pair token ids with KV computed over others. Only the
-                        # prompt's blocks are saved from now on.
-                        prompt = int(state.request.num_prompt_tokens) // self._block_tokens
-                        state.save_cap = (
-                            prompt if state.save_cap is None else min(state.save_cap, prompt)
-                        )
                     # Running: vLLM recomputes from the failed block on, and saves follow.
                     # Finished: nothing recomputes it; no block from it on is ever saved.
                     state.saved = min(state.saved, failed)
