@@ -43,9 +43,6 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
     ORDER = "normal"
     BUFFER: str | None = None
     """A CacheBuffer capacity over the posix tier: loads of blocks it lacks are asynchronous."""
-    LOAD_QUEUE_DEPTH = 64
-    """The buffer's load_queue_depth (and its prefetch queue's): at 1, prefetches of loads
-    started while another one runs are refused at submit, and their blocks recomputed."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -53,11 +50,7 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
         tiers = None
         if self.BUFFER is not None:
             tiers = [
-                {
-                    "type": "buffer",
-                    "capacity": self.BUFFER,
-                    "load_queue_depth": self.LOAD_QUEUE_DEPTH,
-                },
+                {"type": "buffer", "capacity": self.BUFFER},
                 {"type": "posix", "path": str(self.root / "posix")},
             ]
         self.h = Harness(
@@ -118,18 +111,6 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
         if not candidates:
             candidates = [b for base in BASES for b in self.h.block_ids_for(base)]
         self.h.evict[self.h._step + 1] = [candidates[p % len(candidates)] for p in picks]
-
-    @precondition(lambda self: self.BUFFER is not None)
-    @rule(picks=st.lists(st.integers(0, 1 << 16), min_size=1, max_size=3))
-    def evict_from_buffer_before_next_load(self, picks: list[int]) -> None:
-        """Blocks of waiting requests' prompts leave the CacheBuffer (not the posix tier)
-        between the next step's lookups and its loads: a synchronous load of them (fill=False)
-        fails and vLLM recomputes them; an asynchronous one brings them back up."""
-        waiting = [request.all_token_ids for request in self.h.scheduler.waiting]
-        candidates = [b for tokens in waiting for b in self.h.block_ids_for(list(tokens))]
-        if not candidates:
-            candidates = [b for base in BASES for b in self.h.block_ids_for(base)]
-        self.h.evict_buffer[self.h._step + 1] = [candidates[p % len(candidates)] for p in picks]
 
     @precondition(lambda self: bool(self.live))
     @rule(pick=st.integers(0, 1 << 16))
@@ -192,11 +173,9 @@ class AsyncSchedulerWithUcmDeferFinalize(AsyncSchedulerWithUcm):
 class AsyncSchedulerWithUcmAsyncLoads(AsyncSchedulerWithUcm):
     """A 16-slot CacheBuffer over posix: blocks it evicted load asynchronously
     (WAITING_FOR_REMOTE_KVS), the others synchronously, with failures, aborts and preemptions
-    among them; blocks evicted from the buffer alone (synchronous loads fail, fill=False); a
-    prefetch queue one task deep (prefetches refused at submit, their blocks recomputed)."""
+    among them."""
 
     BUFFER = "512KiB"
-    LOAD_QUEUE_DEPTH = 1
 
 
 def _settings(examples: int) -> settings:
