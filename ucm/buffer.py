@@ -32,6 +32,7 @@ A flusher's references to the slots it writes down go through the native queue
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 from array import array
@@ -52,10 +53,10 @@ from .errors import (
 )
 from .fieldtypes import Int, Seconds
 from .hookspecs import hookimpl
-from .layout import Key
+from .layout import BLOCK_ID_BYTES, Key
 from .native import _abi
 from .native import buffer as native_buffer
-from .native.buffer import BufferCore, Geometry
+from .native.buffer import SLOT_NONE, BufferCore, Geometry, GetResult
 from .native.queue import (
     TASK_FLAG_DIRTY,
     TASK_FLAG_NO_FILL,
@@ -82,6 +83,72 @@ SETTLE_ROUNDS_MAX = 1 << 20
 """Backstop of the flush loops; their real bound is a deadline renewed on progress."""
 SETTLE_PAUSE_S = 0.002
 """Pause while other ranks' flushers hold every dirty slot."""
+
+
+class _ProcessHolds:
+    """This process's holds on Ready slots of one CacheBuffer taken by a scheduler-role tier
+    (:meth:`BufferTier.hold`). The buffer counts one reference per slot per process (its
+    holder), and a worker's native queue counts its own uses of those references. So a
+    scheduler in a process that also runs a worker of this buffer (vLLM's in-process executor)
+    holds through that worker's queue (the first one opened); a scheduler in a process of its
+    own holds through the buffer core, counted here. With two workers of the buffer in one
+    process (two engines or stores in one test process; never vLLM), neither can count the
+    other's uses of the process's reference, so nothing is held (:meth:`holdable`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queues: list[NativeQueue] = []
+        self.queued: dict[int, list[NativeQueue]] = {}
+        """Per slot held through a queue, the queue of each hold (unpinned there)."""
+        self.core_uses: dict[int, int] = {}
+        self.core: BufferCore | None = None
+
+    def live_queues(self) -> list[NativeQueue]:
+        self.queues = [queue for queue in self.queues if not queue.destroyed]
+        return self.queues
+
+    def attach_queue(self, queue: NativeQueue) -> None:
+        """A worker of this buffer opens in this process. Holds taken before are given up
+        first: through the core, since a queue would find the process's reference on their
+        slots without a use of its own; through another queue, since the new one could not
+        count that one's uses either. The loads they guarded may fail and be recomputed. vLLM
+        starts its worker before its scheduler, and runs one worker per process."""
+        with self.lock:
+            held = sorted(self.core_uses)
+            self.core_uses.clear()
+            if held and self.core is not None:
+                self.core.release(held)
+            for old in self.live_queues():
+                pinned = array(
+                    "I", [slot for slot, via in self.queued.items() for q in via if q is old]
+                )
+                if pinned:
+                    old.unpin(pinned)
+            self.queued.clear()
+            self.queues.append(queue)
+
+    def detach_queue(self, queue: NativeQueue) -> None:
+        """A worker's queue goes: the holds taken through it go with it."""
+        with self.lock:
+            self.queues = [q for q in self.queues if q is not queue]
+            for slot in list(self.queued):
+                self.queued[slot] = [q for q in self.queued[slot] if q is not queue]
+                if not self.queued[slot]:
+                    del self.queued[slot]
+
+
+_PROCESS_HOLDS: dict[tuple[int, str], _ProcessHolds] = {}
+"""Per (process id, buffer unique_id): a forked child starts with none of its parent's."""
+_PROCESS_HOLDS_LOCK = threading.Lock()
+
+
+def _process_holds(unique_id: str) -> _ProcessHolds:
+    key = (os.getpid(), unique_id)
+    with _PROCESS_HOLDS_LOCK:
+        holds = _PROCESS_HOLDS.get(key)
+        if holds is None:
+            holds = _PROCESS_HOLDS[key] = _ProcessHolds()
+        return holds
 
 
 class BufferTierConfig(TierConfig, LoadSettings):
@@ -190,6 +257,7 @@ class BufferTier(Tier):
                     region_handle=self.region.handle,
                     keepalive=self.region,
                 )
+                _process_holds(context.unique_id).attach_queue(self._queue)
         except BaseException:
             self.region.close()  # a refused attach must not keep the segments mapped
             raise
@@ -286,6 +354,85 @@ class BufferTier(Tier):
 
     def lookup_blocks(self, block_ids: Sequence[bytes]) -> list[bool]:
         return self.core.lookup_blocks(list(block_ids), self.layout.shards_per_block)
+
+    def hold(self, keys: Sequence[Key]) -> list[int]:
+        """The scheduler role's pin: holds each key that is Ready in the buffer, so that no
+        eviction (of any process on the node) takes it until :meth:`unhold`; one slot per
+        key, ``SLOT_NONE`` where nothing is held (not Ready: a hold never allocates a slot).
+        ``batched_remove(force=True)`` still removes a held key. A worker pins through its
+        store (:meth:`ucm.Store.pin`). The holds of a killed process are reclaimed with it."""
+        batch = native_buffer.KeyBatch.of(list(keys))
+        count = len(batch)
+        out = [SLOT_NONE] * count
+        if not count:
+            return out
+        holds = _process_holds(self.region.unique_id)
+        with holds.lock:
+            queues = holds.live_queues()
+            if len(queues) > 1:
+                return out
+            if queues:
+                queue = queues[0]
+                slots = queue.pin(batch.ids, batch.shards)
+                for index, slot in enumerate(slots):
+                    if slot != SLOT_NONE:
+                        holds.queued.setdefault(slot, []).append(queue)
+                        out[index] = slot
+                return out
+            holds.core = self.core
+            ready = [index for index, hit in enumerate(self.core.lookup(batch)) if hit]
+            if not ready:
+                return out
+            width = BLOCK_ID_BYTES
+            wanted = native_buffer.KeyBatch(
+                b"".join(batch.ids[i * width : (i + 1) * width] for i in ready),
+                array("I", [batch.shards[i] for i in ready]),
+            )
+            got = self.core.get(wanted)
+            give_back: list[int] = []
+            for index, result, slot in zip(ready, got.results, got.slots, strict=True):
+                if result == GetResult.HIT or (
+                    result == GetResult.HELD and holds.core_uses.get(slot, 0) > 0
+                ):
+                    holds.core_uses[slot] = holds.core_uses.get(slot, 0) + 1
+                    out[index] = slot
+                elif result in (GetResult.OWNER, GetResult.WAITER):
+                    give_back.append(slot)  # evicted and taken again since the look-up
+            if give_back:
+                self.core.release(give_back)
+        return out
+
+    def holdable(self) -> bool:
+        """Whether :meth:`hold` can hold anything in this process: not with two workers of
+        this buffer in it (see ``_ProcessHolds``)."""
+        holds = _process_holds(self.region.unique_id)
+        with holds.lock:
+            return len(holds.live_queues()) <= 1
+
+    def unhold(self, slots: Sequence[int]) -> None:
+        """Releases holds taken with :meth:`hold` (its slots; ``SLOT_NONE`` and slots this
+        process does not hold are skipped)."""
+        holds = _process_holds(self.region.unique_id)
+        with holds.lock:
+            by_queue: dict[int, tuple[NativeQueue, array[int]]] = {}
+            released: list[int] = []
+            for slot in slots:
+                through = holds.queued.get(slot)
+                if through:
+                    queue = through.pop()
+                    if not through:
+                        del holds.queued[slot]
+                    by_queue.setdefault(id(queue), (queue, array("I")))[1].append(slot)
+                elif holds.core_uses.get(slot, 0) > 0:
+                    holds.core_uses[slot] -= 1
+                    if not holds.core_uses[slot]:
+                        del holds.core_uses[slot]
+                        released.append(slot)
+            for queue, queue_slots in by_queue.values():
+                if not queue.destroyed:
+                    queue.unpin(queue_slots)
+            if released:
+                self.core.release(released)
 
     def load(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
         """Copies out the keys that are Ready (waiting for ones being filled); everything else
@@ -565,6 +712,8 @@ class BufferTier(Tier):
         a running copy)."""
         self._stop_flusher()  # flush() was not called (a failed open, a test)
         queue = self._queue
+        if queue is not None:
+            _process_holds(self.region.unique_id).detach_queue(queue)
         if queue is not None and not queue.destroyed:
             # Abandoned: the load path's close gave up on running tasks and left its loaders
             # in the queue; freeing it (or unmapping) under them would be a use after free.

@@ -285,6 +285,8 @@ class Harness:
         lookups said present) and before it runs: the step's loads of them fail."""
         self.evict_buffer: dict[int, list[bytes]] = {}
         """As ``evict``, from the CacheBuffer only: the tiers below still hold them."""
+        self.remove_buffer: dict[int, list[bytes]] = {}
+        """As ``evict_buffer``, as an eviction does it: a block some process holds stays."""
         self.violations: list[str] = []
         self._pending: tuple[Any, Any, StepRecord] | None = None
         self._step = 0
@@ -370,6 +372,9 @@ class Harness:
         return [int(view[0, offset, 0]) for offset in range(BLOCK)]
 
     def side_store(self) -> ucm.Store:
+        """A worker store of the stack beside the engine's, to read and write stored blocks.
+        Opening it makes the scheduler give up its CacheBuffer holds (two workers of one buffer
+        in a process, ucm/buffer.py): lookups and removals go through ``connector._store``."""
         if self._side_store is None:
             nbytes = KV_HEADS * BLOCK * 2 * HEAD_SIZE * 4
             geometry = {"tensor_size_list": [nbytes] * len(LAYERS), "shards_per_block": 1}
@@ -394,11 +399,17 @@ class Harness:
         (async: the previous one)."""
         self._step += 1
         output = self.scheduler.schedule()
+        # Through the scheduler's store (the scheduler role): a second worker store in this
+        # process would make the scheduler give up its CacheBuffer holds (ucm/buffer.py).
+        control = self.connector._store
         for block_id in self.evict.get(self._step, []):
-            self.side_store().remove([block_id], force=True)
+            control.remove([block_id], force=True)
         for block_id in self.evict_buffer.get(self._step, []):
-            side = self.side_store()
-            side.tiers[0].batched_remove(side.layout.keys_of_blocks([block_id]), force=True)
+            keys = control.layout.keys_of_blocks([block_id])
+            control.tiers[0].batched_remove(keys, force=True)
+        for block_id in self.remove_buffer.get(self._step, []):
+            keys = control.layout.keys_of_blocks([block_id])
+            control.tiers[0].batched_remove(keys, force=False)
         record = StepRecord(
             step=self._step,
             scheduled=dict(output.num_scheduled_tokens),
@@ -647,7 +658,7 @@ class Harness:
 
     def stored_count(self, req_id: str) -> int:
         ids = self.block_ids_of(req_id, len(self.tokens[req_id]))
-        return sum(self.side_store().lookup(ids))
+        return sum(self.connector._store.lookup(ids))
 
     def close(self) -> None:
         if self._side_store is not None:

@@ -1,8 +1,8 @@
 """Edge cases of asynchronous loading (``ucm_async_load``) under vLLM 0.32's own ``Scheduler``
 and ``AsyncScheduler`` (``_vllm_sched.py``): a prefetch the full queue refuses, a synchronous
 load (a CacheBuffer hit at look-up) whose block another process of the node is refilling from
-a stalled tier, and a block evicted from the CacheBuffer between look-up and synchronous load
-under the AsyncScheduler.
+a stalled tier, a block evicted from the CacheBuffer between look-up and synchronous load
+under the AsyncScheduler, and the hold that keeps an eviction from doing that.
 
 The tier below the CacheBuffer is an in-process ``recording`` tier (``loadpath._tiers``) whose
 loads a test holds at a gate: events are ordered by what the tier is doing, never by sleeping.
@@ -285,6 +285,39 @@ def test_a_buffer_hit_evicted_before_its_load_under_the_async_scheduler(
     # c's tokens are not compared: under async scheduling the simulated runner does not
     # reproduce how vLLM's runner recovers its input tokens after vLLM discards a step's
     # output (see test_vllm_scheduler); what the store holds is checked by _clean.
+    _clean(h)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_buffer_hit_is_held_from_its_look_up_to_its_load_so_no_eviction_fails_it(
+    make: Make, space: Space, async_scheduling: bool
+) -> None:
+    """c's blocks are all in the CacheBuffer at its look-up, so they load synchronously; an
+    eviction (a removal that keeps what a process holds) comes between the look-up and the
+    load. The scheduler holds them from the look-up until the load's outcome is known: the
+    load does not fail, c's tokens are right, and the hold is gone afterwards. (Before, the
+    block left and its load failed; under the AsyncScheduler vLLM keeps the token the next
+    step decodes over a failed synchronous load: a wrong token.)"""
+    h = make(async_scheduling=async_scheduling)
+    h.add("e", E, 2)
+    h.run(STEPS_MAX)
+    h.worker._store.drain()
+    ids = h.block_ids_for(E)
+    h.remove_buffer[h._step + 1] = [ids[1]]  # c's step: after its look-up, before its load
+    first = len(h.records)
+    h.add("c", E, 3)
+    h.run(STEPS_MAX)
+    assert [r.step for r in h.records[first:] if "c" in r.loads]  # a synchronous load
+    assert not any(r.async_loads for r in h.records[first:])
+    assert not any(r.invalid for r in h.records[first:])
+    stats = h.worker._worker.stats.data
+    assert stats["load_failed_blocks"] == 0
+    assert stats["loaded_blocks"] == 2
+    assert h.outputs["c"] == Harness.expected_outputs(E, 3)
+    # Released once the load was confirmed: the same removal now takes the block.
+    store = h.connector._store
+    keys = store.layout.keys_of_blocks([ids[1]])
+    assert store.tiers[0].batched_remove(keys, force=False) == 1
     _clean(h)
 
 

@@ -89,7 +89,8 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
         self.live.append(req_id)
         if evict is not None:
             ids = self.h.block_ids_for(prompt)
-            stored = [b for b, hit in zip(ids, self.h.side_store().lookup(ids), strict=True) if hit]
+            present = self.h.connector._store.lookup(ids)
+            stored = [b for b, hit in zip(ids, present, strict=True) if hit]
             if stored:
                 self.h.evict.setdefault(self.h._step + 1, []).append(stored[evict % len(stored)])
 
@@ -106,7 +107,7 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
         waiting = [request.all_token_ids for request in self.h.scheduler.waiting]
         candidates = [b for tokens in waiting for b in self.h.block_ids_for(list(tokens))]
         if candidates:
-            present = self.h.side_store().lookup(candidates)
+            present = self.h.connector._store.lookup(candidates)
             candidates = [b for b, hit in zip(candidates, present, strict=True) if hit]
         if not candidates:
             candidates = [b for base in BASES for b in self.h.block_ids_for(base)]

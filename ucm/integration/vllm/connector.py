@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ucm.affinity import NewThreads, background_cpus
 from ucm.breaker import LOOKUP_THREADS, DaemonPool
 from ucm.errors import ConfigError, UcmError
+from ucm.native.buffer import SLOT_NONE
 from ucm.threadname import bind_new_threads
 
 from ..addresses import BlockAddresses, block_view
@@ -163,7 +164,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             stats=self._stats,
             epoch=self._epochs.start(),
             tenants=TenantMapping.parse(self._extra.get("ucm_namespace"), "ucm_namespace"),
-            resident=self._resident if self._async_loads() else None,
+            hold=self._hold if self._async_loads() else None,
         )
         if transfer.is_kv_consumer and transfer.kv_load_failure_policy != "recompute":
             logger.warning(
@@ -192,14 +193,22 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             and self._geometry.shards_per_block == 1
         )
 
-    def _resident(self, ids: Sequence[bytes]) -> list[bool]:
-        """Whether every shard of each block is in the CacheBuffer."""
+    def _hold(self, ids: Sequence[bytes]) -> Callable[[], None] | None:
+        """Holds every shard of the blocks in the CacheBuffer, so that no eviction on the node
+        takes one before the workers' synchronous load of them has run: the release, or None
+        (nothing held) when a shard is not there."""
         buffer = self._store.buffer
         assert buffer is not None
-        layout = self._store.layout
-        per_block = layout.shards_per_block
-        present = buffer.lookup(layout.keys_of_blocks(list(ids)))
-        return [all(present[i * per_block : (i + 1) * per_block]) for i in range(len(ids))]
+        keys = self._store.layout.keys_of_blocks(list(ids))
+        if not buffer.holdable():
+            # Two workers of the buffer in this process (two engines in one test process,
+            # never vLLM's own executors): present is all that can be known.
+            return _unheld if all(buffer.lookup(keys)) else None
+        slots = buffer.hold(keys)
+        if SLOT_NONE not in slots:
+            return lambda: buffer.unhold(slots)
+        buffer.unhold(slots)
+        return None
 
     def _block_table(self, block_state: Any, req_id: str) -> list[int] | None:
         groups = None
@@ -450,3 +459,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             "scheduler" if self._role == KVConnectorRole.SCHEDULER else f"rank {self._rank}",
             time.perf_counter() - started,
         )
+
+
+def _unheld() -> None:
+    """The release of blocks found present but not held (``UcmConnector._hold``)."""

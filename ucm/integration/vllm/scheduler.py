@@ -43,6 +43,10 @@ SAVE_LOOKUPS_RUNNING_MAX = 1
 skipped (their blocks dumped without asking): the pool is kept for prefix look-ups."""
 BlockTable = Callable[[Any, str], "list[int] | None"]
 """A request's vLLM block ids (the first KV cache group), from the step's block state."""
+Release = Callable[[], None]
+Hold = Callable[[Sequence[bytes]], "Release | None"]
+"""Holds every shard of the blocks in the CacheBuffer against eviction, returning the release;
+None (nothing held) when one is not there (``UcmConnector._hold``)."""
 
 
 @dataclass
@@ -60,6 +64,9 @@ class _PendingLoad:
     """Its blocks that some rank reported failed so far (an asynchronous load)."""
     ucm_ids: list[bytes] = field(default_factory=list, repr=False)
     """The UCM ids it loads (a load of the request's own; empty for one of ``source``)."""
+    release: Release | None = field(default=None, repr=False, compare=False)
+    """Releases the CacheBuffer hold of a synchronous load's blocks (taken at look-up): they
+    stay until the load's outcome is known."""
     source: _PendingLoad | None = field(default=None, repr=False, compare=False)
     """Set on a load of *another* request (``source``) whose vLLM blocks this request
     shares through vLLM's prefix cache and computed over: ``vllm_blocks`` are this request's
@@ -98,6 +105,9 @@ class _RequestState:
     never dumped again by this request."""
     planned: tuple[int, int, bool] | None = None
     """(first block, tokens, asynchronous) of the last answer of get_num_new_matched_tokens."""
+    hold: Release | None = None
+    """The CacheBuffer hold of the planned synchronous load's blocks, until vLLM allocates
+    (or asks again)."""
     load_cap: int | None = None
     """Blocks from this index on failed to load for this request: never served to it again
     (vLLM looks a request up again after an asynchronous load that failed at its first
@@ -151,7 +161,7 @@ class SchedulerSide:
         stats: UcmConnectorStats | None = None,
         epoch: int | None = 0,
         tenants: TenantMapping | None = None,
-        resident: Lookup | None = None,
+        hold: Hold | None = None,
         lookup_pool: DaemonPool | None = None,
         lookup_wait_s: float = 0.0,
         claims: ComputeClaims | None = None,
@@ -165,10 +175,13 @@ class SchedulerSide:
         self._new_namespaces: set[str] = set()
         """Namespaces not yet announced to the workers (UcmConnectorMetadata.namespaces)."""
         self._announced: set[str] = set()
-        self._resident = resident
-        """Whether each block is in the CacheBuffer (every shard): a load of blocks that all
-        are is one memcpy and runs before the forward pass; any other load is asynchronous.
-        None: every load runs before the forward pass."""
+        self._hold = hold
+        """Holds blocks in the CacheBuffer (every shard): a load of blocks that all are is one
+        memcpy and runs before the forward pass, held from the look-up until its outcome is
+        known, so that no eviction between the look-up and the load fails it; any other load
+        is asynchronous. None: every load runs before the forward pass."""
+        self._load_holds: dict[str, Release] = {}
+        """Holds of the synchronous loads planned for this step."""
         self._lookup_pool = lookup_pool
         """Runs look-ups that may reach a lower tier (None: they run on the scheduler thread)."""
         self._lookup_wait_s = lookup_wait_s
@@ -289,6 +302,8 @@ class SchedulerSide:
         if state is None:
             return 0, False
         state.planned = None
+        self._drop(state.hold)
+        state.hold = None
         bs = self._block_tokens
         start = num_computed_tokens // bs
         full = int(request.num_tokens) // bs
@@ -317,7 +332,7 @@ class SchedulerSide:
         external = hit - num_computed_tokens
         if external <= 0:
             return 0, False
-        load_async = self._loads_async(ids[start : math.ceil(hit / bs)])
+        load_async = self._loads_async(state, ids[start : math.ceil(hit / bs)])
         state.planned = (start, external, load_async)
         return external, load_async
 
@@ -371,16 +386,33 @@ class SchedulerSide:
         if self._claims is not None and block_ids:
             self._claims.release(block_ids)
 
-    def _loads_async(self, ids: Sequence[bytes]) -> bool:
+    def _loads_async(self, state: _RequestState, ids: Sequence[bytes]) -> bool:
         """Whether a load of these blocks runs asynchronously: unless all are in the
-        CacheBuffer (a failed check counts as not)."""
-        if self._resident is None:
+        CacheBuffer (a failed check counts as not), where they are held for the synchronous
+        load (``state.hold``). Under vLLM's asynchronous scheduling a synchronous load that
+        failed costs a wrong token (vLLM keeps what the next step, scheduled before the
+        failure is known, decoded over the failed block): the hold keeps an eviction from
+        failing it."""
+        if self._hold is None:
             return False
         try:
-            return not all(self._resident(ids))
+            release = self._hold(ids)
         except Exception as exc:
-            logger.warning("UCM CacheBuffer lookup failed (loading asynchronously): %s", exc)
+            logger.warning("UCM CacheBuffer hold failed (loading asynchronously): %s", exc)
             return True
+        state.hold = release
+        return release is None
+
+    @staticmethod
+    def _drop(release: Release | None) -> None:
+        """Releases a CacheBuffer hold (a failed release is logged: the process's holds go
+        with it at exit)."""
+        if release is None:
+            return
+        try:
+            release()
+        except Exception as exc:
+            logger.warning("UCM CacheBuffer hold not released: %s", exc)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -391,7 +423,13 @@ class SchedulerSide:
         self._loads.pop(request.request_id, None)
         self._load_first.pop(request.request_id, None)
         self._load_async.discard(request.request_id)
+        self._drop(self._load_holds.pop(request.request_id, None))
         planned, state.planned = state.planned, None
+        hold, state.hold = state.hold, None
+        if num_external_tokens <= 0 or planned is None or planned[2]:
+            self._drop(hold)
+        elif hold is not None:
+            self._load_holds[request.request_id] = hold
         if num_external_tokens <= 0 or planned is None:
             computed = int(request.num_computed_tokens) + max(num_external_tokens, 0)
             self._claim(state, max(state.saved, computed // self._block_tokens))
@@ -427,18 +465,25 @@ class SchedulerSide:
         self._new_namespaces = set()
         for transfer in self._loads.values():
             state = self._requests.get(transfer.req_id)
-            if state is not None:
-                first = self._load_first[transfer.req_id]
-                load_async = transfer.req_id in self._load_async
-                state.pending.append(
-                    _PendingLoad(
-                        step,
-                        first,
-                        list(transfer.vllm_blocks),
-                        load_async,
-                        ucm_ids=list(transfer.ucm_ids),
-                    )
+            release = self._load_holds.pop(transfer.req_id, None)
+            if state is None:
+                self._drop(release)
+                continue
+            first = self._load_first[transfer.req_id]
+            load_async = transfer.req_id in self._load_async
+            state.pending.append(
+                _PendingLoad(
+                    step,
+                    first,
+                    list(transfer.vllm_blocks),
+                    load_async,
+                    ucm_ids=list(transfer.ucm_ids),
+                    release=release,
                 )
+            )
+        for release in self._load_holds.values():
+            self._drop(release)
+        self._load_holds.clear()
         self._loads.clear()
         self._load_first.clear()
         self._load_async.clear()
@@ -665,6 +710,8 @@ class SchedulerSide:
                 continue
             state.pending = [load for load in state.pending if not done(load)]
             for load in settled:
+                self._drop(load.release)
+                load.release = None
                 bad = [
                     i
                     for i, block in enumerate(load.vllm_blocks)
@@ -741,8 +788,11 @@ class SchedulerSide:
         self._loads.pop(request.request_id, None)
         self._load_first.pop(request.request_id, None)
         self._load_async.discard(request.request_id)
+        self._drop(self._load_holds.pop(request.request_id, None))
         if state is None:
             return False, None
+        self._drop(state.hold)
+        state.hold = None
         params = None
         if self._report_ids:
             full = int(request.num_computed_tokens) // self._block_tokens
@@ -751,6 +801,9 @@ class SchedulerSide:
         if any(load.load_async for load in state.pending):
             # Finished in WAITING_FOR_REMOTE_KVS (an abort): it computed nothing, and vLLM
             # keeps its blocks until the workers report its load in finished_recving.
+            for load in state.pending:  # never settled: the state is dropped
+                self._drop(load.release)
+                load.release = None
             self._unclaim_finished(state)
             return False, params
         if state.pending:
