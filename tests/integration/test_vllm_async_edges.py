@@ -321,6 +321,57 @@ def test_a_buffer_hit_is_held_from_its_look_up_to_its_load_so_no_eviction_fails_
     _clean(h)
 
 
+def test_a_load_of_a_block_this_rank_is_still_dumping_waits_at_most_the_load_deadline(
+    tmp_path: Path, space: Space
+) -> None:
+    """Without a CacheBuffer every load is synchronous. e's dumps are held by a tier that does
+    not answer (the gate), and c asks for e's blocks: the scheduler serves them (they are being
+    dumped), and the worker's load must wait for that dump, but at most ucm_load_deadline_s.
+    Then both blocks fail, vLLM recomputes them, and c's tokens are right; so for d, a step
+    later (the worker does not wait for that dump again). On the code before, the step waited
+    for the dump until the gate opened."""
+    h = Harness(
+        tmp_path / "h",
+        tiers=[space.tier(True)],
+        unique_id=f"vllm-edges-{uuid.uuid4().hex[:10]}",
+        async_scheduling=False,
+        extra_config={"ucm_load_deadline_s": 0.5},
+    )
+    opener = threading.Timer(60.0, space.open_gate)  # bounds the wait of the code before
+    opener.start()
+    try:
+        h.add("e", E, 2)
+        for _ in range(50):
+            if len(h.outputs.get("e", [])) == 2:
+                break
+            h.step()
+        assert h.outputs["e"] == Harness.expected_outputs(E, 2)
+        space.wait_entered()  # e's dump waits at the gate
+        for req_id in ("c", "d"):
+            h.add(req_id, E, 3)
+            record = h.step()
+            assert not space.gate_open(), f"{req_id}'s load waited for e's dump"
+            assert set(record.loads) == {req_id}
+            assert record.invalid == set(record.loads[req_id])  # both blocks: recomputed
+            for _ in range(50):
+                if len(h.outputs.get(req_id, [])) == 3:
+                    break
+                h.step()
+            assert not space.gate_open()
+            assert h.outputs[req_id] == Harness.expected_outputs(E, 3)
+    finally:
+        opener.cancel()
+        space.open_gate()
+    try:
+        h.run(STEPS_MAX)
+        stats = h.worker._worker.stats.data
+        assert stats["load_failed_blocks"] == 4
+        assert stats["loaded_blocks"] == 0
+        _clean(h)
+    finally:
+        h.close()
+
+
 X = tokens(9, 5 * BLOCK + 3)
 """6 blocks: beside b's 9 only once b's are freed, and then in 4 of them."""
 

@@ -40,7 +40,8 @@ EXTRA_KEYS = {
     "CacheBuffer loads them asynchronously, waiting in WAITING_FOR_REMOTE_KVS while the others "
     "run; false: every load finishes before the forward pass",
     "ucm_load_deadline_s": "seconds an asynchronous load may take (default "
-    "10); blocks not in the CacheBuffer by then are reported failed and recomputed",
+    "10); blocks not in the CacheBuffer by then are reported failed and recomputed; also the "
+    "most a step's load waits for this rank's own dumps of its blocks",
     "ucm_lookup_wait_ms": "milliseconds the scheduler waits for a look-up that reaches a tier "
     "below the CacheBuffer (default 20); a slower one finishes in the background while vLLM "
     "schedules the other requests, and its request is scheduled on a later step",

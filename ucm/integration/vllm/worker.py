@@ -37,6 +37,8 @@ class _PendingSave:
     vllm_blocks: list[int]
     """The vLLM blocks the dump reads: none may be reused until it is done."""
     finished: bool = False
+    overdue: bool = False
+    """A load already waited the load deadline for it: later loads do not wait again."""
 
 
 @dataclass(eq=False)
@@ -189,11 +191,14 @@ class WorkerSide:
         self._loaded_steps.add(meta.step)
         started = time.perf_counter()
         wanted = {block_id for transfer in meta.loads for block_id in transfer.ucm_ids}
-        for pending in self._saves:
-            if not wanted.isdisjoint(pending.ids):  # a block this rank is still dumping
-                self._finish_save(pending)
+        dumping = self._finish_saves_of(wanted)
         submitted: list[tuple[Task | None, list[tuple[bytes, int]]]] = []
-        for group in unique_key_groups(meta.loads):
+        for whole in unique_key_groups(meta.loads):
+            group = [pair for pair in whole if pair[0] not in dumping]
+            if len(group) < len(whole):  # still being dumped past the deadline: recomputed
+                submitted.append((None, [pair for pair in whole if pair[0] in dumping]))
+            if not group:
+                continue
             ids = [block_id for block_id, _ in group]
             try:
                 task = self._load_task(ids, [vllm_block for _, vllm_block in group])
@@ -219,9 +224,7 @@ class WorkerSide:
         arrive after the deadline land in the CacheBuffer only, never in a vLLM block that
         the request gave up (vLLM recomputes it, or frees and reuses it)."""
         wanted = {block_id for transfer in meta.async_loads for block_id in transfer.ucm_ids}
-        for pending in self._saves:
-            if not wanted.isdisjoint(pending.ids):  # a block this rank is still dumping
-                self._finish_save(pending)
+        self._finish_saves_of(wanted)  # the prefetch finds what the dump wrote, or fails it
         deadline = time.monotonic() + self._load_deadline_s
         for transfer in meta.async_loads:
             group = list(zip(transfer.ucm_ids, transfer.vllm_blocks, strict=True))
@@ -381,18 +384,53 @@ class WorkerSide:
         self._saves.append(_PendingSave(task=task, requests=requests, ids=ids, vllm_blocks=blocks))
         self._dumping.update(requests)
 
+    def _finish_saves_of(self, wanted: set[bytes]) -> set[bytes]:
+        """Waits for this rank's dumps of any of ``wanted`` (a load must find what the dump
+        writes), all of them within the load deadline (``ucm_load_deadline_s``), once: a dump
+        held up by a slow tier never holds a step up longer, nor a second step at all. Returns
+        the wanted blocks whose dump is still running then; the caller reports them failed,
+        and vLLM recomputes them."""
+        deadline = time.monotonic() + self._load_deadline_s
+        running: set[bytes] = set()
+        for pending in self._saves:
+            if pending.finished or wanted.isdisjoint(pending.ids):
+                continue
+            left = 0.0 if pending.overdue else max(deadline - time.monotonic(), 0.0)
+            if not self._finish_save(pending, left):
+                pending.overdue = True
+                running |= wanted.intersection(pending.ids)
+        if running:
+            logger.warning(
+                "UCM: %d blocks to load were still being dumped by this rank after %.1f s "
+                "(ucm_load_deadline_s); vLLM recomputes them",
+                len(running),
+                self._load_deadline_s,
+            )
+        return running
+
     def _reap_saves(self) -> None:
         for pending in self._saves:
             if self._store.check(pending.task):
                 self._finish_save(pending)
         self._saves = [pending for pending in self._saves if not pending.finished]
 
-    def _finish_save(self, pending: _PendingSave) -> None:
+    def _finish_save(self, pending: _PendingSave, timeout_s: float | None = None) -> bool:
+        """Collects a dump, waiting for it up to ``timeout_s`` (None: until it is done);
+        whether it is finished."""
         if pending.finished:
-            return
+            return True
+        if timeout_s is not None and not self._store.check(pending.task):
+            try:
+                self._store.wait(pending.task, timeout_s)
+            except TimeoutError:
+                return False
+            except Exception:  # failed: collected below
+                pass
+            if not self._store.check(pending.task):
+                return False
         failed: set[bytes] = set()
         try:
-            self._store.wait(pending.task)  # at once when reaped; blocks for a preemption
+            self._store.wait(pending.task)  # at once when reaped or waited; blocks otherwise
         except TaskError as exc:
             failed = {block_id for block_id, _shard in exc.failures}
             logger.warning(
@@ -412,6 +450,7 @@ class WorkerSide:
         for req_id in pending.requests:
             if self._dumping[req_id] <= 0:
                 del self._dumping[req_id]
+        return True
 
     def get_finished(self) -> set[str]:
         """The released requests none of whose saves is unsubmitted or in flight: each is
