@@ -32,6 +32,7 @@ A flusher's references to the slots it writes down go through the native queue
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -67,6 +68,8 @@ from .native.queue import (
 from .native.segments import SharedRegion
 from .threadname import enter_thread
 from .tier import EvictSink, Outcome, ShardViews, Tier, TierContext
+
+logger = logging.getLogger("ucm.buffer")
 
 SEGMENT_TARGET_BYTES = 1 << 30
 """Data segments of at most ~1 GiB: small enough to create quickly, large enough to be few."""
@@ -114,18 +117,36 @@ class _ProcessHolds:
         count that one's uses either. The loads they guarded may fail and be recomputed. vLLM
         starts its worker before its scheduler, and runs one worker per process."""
         with self.lock:
-            held = sorted(self.core_uses)
-            self.core_uses.clear()
-            if held and self.core is not None:
-                self.core.release(held)
+            self._give_up_core()
             for old in self.live_queues():
                 pinned = array(
                     "I", [slot for slot, via in self.queued.items() for q in via if q is old]
                 )
-                if pinned:
-                    old.unpin(pinned)
+                try:
+                    if pinned:
+                        old.unpin(pinned)
+                except Exception as exc:  # they stay until that queue or this process goes
+                    logger.warning("UCM: %d CacheBuffer holds not released: %s", len(pinned), exc)
             self.queued.clear()
             self.queues.append(queue)
+
+    def _give_up_core(self) -> None:
+        """Releases every hold taken through the buffer core (lock held)."""
+        held = sorted(self.core_uses)
+        self.core_uses.clear()
+        try:
+            if held and self.core is not None:
+                self.core.release(held)
+        except Exception as exc:  # they stay until this process exits (a dead holder's)
+            logger.warning("UCM: %d CacheBuffer holds not released: %s", len(held), exc)
+
+    def close_core(self, core: BufferCore) -> None:
+        """A scheduler-role tier closes: the holds taken through its core are released
+        before its control segment is unmapped, and none is taken through it again."""
+        with self.lock:
+            if self.core is core:
+                self._give_up_core()
+                self.core = None
 
     def detach_queue(self, queue: NativeQueue) -> None:
         """A worker's queue goes: the holds taken through it go with it."""
@@ -228,6 +249,7 @@ class BufferTier(Tier):
             shm_gc.collect_one(context.unique_id)  # a refused open leaves no lock file behind
             raise
         self._queue: NativeQueue | None = None
+        self._holds_closed = False
         try:
             self.core = BufferCore.attach(
                 self.region.ctrl_address, self.region.ctrl_bytes, geometry
@@ -364,7 +386,7 @@ class BufferTier(Tier):
         batch = native_buffer.KeyBatch.of(list(keys))
         count = len(batch)
         out = [SLOT_NONE] * count
-        if not count:
+        if not count or self._holds_closed:
             return out
         holds = _process_holds(self.region.unique_id)
         with holds.lock:
@@ -411,7 +433,9 @@ class BufferTier(Tier):
 
     def unhold(self, slots: Sequence[int]) -> None:
         """Releases holds taken with :meth:`hold` (its slots; ``SLOT_NONE`` and slots this
-        process does not hold are skipped)."""
+        process does not hold are skipped, and so is every slot once the tier is closed)."""
+        if self._holds_closed:
+            return
         holds = _process_holds(self.region.unique_id)
         with holds.lock:
             by_queue: dict[int, tuple[NativeQueue, array[int]]] = {}
@@ -712,8 +736,11 @@ class BufferTier(Tier):
         a running copy)."""
         self._stop_flusher()  # flush() was not called (a failed open, a test)
         queue = self._queue
+        self._holds_closed = True
         if queue is not None:
             _process_holds(self.region.unique_id).detach_queue(queue)
+        else:
+            _process_holds(self.region.unique_id).close_core(self.core)
         if queue is not None and not queue.destroyed:
             # Abandoned: the load path's close gave up on running tasks and left its loaders
             # in the queue; freeing it (or unmapping) under them would be a use after free.

@@ -213,3 +213,30 @@ def test_with_two_workers_of_the_buffer_in_one_process_nothing_is_held(tmp_path:
             assert remove(first, held) == 1  # the first hold was given up
         scheduler.buffer.unhold(slots)  # skipped: given up
         assert scheduler.buffer.holdable()
+
+
+def test_closing_a_scheduler_store_releases_its_holds_and_later_calls_are_no_ops(
+    tmp_path: Path,
+) -> None:
+    """A scheduler's holds end with its store (not only with its process), and a release
+    that comes after the close (a late hook) touches no unmapped memory."""
+    config = stack(tmp_path)
+    with ucm.open(config) as worker:
+        held = block(8)
+        dump(worker, [held])
+        child = holder(config, held)  # the worker's holder is this process: hold from another
+        try:
+            assert json.loads(read_line(child))[0] != SLOT_NONE
+        finally:
+            if child.stdin is not None:
+                child.stdin.close()  # no "release": the child closes its store holding it
+            assert child.wait(WAIT_S) == 0
+        assert remove(worker, held) == 1
+    config = stack(tmp_path)
+    scheduler = ucm.open(config, device_id=-1)
+    buffer = scheduler.buffer
+    assert buffer is not None
+    slots = buffer.hold([(block(9), 0)])
+    scheduler.close()
+    buffer.unhold(slots)
+    assert buffer.hold([(block(9), 0)]) == [SLOT_NONE]
