@@ -227,7 +227,8 @@ class LoadSettings(BaseModel):
     queue_timeout_s: Seconds = Field(
         default=60.0,
         description="Longest load() blocks on a full queue before raising TimeoutError "
-        "(dump(): dump_submit_timeout_s).",
+        "(dump(): dump_submit_timeout_s); also how long close() waits for running tasks and "
+        "for the write-through backlog.",
     )
     dump_submit_timeout_s: Seconds = Field(
         default=1.0,

@@ -728,7 +728,7 @@ class DumpQueue:
             if item is not None:
                 item.progress.finish(item.progress.unfinished(), closed)
         if self.writer is not None:
-            self.writer.close()
+            self.writer.close(self._settings.queue_timeout_s)
 
     def _run(self) -> None:
         enter_thread()
@@ -900,9 +900,36 @@ class WriteQueue:
                     return
                 self._condition.wait(timeout=1.0)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Lets the writer finish the backlog, for ``timeout_s`` at most (None: until done);
+        whether it did. Past the bound, what is still queued skips the write-through tiers
+        (counted in ``write_through_skipped``: a later miss there, never wrong data) and the
+        write in progress goes on in the background until its tier answers or fails (the
+        thread is a daemon: it never holds the process's exit up)."""
         self._queue.put(None)
-        self._thread.join()
+        self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            return True
+        skipped = 0
+        for _ in range(self._queue.qsize() + 1):  # nothing is put once closed
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                tiers, keys, data = item
+                skipped += len(keys) * len(tiers)
+                with self._condition:
+                    self._pending_bytes -= sum(len(d) for d in data)
+                    self._condition.notify_all()
+        self._queue.put(None)  # the writer stops after the write in progress
+        self._count("write_through_skipped", skipped)
+        sys.stderr.write(
+            f"ucm: close left a write-through tier that did not answer within {timeout_s} s "
+            f"(queue_timeout_s); {skipped} queued shard writes skipped it, one write goes on "
+            "in the background\n"
+        )
+        return False
 
     def _run(self) -> None:
         # Nobody waits for these writes: the lowest priority, and the tiers' I/O on this thread.

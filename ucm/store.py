@@ -664,7 +664,9 @@ class Store:
         }
 
     def close(self) -> None:
-        """Finishes pending tasks and write-through work, then closes every tier."""
+        """Finishes pending tasks and write-through work (the backlog for ``queue_timeout_s``
+        at most: what is still queued then skips the write-through tiers), then closes every
+        tier."""
         if self._closed:
             return
         self._closed = True

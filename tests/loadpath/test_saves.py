@@ -53,6 +53,36 @@ def ucm_stats_json(tmp_path: Path, unique_id: str) -> dict[str, Any]:
     return data
 
 
+def test_close_waits_for_a_stuck_write_through_tier_at_most_queue_timeout_s(
+    test_tiers: None, unique_id: str
+) -> None:
+    """An engine's shutdown closes its store while a write-through tier does not answer: close
+    waits queue_timeout_s for the backlog, then what is still queued skips that tier (counted),
+    and the write in progress goes on in the background. Before, close waited for the whole
+    backlog, each write as long as the tier took."""
+    slow = {"type": "recording", "space": "slow", "write": "through", "gated": True}
+    gate = GATES.setdefault("slow", threading.Event())
+    gate.clear()
+    ENTERED.setdefault("slow", threading.Event()).clear()
+    config = stack(unique_id, slow, slots=128, write_queue_bytes=16 * SHARD, queue_timeout_s=1.0)
+    opener = threading.Timer(BOUND_S, gate.set)  # bounds the wait of the code before
+    opener.start()
+    try:
+        store = ucm.open(config)
+        blocks = [block(i) for i in range(4)]
+        for b in blocks:  # one write-through item each
+            store.wait(store.dump([b], 0, src_for([b], 0)))
+        assert ENTERED["slow"].wait(BOUND_S)  # the first write is stuck at the gate
+        store.close()
+        assert not gate.is_set(), "close waited for the stuck write-through tier"
+        stats = store.stats()
+        assert stats["write_through_skipped"] == 3  # the three queued behind the stuck one
+        assert stats.get("write_through_shards", 0) == 0
+    finally:
+        opener.cancel()
+        gate.set()
+
+
 def test_a_stuck_write_through_tier_skips_what_the_backlog_cannot_hold(
     test_tiers: None, unique_id: str, tmp_path: Path
 ) -> None:
