@@ -425,11 +425,15 @@ class BufferTier(Tier):
         return out
 
     def holdable(self) -> bool:
-        """Whether :meth:`hold` can hold anything in this process: not with two workers of
-        this buffer in it (see ``_ProcessHolds``)."""
+        """Whether a hold here goes through this process's one worker queue of the buffer
+        (vLLM's in-process executor). Without a worker in the process (vLLM's multiprocess
+        executor) :meth:`hold` takes a buffer Get, which the buffer counts as a hit, node-wide
+        and in the key's namespace, beside the worker's own Get of the same block: the vLLM
+        connector does not hold there, so hits stay exact. With two workers of the buffer in
+        the process nothing can be held (see ``_ProcessHolds``)."""
         holds = _process_holds(self.region.unique_id)
         with holds.lock:
-            return len(holds.live_queues()) <= 1
+            return len(holds.live_queues()) == 1
 
     def unhold(self, slots: Sequence[int]) -> None:
         """Releases holds taken with :meth:`hold` (its slots; ``SLOT_NONE`` and slots this

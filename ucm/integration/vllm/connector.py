@@ -201,8 +201,8 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert buffer is not None
         keys = self._store.layout.keys_of_blocks(list(ids))
         if not buffer.holdable():
-            # Two workers of the buffer in this process (two engines in one test process,
-            # never vLLM's own executors): present is all that can be known.
+            # No worker of the buffer in this process (a hold would count a second hit per
+            # load), or two (two engines in one test process): present is all that is known.
             return _unheld if all(buffer.lookup(keys)) else None
         slots = buffer.hold(keys)
         if SLOT_NONE not in slots:
