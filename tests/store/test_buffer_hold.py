@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,8 @@ import ucm
 from ucm.native.buffer import SLOT_NONE
 
 from .conftest import block, payload
+from .test_buffer_stack import SHARD, buffer_stack
 
-SHARD = 4096
 WAIT_S = 120.0
 
 CHILD = r"""
@@ -40,15 +39,8 @@ with ucm.open(stack, device_id=-1) as store:
 
 
 def stack(tmp_path: Path) -> dict[str, Any]:
-    return {
-        "unique_id": f"t-hold-{uuid.uuid4().hex[:12]}",
-        "shard_size": SHARD,
-        "shards_per_block": 1,
-        "tiers": [
-            {"type": "buffer", "capacity": 64 * SHARD},
-            {"type": "posix", "path": str(tmp_path / "nvme")},
-        ],
-    }
+    """A 64-slot buffer over posix, one shard per block."""
+    return buffer_stack(tmp_path, slots=64, shards=1)
 
 
 def dump(store: ucm.Store, blocks: list[bytes]) -> None:
