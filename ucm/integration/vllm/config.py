@@ -38,7 +38,8 @@ EXTRA_KEYS = {
     "files (for copies of one checkpoint on several nodes; change it with the weights)",
     "ucm_async_load": "true (default): a request whose matched blocks are not all in the "
     "CacheBuffer loads them asynchronously, waiting in WAITING_FOR_REMOTE_KVS while the others "
-    "run; false: every load finishes before the forward pass",
+    "run (under vLLM's asynchronous scheduling every load does); false: every load finishes "
+    "before the forward pass",
     "ucm_load_deadline_s": "seconds an asynchronous load may take (default "
     "10); blocks not in the CacheBuffer by then are reported failed and recomputed; also the "
     "most a step's load waits for this rank's own dumps of its blocks",

@@ -75,6 +75,11 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._geometry = engine_geometry(vllm_config, kv_cache_config)
         _, self._layers = transfer_layers(kv_cache_config)
         self._block_tokens = int(vllm_config.cache_config.block_size)
+        self._async_scheduling = bool(
+            getattr(vllm_config.scheduler_config, "async_scheduling", False)
+        )
+        """vLLM's asynchronous scheduling (CUDA vLLM's default): step K+1 is scheduled before
+        step K's output is processed, so a synchronous load that fails costs a token."""
         self._stats = UcmConnectorStats()
         self._closed = False
         self._rank = -1
@@ -164,8 +169,23 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             stats=self._stats,
             epoch=self._epochs.start(),
             tenants=TenantMapping.parse(self._extra.get("ucm_namespace"), "ucm_namespace"),
-            hold=self._hold if self._async_loads() else None,
+            # Under vLLM's asynchronous scheduling a synchronous load that fails costs its
+            # request a token, and may leave vLLM 0.32 never scheduling it again: every load
+            # is asynchronous there. Under synchronous scheduling CacheBuffer hits load before
+            # the forward pass, held from the look-up so that no eviction fails them.
+            hold=self._hold if self._async_loads() and not self._async_scheduling else None,
+            every_load_async=self._async_scheduling and self._async_load_on(),
         )
+        if self._async_scheduling and not self._async_load_on():
+            logger.warning(
+                "UCM: %s is false under vLLM's asynchronous scheduling: every load runs "
+                "before the forward pass, and a load that fails (a block missing, corrupt, or "
+                "on a dead tier) costs its request a wrong token: vLLM keeps the token the "
+                "next step, scheduled before the failure was known, decoded over the failed "
+                "block; vLLM 0.32 may also never finish that request. Leave it true, or turn "
+                "asynchronous scheduling off",
+                extra_key("ucm_async_load"),
+            )
         if transfer.is_kv_consumer and transfer.kv_load_failure_policy != "recompute":
             logger.warning(
                 "UCM: kv_load_failure_policy=%r: a block that fails to load (missing, corrupt, "
@@ -180,18 +200,31 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._key_space,
         )
 
+    def _async_load_on(self) -> bool:
+        return bool(self._extra.get("ucm_async_load", True))
+
     def _async_loads(self) -> bool:
-        """Whether loads of blocks not all in the CacheBuffer are asynchronous: then the
-        synchronous ones are buffer hits, which must cost a memcpy and never a read from below.
-        Without a CacheBuffer an asynchronous load would have nowhere to put the bytes that
-        arrive after its deadline but vLLM's blocks: every load is synchronous. With more than
-        one shard per block (TP > 1) too, for now: a rank that finishes its prefetch before
-        another rank's shards are in judges the block by all its shards."""
+        """Whether loads of blocks not all in the CacheBuffer are asynchronous, moved up into
+        it first (a prefetch with a deadline): then the synchronous ones are buffer hits, which
+        must cost a memcpy and never a read from below. Without a CacheBuffer an asynchronous
+        load has nowhere to put the bytes that arrive after a deadline but vLLM's blocks; with
+        more than one shard per block (TP > 1) a rank that finishes its prefetch before another
+        rank's shards are in judges the block by all its shards: see :meth:`_direct_loads`."""
         return (
-            bool(self._extra.get("ucm_async_load", True))
+            self._async_load_on()
             and self._store.buffer is not None
             and self._geometry.shards_per_block == 1
         )
+
+    def _direct_loads(self) -> bool:
+        """Whether every load is asynchronous and goes straight into vLLM's blocks, off the
+        step: under vLLM's asynchronous scheduling, where a synchronous load that fails costs
+        a token, when loads cannot go through the CacheBuffer (:meth:`_async_loads`: no
+        CacheBuffer, or TP > 1). Such a load has no deadline of its own (its late bytes could
+        only land in blocks vLLM had reused): vLLM keeps the request's blocks until the worker
+        reports it over, and the tiers' own request deadlines bound it. Under synchronous
+        scheduling these loads stay synchronous: a failed one costs no token there."""
+        return self._async_scheduling and self._async_load_on() and not self._async_loads()
 
     def _hold(self, ids: Sequence[bytes]) -> Callable[[], None] | None:
         """Holds every shard of the blocks in the CacheBuffer, so that no eviction on the node
@@ -291,6 +324,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             stats=self._stats,
             load_deadline_s=load_deadline_s(self._extra),
             hits_only=self._async_loads(),
+            direct_async=self._direct_loads(),
         )
         self._metrics_server: MetricsServer | None = None
         port = self._extra.get("ucm_metrics_port")

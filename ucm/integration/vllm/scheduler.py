@@ -162,6 +162,7 @@ class SchedulerSide:
         epoch: int | None = 0,
         tenants: TenantMapping | None = None,
         hold: Hold | None = None,
+        every_load_async: bool = False,
         lookup_pool: DaemonPool | None = None,
         lookup_wait_s: float = 0.0,
         claims: ComputeClaims | None = None,
@@ -179,7 +180,10 @@ class SchedulerSide:
         """Holds blocks in the CacheBuffer (every shard): a load of blocks that all are is one
         memcpy and runs before the forward pass, held from the look-up until its outcome is
         known, so that no eviction between the look-up and the load fails it; any other load
-        is asynchronous. None: every load runs before the forward pass."""
+        is asynchronous. None: ``every_load_async`` says."""
+        self._every_load_async = every_load_async
+        """Without ``hold``: every load is asynchronous (True) or runs before the forward
+        pass (False)."""
         self._load_holds: dict[str, Release] = {}
         """Holds of the synchronous loads planned for this step."""
         self._lookup_pool = lookup_pool
@@ -389,12 +393,13 @@ class SchedulerSide:
     def _loads_async(self, state: _RequestState, ids: Sequence[bytes]) -> bool:
         """Whether a load of these blocks runs asynchronously: unless all are in the
         CacheBuffer (a failed check counts as not), where they are held for the synchronous
-        load (``state.hold``). Under vLLM's asynchronous scheduling a synchronous load that
-        failed costs a wrong token (vLLM keeps what the next step, scheduled before the
-        failure is known, decoded over the failed block): the hold keeps an eviction from
-        failing it."""
+        load (``state.hold``), so that no eviction fails it and vLLM need not recompute them.
+        Without ``hold``, ``every_load_async`` says: the connector sets it under vLLM's
+        asynchronous scheduling, where a synchronous load that failed costs a wrong token
+        (vLLM keeps what the next step, scheduled before the failure is known, decoded over
+        the failed block) and may leave vLLM never scheduling the request again."""
         if self._hold is None:
-            return False
+            return self._every_load_async
         try:
             release = self._hold(ids)
         except Exception as exc:

@@ -8,6 +8,7 @@ tensor views."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -47,7 +48,12 @@ class _AsyncLoad:
     passes: its blocks are moved up into the CacheBuffer (the prefetch), then, once there (or
     once the deadline passed), the ones the buffer holds are pinned and copied into vLLM's
     blocks by the native copy threads. The request is reported in ``finished_recving`` when
-    that copy is over: vLLM keeps its blocks until then, even if it is aborted."""
+    that copy is over: vLLM keeps its blocks until then, even if it is aborted.
+
+    A *direct* load (``WorkerSide(direct_async=True)``: no CacheBuffer, or TP > 1) has the
+    second phase only: one load task reads the blocks from wherever the store has them
+    straight into vLLM's blocks, with no deadline (``deadline`` is infinite): bytes that
+    arrived after one could only land in blocks vLLM had reused."""
 
     req_id: str
     group: list[tuple[bytes, int]]
@@ -99,8 +105,11 @@ class WorkerSide:
         stats: UcmConnectorStats | None = None,
         load_deadline_s: float = 10.0,
         hits_only: bool = False,
+        direct_async: bool = False,
     ) -> None:
         self._store = store
+        self._direct_async = direct_async
+        """Asynchronous loads read straight into vLLM's blocks (:class:`_AsyncLoad`)."""
         self._load_deadline_s = load_deadline_s
         self._hits_only = hits_only
         """The scheduler loads asynchronously whatever is not all in the CacheBuffer, so a
@@ -136,19 +145,32 @@ class WorkerSide:
         self._addresses = addresses
 
     def _load_task(
-        self, ids: list[bytes], vllm_blocks: list[int], background: bool = False
+        self,
+        ids: list[bytes],
+        vllm_blocks: list[int],
+        background: bool = False,
+        submit_timeout_s: float | None = None,
     ) -> Task:
-        """``background``: an asynchronous load's copy, which no step waits on (of pinned
-        blocks). A step's synchronous load reads from below only if every load is synchronous
-        (``hits_only`` off)."""
+        """``background``: an asynchronous load's copy, which no step waits on. A load reads
+        from below unless synchronous ones are of CacheBuffer hits (``hits_only``)."""
         fill = not self._hits_only
         addresses = self._addresses
         if addresses is not None:
             return self._store.load_data(
-                ids, self._rank, addresses.of(vllm_blocks), background=background, fill=fill
+                ids,
+                self._rank,
+                addresses.of(vllm_blocks),
+                background=background,
+                fill=fill,
+                submit_timeout_s=submit_timeout_s,
             )
         return self._store.load(
-            ids, self._rank, self._block_tensors(vllm_blocks), background=background, fill=fill
+            ids,
+            self._rank,
+            self._block_tensors(vllm_blocks),
+            background=background,
+            fill=fill,
+            submit_timeout_s=submit_timeout_s,
         )
 
     def _dump_task(self, ids: list[bytes], vllm_blocks: list[int]) -> Task:
@@ -219,6 +241,40 @@ class WorkerSide:
         self.stats.data["load_seconds"] += time.perf_counter() - started
 
     def _start_async(self, meta: UcmConnectorMetadata) -> None:
+        if self._direct_async:
+            self._start_direct(meta)
+        else:
+            self._start_prefetches(meta)
+
+    def _start_direct(self, meta: UcmConnectorMetadata) -> None:
+        """Submits each asynchronous load as one load task straight into vLLM's blocks (no
+        CacheBuffer to stage them in), reported in ``finished_recving`` once the task is over,
+        however long the tiers take: vLLM keeps the blocks until then, aborted or not. A block
+        this rank is still dumping past the load deadline, or a load the full queue does not
+        take at once (it never holds the step up), fails, and vLLM recomputes it."""
+        wanted = {block_id for transfer in meta.async_loads for block_id in transfer.ucm_ids}
+        dumping = self._finish_saves_of(wanted)
+        for transfer in meta.async_loads:
+            group = list(zip(transfer.ucm_ids, transfer.vllm_blocks, strict=True))
+            load = _AsyncLoad(
+                transfer.req_id, group, None, math.inf, time.perf_counter(), copying=True
+            )
+            load.held = [pair for pair in group if pair[0] not in dumping]
+            if load.held:
+                try:
+                    load.copy = self._load_task(
+                        [block_id for block_id, _ in load.held],
+                        [vllm_block for _, vllm_block in load.held],
+                        background=True,
+                        submit_timeout_s=0.0,
+                    )
+                except Exception as exc:
+                    logger.warning("UCM load of %d blocks not submitted: %s", len(group), exc)
+                    load.held = []
+            self._async.append(load)
+            self.stats.data["async_loads"] += 1
+
+    def _start_prefetches(self, meta: UcmConnectorMetadata) -> None:
         """Starts moving the blocks of the step's asynchronous loads up into the CacheBuffer.
         Nothing is written into vLLM's blocks until :meth:`finished_recving`: bytes that
         arrive after the deadline land in the CacheBuffer only, never in a vLLM block that

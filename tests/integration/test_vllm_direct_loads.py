@@ -1,0 +1,217 @@
+"""Loads without a CacheBuffer under vLLM 0.32's own ``AsyncScheduler`` (``_vllm_sched.py``,
+with the configuration's ``async_scheduling`` on, as CUDA vLLM's is): every load is
+asynchronous and goes straight into vLLM's blocks, off the step (``UcmConnector._direct_loads``).
+
+Under asynchronous scheduling step K+1 is scheduled before step K's output is processed. A
+synchronous load that failed in step K cost its request a token: vLLM discarded step K's
+token but kept the one step K+1 decoded over the failed block. An asynchronous load's failure
+is known before the request is scheduled at all, so vLLM recomputes the failed blocks first.
+
+The tier is a real posix tier with a per-shard read latency (``slowposix`` of the load-path
+tests). Tests assert outcomes (tokens, states, counts), never timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import random
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("vllm is not installed, and CI must run the vLLM tests")
+    pytest.skip("vllm is not installed", allow_module_level=True)
+
+from loadpath import _tiers
+
+from ._vllm_sched import BLOCK, LOOKUP_TIMEOUT_MS, Harness
+
+pytestmark = pytest.mark.timeout(600)
+
+STEPS_MAX = 300_000
+"""Bound on the steps of one wait: a step with nothing to compute takes well under a
+millisecond, and a slow tier's load takes its per-shard latency times the shards."""
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(count)]
+
+
+A = tokens(1, 8 * BLOCK + 5)
+"""8 full blocks and 5 tokens."""
+B = A[: 5 * BLOCK] + tokens(2, 3 * BLOCK + 5)
+"""Shares A's first 5 blocks, then 3 blocks of its own and 5 tokens."""
+D = tokens(9, 2 * BLOCK + 3)
+"""A decoder's prompt: nothing of it is in UCM."""
+
+Make = Callable[..., Harness]
+
+
+@pytest.fixture
+def make(tmp_path: Path) -> Iterator[Make]:
+    """Harnesses over one posix tier (no CacheBuffer) in ``tmp_path``."""
+    _tiers.register()
+    made: list[Harness] = []
+
+    def factory(delay_s: float = 0.0, **kwargs: Any) -> Harness:
+        tier = {
+            "type": "slowposix",
+            "path": str(tmp_path / "posix"),
+            "delay_s": delay_s,
+            "lookup_timeout_ms": LOOKUP_TIMEOUT_MS,
+        }
+        harness = Harness(
+            tmp_path / f"h{len(made)}",
+            tiers=[tier],
+            unique_id=f"vllm-direct-{uuid.uuid4().hex[:10]}",
+            **kwargs,
+        )
+        made.append(harness)
+        return harness
+
+    yield factory
+    for harness in made:
+        harness.close()
+
+
+def _clean(h: Harness) -> None:
+    assert h.violations == []
+    assert h.wrong_stored_blocks() == []
+    assert all(count == 1 for count in h.finished_sending.values()), h.finished_sending
+    assert not h.scheduler.requests, list(h.scheduler.requests)
+    pool = h.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # every block back
+
+
+def _step_until(h: Harness, done: Callable[[], bool]) -> None:
+    for _ in range(STEPS_MAX):
+        if done():
+            return
+        h.step()
+        h.settle_dumps()
+    raise AssertionError("the condition did not hold within the step bound")
+
+
+def _status(h: Harness, req_id: str) -> str | None:
+    request = h.scheduler.requests.get(req_id)
+    return request.status.name if request is not None else None
+
+
+@pytest.mark.parametrize("bad", [0, 2, 4], ids=["first", "middle", "last"])
+def test_a_load_that_fails_under_the_async_scheduler_costs_no_token(make: Make, bad: int) -> None:
+    """B's 5 blocks are found by the look-up; block ``bad`` is gone before the load runs. The
+    load is asynchronous: vLLM learns of the failure before B is scheduled, recomputes from
+    the failed block, and B's tokens are right (with the load synchronous they were not:
+    ``test_vllm_scheduler.py`` keeps that regime)."""
+    h = make(async_scheduling=True)
+    h.add("a", A, 2)
+    h.run()
+    assert h.stored_count("a") == 8
+    first_step = h._step + 1
+    h.evict[first_step] = [h.block_ids_of("a", len(A))[bad]]
+    start = len(h.records)
+    h.add("b", B, 3)
+    h.run()
+    assert h.outputs["b"] == Harness.expected_outputs(B, 3)
+    records = h.records[start:]
+    assert not any(r.loads for r in records)  # nothing loads inside a step
+    (table,) = [r.async_loads["b"] for r in records if "b" in r.async_loads]
+    (done,) = [r for r in records if "b" in r.finished_recving]
+    assert done.invalid == {table[bad]}
+    assert h.worker._worker.stats.data["load_failed_blocks"] == 1
+    assert h.stored_count("b") == 8
+    _clean(h)
+    # The recomputed blocks were saved right: a later request is served all 8.
+    h.add("c", B, 3)
+    h.run()
+    assert h.cached_tokens["c"] == 8 * BLOCK
+    assert h.outputs["c"] == Harness.expected_outputs(B, 3)
+    _clean(h)
+
+
+def test_a_decoder_runs_while_a_load_from_a_slow_tier_goes_straight_into_vllms_blocks(
+    make: Make,
+) -> None:
+    """D decodes while B's 8 blocks come from a tier that takes 0.1 s a shard: B waits in
+    WAITING_FOR_REMOTE_KVS, D's steps go on, and both are right."""
+    store = make(async_scheduling=True)
+    store.add("a", A, 2)
+    store.run()
+    h = make(delay_s=0.1, async_scheduling=True)
+    h.add("d", D, 40)
+    _step_until(h, lambda: len(h.outputs.get("d", [])) >= 2)
+    h.add("b", A, 3)
+    _step_until(h, lambda: _status(h, "b") == "WAITING_FOR_REMOTE_KVS")
+    decoded = len(h.outputs["d"])
+    _step_until(h, lambda: "b" in h.finished_recving)
+    assert len(h.outputs["d"]) > decoded  # D decoded during B's load
+    h.run(STEPS_MAX)
+    assert h.finished_recving == {"b": 1}
+    assert h.cached_tokens["b"] == 8 * BLOCK
+    assert h.outputs["b"] == Harness.expected_outputs(A, 3)
+    assert h.outputs["d"] == Harness.expected_outputs(D, 40)
+    _clean(h)
+
+
+def test_an_abort_during_a_direct_load_frees_its_blocks_only_once_the_load_is_over(
+    make: Make,
+) -> None:
+    """B is aborted while its load from the slow tier runs: vLLM keeps B's blocks until the
+    worker reports the load over (the harness checks that no load writes into a block vLLM
+    freed), then frees every one of them."""
+    store = make(async_scheduling=True)
+    store.add("a", A, 2)
+    store.run()
+    h = make(delay_s=0.1, async_scheduling=True)
+    h.add("b", A, 3)
+    _step_until(h, lambda: _status(h, "b") == "WAITING_FOR_REMOTE_KVS")
+    (load,) = h.worker._worker._async
+    assert load.copy is not None and not h.worker._store.check(load.copy)
+    h.abort("b")
+    h.run(STEPS_MAX)
+    assert h.finished_recving == {"b": 1}
+    assert "b" not in h.outputs
+    _clean(h)
+
+
+def test_under_the_synchronous_scheduler_loads_without_a_buffer_stay_synchronous(
+    make: Make,
+) -> None:
+    """There a failed load costs no token (vLLM discards the step's token), and a hit is
+    served in the step that asks for it."""
+    h = make(async_scheduling=False)
+    h.add("a", A, 2)
+    h.run()
+    start = len(h.records)
+    h.add("b", B, 3)
+    h.run()
+    assert [list(r.loads) for r in h.records[start:] if r.loads] == [["b"]]
+    assert not any(r.async_loads for r in h.records[start:])
+    assert h.outputs["b"] == Harness.expected_outputs(B, 3)
+    _clean(h)
+
+
+def test_ucm_async_load_false_under_the_async_scheduler_loads_synchronously_and_says_why(
+    make: Make, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="vllm.ucm"):
+        h = make(async_scheduling=True, extra_config={"ucm_async_load": False})
+    assert any(
+        "ucm_async_load'] is false under vLLM's asynchronous scheduling" in r.getMessage()
+        and "costs its request a wrong token" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+    h.add("a", A, 2)
+    h.run()
+    start = len(h.records)
+    h.add("b", B, 3)
+    h.run()
+    assert [list(r.loads) for r in h.records[start:] if r.loads] == [["b"]]
+    _clean(h)
