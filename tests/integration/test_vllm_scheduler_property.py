@@ -45,7 +45,10 @@ BASES = [[random.Random(seed).randrange(3, 500) for _ in range(6 * BLOCK)] for s
 class AsyncSchedulerWithUcm(RuleBasedStateMachine):
     ORDER = "normal"
     BUFFER: str | None = None
-    """A CacheBuffer capacity over the posix tier: loads of blocks it lacks are asynchronous."""
+    """A CacheBuffer capacity over the posix tier (every load goes through it)."""
+    LOAD_QUEUE_DEPTH = 64
+    """The buffer's load_queue_depth (and its prefetch queue's): at 1, prefetches of loads
+    started while another one runs are refused at submit, and their blocks recomputed."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -53,7 +56,11 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
         tiers = None
         if self.BUFFER is not None:
             tiers = [
-                {"type": "buffer", "capacity": self.BUFFER},
+                {
+                    "type": "buffer",
+                    "capacity": self.BUFFER,
+                    "load_queue_depth": self.LOAD_QUEUE_DEPTH,
+                },
                 {"type": "posix", "path": str(self.root / "posix")},
             ]
         self.h = Harness(
@@ -118,6 +125,18 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
         if not candidates:
             candidates = [b for base in BASES for b in self.h.block_ids_for(base)]
         self.h.evict[self.h._step + 1] = [candidates[p % len(candidates)] for p in picks]
+
+    @precondition(lambda self: self.BUFFER is not None)
+    @rule(picks=st.lists(st.integers(0, 1 << 16), min_size=1, max_size=3))
+    def evict_from_buffer_before_next_load(self, picks: list[int]) -> None:
+        """Blocks of waiting requests' prompts leave the CacheBuffer (not the posix tier)
+        between the next step's lookups and its loads: the load's prefetch brings them back
+        up from posix."""
+        waiting = [request.all_token_ids for request in self.h.scheduler.waiting]
+        candidates = [b for tokens in waiting for b in self.h.block_ids_for(list(tokens))]
+        if not candidates:
+            candidates = [b for base in BASES for b in self.h.block_ids_for(base)]
+        self.h.evict_buffer[self.h._step + 1] = [candidates[p % len(candidates)] for p in picks]
 
     @precondition(lambda self: bool(self.live))
     @rule(pick=st.integers(0, 1 << 16))
@@ -205,9 +224,12 @@ class AsyncSchedulerWithUcmDeferFinalize(AsyncSchedulerWithUcm):
 class AsyncSchedulerWithUcmAsyncLoads(AsyncSchedulerWithUcm):
     """A 16-slot CacheBuffer over posix: every load goes through it asynchronously
     (WAITING_FOR_REMOTE_KVS), blocks it evicted moved up from posix first, with failures,
-    aborts and preemptions among them."""
+    aborts and preemptions among them; blocks evicted from the buffer alone (brought back
+    up); a prefetch queue one task deep (prefetches refused at submit, their blocks
+    recomputed)."""
 
     BUFFER = "512KiB"
+    LOAD_QUEUE_DEPTH = 1
 
 
 def _settings(examples: int) -> settings:
