@@ -143,6 +143,7 @@ class Harness:
         tiers: list[dict[str, Any]] | None = None,
         extra_config: dict[str, Any] | None = None,
         prefix_caching: bool = False,
+        load: dict[str, Any] | None = None,
     ) -> None:
         from vllm.config import (
             CacheConfig,
@@ -177,6 +178,8 @@ class Harness:
             "unique_id": unique_id or f"vllm-sched-{uuid.uuid4().hex[:10]}",
             "tiers": tiers or [posix, *(extra_tiers or [])],
         }
+        if load is not None:  # the load path's settings of a stack without a CacheBuffer
+            self.stack["load"] = load
         model = ModelConfig(
             model=str(_model_dir()),
             dtype="float32",

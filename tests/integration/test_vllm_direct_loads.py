@@ -215,3 +215,31 @@ def test_ucm_async_load_false_under_the_async_scheduler_loads_synchronously_and_
     h.run()
     assert [list(r.loads) for r in h.records[start:] if r.loads] == [["b"]]
     _clean(h)
+
+
+def test_a_direct_load_the_full_load_queue_refuses_is_recomputed(
+    make: Make,
+) -> None:
+    """With a load queue one task deep and a slow tier, three requests whose prompts are all
+    stored start their loads in one step: a load the queue does not take at once is
+    reported failed, and vLLM recomputes its blocks; every request's tokens are right and
+    each load is reported once."""
+    prompts = {name: tokens(20 + i, 4 * BLOCK + 3) for i, name in enumerate("xyz")}
+    store = make(async_scheduling=True)
+    for name, prompt in prompts.items():
+        store.add(name, prompt, 1)
+    store.run()
+    h = make(delay_s=0.2, async_scheduling=True, load={"load_queue_depth": 1})
+    for name, prompt in prompts.items():
+        h.add(name, prompt, 3)
+    h.step()
+    (record,) = h.records
+    assert sorted(record.async_loads) == ["x", "y", "z"]
+    h.run(STEPS_MAX)
+    assert h.finished_recving == {"x": 1, "y": 1, "z": 1}
+    stats = h.worker._worker.stats.data
+    assert stats["load_failed_blocks"] >= 4  # at least one request's 4 blocks refused
+    assert stats["loaded_blocks"] + stats["load_failed_blocks"] == 12
+    for name, prompt in prompts.items():
+        assert h.outputs[name] == Harness.expected_outputs(prompt, 3), name
+    _clean(h)

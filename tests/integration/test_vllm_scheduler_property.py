@@ -47,8 +47,9 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
     BUFFER: str | None = None
     """A CacheBuffer capacity over the posix tier (every load goes through it)."""
     LOAD_QUEUE_DEPTH = 64
-    """The buffer's load_queue_depth (and its prefetch queue's): at 1, prefetches of loads
-    started while another one runs are refused at submit, and their blocks recomputed."""
+    """The load_queue_depth (the buffer's, or the stack's ``load:``; and the prefetch
+    queue's): at 1, asynchronous loads (their prefetches, or direct loads) started while
+    another one runs are refused at submit, and their blocks recomputed."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -64,7 +65,12 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
                 {"type": "posix", "path": str(self.root / "posix")},
             ]
         self.h = Harness(
-            self.root, async_scheduling=True, num_blocks=28, order=self.ORDER, tiers=tiers
+            self.root,
+            async_scheduling=True,
+            num_blocks=28,
+            order=self.ORDER,
+            tiers=tiers,
+            load=None if tiers else {"load_queue_depth": self.LOAD_QUEUE_DEPTH},
         )
         self.count = 0
         self.live: list[str] = []
@@ -216,9 +222,11 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
 
 
 class AsyncSchedulerWithUcmDeferFinalize(AsyncSchedulerWithUcm):
-    """The speculative-decoding hook order: get_finished before wait_for_save."""
+    """The speculative-decoding hook order: get_finished before wait_for_save; a load queue
+    one task deep (direct loads refused at submit, their blocks recomputed)."""
 
     ORDER = "defer_finalize"
+    LOAD_QUEUE_DEPTH = 1
 
 
 class AsyncSchedulerWithUcmAsyncLoads(AsyncSchedulerWithUcm):
