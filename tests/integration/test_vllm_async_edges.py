@@ -143,7 +143,8 @@ def _status(h: Harness, req_id: str) -> str | None:
     return None if request is None else request.status.name
 
 
-def _step_until(h: Harness, done: Callable[[], bool]) -> None:
+def _step_until(h: Harness, done: Callable[[], bool], settle: bool = True) -> None:
+    """Steps until ``done()``; ``settle``: waits for the step's dumps after each step."""
     for _ in range(STEPS_MAX):
         if done():
             return
@@ -151,7 +152,8 @@ def _step_until(h: Harness, done: Callable[[], bool]) -> None:
             h.flush()
             continue
         h.step()
-        h.settle_dumps()
+        if settle:
+            h.settle_dumps()
     raise AssertionError(f"not done after {STEPS_MAX} steps: {list(h.scheduler.requests)}")
 
 
@@ -369,6 +371,69 @@ def test_a_load_of_a_block_this_rank_is_still_dumping_waits_at_most_the_load_dea
         stats = h.worker._worker.stats.data
         assert stats["load_failed_blocks"] == 4
         assert stats["loaded_blocks"] == 0
+        _clean(h)
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("dump_ends", [False, True], ids=["deadline-passes", "dump-ends"])
+def test_a_direct_load_of_blocks_this_rank_is_still_dumping_never_holds_the_step(
+    tmp_path: Path, space: Space, monkeypatch: pytest.MonkeyPatch, dump_ends: bool
+) -> None:
+    """As above under the AsyncScheduler, where the load is direct (asynchronous, straight
+    into vLLM's blocks): no step waits for e's dump, which waits at the gate (the worker
+    never waits on an unfinished task). c's load is submitted once that dump is over
+    (``dump-ends``: the gate opens, both blocks load) or fails its blocks once
+    ucm_load_deadline_s has passed (``deadline-passes``: vLLM recomputes them); c's tokens
+    are right either way. (Before, the step waited for the dump up to the deadline.)"""
+    h = Harness(
+        tmp_path / "h",
+        tiers=[space.tier(True)],
+        unique_id=f"vllm-edges-{uuid.uuid4().hex[:10]}",
+        async_scheduling=True,
+        extra_config={"ucm_load_deadline_s": 120.0 if dump_ends else 0.5},
+    )
+    opener = threading.Timer(60.0, space.open_gate)  # bounds the wait of the code before
+    opener.start()
+    try:
+        h.add("e", E, 2)
+        _step_until(h, lambda: len(h.outputs.get("e", [])) == 2, settle=False)
+        assert h.outputs["e"] == Harness.expected_outputs(E, 2)
+        space.wait_entered()  # e's dump waits at the gate
+        store = h.worker._store
+        real_wait = store.wait
+        waited: list[object] = []
+
+        def wait(task: Any, *args: Any, **kwargs: Any) -> Any:
+            if not store.check(task):
+                waited.append(task)
+            return real_wait(task, *args, **kwargs)
+
+        monkeypatch.setattr(store, "wait", wait)
+        h.add("c", E, 3)
+        h.step()
+        h.step()  # under the AsyncScheduler, the first step's record is processed with this
+        assert not space.gate_open(), "c's step waited for e's dump"
+        assert waited == []
+        (table,) = [r.async_loads["c"] for r in h.records if "c" in r.async_loads]
+        if dump_ends:
+            space.open_gate()
+        _step_until(h, lambda: "c" in h.finished_recving, settle=False)
+        (done,) = [r for r in h.records if "c" in r.finished_recving]
+        assert done.invalid == (set() if dump_ends else set(table))
+        _step_until(h, lambda: len(h.outputs.get("c", [])) == 3, settle=False)
+        assert space.gate_open() == dump_ends
+        assert waited == []
+        assert h.outputs["c"] == Harness.expected_outputs(E, 3)
+    finally:
+        opener.cancel()
+        space.open_gate()
+    try:
+        h.run(STEPS_MAX)
+        stats = h.worker._worker.stats.data
+        assert stats["load_failed_blocks"] == (0 if dump_ends else 2)
+        assert stats["load_late_blocks"] == (0 if dump_ends else 2)
+        assert stats["loaded_blocks"] == (2 if dump_ends else 0)
         _clean(h)
     finally:
         h.close()

@@ -8,7 +8,6 @@ tensor views."""
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -52,8 +51,9 @@ class _AsyncLoad:
 
     A *direct* load (``WorkerSide(direct_async=True)``: no CacheBuffer, or TP > 1) has the
     second phase only: one load task reads the blocks from wherever the store has them
-    straight into vLLM's blocks, with no deadline (``deadline`` is infinite): bytes that
-    arrived after one could only land in blocks vLLM had reused."""
+    straight into vLLM's blocks. It is submitted once this rank's dumps of its blocks are
+    over, or ``deadline`` passed (those blocks then fail); the task itself has no deadline:
+    bytes that arrived after one could only land in blocks vLLM had reused."""
 
     req_id: str
     group: list[tuple[bytes, int]]
@@ -72,7 +72,10 @@ class _AsyncLoad:
     """The prefetch had not finished by the deadline."""
     pins: list[Pin] = field(default_factory=list)
     held: list[tuple[bytes, int]] = field(default_factory=list)
-    """The (UCM id, vLLM block) pairs whose every shard the pins hold: the ones copied."""
+    """The (UCM id, vLLM block) pairs whose every shard the pins hold: the ones copied (for
+    a direct load: the ones its task loads)."""
+    direct: bool = False
+    """A direct load (above)."""
 
 
 def unique_key_groups(loads: Iterable[BlockTransfer]) -> list[list[tuple[bytes, int]]]:
@@ -247,32 +250,52 @@ class WorkerSide:
             self._start_prefetches(meta)
 
     def _start_direct(self, meta: UcmConnectorMetadata) -> None:
-        """Submits each asynchronous load as one load task straight into vLLM's blocks (no
+        """Starts each asynchronous load as one load task straight into vLLM's blocks (no
         CacheBuffer to stage them in), reported in ``finished_recving`` once the task is over,
-        however long the tiers take: vLLM keeps the blocks until then, aborted or not. A block
-        this rank is still dumping past the load deadline, or a load the full queue does not
-        take at once (it never holds the step up), fails, and vLLM recomputes it."""
-        wanted = {block_id for transfer in meta.async_loads for block_id in transfer.ucm_ids}
-        dumping = self._finish_saves_of(wanted)
+        however long the tiers take: vLLM keeps the blocks until then, aborted or not. A load
+        of blocks this rank is still dumping is submitted once those dumps are over (a later
+        :meth:`advance_async`; the step never waits for them), or with those blocks failed
+        once ``ucm_load_deadline_s`` passed. A load the full queue does not take at once
+        fails, and vLLM recomputes its blocks."""
+        deadline = time.monotonic() + self._load_deadline_s
         for transfer in meta.async_loads:
             group = list(zip(transfer.ucm_ids, transfer.vllm_blocks, strict=True))
             load = _AsyncLoad(
-                transfer.req_id, group, None, math.inf, time.perf_counter(), copying=True
+                transfer.req_id, group, None, deadline, time.perf_counter(), direct=True
             )
-            load.held = [pair for pair in group if pair[0] not in dumping]
-            if load.held:
-                try:
-                    load.copy = self._load_task(
-                        [block_id for block_id, _ in load.held],
-                        [vllm_block for _, vllm_block in load.held],
-                        background=True,
-                        submit_timeout_s=0.0,
-                    )
-                except Exception as exc:
-                    logger.warning("UCM load of %d blocks not submitted: %s", len(group), exc)
-                    load.held = []
             self._async.append(load)
             self.stats.data["async_loads"] += 1
+            if not self._dumps_running(group):
+                self._submit_direct(load, set())
+
+    def _dumps_running(self, group: list[tuple[bytes, int]]) -> set[bytes]:
+        """The blocks of ``group`` that a dump of this rank still writes."""
+        ids = {block_id for block_id, _ in group}
+        running: set[bytes] = set()
+        for pending in self._saves:
+            if pending.finished or ids.isdisjoint(pending.ids):
+                continue
+            if not self._store.check(pending.task):
+                running |= ids.intersection(pending.ids)
+        return running
+
+    def _submit_direct(self, load: _AsyncLoad, dumping: set[bytes]) -> None:
+        """Submits a direct load's task, without the blocks still being dumped (failed)."""
+        load.copying = True
+        load.late = bool(dumping)
+        load.held = [pair for pair in load.group if pair[0] not in dumping]
+        if not load.held:
+            return
+        try:
+            load.copy = self._load_task(
+                [block_id for block_id, _ in load.held],
+                [vllm_block for _, vllm_block in load.held],
+                background=True,
+                submit_timeout_s=0.0,  # never holds the step up
+            )
+        except Exception as exc:
+            logger.warning("UCM load of %d blocks not submitted: %s", len(load.held), exc)
+            load.held = []
 
     def _start_prefetches(self, meta: UcmConnectorMetadata) -> None:
         """Starts moving the blocks of the step's asynchronous loads up into the CacheBuffer.
@@ -304,6 +327,11 @@ class WorkerSide:
         now = time.monotonic()
         for load in self._async:
             if load.copying:
+                continue
+            if load.direct:
+                dumping = self._dumps_running(load.group)
+                if not dumping or now >= load.deadline:
+                    self._submit_direct(load, dumping)
                 continue
             done = load.prefetch is None or self._store.check(load.prefetch)
             if done or now >= load.deadline:
