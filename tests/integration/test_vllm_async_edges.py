@@ -439,6 +439,62 @@ def test_a_direct_load_of_blocks_this_rank_is_still_dumping_never_holds_the_step
         h.close()
 
 
+def test_an_async_load_of_blocks_this_rank_is_still_dumping_starts_its_prefetch_after_them(
+    make: Make, space: Space, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CacheBuffer of 2 slots, both dirty (f's blocks, whose write-back waits at the
+    gate): e's dumps find no slot and go straight down, where they wait at the gate too. c
+    asks for e's blocks under the AsyncScheduler (served: they are being dumped): no step
+    waits for e's dump (the worker never waits on an unfinished task); c's prefetch waits
+    for it, and past ucm_load_deadline_s c's blocks fail, vLLM recomputes them, and c's
+    tokens are right. (Before, the step waited for the dump up to the deadline.)"""
+    h = make(
+        gated=True,
+        buffer={"capacity": "32KiB"},
+        lower={"write": "back"},
+        async_scheduling=True,
+        extra_config={"ucm_load_deadline_s": 0.5},
+    )
+    assert h.worker._store.buffer.stats()["capacity_slots"] == 2
+    opener = threading.Timer(60.0, space.open_gate)  # bounds the wait of the code before
+    opener.start()
+    try:
+        f = tokens(12, 2 * BLOCK + 3)
+        h.add("f", f, 1)
+        _step_until(h, lambda: "f" in h.outputs, settle=False)
+        h.add("e", E, 2)
+        _step_until(h, lambda: len(h.outputs.get("e", [])) == 2, settle=False)
+        for _ in range(3):  # e's dump is submitted after its last step
+            h.step()
+        assert any(not h.worker._store.check(p.task) for p in h.worker._worker._saves)
+        store = h.worker._store
+        real_wait = store.wait
+        waited: list[object] = []
+
+        def wait(task: Any, *args: Any, **kwargs: Any) -> Any:
+            if not store.check(task):
+                waited.append(task)
+            return real_wait(task, *args, **kwargs)
+
+        monkeypatch.setattr(store, "wait", wait)
+        h.add("c", E, 3)
+        _step_until(h, lambda: "c" in h.finished_recving, settle=False)
+        (table,) = [r.async_loads["c"] for r in h.records if "c" in r.async_loads]
+        (done,) = [r for r in h.records if "c" in r.finished_recving]
+        assert done.invalid == set(table)  # both blocks: recomputed
+        _step_until(h, lambda: len(h.outputs.get("c", [])) == 3, settle=False)
+        assert not space.gate_open()
+        assert waited == []
+        assert h.outputs["c"] == Harness.expected_outputs(E, 3)
+    finally:
+        opener.cancel()
+        space.open_gate()
+    h.run(STEPS_MAX)
+    stats = h.worker._worker.stats.data
+    assert stats["load_late_blocks"] == 2
+    _clean(h)
+
+
 X = tokens(9, 5 * BLOCK + 3)
 """6 blocks: beside b's 9 only once b's are freed, and then in 4 of them."""
 

@@ -76,6 +76,9 @@ class _AsyncLoad:
     a direct load: the ones its task loads)."""
     direct: bool = False
     """A direct load (above)."""
+    after_dumps: bool = False
+    """Its prefetch waits for this rank's dumps of its blocks (started by ``advance_async``
+    once they are over; past the deadline, the blocks the CacheBuffer holds are copied)."""
 
 
 def unique_key_groups(loads: Iterable[BlockTransfer]) -> list[list[tuple[bytes, int]]]:
@@ -301,24 +304,28 @@ class WorkerSide:
         """Starts moving the blocks of the step's asynchronous loads up into the CacheBuffer.
         Nothing is written into vLLM's blocks until :meth:`finished_recving`: bytes that
         arrive after the deadline land in the CacheBuffer only, never in a vLLM block that
-        the request gave up (vLLM recomputes it, or frees and reuses it)."""
-        wanted = {block_id for transfer in meta.async_loads for block_id in transfer.ucm_ids}
-        self._finish_saves_of(wanted)  # the prefetch finds what the dump wrote, or fails it
+        the request gave up (vLLM recomputes it, or frees and reuses it).
+        A load of blocks this rank is still dumping starts its prefetch once those dumps are
+        over (a later :meth:`advance_async`: the prefetch then finds what they wrote), never
+        waited for inside a step."""
         deadline = time.monotonic() + self._load_deadline_s
         for transfer in meta.async_loads:
             group = list(zip(transfer.ucm_ids, transfer.vllm_blocks, strict=True))
-            prefetch: Task | None = None
-            try:
-                # Never blocks the step: with the prefetch queue full, it is not started.
-                prefetch = self._store.prefetch(
-                    list(transfer.ucm_ids), background=True, submit_timeout_s=0.0
-                )
-            except Exception as exc:  # copied from what is in the CacheBuffer; the rest fails
-                logger.warning("UCM prefetch of %d blocks not started: %s", len(group), exc)
-            self._async.append(
-                _AsyncLoad(transfer.req_id, group, prefetch, deadline, time.perf_counter())
-            )
+            load = _AsyncLoad(transfer.req_id, group, None, deadline, time.perf_counter())
+            self._async.append(load)
             self.stats.data["async_loads"] += 1
+            load.after_dumps = bool(self._dumps_running(group))
+            if not load.after_dumps:
+                self._start_prefetch(load)
+
+    def _start_prefetch(self, load: _AsyncLoad) -> None:
+        try:
+            # Never blocks the step: with the prefetch queue full, it is not started.
+            load.prefetch = self._store.prefetch(
+                [block_id for block_id, _ in load.group], background=True, submit_timeout_s=0.0
+            )
+        except Exception as exc:  # copied from what is in the CacheBuffer; the rest fails
+            logger.warning("UCM prefetch of %d blocks not started: %s", len(load.group), exc)
 
     def advance_async(self) -> None:
         """Starts the copy of each asynchronous load whose prefetch is over (finished, failed
@@ -333,6 +340,15 @@ class WorkerSide:
                 if not dumping or now >= load.deadline:
                     self._submit_direct(load, dumping)
                 continue
+            if load.after_dumps:
+                if self._dumps_running(load.group) and now < load.deadline:
+                    continue
+                load.after_dumps = False
+                if now >= load.deadline:  # copies what the CacheBuffer holds: the rest is late
+                    load.late = True
+                    self._start_copy(load)
+                    continue
+                self._start_prefetch(load)
             done = load.prefetch is None or self._store.check(load.prefetch)
             if done or now >= load.deadline:
                 load.late = not done
