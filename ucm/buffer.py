@@ -27,6 +27,16 @@ is never an eviction victim; flushers write it down and clean it:
 
 A flusher's references to the slots it writes down go through the native queue
 (:meth:`NativeQueue.take_dirty`), like every other reference this process takes.
+
+**A remove is final against a flush in flight.** ``remove(force=True)`` (and a purge) takes a
+slot out of the buffer even while a flusher writes it down, and then removes the key from the
+tiers below, where that write may not have landed yet: the write would bring the removed block
+back. So a flusher, once its write is over and before it lets go of its slots, looks at each
+(:meth:`BufferCore.detached`: the shared control plane, so a remove by any process counts) and
+removes from the tiers it wrote to each key whose slot a remove took meanwhile and that no
+later dump put back in the buffer. A forced remove in this process also waits, at most
+``wait_timeout_s``, for this process's flushes of its keys, so that when it returns they are
+over.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import os
 import threading
 import time
 from array import array
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -67,7 +78,7 @@ from .native.queue import (
 )
 from .native.segments import SharedRegion
 from .threadname import enter_thread
-from .tier import EvictSink, Outcome, ShardViews, Tier, TierContext
+from .tier import EvictSink, Outcome, ShardViews, Tier, TierContext, WriteBackRemove
 
 logger = logging.getLogger("ucm.buffer")
 
@@ -288,10 +299,18 @@ class BufferTier(Tier):
             "write_back_failures": 0,
             "written_down_unbuffered": 0,
             "written_down_lock_timeouts": 0,
+            "write_back_retracted": 0,
+            "write_back_retract_failures": 0,
         }
         self._counts_lock = threading.Lock()
         # Write-back debt: dumps commit dirty when `write: back` tiers below must get them.
         self._sink: EvictSink | None = None if context.is_scheduler else context.evict_sink
+        self._retract: WriteBackRemove | None = (
+            None if context.is_scheduler else context.write_back_remove
+        )
+        self._flushing: Counter[Key] = Counter()
+        """Keys this process's flushes are writing down right now (a forced remove waits)."""
+        self._flushing_changed = threading.Condition()
         self.dirty_limit_slots = min(
             config.dirty_max // shard_size, geometry.slot_count_regular // 2
         )
@@ -591,20 +610,30 @@ class BufferTier(Tier):
             return 0, 0
         written: list[bool] = [False] * len(batch.keys)
         outcomes: list[Outcome] = []
+        with self._flushing_changed:
+            self._flushing.update(batch.keys)
         try:
-            size = self.layout.shard_size
-            views = [
-                memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
-                for address in self.core.slot_addresses(batch.slots, self.bases)
-            ]
             try:
-                outcomes = list(self._sink(batch.keys, [[view] for view in views]))
-            except Exception as exc:  # a raising tier fails the batch, it stays dirty
-                outcomes = [exc] * len(batch.keys)
-            written = [outcome is None for outcome in outcomes]
-            cleaned = self.core.clean(batch.slots, written)
+                size = self.layout.shard_size
+                views = [
+                    memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
+                    for address in self.core.slot_addresses(batch.slots, self.bases)
+                ]
+                try:
+                    outcomes = list(self._sink(batch.keys, [[view] for view in views]))
+                except Exception as exc:  # a raising tier fails the batch, it stays dirty
+                    outcomes = [exc] * len(batch.keys)
+                written = [outcome is None for outcome in outcomes]
+                # While the references are held: a slot is reused only once they are gone.
+                self._retract_removed(batch.keys, batch.slots)
+                cleaned = self.core.clean(batch.slots, written)
+            finally:
+                queue.release(batch.slots)
         finally:
-            queue.release(batch.slots)
+            with self._flushing_changed:
+                self._flushing.subtract(batch.keys)
+                self._flushing = +self._flushing  # drops the keys at zero
+                self._flushing_changed.notify_all()
         failed = len(batch.keys) - sum(written)
         self.count("written_back_shards", sum(written))
         self.count("write_back_failures", failed)
@@ -612,6 +641,59 @@ class BufferTier(Tier):
             self._last_write_back_error = next(o for o in outcomes if o is not None)
         assert cleaned <= sum(written)
         return len(batch.keys), sum(written)
+
+    def _retract_removed(self, keys: Sequence[Key], slots: Sequence[int] | array[int]) -> None:
+        """After a flush's write, before its references go: the keys whose slots a
+        ``remove(force=True)`` took out of the buffer while they were written down are
+        removed from the tiers they were written to, or the write, landing after the remove
+        had cleared those tiers, would bring them back. Every key of such a slot, written or
+        not (a raising tier may have written some). Skipped: a key the buffer holds again (a
+        dump after the remove: the block is wanted, and its copy below with it). A slot still
+        on its chain now means any remove of it comes after the write, and clears what it
+        wrote itself. A failure is logged and counted (``write_back_retract_failures``), never
+        raised: the flush must still clean and release its slots."""
+        if self._retract is None:
+            return
+        gone: list[Key] = []
+        try:
+            detached = self.core.detached(slots)
+            gone = [key for key, away in zip(keys, detached, strict=True) if away]
+            if gone:
+                back = self.core.lookup(gone)
+                gone = [key for key, again in zip(gone, back, strict=True) if not again]
+            if gone:
+                self._retract(gone)
+        except Exception as exc:
+            self.count("write_back_retract_failures", max(1, len(gone)))
+            logger.warning(
+                "UCM: %d shard(s) removed while they were written back could not be removed "
+                "from the `write: back` tier(s) they were written to: %r",
+                len(gone),
+                exc,
+            )
+            return
+        self.count("write_back_retracted", len(gone))
+
+    def _wait_for_flushes(self, keys: Sequence[Key]) -> None:
+        """Waits, at most ``wait_timeout_s``, until no flush of this process is writing any of
+        ``keys`` down (a forced remove: the flush then removes below what it wrote, and the
+        remove returns with it over). Past the bound the flush still does so when its write
+        ends; a flush in another process is not waited for."""
+        with self._flushing_changed:
+            if not self._flushing:
+                return
+            wanted = set(keys)
+            deadline = time.monotonic() + self.cfg.wait_timeout_s
+            while any(key in wanted for key in self._flushing):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.warning(
+                        "UCM: a remove went on after %.1f s while this process still writes "
+                        "some of its shards back; the write removes them below once it ends",
+                        self.cfg.wait_timeout_s,
+                    )
+                    return
+                self._flushing_changed.wait(left)
 
     def settle(self, target_slots: int) -> None:
         """Writes dirty slots down until the node's debt is at most ``target_slots``. Raises
@@ -697,13 +779,18 @@ class BufferTier(Tier):
 
     def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
         """Removes the keys (native: one bucket-lock pass per chunk). Keys pinned through
-        ``Tier.pins`` and slots in use by any rank are kept unless ``force``."""
+        ``Tier.pins`` and slots in use by any rank are kept unless ``force``. A forced remove
+        takes slots that flushers are writing down, too: it then waits (bounded) for this
+        process's flushes of the keys, which remove below what they wrote (module doc)."""
         unique = list(dict.fromkeys(keys))
         if not force:
             unique = [key for key in unique if not self.pins.is_pinned(key)]
         if not unique:
             return 0
-        return self.core.remove(unique, force=force)
+        removed = self.core.remove(unique, force=force)
+        if force:
+            self._wait_for_flushes(unique)
+        return removed
 
     def list_keys(self) -> list[Key]:
         """Every Ready key of the node's buffer (a native scan of the slots, read-only)."""

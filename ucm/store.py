@@ -137,6 +137,7 @@ class Store:
                     local_rank_size=local_rank_size,
                     position=position,
                     evict_sink=self._evict_sink_for(position),
+                    write_back_remove=self._write_back_remove_for(position),
                     options=options,
                 )
                 try:
@@ -1001,14 +1002,12 @@ class Store:
             self._count("repaired_shards", repaired)
             self._count("promoted_shards", len(written) - repaired)
 
-    def _evict_sink_for(
-        self, position: int
-    ) -> Callable[[Sequence[Key], Sequence[ShardViews]], Sequence[Outcome]] | None:
-        # The `write: back` tiers below `position` that a shard leaving it would otherwise
-        # lack: those above the first `write: through` tier below it, which holds every dump
-        # already (its own evictions feed the back tiers under it).
-        # A gated `write: back` tier (an admit: condition) is skipped: it gets a shard at its
-        # admission only, so a debt paid without it drops the shard there (ucm.admission).
+    def _write_back_targets(self, position: int) -> tuple[list[int], list[int]]:
+        """The `write: back` tiers below `position` that a shard leaving it would otherwise
+        lack: those above the first `write: through` tier below it, which holds every dump
+        already (its own evictions feed the back tiers under it). Returns (written, gated):
+        a gated `write: back` tier (an admit: condition) is skipped: it gets a shard at its
+        admission only, so a debt paid without it drops the shard there (ucm.admission)."""
         back: list[int] = []
         gated_back: list[int] = []
         for i in range(position + 1, len(self.config.tiers)):
@@ -1019,6 +1018,12 @@ class Store:
                 break  # a gated through tier does not hold every dump: look further down
             if tier_config.write == "back":
                 (back if tier_config.admit.always else gated_back).append(i)
+        return back, gated_back
+
+    def _evict_sink_for(
+        self, position: int
+    ) -> Callable[[Sequence[Key], Sequence[ShardViews]], Sequence[Outcome]] | None:
+        back, gated_back = self._write_back_targets(position)
         if not back and not gated_back:
             return None
 
@@ -1037,6 +1042,20 @@ class Store:
             return results
 
         return sink
+
+    def _write_back_remove_for(self, position: int) -> Callable[[Sequence[Key]], None] | None:
+        """What undoes the sink of ``position`` (:data:`ucm.tier.WriteBackRemove`): a forced
+        remove of the keys from every tier that sink writes to. A flusher calls it for shards
+        removed from the buffer while it wrote them down, so that a purge stays final."""
+        back, _gated = self._write_back_targets(position)
+        if not back:
+            return None
+
+        def remove(keys: Sequence[Key]) -> None:
+            for i in back:
+                self.tiers[i].batched_remove(keys, force=True)
+
+        return remove
 
 
 class _UnscopedCompletion:

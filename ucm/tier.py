@@ -177,6 +177,12 @@ EvictSink = Callable[[Sequence[Key], Sequence[ShardViews]], Sequence[Outcome]]
 write them to ``write: back`` tiers below. Returns per-key outcomes; a tier must keep a shard
 whose outcome is an error (eviction never drops the only copy)."""
 
+WriteBackRemove = Callable[[Sequence[Key]], None]
+"""Removes keys (force) from the ``write: back`` tiers an :data:`EvictSink` writes to: for a
+writer that finds, once its write is over, that the shards it wrote down were removed above
+meanwhile (a ``remove(force=True)`` racing the write would otherwise find nothing below to
+remove, and the write would then bring the removed shards back)."""
+
 
 @dataclass(frozen=True)
 class TierContext:
@@ -190,6 +196,9 @@ class TierContext:
     """Index in the stack, 0 = top."""
     evict_sink: EvictSink | None = None
     """Set when a tier below this one has ``write: back``."""
+    write_back_remove: WriteBackRemove | None = None
+    """Set with ``evict_sink`` (unless it writes nowhere, every ``write: back`` tier below being
+    gated by ``admit:``): undoes what it wrote for keys removed while it wrote."""
     options: dict[str, Any] = field(default_factory=dict)
     """Free-form runtime options passed down by the store (see :data:`HOST_MEMORY_OPTION`)."""
 
