@@ -370,8 +370,9 @@ class Store:
         while the rank's load queue is full (default: the stack's ``queue_timeout_s``); past
         it, ``TimeoutError``. ``fill=False``: only what the CacheBuffer holds Ready is copied; a
         shard it does not hold fails with ``KeyMissingError`` rather than being read from the
-        tiers below, and so does a shard another load (a prefetch, another rank's load) is
-        filling right then: it is not waited for (a load that must cost a memcpy at most)."""
+        tiers below (it takes no buffer slot, so nothing is evicted for it), and so does a
+        shard another load (a prefetch, another rank's load) is filling right then: it is not
+        waited for (a load that must cost a memcpy at most)."""
         arguments.check_flag(background, "background")
         timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
         arguments.check_flag(fill, "fill")

@@ -370,6 +370,20 @@ pub const GetResult = enum(u8) {
     lock_timeout = 4,
     /// The caller already holds a reference on the key's slot (one per holder): nothing taken.
     held = 5,
+    /// `GetMode.lookup` only: the key is not Ready and nobody fills it (no slot, or an idle
+    /// one nobody holds: Prealloc's, or one an owner gave up): nothing taken, nothing evicted.
+    absent = 6,
+};
+
+/// What `get` does with a key that is not Ready and that nobody fills.
+pub const GetMode = enum {
+    /// Claim a slot for it (a fresh one, a CLOCK victim, or an idle one resident): the caller
+    /// becomes its owner and fills it.
+    claim,
+    /// Look it up only (a no-fill load, which never fills a key): `absent`. Never allocates,
+    /// never evicts, never takes an idle slot over (a Prealloc stays for a load that fills).
+    /// Hits, waiters and held slots are the same as `claim`'s.
+    lookup,
 };
 
 /// What `wait` reports per slot. `idle` means the timeout expired with the owner alive.
@@ -1512,6 +1526,17 @@ pub const Buffer = struct {
         shard_indices: []const u32,
         out: GetOutput,
     ) void {
+        buffer.get_as(.claim, block_ids, shard_indices, out);
+    }
+
+    /// `get` in `mode`: `.lookup` answers `absent` where `.claim` would take a slot.
+    pub fn get_as(
+        buffer: Buffer,
+        mode: GetMode,
+        block_ids: []const BlockId,
+        shard_indices: []const u32,
+        out: GetOutput,
+    ) void {
         assert(block_ids.len == shard_indices.len);
         assert(out.results.len == block_ids.len and out.slots.len == block_ids.len);
         assert(buffer.holder < constants.buffer_holders_max);
@@ -1524,13 +1549,20 @@ pub const Buffer = struct {
             };
             defer buffer.lock_release(bucket_index);
             if (buffer.find(bucket_index, block_id, shard_index)) |slot_index| {
-                out.slots[index] = slot_index;
-                out.results[index] = buffer.get_resident(slot_index);
+                const result = buffer.get_resident(slot_index, mode);
+                out.results[index] = result;
+                // An absent key's idle slot is not the caller's: no slot to release.
+                if (result != .absent) out.slots[index] = slot_index;
                 continue;
             }
             buffer.count(.misses, 1);
             const namespace = buffer.namespace_of(block_id);
             buffer.namespace_event(namespace + 1, .miss);
+            if (mode == .lookup) {
+                // No slot for a key nobody will fill: allocating one could evict a Ready block.
+                out.results[index] = .absent;
+                continue;
+            }
             const victim = buffer.allocate_for_get(bucket_index, namespace) orelse {
                 buffer.count(.no_slot, 1);
                 out.results[index] = .no_slot;
@@ -1540,9 +1572,18 @@ pub const Buffer = struct {
             out.slots[index] = victim.slot;
             out.results[index] = .owner;
         }
+        if (mode == .lookup) {
+            // A lookup took no slot to own: nothing was allocated, so nothing was evicted.
+            for (out.results, out.slots) |result, slot| {
+                assert(result != .owner and result != .no_slot);
+                assert((slot == slot_none) == (result == .absent or result == .lock_timeout));
+            }
+        } else {
+            for (out.results) |result| assert(result != .absent);
+        }
     }
 
-    fn get_resident(buffer: Buffer, slot_index: u32) GetResult {
+    fn get_resident(buffer: Buffer, slot_index: u32, mode: GetMode) GetResult {
         const slot = &buffer.slots[slot_index];
         const mine = holder_bit(buffer.holder);
         _ = buffer.drop_dead_refs_locked(slot_index);
@@ -1565,6 +1606,8 @@ pub const Buffer = struct {
         buffer.count(.misses, 1);
         buffer.namespace_event(slot.namespace.load(.monotonic), .miss);
         if (holders == 0) {
+            // A lookup leaves the idle slot as it is (a Prealloc stays for a load that fills).
+            if (mode == .lookup) return .absent;
             // Hit-or-takeover fast path: an idle slot hung by Prealloc (or left by an owner
             // that gave up or died): become its owner without searching for a victim.
             const flags = slot.flags.fetchAnd(slot_flag_reserved, .monotonic);
@@ -2362,4 +2405,44 @@ test "namespaces: a flood from B never pushes A below its guarantee; A at its ca
     buffer.namespace_table.entries[b].occupancy_slots.store(7, .monotonic);
     try buffer.recount_namespaces();
     try std.testing.expectEqual(@as(u32, 4), buffer.namespace_occupancy(b));
+}
+
+test "get: a lookup never allocates, evicts or takes an idle slot over; a claim does" {
+    const buffer = try quota_test_buffer();
+    const expectEqual = std.testing.expectEqual;
+    // An idle slot nobody holds (Prealloc's), then seven Ready blocks: every slot is taken.
+    const prewarmed = [_]BlockId{quota_test_id(0, 50)};
+    var prealloc_result: [1]PreallocResult = undefined;
+    buffer.prealloc(&prewarmed, &.{0}, &prealloc_result);
+    try expectEqual(PreallocResult.allocated, prealloc_result[0]);
+    for (0..7) |block| try expectEqual(GetResult.owner, quota_test_insert(buffer, 0, @intCast(block)));
+    try expectEqual(@as(u64, 0), buffer.occupancy().free);
+    const evictions = buffer.counter_value(.evictions);
+    const occupancy = buffer.occupancy();
+    // A lookup: absent for a key with no slot and for the idle prewarm, a hit for a Ready one.
+    const ids = [_]BlockId{ quota_test_id(0, 100), prewarmed[0], quota_test_id(0, 3) };
+    var results: [3]GetResult = undefined;
+    var slots: [3]u32 = undefined;
+    buffer.get_as(.lookup, &ids, &.{ 0, 0, 0 }, .{ .results = &results, .slots = &slots });
+    try std.testing.expectEqualSlices(GetResult, &.{ .absent, .absent, .hit }, &results);
+    try std.testing.expectEqualSlices(u32, &.{ slot_none, slot_none }, slots[0..2]);
+    try expectEqual(@as(u32, 1), buffer.release(slots[2..3]));
+    try expectEqual(evictions, buffer.counter_value(.evictions));
+    try std.testing.expectEqualDeep(occupancy, buffer.occupancy());
+    var present: [7]u8 = undefined;
+    var kept: [7]BlockId = undefined;
+    for (&kept, 0..) |*id, block| id.* = quota_test_id(0, @intCast(block));
+    try buffer.lookup(&kept, &(.{0} ** 7), &present);
+    try std.testing.expectEqualSlices(u8, &(.{1} ** 7), &present);
+    const slot = (try buffer.find_locked(&prewarmed[0], 0)).?;
+    try std.testing.expect(buffer.slots[slot].flags.load(.monotonic) & slot_flag_preallocated != 0);
+    try expectEqual(@as(u32, 0), buffer.slots[slot].refcount());
+    // A claim of the same keys: the prewarm is taken over, the absent key evicts a Ready block.
+    const claimed = [_]BlockId{ prewarmed[0], ids[0] };
+    buffer.get(&claimed, &.{ 0, 0 }, .{ .results = results[0..2], .slots = slots[0..2] });
+    try std.testing.expectEqualSlices(GetResult, &.{ .owner, .owner }, results[0..2]);
+    try expectEqual(slot, slots[0]);
+    try expectEqual(@as(u64, 1), buffer.counter_value(.prealloc_hits));
+    try expectEqual(evictions + 1, buffer.counter_value(.evictions));
+    _ = buffer.release(slots[0..2]);
 }

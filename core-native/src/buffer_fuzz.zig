@@ -1,12 +1,13 @@
 //! Seeded model-based fuzzer for the CacheBuffer control plane (`buffer.zig`).
 //!
-//! Random batches of Get/Commit/Wait/Release/Touch/Prealloc/Remove/Lookup/ListReady/TakeDirty/Clean/
-//! MarkClosing/ReclaimDead run against the real buffer and against `Model`, a plain reference
-//! of what the buffer promises: per-slot state arrays, the chains as a key -> slot map, the
-//! CLOCK (fresh high-water marks, cursors and accessed bits per pool: regular, then reserved),
-//! the holder table and every counter. After every step the whole state is compared field by
-//! field, and every result code and slot index, so the model predicts exactly which slot every
-//! Get and Prealloc takes and what every lazy recovery does.
+//! Random batches of Get (claims, and lookups that allocate nothing)/Commit/Wait/Release/Touch/
+//! Prealloc/Remove/Lookup/ListReady/TakeDirty/Clean/MarkClosing/ReclaimDead run against the
+//! real buffer and against `Model`, a plain reference of what the buffer promises: per-slot
+//! state arrays, the chains as a key -> slot map, the CLOCK (fresh high-water marks, cursors
+//! and accessed bits per pool: regular, then reserved), the holder table and every counter.
+//! After every step the whole state is compared field by field, and every result code and
+//! slot index, so the model predicts exactly which slot every Get and Prealloc takes and what
+//! every lazy recovery does.
 //!
 //! Simulated processes share one buffer, each with a fake identity (pid + start time) judged
 //! alive or dead by `identity_alive` (the `debug_identity_alive` hook). A kill flips the
@@ -33,6 +34,7 @@ const BlockId = buffer_module.BlockId;
 const State = buffer_module.State;
 const Counter = buffer_module.Counter;
 const GetResult = buffer_module.GetResult;
+const GetMode = buffer_module.GetMode;
 const WaitResult = buffer_module.WaitResult;
 const CommitResult = buffer_module.CommitResult;
 const PreallocResult = buffer_module.PreallocResult;
@@ -517,17 +519,23 @@ const Model = struct {
 
     // --- Operations -------------------------------------------------------------------------
 
-    fn get(model: *Model, caller: Caller, keys: []const u32, results: []GetResult, slots: []u32) void {
+    fn get(model: *Model, caller: Caller, mode: GetMode, keys: []const u32, results: []GetResult, slots: []u32) void {
         const me = caller.holder.?;
         for (keys, results, slots) |key, *result, *slot_out| {
             model.acquire(caller, model.key_bucket(key));
             if (model.resident[key]) |slot_index| {
-                slot_out.* = slot_index;
-                result.* = model.get_resident(me, slot_index);
+                result.* = model.get_resident(me, slot_index, mode);
+                slot_out.* = if (result.* == .absent) slot_none else slot_index;
                 continue;
             }
             model.count(.misses, 1);
             model.namespace_misses[model.namespace_of(key)] += 1;
+            if (mode == .lookup) {
+                // A lookup allocates nothing: no fresh slot, no victim.
+                slot_out.* = slot_none;
+                result.* = .absent;
+                continue;
+            }
             if (model.allocate_for_get(caller, model.key_bucket(key), model.namespace_of(key))) |slot_index| {
                 model.install(caller, slot_index, key, true);
                 slot_out.* = slot_index;
@@ -540,7 +548,7 @@ const Model = struct {
         }
     }
 
-    fn get_resident(model: *Model, me: u32, slot_index: u32) GetResult {
+    fn get_resident(model: *Model, me: u32, slot_index: u32, mode: GetMode) GetResult {
         const slot = &model.slots[slot_index];
         _ = model.drop_dead_refs(slot_index);
         if (slot.holders & holder_bit(me) != 0) {
@@ -559,6 +567,8 @@ const Model = struct {
         model.count(.misses, 1);
         model.namespace_misses[field_index(slot.namespace)] += 1;
         if (slot.holders == 0) {
+            // A lookup leaves an idle slot nobody holds as it is.
+            if (mode == .lookup) return .absent;
             // An idle slot nobody holds (prewarmed, or given up by its owner): take it over.
             if (slot.preallocated) model.count(.prealloc_hits, 1);
             slot.preallocated = false;
@@ -1300,11 +1310,13 @@ const World = struct {
         }
         var results: [batch_max]GetResult = undefined;
         var slots: [batch_max]u32 = undefined;
-        try world.exec_get(process, keys[0..n], results[0..n], slots[0..n]);
+        // Some Gets only look up (a no-fill load's): they never allocate nor take over.
+        const mode: GetMode = if (world.random.uintLessThan(u8, 4) == 0) .lookup else .claim;
+        try world.exec_get(process, mode, keys[0..n], results[0..n], slots[0..n]);
     }
 
     /// Get `keys` as `process` in one batch; results and slots as the model predicted them.
-    fn exec_get(world: *World, process: u32, keys: []const u32, results: []GetResult, slots: []u32) !void {
+    fn exec_get(world: *World, process: u32, mode: GetMode, keys: []const u32, results: []GetResult, slots: []u32) !void {
         assert(keys.len <= batch_max);
         const caller = world.caller_of(process);
         var ids: [batch_max]BlockId = undefined;
@@ -1314,13 +1326,13 @@ const World = struct {
             shards[index] = world.model.key_shard(key);
         }
         const before = world.model.occupancy;
-        world.model.get(caller, keys, results, slots);
-        world.log.add("p{d}/h{d} get keys {any} -> {any} slots {any}", .{ process, caller.holder.?, keys, results, slots });
+        world.model.get(caller, mode, keys, results, slots);
+        world.log.add("p{d}/h{d} get {s} keys {any} -> {any} slots {any}", .{ process, caller.holder.?, @tagName(mode), keys, results, slots });
         try world.check_guarantees(keys, before);
         var real_results: [batch_max]GetResult = undefined;
         var real_slots: [batch_max]u32 = undefined;
         const n = keys.len;
-        world.processes[process].view.get(ids[0..n], shards[0..n], .{ .results = real_results[0..n], .slots = real_slots[0..n] });
+        world.processes[process].view.get_as(mode, ids[0..n], shards[0..n], .{ .results = real_results[0..n], .slots = real_slots[0..n] });
         for (0..n) |index| {
             world.stats.get_results[@intFromEnum(results[index])] += 1;
             try check("get result", index, @intFromEnum(results[index]), @intFromEnum(real_results[index]));
@@ -2078,7 +2090,7 @@ fn scripted_config(regular: u32, reserved: u32, blocks: u32, shards_per_block: u
 fn get_expect(world: *World, process: u32, keys: []const u32, expected: []const GetResult, slots: []const u32) !void {
     var results: [batch_max]GetResult = undefined;
     var got: [batch_max]u32 = undefined;
-    try world.exec_get(process, keys, results[0..keys.len], got[0..keys.len]);
+    try world.exec_get(process, .claim, keys, results[0..keys.len], got[0..keys.len]);
     try world.check_state();
     try std.testing.expectEqualSlices(GetResult, expected, results[0..keys.len]);
     try std.testing.expectEqualSlices(u32, slots, got[0..keys.len]);

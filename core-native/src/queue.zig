@@ -52,6 +52,7 @@ const Atomic = std.atomic.Value;
 const Buffer = buffer_module.Buffer;
 const BlockId = buffer_module.BlockId;
 const GetResult = buffer_module.GetResult;
+const GetMode = buffer_module.GetMode;
 const WaitResult = buffer_module.WaitResult;
 const State = buffer_module.State;
 
@@ -111,6 +112,8 @@ pub const TaskKind = enum(u8) { load = 0, prefetch = 1, dump = 2 };
 /// Dump: commit the slots dirty (write-back debt, issue 11). Carried to the commit.
 pub const task_flag_dirty: u32 = 1 << 0;
 /// Load: nothing below the buffer; a key not Ready here is a miss, never handed to a loader.
+/// Its keys are looked up, never claimed (`GetMode.lookup`): a key absent from the buffer
+/// takes no slot, so a miss never evicts a Ready block.
 /// A key another load is filling (this process's or another rank's) is waited for, as a
 /// waiter's (up to `wait_timeout_ns`, longer while the filler is this process's), unless
 /// `task_flag_no_wait` is set too.
@@ -904,12 +907,14 @@ pub const Queue = struct {
 
     /// Batched Get plus the local use counts: HELD (this process holds the slot already) is
     /// resolved here into HIT (known Ready) or WAITER (being filled, here or elsewhere).
-    fn claim(queue: *Queue, ids: []const BlockId, shards: []const u32, results: []GetResult, slots: []u32) void {
+    /// `mode` `.lookup` (no-fill loads): a key not Ready that nobody fills is `absent`, with
+    /// no slot allocated for it (so no Ready block evicted for a key that will not be filled).
+    fn claim(queue: *Queue, mode: GetMode, ids: []const BlockId, shards: []const u32, results: []GetResult, slots: []u32) void {
         assert(ids.len == shards.len and results.len == ids.len and slots.len == ids.len);
         const started_ns = futex.monotonic_ns();
         queue.refs_mutex.lock();
         defer queue.refs_mutex.unlock();
-        queue.buffer.?.get(ids, shards, .{ .results = results, .slots = slots });
+        queue.buffer.?.get_as(mode, ids, shards, .{ .results = results, .slots = slots });
         for (results, slots) |*result, slot| {
             switch (result.*) {
                 .hit, .owner, .waiter => {
@@ -938,6 +943,7 @@ pub const Queue = struct {
                     }
                 },
                 .no_slot, .lock_timeout => {},
+                .absent => assert(mode == .lookup),
             }
         }
         queue.count(.get_ns, futex.monotonic_ns() - started_ns);
@@ -1127,7 +1133,7 @@ pub const Queue = struct {
             }
             var results: [step]GetResult = undefined;
             var claimed: [step]u32 = undefined;
-            queue.claim(claim_ids[0..k], claim_shards[0..k], results[0..k], claimed[0..k]);
+            queue.claim(.claim, claim_ids[0..k], claim_shards[0..k], results[0..k], claimed[0..k]);
             var drop: [step]u32 = undefined;
             var dropped: usize = 0;
             var hits: u32 = 0;
@@ -1144,6 +1150,7 @@ pub const Queue = struct {
                         dropped += 1;
                     },
                     .held => unreachable, // Resolved by `claim`.
+                    .absent => unreachable, // A `.claim` claim.
                     .no_slot, .lock_timeout => {},
                 }
             }
@@ -1389,13 +1396,16 @@ pub const Queue = struct {
         const step = begin_step(lane);
         const started_ns = futex.monotonic_ns();
         const no_fill = task.flags & task_flag_no_fill != 0;
+        // A no-fill load only looks its keys up: a key it cannot copy is missing, so a slot
+        // claimed for it (a CLOCK victim in a full buffer) would evict a Ready block for nothing.
+        const mode: GetMode = if (no_fill) .lookup else .claim;
         // Claimed in pieces, hits handed on after each: the copy threads start on the first
         // piece's hits while the rest of the step is claimed.
         var hits: u64 = 0;
         var piece_start: usize = 0;
         while (piece_start < k) {
             const piece_end = @min(k, piece_start + constants.queue_claim_piece_keys);
-            queue.claim(lane.ids[piece_start..piece_end], lane.shards[piece_start..piece_end], results[piece_start..piece_end], slots[piece_start..piece_end]);
+            queue.claim(mode, lane.ids[piece_start..piece_end], lane.shards[piece_start..piece_end], results[piece_start..piece_end], slots[piece_start..piece_end]);
             for (entries[piece_start..piece_end], results[piece_start..piece_end], slots[piece_start..piece_end]) |entry, result, slot| {
                 if (result != .hit) continue;
                 hits += 1;
@@ -1407,13 +1417,18 @@ pub const Queue = struct {
         // that cannot be filled here are finished first, so the batches are cut exactly.
         var owned: u32 = 0;
         for (entries, results, slots) |entry, *result, slot| {
+            if (result.* == .absent) {
+                assert(no_fill and slot == buffer_module.slot_none);
+                queue.finish_entry(task_index, entry, .missing);
+                continue;
+            }
             if (result.* != .owner) continue;
+            assert(!no_fill); // A lookup owns nothing.
             queue.count(.owned, 1);
-            const fail: ?EntryResult = if (no_fill) .missing else if (!queue.ensure_resident(slot)) .no_memory else null;
-            if (fail) |code| {
-                _ = queue.commit(slot, if (code == .missing) .missing else .failed, false);
+            if (!queue.ensure_resident(slot)) {
+                _ = queue.commit(slot, .failed, false);
                 queue.release_one(slot);
-                queue.finish_entry(task_index, entry, code);
+                queue.finish_entry(task_index, entry, .no_memory);
                 result.* = .held; // handled: skipped below
                 continue;
             }
@@ -1660,7 +1675,7 @@ pub const Queue = struct {
             queue.wait_room(k);
             const results = lane.results[0..k];
             const slots = lane.slots[0..k];
-            queue.claim(lane.ids[0..k], lane.shards[0..k], results, slots);
+            queue.claim(.claim, lane.ids[0..k], lane.shards[0..k], results, slots);
             var again: usize = 0;
             // Owned keys first: their copies start (and a duplicate key of this task, which
             // waits on its first entry's slot below, finds that copy already queued).
@@ -1682,6 +1697,7 @@ pub const Queue = struct {
                     .no_slot => queue.finish_entry(task_index, entry, .no_slot),
                     .lock_timeout => queue.finish_entry(task_index, entry, .lock_timeout),
                     .held => unreachable, // Resolved by `claim`.
+                    .absent => unreachable, // A `.claim` claim.
                 }
             }
             // One deadline for the round's waiters, as for a load step's: a step of many keys

@@ -31,8 +31,8 @@ const expectEqual = std.testing.expectEqual;
 // Checked for every task: it completes within its bound; every entry has a final code; an
 // `ok` load entry holds exactly the bytes its key has (the loader's pattern or the last
 // dump's); failure codes are those the injected faults can produce (a no-wait load: only
-// `missing`); a load counts one hit or miss per key and prefetches none. At the end of each
-// round this process holds no slot (no leak).
+// `missing`); a no-fill load alone evicts nothing; a load counts one hit or miss per key and
+// prefetches none. At the end of each round this process holds no slot (no leak).
 
 const fuzz_seeds = [_]u64{ 1, 7, 42, 1234 };
 const fuzz_rounds = 60;
@@ -252,6 +252,9 @@ fn fuzz_seed(seed: u64, rounds: u64, null_buffer: bool, summary: *Summary) !void
         // buffer with its bytes, whatever another rank's fill of the same key did (Ready: the
         // same bytes; Failed or Missing: the dump wrote its own; died: taken over and written).
         const evicted = harness.base.counter_value(.evictions) != evictions_before;
+        // A no-fill load only looks its keys up (no slot for a key it cannot copy): without a
+        // prefetch beside it, nothing this round claimed a slot, so nothing was evicted.
+        if (no_fill and side_token == null) try expect(!evicted);
         if (kind == .dump and !null_buffer and !evicted) {
             for (call.results, blocks[0..count]) |code, block| {
                 if (@as(EntryResult, @enumFromInt(code)) != .ok) continue;

@@ -569,6 +569,39 @@ test "queue: no-fill loads miss, prefetch brings keys up, Prealloc prewarms the 
 
 const expectEqualSlices = std.testing.expectEqualSlices;
 
+test "queue: a no-fill load of absent keys in a full buffer misses them and evicts nothing" {
+    var harness: Harness = undefined;
+    try harness.init(.{ .regular = 4, .step_keys = 8 });
+    defer harness.deinit();
+    var dump = try Call.init(&.{ 1, 2, 3, 4 }, 0);
+    defer dump.deinit();
+    dump.with_pattern(5);
+    try dump.run(harness.queue, .dump, 0);
+    try expect(dump.all_ok());
+    try expectEqual(@as(u64, 0), harness.base.occupancy().free); // every slot Ready
+    const evictions = harness.base.counter_value(.evictions);
+    const occupancy = harness.base.occupancy();
+    const missing = @intFromEnum(EntryResult.missing);
+    const ok = @intFromEnum(EntryResult.ok);
+    const no_fill = queue_module.task_flag_no_fill;
+    for ([_]u32{ no_fill, no_fill | queue_module.task_flag_no_wait }) |flags| {
+        var load = try Call.init(&.{ 8, 1, 9 }, 0);
+        defer load.deinit();
+        try load.run(harness.queue, .load, flags);
+        try expectEqualSlices(u8, &.{ missing, ok, missing }, load.results);
+        try expect(load.exact(1, 5));
+        // No slot claimed for the absent keys: no CLOCK victim, nothing for the loader.
+        try expectEqual(evictions, harness.base.counter_value(.evictions));
+        try std.testing.expectEqualDeep(occupancy, harness.base.occupancy());
+        try expect((try harness.base.find_locked(&block_id_of(8), 0)) == null);
+        try expectEqual(@as(usize, 0), harness.fills.items.len);
+    }
+    var present: [4]u8 = undefined;
+    try harness.base.lookup(dump.ids, dump.shards, &present);
+    try expectEqualSlices(u8, &.{ 1, 1, 1, 1 }, &present);
+    try expect_no_references(&harness);
+}
+
 test "queue: dumps publish Ready, a re-dump replaces the bytes, a full buffer fails named keys" {
     var harness: Harness = undefined;
     try harness.init(.{ .regular = 4, .step_keys = 8 });

@@ -353,3 +353,42 @@ def test_a_pin_in_one_rank_holds_against_another_ranks_evictions() -> None:
             barrier.wait(timeout=60)
         other.join(timeout=60)
     assert other.exitcode == 0
+
+
+# ---- fill=False: a memcpy at most, never a slot ----------------------------------------------
+
+
+@pytest.mark.parametrize("call", ["load", "load_data"])
+def test_a_no_fill_load_of_an_absent_key_takes_no_slot_and_evicts_nothing(call: str) -> None:
+    """``fill=False`` (the vLLM connector's loads that cost a memcpy at most) of a key the
+    buffer lacks is missing without claiming a slot for it: a claim in a full buffer would
+    evict a Ready block (CLOCK) only to mark the absent key missing. Every block stays, the
+    eviction counters and the occupancy do not move, and the block held stays loadable."""
+    slots = 8
+    with ucm.open(_buffer_only(slots=slots, shards=1)) as store:
+        kept = [block(i) for i in range(slots)]
+        _dump_all_shards(store, kept, 1)
+        core = store.tiers[0].core
+        assert store.lookup(kept) == [True] * slots
+        before = store.stats()["tiers"][0]
+        occupancy = core.occupancy()
+        assert occupancy["resident"] == slots and occupancy["free"] == 0  # full, every slot Ready
+        absent = [block(100), block(101)]
+        dst = [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in absent]
+        if call == "load":
+            task = store.load(absent, 0, dst, fill=False)
+        else:
+            ptrs = [[tensors[0].data_ptr()] for tensors in dst]
+            task = store.load_data(absent, 0, ptrs, fill=False)
+        with pytest.raises(ucm.TaskError) as raised:
+            store.wait(task)
+        assert set(raised.value.failures) == {(b, 0) for b in absent}
+        assert all(isinstance(c, ucm.KeyMissingError) for c in raised.value.failures.values())
+        after = store.stats()["tiers"][0]
+        assert store.lookup(kept) == [True] * slots  # nothing evicted for the misses
+        assert (after["evictions"], after["no_slot"]) == (before["evictions"], before["no_slot"])
+        assert core.occupancy() == occupancy
+        assert [row["evictions"] for row in store.tiers[0].namespace_stats().values()] == [0]
+        dst = [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in kept]
+        store.wait(store.load(kept, 0, dst, fill=False))
+        assert [d[0].numpy().tobytes() for d in dst] == [payload(b, 0, SHARD) for b in kept]

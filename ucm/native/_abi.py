@@ -17,7 +17,7 @@ from typing import Any
 
 # ---- constants.zig ----
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 FUTEX_WORD_SIZE_BYTES = 4
 FUTEX_WAIT_SLICE_NS = 100000000
 CHECKSUM_PARTS_MAX = 65536
@@ -228,6 +228,7 @@ class GetResult(enum.IntEnum):
     NO_SLOT = 3
     LOCK_TIMEOUT = 4
     HELD = 5
+    ABSENT = 6
 
 
 class WaitResult(enum.IntEnum):
