@@ -243,3 +243,41 @@ def test_a_direct_load_the_full_load_queue_refuses_is_recomputed(
     for name, prompt in prompts.items():
         assert h.outputs[name] == Harness.expected_outputs(prompt, 3), name
     _clean(h)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("buffer", [True, False], ids=["buffer", "no-buffer"])
+def test_how_a_tp2_engine_loads(tmp_path: Path, async_scheduling: bool, buffer: bool) -> None:
+    """With two TP ranks (two shards per block) loads never go through the CacheBuffer's
+    prefetch: under asynchronous scheduling every load is direct, under synchronous
+    scheduling every load runs before the forward pass (a scheduler-role connector of a
+    TP=2 configuration, on the harness's stack)."""
+    import copy
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from ucm.integration.vllm import UcmConnector
+
+    tiers = [{"type": "posix", "path": str(tmp_path / "posix")}]
+    if buffer:
+        tiers.insert(0, {"type": "buffer", "capacity": "4MiB"})
+    h = Harness(tmp_path / "h", async_scheduling=async_scheduling, tiers=tiers)
+    try:
+        config = copy.copy(h.config)
+        config.parallel_config = copy.copy(h.config.parallel_config)
+        config.parallel_config.tensor_parallel_size = 2
+        connector = UcmConnector(config, KVConnectorRole.SCHEDULER, h.kv_config)
+        try:
+            assert connector._geometry.shards_per_block == 2
+            assert connector._direct_loads() == async_scheduling
+            assert connector._sched._hold is None
+            assert connector._sched._every_load_async == async_scheduling
+        finally:
+            connector.shutdown()
+        # One rank: through the CacheBuffer when there is one (held hits under synchronous
+        # scheduling), direct without one under asynchronous scheduling.
+        assert h.connector._direct_loads() == (async_scheduling and not buffer)
+        assert (h.connector._sched._hold is not None) == (buffer and not async_scheduling)
+        assert h.connector._sched._every_load_async == async_scheduling
+    finally:
+        h.close()
