@@ -106,6 +106,27 @@ def test_a_later_envelope_version_is_foreign_not_data() -> None:
     with pytest.raises(envelope.Foreign) as info:
         envelope.parse(_fields(version=envelope.VERSION + 1), KEY, len(SHARD))
     assert str(info.value) == f"envelope version {envelope.VERSION + 1}; this UCM reads up to 2"
+    # Newer: a newer UCM's shard, which tiers keep (never deleted, replaced or corrupt).
+    assert isinstance(info.value, envelope.Newer)
+
+
+def test_newer_version_tells_a_newer_ucms_object_from_the_first_bytes() -> None:
+    later = _fields(version=envelope.VERSION + 1)
+    assert envelope.newer_version(later[: envelope.NEWER_PREFIX_BYTES]) == envelope.VERSION + 1
+    assert envelope.newer_version(later + SHARD) == envelope.VERSION + 1
+    for other in (
+        _fields(),  # this version
+        _fields(version=envelope.VERSION),
+        _fields(version=0),  # corrupt, not newer
+        _fields(magic=b"XXXX", version=envelope.VERSION + 1),
+        later[: envelope.NEWER_PREFIX_BYTES - 1],  # too short to tell
+        b"",
+        b"UCF2" + bytes(20),  # an older format
+    ):
+        assert envelope.newer_version(other) is None, other
+    with pytest.raises(envelope.Foreign) as info:  # an older format is not Newer
+        envelope.parse(b"UCF2" + bytes(60), KEY, len(SHARD))
+    assert not isinstance(info.value, envelope.Newer)
 
 
 def test_the_key_digest_covers_block_and_shard() -> None:

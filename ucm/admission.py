@@ -14,6 +14,10 @@ is *admitted*, and then at once, by whichever process of the node admits it:
   are marked as having survived T, and admitted when their count allows.
 - **Exactly once**: admission sets a per-tier bit in the slot under its bucket lock
   (``Buffer.admit``), so one process writes the shard, from the slot (held meanwhile).
+- **A failed write is retried**: when the gated tier fails the write of an admitted shard
+  (an error or a raising tier), its bit is cleared (``Buffer.unadmit``)
+  before the slot is released, so the shard's next use admits it again
+  (``admission_failures`` counts the failed writes).
 
 What the write policies mean for a gated tier:
 
@@ -35,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -189,22 +194,34 @@ class Admission:
         if not batch.keys:
             return 0
         try:
-            size = self._shard_bytes
-            views: list[ShardViews] = [
-                [memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")]
-                for address in self._buffer.core.slot_addresses(batch.slots, self._buffer.bases)
-            ]
             try:
+                size = self._shard_bytes
+                views: list[ShardViews] = [
+                    [memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")]
+                    for address in self._buffer.core.slot_addresses(batch.slots, self._buffer.bases)
+                ]
                 outcomes: Sequence[Outcome] = gate.tier.dump(batch.keys, views)
             except Exception as exc:  # a raising tier fails the batch
                 outcomes = [exc] * len(batch.keys)
+            failed = array(
+                "I",
+                [
+                    slot
+                    for slot, outcome in zip(batch.slots, outcomes, strict=True)
+                    if outcome is not None
+                ],
+            )
+            if failed:
+                # Admitted (the bit is set node-wide) but not written: the tier failed it.
+                # The bit is cleared while the slot is still held, so a later use admits the
+                # shard again; left set, no process would ever write it there.
+                self._buffer.queue.unadmit(failed, gate.index)
         finally:
             self._buffer.queue.release(batch.slots)
-        written = sum(1 for outcome in outcomes if outcome is None)
+        written = len(batch.keys) - len(failed)
         self._count_gate(gate, admitted=written)
-        if written < len(batch.keys):
-            # Admitted (the bit is set node-wide) but not written: the tier failed it.
-            self._count("admission_failures", len(batch.keys) - written)
+        if failed:
+            self._count("admission_failures", len(failed))
         return written
 
     def _check_loads(self, final: bool = False) -> None:

@@ -23,11 +23,16 @@ tier's current one, so changing a tier's ``codec:`` leaves its old shards readab
 checksum covers the decoded bytes (for ``fp8``, the approximation a load returns), so a
 corrupt compressed payload is never data: it fails to decode or fails the checksum.
 
-Parsing sorts what it reads into three outcomes:
+Parsing sorts what it reads into these outcomes:
 - an ``Envelope``: a header of this format for this key and geometry; ``verify`` then checks
   the payload;
-- ``Foreign``: a shard written in another format (an older UCM's ``UCMPOSX1``/``UCF2``/``UCMK``,
-  or a future envelope version): the tier answers a miss and the next dump replaces it;
+- ``Foreign``: a shard written in an older format (an older UCM's ``UCMPOSX1``/``UCF2``/
+  ``UCMK``): the tier answers a miss and the next dump replaces it;
+- ``Newer`` (a ``Foreign``): a shard of a later envelope version, written by a newer UCM that
+  shares the tier (a rolling upgrade, a bucket shared by nodes of several versions). A miss
+  here too, but never ours to delete, overwrite or count as corrupt: it is the newer nodes'
+  data. Tiers check an object's first bytes with ``newer_version`` before they delete or
+  replace it;
 - ``Corrupt``: bytes that claim to be ours but do not hold up: never data; the tier fails the
   key (not a miss), so the stack repairs it from a tier below.
 """
@@ -76,6 +81,12 @@ class EnvelopeError(Exception):
 
 class Foreign(EnvelopeError):
     """Written in another format: a miss, replaced by the next dump."""
+
+
+class Newer(Foreign):
+    """Written by a newer UCM (a later envelope version): a miss that this node leaves alone
+    (never deleted, overwritten or counted corrupt), so a rolling upgrade keeps the new nodes'
+    shards."""
 
 
 class Corrupt(EnvelopeError):
@@ -151,9 +162,25 @@ def legacy_format(raw: bytes | bytearray | memoryview) -> str | None:
     return None
 
 
+NEWER_PREFIX_BYTES = 5
+"""Bytes that ``newer_version`` needs: the magic and the version."""
+
+
+def newer_version(raw: bytes | bytearray | memoryview) -> int | None:
+    """The envelope version of ``raw`` when it starts with a header of a later version than
+    this UCM reads (a newer UCM's shard: keep it), else None. Reads only the magic and the
+    version, so tiers can check an object's first bytes before they delete or replace it."""
+    view = memoryview(raw).cast("B")
+    if view.nbytes < NEWER_PREFIX_BYTES or bytes(view[:4]) != MAGIC:
+        return None
+    version = view[4]
+    return int(version) if version > VERSION else None
+
+
 def parse(raw: bytes | bytearray | memoryview, key: Key, length: int) -> Envelope:
     """The envelope at the start of ``raw`` for ``key`` holding a ``length``-byte shard;
-    raises Foreign (another format: a miss) or Corrupt (damaged: never data)."""
+    raises Foreign (another format: a miss; Newer for a later envelope version) or Corrupt
+    (damaged: never data)."""
     view = memoryview(raw).cast("B")
     legacy = legacy_format(view)
     if legacy is not None:
@@ -164,7 +191,7 @@ def parse(raw: bytes | bytearray | memoryview, key: Key, length: int) -> Envelop
     if magic != MAGIC:
         raise Corrupt("not a UCM envelope: bad magic")
     if version > VERSION:
-        raise Foreign(f"envelope version {version}; this UCM reads up to {VERSION}")
+        raise Newer(f"envelope version {version}; this UCM reads up to {VERSION}")
     if version not in (VERSION_PLAIN, VERSION):
         raise Corrupt(f"bad envelope version {version}")
     if flags:
@@ -226,6 +253,7 @@ __all__ = [
     "LEGACY_MAGICS",
     "LEGACY_PREFIX_BYTES",
     "MAGIC",
+    "NEWER_PREFIX_BYTES",
     "VERSION",
     "VERSION_PLAIN",
     "Codec",
@@ -233,12 +261,14 @@ __all__ = [
     "Envelope",
     "EnvelopeError",
     "Foreign",
+    "Newer",
     "Sealed",
     "decode",
     "decode_into",
     "encode",
     "key_digest",
     "legacy_format",
+    "newer_version",
     "open_object",
     "parse",
     "seal",

@@ -7,8 +7,23 @@ envelope (``ucm.envelope``: codec, length, XXH3-64 of the shard, digest of its k
 the shard as the tier's ``codec:`` stored it (encoded and decoded on the I/O threads); a short
 or corrupted object is deleted and its load fails with a TierError saying so (not a miss, so
 the stack repairs it from below). An object of the format before the envelope
-(``UCF2``/``UCMF``) is deleted too and reads as a miss. On ``file://`` an object is written to
-a temp name and renamed; the temp files of writers killed mid-dump are removed behind open.
+(``UCF2``/``UCMF``) is deleted too and reads as a miss.
+
+An object of a later envelope version (``envelope.Newer``: written by a newer UCM sharing the
+bucket, say during a rolling upgrade) is a miss here and is left alone: loads do not delete it,
+dumps do not overwrite it (each dump reads the first bytes of the object it would replace, one
+ranged read), eviction passes do not delete it (the victims' first bytes are read before the
+removal; one whose read fails is kept too), and it never counts as corrupt (``newer_kept``
+counts them). So a tier's ``capacity`` may be exceeded by such objects, until the newer nodes
+evict them. A dump whose check fails fails (as its write would). The check and the write are
+two requests, not one atomic step: a newer node writing the same key in between can lose its
+copy to ours, an older envelope version, which it still reads. A look-up
+lists a block's objects without reading them, so it answers "present" for such an object (the
+load is then a miss and the engine recomputes). An explicit ``batched_remove``
+(``Store.remove``, a purge) still removes them: the user asked for it.
+
+On ``file://`` an object is written to a temp name and renamed; the temp files of writers
+killed mid-dump are removed behind open.
 ``<hex>/touch`` is a marker whose modification time records the block's last touch; with
 ``capacity`` set, an eviction pass drops whole blocks whose newest object is oldest.
 
@@ -214,11 +229,16 @@ class FsspecTier(Tier):
                 "namespace_eviction_passes",
                 "evict_sink_failures",
                 "touches",
+                "newer_kept",
             ),
             0,
         )
         self._usage = 0
         self._written_since_scan = 0
+        self._kept_bytes = 0
+        """Bytes (estimated) of the objects the last eviction pass had to keep (a newer UCM's):
+        left out of the bound that triggers the next pass, so that they do not make every
+        dump rescan the tree; a pass still runs every capacity/8 bytes written."""
         self._closed = False
         # Each namespace's stored bytes here (this process's estimate, exact after every
         # scan): what namespace byte quotas (the stack's `quotas:` for this tier) are enforced
@@ -370,6 +390,13 @@ class FsspecTier(Tier):
             return self._error("loading", key, exc)
         try:
             shard = envelope.open_object(data, key, self.shard_size)
+        except envelope.Newer as exc:
+            # A newer UCM's shard (a rolling upgrade): not ours to delete or call corrupt.
+            self._bump(misses=1, newer_kept=1)
+            return KeyMissingError(
+                f"fsspec tier {self.label!r}: block {key[0].hex()} shard {key[1]} is not "
+                f"readable here ({exc}); it was kept for the UCM that wrote it"
+            )
         except envelope.Foreign as exc:
             self._bump(misses=1)
             self._remove_unusable(path)  # lookups stop answering "present" for it
@@ -401,7 +428,8 @@ class FsspecTier(Tier):
         assert len(keys) == len(sources), "one source per key"
         results = self._map(self._dump_one, list(zip(keys, sources, strict=True)))
         outcomes: list[Outcome] = [outcome for outcome, _ in results]
-        written = self.shard_size * sum(1 for o in outcomes if o is None)
+        # A shard left as a newer UCM's object is acknowledged but not written (0 bytes).
+        written = self.shard_size * sum(1 for o, size in results if o is None and size)
         stored = sum(size for _, size in results)
         with self._stats_lock:
             self._stat["bytes_written"] += written
@@ -410,7 +438,8 @@ class FsspecTier(Tier):
             self._written_since_scan += stored
             capacity = self.cfg.capacity
             over = capacity is not None and (
-                self._usage > capacity or self._written_since_scan > max(capacity // 8, 1)
+                self._usage - self._kept_bytes > capacity
+                or self._written_since_scan > max(capacity // 8, 1)
             )
         if over:
             self.evict_to_capacity()
@@ -431,6 +460,11 @@ class FsspecTier(Tier):
         data = b"".join([sealed.header, *sealed.payload])
         path = self.object_path(key)
         try:
+            if self._newer_object(path):
+                # A newer UCM's copy of this key, not ours to replace: acknowledged, not
+                # written.
+                self._bump(newer_kept=1)
+                return None, 0
             if self._local_fs:
                 # Local files are not written atomically by fsspec: write aside, then rename.
                 temp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -442,6 +476,34 @@ class FsspecTier(Tier):
             self._bump(errors=1)
             return self._error("writing", key, exc), 0
         return None, len(data)
+
+    def _newer_object(self, path: str) -> bool:
+        """Whether ``path`` holds an object of a later envelope version (a newer UCM's, never
+        ours to delete or replace): one ranged read of its first bytes; False when absent.
+        Raises what the read raises: a dump then fails as its write would (one request's
+        time, not two, against an endpoint that is down or silent)."""
+        try:
+            head = self.fs.cat_file(path, start=0, end=envelope.NEWER_PREFIX_BYTES, **self._call)
+        except FileNotFoundError:
+            return False
+        return envelope.newer_version(head) is not None
+
+    def _newer_keys(self, keys: Sequence[Key]) -> set[Key]:
+        """The keys among ``keys`` whose objects are a newer UCM's (kept by evictions), or
+        whose first bytes could not be read (kept too: this pass cannot tell)."""
+
+        def one(key: Key) -> bool:
+            try:
+                newer = self._newer_object(self.object_path(key))
+            except Exception:
+                self._bump(errors=1)
+                return True  # unknown: kept, this pass cannot tell
+            if newer:
+                self._bump(newer_kept=1)
+            return newer
+
+        found = self._map(one, list(keys))
+        return {key for key, keep in zip(keys, found, strict=True) if keep}
 
     def _reap_temps(self) -> None:
         """Removes the temp files (``<shard>.<pid>.<hex>.tmp``) that writers of a local root
@@ -617,6 +679,7 @@ class FsspecTier(Tier):
         with self._stats_lock:
             self._usage = total
             self._written_since_scan = 0
+            self._kept_bytes = 0
         if self._namespace_usage.quotas is None:  # else their passes rescan
             self._namespace_usage.rescanned(_by_namespace(entries))
         if total <= capacity:
@@ -674,7 +737,12 @@ class FsspecTier(Tier):
         if leftovers:
             self._rm(leftovers)
         keys = [(block_id, s) for block_id, shards in victims for s in shards]
-        keep: set[Key] = set()
+        # Objects of a newer UCM are never this node's to evict: kept, even past ``capacity``.
+        keep: set[Key] = self._newer_keys(keys)
+        if keep:
+            with self._stats_lock:
+                self._kept_bytes += len(keep) * (HEADER_BYTES + self.shard_size)
+        keys = [key for key in keys if key not in keep]
         sink = self.context.evict_sink
         if sink is not None and keys:
             buffers = [bytearray(self.shard_size) for _ in keys]
@@ -682,7 +750,7 @@ class FsspecTier(Tier):
             readable = [i for i, outcome in enumerate(loaded) if outcome is None]
             # A shard that could not be read (a failed request, not a miss) was not written
             # down: it stays. A corrupt one was removed by the load already.
-            keep = {
+            keep |= {
                 key
                 for key, outcome in zip(keys, loaded, strict=True)
                 if outcome is not None and not isinstance(outcome, KeyMissingError)

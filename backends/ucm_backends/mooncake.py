@@ -27,13 +27,17 @@ the shard straight in the destination. A load checks the envelope and the shard'
 object of another size or key, or whose bytes do not match (say a read racing a forced remove on
 another node), is removed and fails with a TierError (not a miss), so the stack serves the
 shard from below and repairs the pool. An object of the format before the envelope (``UCMK``)
-is removed too and reads as a miss. Mooncake's own protocol covers the rest: a read holds a
+is removed too and reads as a miss. An object of a later envelope version (``envelope.Newer``,
+a newer UCM's, say during a rolling upgrade; whatever its size) is a miss that is never
+removed, replaced by a dump or counted corrupt (``newer_kept`` counts them); the master's
+eviction, not this node, ages it out. Mooncake's own protocol covers the rest: a read holds a
 lease on the object (the master neither evicts nor removes it without ``force`` meanwhile) and
 fails with ``LEASE_EXPIRED`` (retried here) if the lease ran out before the transfer ended.
 
 Replacement. Mooncake's put keeps an existing object. A dump therefore reads the headers of the
 keys first (one ranged read): an absent key is put, an identical one (same checksum) is left
-alone, a different one is removed (``force``) and put again.
+alone, a newer UCM's (a later envelope version) is left alone too, and any other is removed
+(``force``) and put again.
 
 Leases. The master leases an object to every reader for ``default_kv_lease_ttl`` (10 s by
 default): lookups, touches and loads. ``batched_remove`` without ``force`` keeps a leased key
@@ -582,6 +586,7 @@ class MooncakeTier(Tier):
                 "bytes_stored",
                 "unchanged",
                 "replaced",
+                "newer_kept",
                 "lookups",
                 "touches",
                 "lock_acquisitions",
@@ -747,6 +752,8 @@ class MooncakeTier(Tier):
                 envelope.verify(
                     envelope.parse(arena.read_header(index), key, self.shard_size), views
                 )
+            except envelope.Newer as exc:
+                return self._newer(key, str(exc))
             except envelope.Foreign as exc:
                 return self._foreign(key, name, str(exc))
             except envelope.Corrupt as exc:
@@ -785,6 +792,9 @@ class MooncakeTier(Tier):
             legacy = envelope.legacy_format(arena.read_header(index)[:head])
             if legacy is not None:
                 return self._foreign(key, name, f"written in an older format, a {legacy}")
+            newer = envelope.newer_version(arena.read_header(index)[:head])
+            if newer is not None:  # a newer UCM's object may have any size
+                return self._newer(key, f"envelope version {newer}, {size} bytes")
         return self._corrupt(key, name, f"{size} bytes, expected {self.object_bytes}")
 
     def _load_encoded(self, key: Key, name: str, size: int, views: ShardViews) -> Outcome:
@@ -804,6 +814,8 @@ class MooncakeTier(Tier):
             return TierError(f"{self._describe(key)}: loading failed: {error_name(got)}")
         try:
             shard = envelope.open_object(scratch, key, self.shard_size)
+        except envelope.Newer as exc:
+            return self._newer(key, str(exc))
         except envelope.Foreign as exc:
             return self._foreign(key, name, str(exc))
         except envelope.Corrupt as exc:
@@ -821,6 +833,15 @@ class MooncakeTier(Tier):
         self._bump(corrupt=1)
         note = self._remove_unusable(name)
         return TierError(f"{self._describe(key)} is corrupt ({problem}); {note}")
+
+    def _newer(self, key: Key, problem: str) -> KeyMissingError:
+        """A newer UCM's object (a later envelope version): a miss that is never removed nor
+        counted corrupt, so the newer nodes of a rolling upgrade keep their shards."""
+        self._bump(misses=1, newer_kept=1)
+        return KeyMissingError(
+            f"{self._describe(key)} is not readable here ({problem}); it was kept for the UCM "
+            "that wrote it"
+        )
 
     def _foreign(self, key: Key, name: str, problem: str) -> KeyMissingError:
         self._bump(misses=1)
@@ -882,6 +903,9 @@ class MooncakeTier(Tier):
                 elif code == HEADER_BYTES:
                     if bytes(arena.read_header(i)) == headers[i]:
                         self._bump(unchanged=1)  # the pool holds these very bytes already
+                    elif envelope.newer_version(arena.read_header(i)) is not None:
+                        # A newer UCM's object: not ours to replace; acknowledged, not put.
+                        self._bump(newer_kept=1)
                     else:
                         replace.append(i)
                 elif code == INVALID_PARAMS and 0 <= self.client.get_size(names[i]) < HEADER_BYTES:

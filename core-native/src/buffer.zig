@@ -1981,6 +1981,26 @@ pub const Buffer = struct {
         return admitted;
     }
 
+    /// Undoes `admit` for slots this holder still references from it: clears their admitted bit
+    /// for lower tier `tier`, so that the key's next check admits it again. For a write to the
+    /// tier that failed: with the bit left set, no process of the node would ever write the
+    /// shard there (admission is exactly once per residency). No bucket lock: every change of
+    /// `flags` is an atomic read-modify-write, and the slot, referenced, is neither freed nor
+    /// reinstalled meanwhile (a concurrent `admit` of the key in another process sees the bit
+    /// set, and skips, or cleared, and admits it then). Returns how many bits were cleared.
+    pub fn unadmit(buffer: Buffer, slot_indices: []const u32, tier: u32) u32 {
+        assert(tier < admission_tiers_max);
+        const admitted_bit = @as(u32, 1) << (slot_flag_admitted_shift + @as(u5, @intCast(tier)));
+        var cleared: u32 = 0;
+        for (slot_indices) |slot_index| {
+            assert(slot_index < buffer.slots.len);
+            const previous = buffer.slots[slot_index].flags.fetchAnd(~admitted_bit, .monotonic);
+            cleared += @intFromBool(previous & admitted_bit != 0);
+        }
+        assert(cleared <= slot_indices.len);
+        return cleared;
+    }
+
     /// Per key, `Slot.reuses` of its resident slot (Ready or being filled), 0 when absent.
     pub fn reuses(buffer: Buffer, block_ids: []const BlockId, shard_indices: []const u32, out: []u16) error{LockTimeout}!void {
         assert(block_ids.len == shard_indices.len and out.len == block_ids.len);

@@ -2416,6 +2416,14 @@ test "admission: hits, waiters and held Gets count uses; admit claims each tier'
     try expectEqual(index, admitted[0]);
     try expectEqual(@as(u64, 0b11), target.holders.load(.monotonic)); // B's claim reference
     try expectEqual(@as(u32, 0), b.admit(&id, &shard, rule, &admitted)); // tier 0: once
+    // A write to the tier that failed gives the bit back while B still holds the slot: the
+    // next check after the release admits it again (and only then, and once).
+    try expectEqual(@as(u32, 1), b.unadmit(&.{index}, 0));
+    try expectEqual(@as(u32, 0), b.unadmit(&.{index}, 0)); // cleared already
+    try expectEqual(@as(u32, 0), b.unadmit(&.{index}, 1)); // another tier's bit: not set
+    _ = b.release(&.{index});
+    try expectEqual(@as(u32, 1), b.admit(&id, &shard, rule, &admitted));
+    try expectEqual(index, admitted[0]);
     _ = b.release(&.{index});
     try expectEqual(@as(u32, 0), b.admit(&id, &shard, rule, &admitted));
     // Tier 1 with a minimum residency: only once matured; `admit` itself counts no use.

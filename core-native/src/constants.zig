@@ -4,7 +4,7 @@
 const std = @import("std");
 
 /// Bumped whenever the C ABI changes; the Python binding refuses a library with another value.
-pub const abi_version: u32 = 9;
+pub const abi_version: u32 = 10;
 
 /// Futex words are 32-bit on Linux, and they must be naturally aligned.
 pub const futex_word_size_bytes: usize = 4;

@@ -769,6 +769,21 @@ pub export fn ucm_queue_take_admitted(handle: usize, n: u32, ids: [*]const buffe
     }, out_slots[0..n]);
 }
 
+/// Undoes the admission of slots taken with ucm_queue_take_admitted and not yet released,
+/// whose write to lower tier `tier` failed (`Queue.unadmit`): a later check admits them again.
+/// Returns how many admitted bits were cleared, or a negative Status (invalid_argument when a
+/// slot is not one this process holds).
+pub export fn ucm_queue_unadmit(handle: usize, n: u32, slots: [*]const u32, tier: u32) i64 {
+    const queue = switch (queue_of(handle)) {
+        .queue => |q| q,
+        .status => |code| return code,
+    };
+    if (n > constants.queue_step_keys_max) return queue_status(.invalid_argument);
+    if (tier >= buffer.admission_tiers_max) return queue_status(.invalid_argument);
+    const cleared = queue.unadmit(slots[0..n], tier) orelse return queue_status(.invalid_argument);
+    return cleared;
+}
+
 /// Pins the keys that are Ready in the buffer (`Queue.pin`): `out_slots[i]` is the slot now
 /// held for key i, or slot_none (nothing held). Returns how many were pinned; release them
 /// with ucm_queue_unpin.

@@ -1079,6 +1079,20 @@ pub const Queue = struct {
         return admitted;
     }
 
+    /// Clears the admitted bit for lower tier `tier` of slots this process holds (taken with
+    /// `take_admitted`, not yet released) whose write to the tier failed, so a later check
+    /// admits them again (`Buffer.unadmit`). Null, and nothing cleared, when a slot is not
+    /// one this process holds.
+    pub fn unadmit(queue: *Queue, slots: []const u32, tier: u32) ?u32 {
+        if (queue.buffer == null) return if (slots.len == 0) 0 else null; // nothing taken
+        queue.refs_mutex.lock();
+        defer queue.refs_mutex.unlock();
+        for (slots) |slot| {
+            if (slot >= queue.uses.len or queue.uses[slot] == 0) return null;
+        }
+        return queue.buffer.?.unadmit(slots, tier);
+    }
+
     /// Drops references the caller took through `take_dirty` (validated: never more uses than
     /// the caller holds). False, and nothing released, when the list is not valid.
     pub fn release_taken(queue: *Queue, slots: []u32) bool {

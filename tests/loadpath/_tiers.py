@@ -1,6 +1,7 @@
 """Test tiers for the load path, in an importable module so that spawned rank processes can
 register them too (``register()`` in each child): a posix tier with per-shard latency and
-injected failures, and an in-process tier that records load order and can serve corrupt data."""
+injected load and dump failures, and an in-process tier that records load order and can serve
+corrupt data."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ class SlowPosixConfig(PosixConfig):
     """``"<block hex>:<shard>"`` keys whose load fails with TierError (fault injection)."""
     dump_gate: str | None = None
     """Hold every dump until GATES[dump_gate] is set (ENTERED[dump_gate] says one arrived)."""
+    fail_dumps: int = Field(default=0, ge=0)
+    """The first ``fail_dumps`` shards dumped (by this process) fail with TierError and are
+    not written: a tier that is down, then back."""
 
 
 class SlowPosixTier(PosixTier):
@@ -42,6 +46,9 @@ class SlowPosixTier(PosixTier):
         assert isinstance(config, SlowPosixConfig)
         self.slow = config
         self.injected = 0
+        self.dump_failures_left = config.fail_dumps
+        self.injected_dump_failures = 0
+        self.dump_lock = threading.Lock()
 
     def load(self, keys: Sequence[Key], destinations: Sequence[ShardViews]) -> list[Outcome]:
         time.sleep(self.slow.delay_s * len(keys))
@@ -63,10 +70,19 @@ class SlowPosixTier(PosixTier):
             ENTERED.setdefault(gate, threading.Event()).set()
             if not GATES.setdefault(gate, threading.Event()).wait(GATE_TIMEOUT_S):
                 raise TierError(f"the test never opened the gate {gate!r}")
-        return super().dump(keys, sources)
+        with self.dump_lock:
+            failing = min(self.dump_failures_left, len(keys))
+            self.dump_failures_left -= failing
+            self.injected_dump_failures += failing
+        outcomes: list[Outcome] = [TierError("injected dump failure in slowposix")] * failing
+        return outcomes + super().dump(keys[failing:], sources[failing:])
 
     def stats(self) -> dict[str, int | float]:
-        return {**super().stats(), "injected": self.injected}
+        return {
+            **super().stats(),
+            "injected": self.injected,
+            "injected_dump_failures": self.injected_dump_failures,
+        }
 
 
 RECORDED: dict[str, list[Key]] = {}

@@ -25,6 +25,7 @@ from ucm_backends.mooncake import (
 import ucm
 from harness.mooncake import MooncakeMaster
 from harness.s3 import free_port
+from ucm import envelope
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.layout import Layout
 from ucm.native.checksum import checksum
@@ -158,6 +159,53 @@ def test_object_of_the_older_format_is_a_miss_and_is_replaced(
         dump_keys(tier, [key])  # a dump replaces an old-format object
         assert tier.client.get_size(name) == HEADER_BYTES + 8192
         assert_loads_exact(tier, [key])
+    finally:
+        tier.close()
+
+
+def test_object_of_a_newer_envelope_version_is_a_miss_and_is_never_removed(
+    mooncake_master: MooncakeMaster,
+) -> None:
+    # A pool shared by the nodes of a rolling upgrade: a newer UCM's objects (a later envelope
+    # version, of the plain size, smaller or larger) are misses here, never removed, replaced
+    # or counted corrupt, by a load or a dump.
+    tier = mooncake_tier(mooncake_master, LAYOUT, key_prefix=prefix())
+    try:
+        keys = [(block, 0) for block in block_ids(3, seed=13)]
+        payloads = [8192, 4096, 9000]  # as big as a plain shard, smaller (a codec), larger
+        stored: dict[str, bytes] = {}
+        for key, size in zip(keys, payloads, strict=True):
+            data = shard_bytes(key, LAYOUT)
+            header = bytearray(tier.header(key, [memoryview(data)]))
+            header[4] = envelope.VERSION + 1  # the version byte, after the magic
+            stored[tier.object_name(key)] = bytes(header) + (data * 2)[:size]
+        for name, raw in stored.items():
+            assert tier.client.put(name, raw) == 0
+
+        def assert_kept() -> None:
+            for name, raw in stored.items():
+                assert bytes(tier.client.get(name)) == raw, name
+
+        before = tier.stats()
+        tier.lookup(keys)
+        outcomes, _ = load_keys(tier, keys)
+        for key, outcome in zip(keys, outcomes, strict=True):
+            assert isinstance(outcome, KeyMissingError), outcome
+            assert str(outcome).startswith(
+                f"mooncake tier 'mooncake': block {key[0].hex()} shard 0 is not readable here "
+                f"(envelope version {envelope.VERSION + 1}"
+            ), outcome
+            assert str(outcome).endswith("it was kept for the UCM that wrote it"), outcome
+        assert_kept()
+        dump_keys(tier, keys)  # this node recomputed them: the newer objects stay
+        assert_kept()
+        tier.touch([key[0] for key in keys])
+        assert_kept()
+        stats = tier.stats()
+        assert stats["corrupt"] == before["corrupt"]
+        assert stats["replaced"] == before["replaced"]
+        assert stats["misses"] - before["misses"] == len(keys)
+        assert stats["newer_kept"] - before["newer_kept"] == 2 * len(keys)
     finally:
         tier.close()
 

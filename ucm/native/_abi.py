@@ -17,7 +17,7 @@ from typing import Any
 
 # ---- constants.zig ----
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 FUTEX_WORD_SIZE_BYTES = 4
 FUTEX_WAIT_SLICE_NS = 100000000
 CHECKSUM_PARTS_MAX = 65536
@@ -521,6 +521,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ucm_queue_destroy": (ctypes.c_int32, [ctypes.c_size_t]),
     "ucm_queue_take_dirty": (ctypes.c_int64, [ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32), ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
     "ucm_queue_take_admitted": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_bool, ctypes.c_bool, ctypes.c_void_p]),
+    "ucm_queue_unadmit": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32]),
     "ucm_queue_pin": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
     "ucm_queue_unpin": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p]),
     "ucm_queue_release": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p]),

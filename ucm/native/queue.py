@@ -448,6 +448,22 @@ class NativeQueue:
                     taken.append(key)
         return DirtyBatch(slots_out, taken)
 
+    def unadmit(self, slots: array[int], tier: int) -> int:
+        """Undoes :meth:`take_admitted` for ``slots`` (taken by it, not yet released) whose
+        write to lower tier ``tier`` failed: their admitted bit is cleared, so a later check
+        admits them again (else admission, exactly once, would never retry them). Returns how
+        many bits were cleared."""
+        cleared = 0
+        for start in range(0, len(slots), STEP_KEYS_MAX):
+            part = array("I", slots[start : start + STEP_KEYS_MAX])
+            status = self._native.ucm_queue_unadmit(
+                self._handle, len(part), part.buffer_info()[0], tier
+            )
+            if status < 0:
+                self._raise(status, "unadmit")
+            cleared += status
+        return cleared
+
     def release(self, slots: array[int]) -> None:
         """Drops references taken by :meth:`take_dirty`."""
         if not slots:
