@@ -11,13 +11,11 @@ the stack repairs it from below). An object of the format before the envelope
 
 An object of a later envelope version (``envelope.Newer``: written by a newer UCM sharing the
 bucket, say during a rolling upgrade) is a miss here and is left alone: loads do not delete it,
-dumps do not overwrite it (each dump reads the first bytes of the object it would replace, one
-ranged read), eviction passes do not delete it (the victims' first bytes are read before the
-removal; one whose read fails is kept too), and it never counts as corrupt (``newer_kept``
-counts them). So a tier's ``capacity`` may be exceeded by such objects, until the newer nodes
-evict them. A dump whose check fails fails (as its write would). The check and the write are
-two requests, not one atomic step: a newer node writing the same key in between can lose its
-copy to ours, an older envelope version, which it still reads. A look-up
+eviction passes do not delete it (the victims' first bytes are read before the removal; one
+whose read fails is kept too), and it never counts as corrupt (``newer_kept`` counts them).
+So a tier's ``capacity`` may be exceeded by such objects, until the newer nodes evict them. A
+dump of the same key replaces it with this node's version, an older one that the newer node
+still reads (checking first would cost every dump one more request). A look-up
 lists a block's objects without reading them, so it answers "present" for such an object (the
 load is then a miss and the engine recomputes). An explicit ``batched_remove``
 (``Store.remove``, a purge) still removes them: the user asked for it.
@@ -428,8 +426,7 @@ class FsspecTier(Tier):
         assert len(keys) == len(sources), "one source per key"
         results = self._map(self._dump_one, list(zip(keys, sources, strict=True)))
         outcomes: list[Outcome] = [outcome for outcome, _ in results]
-        # A shard left as a newer UCM's object is acknowledged but not written (0 bytes).
-        written = self.shard_size * sum(1 for o, size in results if o is None and size)
+        written = self.shard_size * sum(1 for o in outcomes if o is None)
         stored = sum(size for _, size in results)
         with self._stats_lock:
             self._stat["bytes_written"] += written
@@ -460,11 +457,6 @@ class FsspecTier(Tier):
         data = b"".join([sealed.header, *sealed.payload])
         path = self.object_path(key)
         try:
-            if self._newer_object(path):
-                # A newer UCM's copy of this key, not ours to replace: acknowledged, not
-                # written.
-                self._bump(newer_kept=1)
-                return None, 0
             if self._local_fs:
                 # Local files are not written atomically by fsspec: write aside, then rename.
                 temp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -479,9 +471,8 @@ class FsspecTier(Tier):
 
     def _newer_object(self, path: str) -> bool:
         """Whether ``path`` holds an object of a later envelope version (a newer UCM's, never
-        ours to delete or replace): one ranged read of its first bytes; False when absent.
-        Raises what the read raises: a dump then fails as its write would (one request's
-        time, not two, against an endpoint that is down or silent)."""
+        ours to delete): one ranged read of its first bytes; False when absent. Raises what
+        the read raises."""
         try:
             head = self.fs.cat_file(path, start=0, end=envelope.NEWER_PREFIX_BYTES, **self._call)
         except FileNotFoundError:

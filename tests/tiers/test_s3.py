@@ -167,24 +167,13 @@ def test_a_silent_endpoint_fails_a_dump_within_the_request_timeout(s3_endpoint: 
         }
         tier = fsspec_tier(f"s3://{S3_BUCKET}/silent", LAYOUT, storage_options=options)
         (block,) = block_ids(1)
-        written = f"fsspec tier 'fsspec' (s3://{S3_BUCKET}/silent): writing block {block.hex()}"
-        # A dump first reads the head of the object it would replace (a newer UCM's object is
-        # kept): botocore's read_timeout ends that GET (or the tier's request timeout, on a
-        # busy machine), and the dump fails with it ...
         started = time.monotonic()
         dumped = tier.dump([(block, 0)], [[memoryview(bytes(2048))]])
         elapsed = time.monotonic() - started
         assert elapsed < 10, f"a dump to a silent endpoint took {elapsed:.1f}s"
         assert isinstance(dumped[0], TierError) and not isinstance(dumped[0], KeyMissingError)
         assert str(dumped[0]).startswith(
-            (f"{written} shard 0: ReadTimeoutError", f"{written} shard 0: FSTimeoutError")
-        ), dumped[0]
-        # ... and the PUT itself (that read skipped here) ends at the tier's request timeout.
-        tier._newer_object = lambda path: False  # type: ignore[method-assign]
-        started = time.monotonic()
-        dumped = tier.dump([(block, 0)], [[memoryview(bytes(2048))]])
-        elapsed = time.monotonic() - started
-        assert elapsed < 10, f"a dump to a silent endpoint took {elapsed:.1f}s"
-        assert isinstance(dumped[0], TierError) and not isinstance(dumped[0], KeyMissingError)
-        assert str(dumped[0]).startswith(f"{written} shard 0: FSTimeoutError"), dumped[0]
+            f"fsspec tier 'fsspec' (s3://{S3_BUCKET}/silent): writing block {block.hex()} "
+            "shard 0: FSTimeoutError"
+        )
         tier.close()
