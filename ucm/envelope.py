@@ -30,9 +30,9 @@ Parsing sorts what it reads into these outcomes:
   ``UCMK``): the tier answers a miss and the next dump replaces it;
 - ``Newer`` (a ``Foreign``): a shard of a later envelope version, written by a newer UCM that
   shares the tier (a rolling upgrade, a bucket shared by nodes of several versions). A miss
-  here too, but never ours to delete, overwrite or count as corrupt: it is the newer nodes'
-  data. Tiers check an object's first bytes with ``newer_version`` before they delete or
-  replace it;
+  here too, but never ours to delete or count as corrupt: it is the newer nodes' data. Tiers
+  check an object's first bytes with ``newer_version`` before they delete it (a dump of the
+  same key may replace it with this node's version, which the newer UCM still reads);
 - ``Corrupt``: bytes that claim to be ours but do not hold up: never data; the tier fails the
   key (not a miss), so the stack repairs it from a tier below.
 """
@@ -84,9 +84,8 @@ class Foreign(EnvelopeError):
 
 
 class Newer(Foreign):
-    """Written by a newer UCM (a later envelope version): a miss that this node leaves alone
-    (never deleted, overwritten or counted corrupt), so a rolling upgrade keeps the new nodes'
-    shards."""
+    """Written by a newer UCM (a later envelope version): a miss that this node never deletes
+    or counts corrupt, so a rolling upgrade keeps the new nodes' shards."""
 
 
 class Corrupt(EnvelopeError):
@@ -169,7 +168,7 @@ NEWER_PREFIX_BYTES = 5
 def newer_version(raw: bytes | bytearray | memoryview) -> int | None:
     """The envelope version of ``raw`` when it starts with a header of a later version than
     this UCM reads (a newer UCM's shard: keep it), else None. Reads only the magic and the
-    version, so tiers can check an object's first bytes before they delete or replace it."""
+    version, so tiers can check an object's first bytes before they delete it."""
     view = memoryview(raw).cast("B")
     if view.nbytes < NEWER_PREFIX_BYTES or bytes(view[:4]) != MAGIC:
         return None
