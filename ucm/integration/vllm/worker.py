@@ -287,18 +287,7 @@ class WorkerSide:
         load.copying = True
         load.late = bool(dumping)
         load.held = [pair for pair in load.group if pair[0] not in dumping]
-        if not load.held:
-            return
-        try:
-            load.copy = self._load_task(
-                [block_id for block_id, _ in load.held],
-                [vllm_block for _, vllm_block in load.held],
-                background=True,
-                submit_timeout_s=0.0,  # never holds the step up
-            )
-        except Exception as exc:
-            logger.warning("UCM load of %d blocks not submitted: %s", len(load.held), exc)
-            load.held = []
+        self._submit_held(load, submit_timeout_s=0.0)  # never holds the step up
 
     def _start_prefetches(self, meta: UcmConnectorMetadata) -> None:
         """Starts moving the blocks of the step's asynchronous loads up into the CacheBuffer.
@@ -389,6 +378,12 @@ class WorkerSide:
         load.held = [
             pair for pair, pin in zip(load.group, load.pins, strict=False) if pin.held == every
         ]
+        self._submit_held(load)
+
+    def _submit_held(self, load: _AsyncLoad, submit_timeout_s: float | None = None) -> None:
+        """Submits the load task of ``load.held`` into vLLM's blocks, in the background (none
+        when nothing is held); one that is not submitted leaves nothing held: every block
+        of the load then fails."""
         if not load.held:
             return
         try:
@@ -396,6 +391,7 @@ class WorkerSide:
                 [block_id for block_id, _ in load.held],
                 [vllm_block for _, vllm_block in load.held],
                 background=True,
+                submit_timeout_s=submit_timeout_s,
             )
         except Exception as exc:
             logger.warning("UCM load of %d blocks not submitted: %s", len(load.held), exc)
