@@ -665,6 +665,24 @@ class Harness:
         tokens = self.tokens[req_id][: (length // BLOCK) * BLOCK]
         return chain_block_ids(salt, tokens, BLOCK)
 
+    def status(self, req_id: str) -> str | None:
+        """The request's vLLM status name (None once vLLM has dropped the request)."""
+        request = self.scheduler.requests.get(req_id)
+        return None if request is None else request.status.name
+
+    def assert_clean(self) -> None:
+        """Once a test's requests are done: no violation, every stored block right, each
+        request reported finished sending once and each one's asynchronous load reported
+        once, no request or asynchronous load left, and every vLLM block back."""
+        assert self.violations == []
+        assert self.wrong_stored_blocks() == []
+        assert all(count == 1 for count in self.finished_sending.values()), self.finished_sending
+        assert all(count == 1 for count in self.finished_recving.values()), self.finished_recving
+        assert not self.scheduler.requests, list(self.scheduler.requests)
+        assert self.worker._worker._async == []
+        pool = self.scheduler.kv_cache_manager.block_pool
+        assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # every block back
+
     def wrong_stored_blocks(self, req_ids: Iterable[str] | None = None) -> list[str]:
         """Each stored block of the requests' token chains whose KV is not the KV of its token
         prefix."""

@@ -127,22 +127,6 @@ def _store(make: Make, *prompts: list[int]) -> None:
         assert h.stored_count(f"s{index}") == len(prompt) // BLOCK
 
 
-def _clean(h: Harness) -> None:
-    assert h.violations == []
-    assert h.wrong_stored_blocks() == []
-    assert all(count == 1 for count in h.finished_sending.values()), h.finished_sending
-    assert all(count == 1 for count in h.finished_recving.values()), h.finished_recving
-    assert not h.scheduler.requests, list(h.scheduler.requests)
-    assert h.worker._worker._async == []
-    pool = h.scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
-
-
-def _status(h: Harness, req_id: str) -> str | None:
-    request = h.scheduler.requests.get(req_id)
-    return None if request is None else request.status.name
-
-
 def _step_until(h: Harness, done: Callable[[], bool], settle: bool = True) -> None:
     """Steps until ``done()``; ``settle``: waits for the step's dumps after each step."""
     for _ in range(STEPS_MAX):
@@ -155,6 +139,22 @@ def _step_until(h: Harness, done: Callable[[], bool], settle: bool = True) -> No
         if settle:
             h.settle_dumps()
     raise AssertionError(f"not done after {STEPS_MAX} steps: {list(h.scheduler.requests)}")
+
+
+def _unfinished_waits(h: Harness, monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """From now on, every task the worker's store is asked to wait for while it is still
+    unfinished (a step that waits on a dump, say) is appended to the returned list."""
+    store = h.worker._store
+    real_wait = store.wait
+    waited: list[object] = []
+
+    def wait(task: Any, *args: Any, **kwargs: Any) -> Any:
+        if not store.check(task):
+            waited.append(task)
+        return real_wait(task, *args, **kwargs)
+
+    monkeypatch.setattr(store, "wait", wait)
+    return waited
 
 
 def _async_table(h: Harness, req_id: str) -> list[int]:
@@ -178,10 +178,10 @@ def test_a_prefetch_the_full_queue_refuses_is_recomputed_and_reported_once(
         extra_config={"ucm_load_deadline_s": 600.0},
     )
     h.add("b", A, 3)
-    _step_until(h, lambda: _status(h, "b") == "WAITING_FOR_REMOTE_KVS")
+    _step_until(h, lambda: h.status("b") == "WAITING_FOR_REMOTE_KVS")
     space.wait_entered()  # b's prefetch holds the dispatcher: the prefetch queue is empty
     h.add("c", F, 3)
-    _step_until(h, lambda: _status(h, "c") == "WAITING_FOR_REMOTE_KVS")
+    _step_until(h, lambda: h.status("c") == "WAITING_FOR_REMOTE_KVS")
     h.add("d", G, 3)
     _step_until(h, lambda: "d" in h.finished_recving)
     assert not space.gate_open()
@@ -200,7 +200,7 @@ def test_a_prefetch_the_full_queue_refuses_is_recomputed_and_reported_once(
     stats = h.worker._worker.stats.data
     assert stats["load_failed_blocks"] == 8
     assert stats["loaded_blocks"] == 16
-    _clean(h)
+    h.assert_clean()
 
 
 def test_a_buffer_hit_this_engines_prefetch_is_refilling_is_recomputed_not_waited_for(
@@ -257,7 +257,7 @@ def test_a_buffer_hit_this_engines_prefetch_is_refilling_is_recomputed_not_waite
     assert h.outputs["c"] == Harness.expected_outputs(E, 3)
     assert h.outputs["b"] == Harness.expected_outputs(b_prompt, 3)
     assert h.cached_tokens["b"] == 6 * BLOCK
-    _clean(h)
+    h.assert_clean()
 
 
 @pytest.mark.parametrize("force", [True, False], ids=["forced-removal", "eviction"])
@@ -291,7 +291,7 @@ def test_under_the_async_scheduler_a_buffer_hit_loads_asynchronously_so_a_remova
     assert stats["load_failed_blocks"] == 0
     assert stats["loaded_blocks"] == 2
     assert len(_tiers.RECORDED.get(space.name, [])) == read_below + 1  # the removed one
-    _clean(h)
+    h.assert_clean()
 
 
 def test_a_buffer_hit_is_held_from_its_look_up_to_its_load_so_no_eviction_fails_it(
@@ -322,7 +322,7 @@ def test_a_buffer_hit_is_held_from_its_look_up_to_its_load_so_no_eviction_fails_
     store = h.connector._store
     keys = store.layout.keys_of_blocks([ids[1]])
     assert store.tiers[0].batched_remove(keys, force=False) == 1
-    _clean(h)
+    h.assert_clean()
 
 
 def test_a_load_of_a_block_this_rank_is_still_dumping_waits_at_most_the_load_deadline(
@@ -371,7 +371,7 @@ def test_a_load_of_a_block_this_rank_is_still_dumping_waits_at_most_the_load_dea
         stats = h.worker._worker.stats.data
         assert stats["load_failed_blocks"] == 4
         assert stats["loaded_blocks"] == 0
-        _clean(h)
+        h.assert_clean()
     finally:
         h.close()
 
@@ -400,16 +400,7 @@ def test_a_direct_load_of_blocks_this_rank_is_still_dumping_never_holds_the_step
         _step_until(h, lambda: len(h.outputs.get("e", [])) == 2, settle=False)
         assert h.outputs["e"] == Harness.expected_outputs(E, 2)
         space.wait_entered()  # e's dump waits at the gate
-        store = h.worker._store
-        real_wait = store.wait
-        waited: list[object] = []
-
-        def wait(task: Any, *args: Any, **kwargs: Any) -> Any:
-            if not store.check(task):
-                waited.append(task)
-            return real_wait(task, *args, **kwargs)
-
-        monkeypatch.setattr(store, "wait", wait)
+        waited = _unfinished_waits(h, monkeypatch)
         h.add("c", E, 3)
         h.step()
         h.step()  # under the AsyncScheduler, the first step's record is processed with this
@@ -434,7 +425,7 @@ def test_a_direct_load_of_blocks_this_rank_is_still_dumping_never_holds_the_step
         assert stats["load_failed_blocks"] == (0 if dump_ends else 2)
         assert stats["load_late_blocks"] == (0 if dump_ends else 2)
         assert stats["loaded_blocks"] == (2 if dump_ends else 0)
-        _clean(h)
+        h.assert_clean()
     finally:
         h.close()
 
@@ -467,16 +458,7 @@ def test_an_async_load_of_blocks_this_rank_is_still_dumping_starts_its_prefetch_
         for _ in range(3):  # e's dump is submitted after its last step
             h.step()
         assert any(not h.worker._store.check(p.task) for p in h.worker._worker._saves)
-        store = h.worker._store
-        real_wait = store.wait
-        waited: list[object] = []
-
-        def wait(task: Any, *args: Any, **kwargs: Any) -> Any:
-            if not store.check(task):
-                waited.append(task)
-            return real_wait(task, *args, **kwargs)
-
-        monkeypatch.setattr(store, "wait", wait)
+        waited = _unfinished_waits(h, monkeypatch)
         h.add("c", E, 3)
         _step_until(h, lambda: "c" in h.finished_recving, settle=False)
         (table,) = [r.async_loads["c"] for r in h.records if "c" in r.async_loads]
@@ -492,7 +474,7 @@ def test_an_async_load_of_blocks_this_rank_is_still_dumping_starts_its_prefetch_
     h.run(STEPS_MAX)
     stats = h.worker._worker.stats.data
     assert stats["load_late_blocks"] == 2
-    _clean(h)
+    h.assert_clean()
 
 
 X = tokens(9, 5 * BLOCK + 3)
@@ -516,7 +498,7 @@ def test_an_aborted_async_loads_blocks_are_reused_and_its_late_bytes_never_reach
         extra_config={"ucm_load_deadline_s": 0.05},
     )
     h.add("b", A, 3)
-    _step_until(h, lambda: _status(h, "b") == "WAITING_FOR_REMOTE_KVS")
+    _step_until(h, lambda: h.status("b") == "WAITING_FOR_REMOTE_KVS")
     space.wait_entered()  # b's prefetch waits at the gate
     h.abort("b")
     h.add("x", X, 20)
@@ -534,4 +516,4 @@ def test_an_aborted_async_loads_blocks_are_reused_and_its_late_bytes_never_reach
         assert h.outputs["x"] == Harness.expected_outputs(X, 20)
     assert "b" not in h.outputs or h.outputs["b"] == []
     assert h.worker._worker.stats.data["load_late_blocks"] == 8  # b's 8 full blocks
-    _clean(h)
+    h.assert_clean()

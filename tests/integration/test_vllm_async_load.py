@@ -95,22 +95,6 @@ def _store_a(make: Make) -> None:
     h.worker._store.drain()  # the write-through to posix is done
 
 
-def _clean(h: Harness) -> None:
-    assert h.violations == []
-    assert h.wrong_stored_blocks() == []
-    assert all(count == 1 for count in h.finished_sending.values()), h.finished_sending
-    assert all(count == 1 for count in h.finished_recving.values()), h.finished_recving
-    assert not h.scheduler.requests, list(h.scheduler.requests)
-    assert h.worker._worker._async == []
-    pool = h.scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # every block back
-
-
-def _status(h: Harness, req_id: str) -> str | None:
-    request = h.scheduler.requests.get(req_id)
-    return None if request is None else request.status.name
-
-
 def _step_until(h: Harness, done: Callable[[], bool]) -> None:
     for _ in range(STEPS_MAX):
         if done():
@@ -136,7 +120,7 @@ def test_a_load_from_below_the_buffer_is_async_and_the_decoder_keeps_running(
     h.add("d", D, 60)
     h.step()  # d prefills
     h.add("b", A, 3)
-    _step_until(h, lambda: _status(h, "b") == "WAITING_FOR_REMOTE_KVS")
+    _step_until(h, lambda: h.status("b") == "WAITING_FOR_REMOTE_KVS")
     (load_step,) = _async_steps(h, "b")
     assert not any("b" in r.loads for r in h.records)  # nothing loaded before a forward pass
     _step_until(h, lambda: "b" in h.finished_recving)
@@ -151,7 +135,7 @@ def test_a_load_from_below_the_buffer_is_async_and_the_decoder_keeps_running(
     if not async_scheduling:  # see test_vllm_scheduler: the simulated runner's token recovery
         assert h.outputs["d"] == Harness.expected_outputs(D, 60)
     assert h.finished_recving == {"b": 1}
-    _clean(h)
+    h.assert_clean()
 
 
 def test_a_buffer_hit_stays_synchronous(make: Make) -> None:
@@ -165,7 +149,7 @@ def test_a_buffer_hit_stays_synchronous(make: Make) -> None:
     assert not any(r.async_loads for r in h.records)
     assert h.outputs["b"] == Harness.expected_outputs(A, 3)
     assert h.cached_tokens["b"] == 8 * BLOCK
-    _clean(h)
+    h.assert_clean()
 
 
 def test_a_buffer_hit_is_not_held_up_by_an_async_load_from_a_slow_tier(make: Make) -> None:
@@ -182,7 +166,7 @@ def test_a_buffer_hit_is_not_held_up_by_an_async_load_from_a_slow_tier(make: Mak
     h.add("e", E, 2)
     h.run(STEPS_MAX)  # e's blocks are now in this engine's CacheBuffer
     h.add("b", A, 3)
-    _step_until(h, lambda: _status(h, "b") == "WAITING_FOR_REMOTE_KVS")
+    _step_until(h, lambda: h.status("b") == "WAITING_FOR_REMOTE_KVS")
     h.add("c", E, 3)
     _step_until(h, lambda: "c" in h.finished)
     # c was served and finished while b's blocks were still on their way up.
@@ -194,7 +178,7 @@ def test_a_buffer_hit_is_not_held_up_by_an_async_load_from_a_slow_tier(make: Mak
     h.run(STEPS_MAX)
     assert h.outputs["b"] == Harness.expected_outputs(A, 3)
     assert h.cached_tokens["b"] == 8 * BLOCK
-    _clean(h)
+    h.assert_clean()
 
 
 def test_a_buffer_hit_evicted_before_its_load_is_recomputed_not_read_from_below(
@@ -220,7 +204,7 @@ def test_a_buffer_hit_evicted_before_its_load_is_recomputed_not_read_from_below(
     assert stats["load_failed_blocks"] == 1
     assert stats["loaded_blocks"] == 1  # c's first block, a memcpy
     assert h.outputs["c"] == Harness.expected_outputs(E, 3)
-    _clean(h)
+    h.assert_clean()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -247,13 +231,13 @@ def test_a_failed_async_load_is_recomputed_once(
     # it was when the request was admitted, unless it was looked up again: bad == 0).
     assert h.worker._worker.stats.data["load_failed_blocks"] == 1
     assert h.cached_tokens["b"] == (0 if bad == 0 else 8 * BLOCK)
-    _clean(h)
+    h.assert_clean()
     # What b recomputed was saved right: a later request is served all 8 blocks.
     h.add("c", A, 3)
     h.run(STEPS_MAX)
     assert h.outputs["c"] == Harness.expected_outputs(A, 3)
     assert h.cached_tokens["c"] == 8 * BLOCK
-    _clean(h)
+    h.assert_clean()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -282,7 +266,7 @@ def test_a_load_past_its_deadline_is_recomputed_and_its_late_bytes_touch_no_vllm
     if not async_scheduling:
         assert h.outputs["d"] == Harness.expected_outputs(D, 30)
     assert h.cached_tokens["b"] == 0
-    _clean(h)
+    h.assert_clean()
     # They warmed the CacheBuffer: the next request is served all 8 blocks from it,
     # synchronously under the synchronous scheduler. Under the AsyncScheduler a synchronous
     # load must be held in the CacheBuffer, and with two engines' workers in this process
@@ -293,7 +277,7 @@ def test_a_load_past_its_deadline_is_recomputed_and_its_late_bytes_touch_no_vllm
     assert any(r.async_loads for r in h.records[first:]) == async_scheduling
     assert h.cached_tokens["c"] == 8 * BLOCK
     assert h.outputs["c"] == Harness.expected_outputs(A, 3)
-    _clean(h)
+    h.assert_clean()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -303,13 +287,13 @@ def test_an_abort_during_an_async_load_frees_every_block_once_the_load_is_over(
     _store_a(make)
     h = make(delay_s=0.1, async_scheduling=async_scheduling)
     h.add("b", A, 3)
-    _step_until(h, lambda: _status(h, "b") == "WAITING_FOR_REMOTE_KVS")
+    _step_until(h, lambda: h.status("b") == "WAITING_FOR_REMOTE_KVS")
     h.abort("b")
     assert "b" in h.scheduler.requests  # vLLM keeps its blocks while the load runs
     h.run(STEPS_MAX)
     assert h.finished_recving == {"b": 1}
     assert "b" not in h.outputs or h.outputs["b"] == []
-    _clean(h)
+    h.assert_clean()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -320,17 +304,17 @@ def test_a_connector_reset_during_an_async_load(make: Make, async_scheduling: bo
     _store_a(make)
     h = make(delay_s=0.1, async_scheduling=async_scheduling)
     h.add("b", A, 3)
-    _step_until(h, lambda: _status(h, "b") == "WAITING_FOR_REMOTE_KVS")
+    _step_until(h, lambda: h.status("b") == "WAITING_FOR_REMOTE_KVS")
     assert h.scheduler.reset_prefix_cache(reset_connector=True) is False
     h.run(STEPS_MAX)
     assert h.finished_recving == {"b": 1}
     assert h.outputs["b"] == Harness.expected_outputs(A, 3)
-    _clean(h)
+    h.assert_clean()
     h.add("c", A, 3)
     h.run(STEPS_MAX)
     assert h.cached_tokens["c"] == 0  # nothing saved before the reset is served
     assert h.outputs["c"] == Harness.expected_outputs(A, 3)
-    _clean(h)
+    h.assert_clean()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -354,14 +338,14 @@ def test_a_preempted_request_resumes_through_an_async_load(
     # steps in flight are processed (deferred frees): its reset needs them processed first.
     h.flush()
     assert h.scheduler.reset_prefix_cache(reset_running_requests=True) is True
-    assert _status(h, "d") == "PREEMPTED"
-    _step_until(h, lambda: _status(h, "d") == "WAITING_FOR_REMOTE_KVS")
+    assert h.status("d") == "PREEMPTED"
+    _step_until(h, lambda: h.status("d") == "WAITING_FOR_REMOTE_KVS")
     assert h.scheduler.requests["d"].num_preemptions == 1
     h.run(STEPS_MAX)
     assert h.finished_recving == {"d": 1}
     if not async_scheduling:
         assert h.outputs["d"] == Harness.expected_outputs(prompt, 40)
-    _clean(h)
+    h.assert_clean()
 
 
 def test_an_async_loads_copy_into_vllms_blocks_never_holds_up_a_step(
@@ -403,4 +387,4 @@ def test_an_async_loads_copy_into_vllms_blocks_never_holds_up_a_step(
     assert h.outputs["b"] == Harness.expected_outputs(A, 3)
     assert h.cached_tokens["b"] == 8 * BLOCK
     assert h.outputs["d"] == Harness.expected_outputs(D, 60)
-    _clean(h)
+    h.assert_clean()

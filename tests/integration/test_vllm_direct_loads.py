@@ -81,13 +81,12 @@ def make(tmp_path: Path) -> Iterator[Make]:
         harness.close()
 
 
-def _clean(h: Harness) -> None:
-    assert h.violations == []
-    assert h.wrong_stored_blocks() == []
-    assert all(count == 1 for count in h.finished_sending.values()), h.finished_sending
-    assert not h.scheduler.requests, list(h.scheduler.requests)
-    pool = h.scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # every block back
+def _store(make: Make, prompts: dict[str, list[int]]) -> None:
+    """The prompts' full blocks in the posix tier, saved by an engine of their own."""
+    h = make(async_scheduling=True)
+    for name, prompt in prompts.items():
+        h.add(name, prompt, 1)
+    h.run()
 
 
 def _step_until(h: Harness, done: Callable[[], bool]) -> None:
@@ -97,11 +96,6 @@ def _step_until(h: Harness, done: Callable[[], bool]) -> None:
         h.step()
         h.settle_dumps()
     raise AssertionError("the condition did not hold within the step bound")
-
-
-def _status(h: Harness, req_id: str) -> str | None:
-    request = h.scheduler.requests.get(req_id)
-    return request.status.name if request is not None else None
 
 
 @pytest.mark.parametrize("bad", [0, 2, 4], ids=["first", "middle", "last"])
@@ -127,13 +121,13 @@ def test_a_load_that_fails_under_the_async_scheduler_costs_no_token(make: Make, 
     assert done.invalid == {table[bad]}
     assert h.worker._worker.stats.data["load_failed_blocks"] == 1
     assert h.stored_count("b") == 8
-    _clean(h)
+    h.assert_clean()
     # The recomputed blocks were saved right: a later request is served all 8.
     h.add("c", B, 3)
     h.run()
     assert h.cached_tokens["c"] == 8 * BLOCK
     assert h.outputs["c"] == Harness.expected_outputs(B, 3)
-    _clean(h)
+    h.assert_clean()
 
 
 def test_a_decoder_runs_while_a_load_from_a_slow_tier_goes_straight_into_vllms_blocks(
@@ -141,14 +135,12 @@ def test_a_decoder_runs_while_a_load_from_a_slow_tier_goes_straight_into_vllms_b
 ) -> None:
     """D decodes while B's 8 blocks come from a tier that takes 0.1 s a shard: B waits in
     WAITING_FOR_REMOTE_KVS, D's steps go on, and both are right."""
-    store = make(async_scheduling=True)
-    store.add("a", A, 2)
-    store.run()
+    _store(make, {"a": A})
     h = make(delay_s=0.1, async_scheduling=True)
     h.add("d", D, 40)
     _step_until(h, lambda: len(h.outputs.get("d", [])) >= 2)
     h.add("b", A, 3)
-    _step_until(h, lambda: _status(h, "b") == "WAITING_FOR_REMOTE_KVS")
+    _step_until(h, lambda: h.status("b") == "WAITING_FOR_REMOTE_KVS")
     decoded = len(h.outputs["d"])
     _step_until(h, lambda: "b" in h.finished_recving)
     assert len(h.outputs["d"]) > decoded  # D decoded during B's load
@@ -157,7 +149,7 @@ def test_a_decoder_runs_while_a_load_from_a_slow_tier_goes_straight_into_vllms_b
     assert h.cached_tokens["b"] == 8 * BLOCK
     assert h.outputs["b"] == Harness.expected_outputs(A, 3)
     assert h.outputs["d"] == Harness.expected_outputs(D, 40)
-    _clean(h)
+    h.assert_clean()
 
 
 def test_an_abort_during_a_direct_load_frees_its_blocks_only_once_the_load_is_over(
@@ -166,19 +158,17 @@ def test_an_abort_during_a_direct_load_frees_its_blocks_only_once_the_load_is_ov
     """B is aborted while its load from the slow tier runs: vLLM keeps B's blocks until the
     worker reports the load over (the harness checks that no load writes into a block vLLM
     freed), then frees every one of them."""
-    store = make(async_scheduling=True)
-    store.add("a", A, 2)
-    store.run()
+    _store(make, {"a": A})
     h = make(delay_s=0.1, async_scheduling=True)
     h.add("b", A, 3)
-    _step_until(h, lambda: _status(h, "b") == "WAITING_FOR_REMOTE_KVS")
+    _step_until(h, lambda: h.status("b") == "WAITING_FOR_REMOTE_KVS")
     (load,) = h.worker._worker._async
     assert load.copy is not None and not h.worker._store.check(load.copy)
     h.abort("b")
     h.run(STEPS_MAX)
     assert h.finished_recving == {"b": 1}
     assert "b" not in h.outputs
-    _clean(h)
+    h.assert_clean()
 
 
 def test_under_the_synchronous_scheduler_loads_without_a_buffer_stay_synchronous(
@@ -195,7 +185,7 @@ def test_under_the_synchronous_scheduler_loads_without_a_buffer_stay_synchronous
     assert [list(r.loads) for r in h.records[start:] if r.loads] == [["b"]]
     assert not any(r.async_loads for r in h.records[start:])
     assert h.outputs["b"] == Harness.expected_outputs(B, 3)
-    _clean(h)
+    h.assert_clean()
 
 
 def test_ucm_async_load_false_under_the_async_scheduler_loads_synchronously_and_says_why(
@@ -214,7 +204,7 @@ def test_ucm_async_load_false_under_the_async_scheduler_loads_synchronously_and_
     h.add("b", B, 3)
     h.run()
     assert [list(r.loads) for r in h.records[start:] if r.loads] == [["b"]]
-    _clean(h)
+    h.assert_clean()
 
 
 def test_a_direct_load_the_full_load_queue_refuses_is_recomputed(
@@ -225,10 +215,7 @@ def test_a_direct_load_the_full_load_queue_refuses_is_recomputed(
     reported failed, and vLLM recomputes its blocks; every request's tokens are right and
     each load is reported once."""
     prompts = {name: tokens(20 + i, 4 * BLOCK + 3) for i, name in enumerate("xyz")}
-    store = make(async_scheduling=True)
-    for name, prompt in prompts.items():
-        store.add(name, prompt, 1)
-    store.run()
+    _store(make, prompts)
     h = make(delay_s=0.2, async_scheduling=True, load={"load_queue_depth": 1})
     for name, prompt in prompts.items():
         h.add(name, prompt, 3)
@@ -242,7 +229,7 @@ def test_a_direct_load_the_full_load_queue_refuses_is_recomputed(
     assert stats["loaded_blocks"] + stats["load_failed_blocks"] == 12
     for name, prompt in prompts.items():
         assert h.outputs[name] == Harness.expected_outputs(prompt, 3), name
-    _clean(h)
+    h.assert_clean()
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
