@@ -384,6 +384,10 @@ pub const GetMode = enum {
     /// never evicts, never takes an idle slot over (a Prealloc stays for a load that fills).
     /// Hits, waiters and held slots are the same as `claim`'s.
     lookup,
+    /// A dump's claim: `claim`'s results, but a Ready copy it meets (hit, or held already)
+    /// counts no use (`Slot.reuses`): writing a block is not reading it, so a re-dump never
+    /// admits it. Waiting for another rank's load of it is a use, as for `claim`.
+    write,
 };
 
 /// What `wait` reports per slot. `idle` means the timeout expired with the owner alive.
@@ -1589,7 +1593,8 @@ pub const Buffer = struct {
         _ = buffer.drop_dead_refs_locked(slot_index);
         const holders = slot.holders.load(.monotonic);
         if (holders & mine != 0) {
-            count_reuse(slot); // Asked again by a process that holds it: a use too.
+            // Asked again by a process that holds it: a use too, unless it writes.
+            if (mode != .write) count_reuse(slot);
             return .held;
         }
         const state: State = @enumFromInt(slot.state.load(.monotonic));
@@ -1598,7 +1603,7 @@ pub const Buffer = struct {
         if (state == .ready) {
             _ = slot.holders.fetchOr(mine, .monotonic);
             slot.accessed.store(1, .monotonic);
-            count_reuse(slot);
+            if (mode != .write) count_reuse(slot);
             buffer.count(.hits, 1);
             buffer.namespace_event(slot.namespace.load(.monotonic), .hit);
             return .hit;

@@ -552,14 +552,14 @@ const Model = struct {
         const slot = &model.slots[slot_index];
         _ = model.drop_dead_refs(slot_index);
         if (slot.holders & holder_bit(me) != 0) {
-            slot.reuses +|= 1;
+            if (mode != .write) slot.reuses +|= 1;
             return .held;
         }
         assert(slot.state == .idle or slot.state == .ready);
         if (slot.state == .ready) {
             slot.holders |= holder_bit(me);
             slot.accessed = true;
-            slot.reuses +|= 1;
+            if (mode != .write) slot.reuses +|= 1;
             model.count(.hits, 1);
             model.namespace_hits[field_index(slot.namespace)] += 1;
             return .hit;
@@ -1310,8 +1310,13 @@ const World = struct {
         }
         var results: [batch_max]GetResult = undefined;
         var slots: [batch_max]u32 = undefined;
-        // Some Gets only look up (a no-fill load's): they never allocate nor take over.
-        const mode: GetMode = if (world.random.uintLessThan(u8, 4) == 0) .lookup else .claim;
+        // Some Gets only look up (a no-fill load's): they never allocate nor take over. Some
+        // are a dump's: no use counted.
+        const mode: GetMode = switch (world.random.uintLessThan(u8, 6)) {
+            0 => .lookup,
+            1 => .write,
+            else => .claim,
+        };
         try world.exec_get(process, mode, keys[0..n], results[0..n], slots[0..n]);
     }
 
@@ -2404,6 +2409,16 @@ test "admission: hits, waiters and held Gets count uses; admit claims each tier'
     var present: [1]u8 = undefined;
     try a.lookup(&id, &shard, &present);
     var uses: [1]u16 = undefined;
+    try a.reuses(&id, &shard, &uses);
+    try expectEqual(@as(u16, 3), uses[0]);
+    // A dump's claims (a hit, then held) write the block: no use.
+    var c = a;
+    c.holder = 2;
+    c.get_as(.write, &id, &shard, .{ .results = &result, .slots = &slot });
+    try expectEqual(buffer_module.GetResult.hit, result[0]);
+    c.get_as(.write, &id, &shard, .{ .results = &result, .slots = &slot });
+    try expectEqual(buffer_module.GetResult.held, result[0]);
+    _ = c.release(&.{index});
     try a.reuses(&id, &shard, &uses);
     try expectEqual(@as(u16, 3), uses[0]);
     // A holds it: not admitted (next use); B does not hold it once released.

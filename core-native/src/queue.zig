@@ -1689,7 +1689,7 @@ pub const Queue = struct {
             queue.wait_room(k);
             const results = lane.results[0..k];
             const slots = lane.slots[0..k];
-            queue.claim(.claim, lane.ids[0..k], lane.shards[0..k], results, slots);
+            queue.claim(.write, lane.ids[0..k], lane.shards[0..k], results, slots);
             var again: usize = 0;
             // Owned keys first: their copies start (and a duplicate key of this task, which
             // waits on its first entry's slot below, finds that copy already queued).

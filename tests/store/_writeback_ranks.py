@@ -5,6 +5,10 @@ The parent sends commands; the rank answers each one on the same pipe:
 - ``("dump", blocks, shard)``: dumps ``payload(block(b), shard)`` for each b, waits for the
   task, answers ``("acked", blocks)`` (the task succeeded: the dump is acknowledged);
 - ``("load", blocks, shard)``: loads them, answers ``("loaded", byte_exact)``;
+- ``("hold", blocks, shard)``: takes this process's reference on each key's slot straight
+  from the buffer core (as a rank reading it would) and keeps it, answers ``("held", results)``
+  (the :class:`~ucm.native.buffer.GetResult` codes);
+- ``("release",)``: gives back every reference ``hold`` took, answers ``("released", None)``;
 - ``("stats",)``: answers ``("stats", {"store": store counters, "buffer": the buffer tier's})``;
 - ``("close",)``: closes the store, answers ``("closed", error or None)`` and exits.
 
@@ -32,6 +36,7 @@ def rank_main(config: dict[str, Any], device_id: int, ranks: int, conn: Connecti
         return
     shard_size = store.layout.shard_size
     conn.send(("ready", None))
+    held: list[int] = []
     while True:
         command = conn.recv()
         try:
@@ -54,6 +59,17 @@ def rank_main(config: dict[str, Any], device_id: int, ranks: int, conn: Connecti
                     for b, d in zip(blocks, dst, strict=True)
                 )
                 conn.send(("loaded", exact))
+            elif command[0] == "hold":
+                _, numbers, shard = command
+                assert store.buffer is not None
+                got = store.buffer.core.get([(block(n), shard) for n in numbers])
+                held.extend(got.held_slots())
+                conn.send(("held", list(got.results)))
+            elif command[0] == "release":
+                assert store.buffer is not None
+                store.buffer.core.release(held)
+                held.clear()
+                conn.send(("released", None))
             elif command[0] == "stats":
                 stats = store.stats()
                 counters = {k: v for k, v in stats.items() if k != "tiers"}

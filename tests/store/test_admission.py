@@ -16,6 +16,7 @@ import torch
 import ucm
 from ucm import metrics
 from ucm.errors import ConfigError
+from ucm.native.buffer import GetResult
 from ucm.ranks import RankGroup
 
 from ._writeback_ranks import rank_main
@@ -328,6 +329,30 @@ def test_a_dump_that_replaces_a_resident_block_starts_its_count_over(tmp_path: P
         dump(store, [0])
         store.drain()
         assert reuses(store, range(3)) == [0, 0, 0]
+        assert not any(posix_holds(tmp_path, range(3)).values())
+
+
+def test_a_dump_of_a_block_another_rank_reads_counts_no_use(tmp_path: Path) -> None:
+    """A dump that meets a Ready copy another rank holds keeps that copy (its bytes are the
+    same) and is no use of it: writing a block is not reading it. Before the dump's claims
+    were uses, this re-dump took block 0 from one use to three, and admitted it."""
+    config = gated_stack(tmp_path, {"after_reuse": 2})
+    with ucm.open(config) as store:
+        dump(store, range(3))
+        with RankGroup(parties=1) as group:
+            mine, theirs = group.context.Pipe()
+            group.spawn(rank_main, config, 1, 2, theirs)
+            assert mine.poll(REPLY_TIMEOUT_S)
+            assert mine.recv() == ("ready", None)
+            assert _call(mine, ("hold", [0], 0)) == [GetResult.HIT]  # the reader's one use
+            dump(store, [0])  # replaces nothing: the reader holds the slot
+            assert reuses(store, range(3)) == [1, 0, 0]
+            assert _call(mine, ("release",)) is None
+            store.drain()
+            assert reuses(store, range(3)) == [1, 0, 0]
+            assert admission_stats(store)["admitted_shards"] == 0
+            assert _call(mine, ("close",)) is None
+            group.join()
         assert not any(posix_holds(tmp_path, range(3)).values())
 
 
