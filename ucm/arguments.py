@@ -176,6 +176,22 @@ def _fast_task_keys(block_ids: Any, shard_index: Any, layout: Layout) -> TaskKey
     return TaskKeys(ids, shards) if unique else None
 
 
+def check_one_shard(shard_index: Any, layout: Layout) -> int | None:
+    """An optional single shard index (``prefetch``/``pin``: only that shard of each block,
+    a rank's own): None, or an int in [0, shards_per_block)."""
+    if shard_index is None:
+        return None
+    per_block = layout.shards_per_block
+    valid = f"None or an int in [0, {per_block}) (shards_per_block={per_block})"
+    if not isinstance(shard_index, int) or isinstance(shard_index, bool):
+        raise InvalidArgumentError(
+            f"shard_index={short(shard_index)} is not valid: expected {valid}"
+        )
+    if not 0 <= shard_index < layout.shards_per_block:
+        raise InvalidArgumentError(f"shard_index={shard_index} is out of range: expected {valid}")
+    return shard_index
+
+
 def check_shard_indexes(shard_index: Any, count: int, layout: Layout) -> list[int]:
     """One shard index per block (an int is applied to every block)."""
     valid = f"an int in [0, {layout.shards_per_block}) (shards_per_block={layout.shards_per_block})"

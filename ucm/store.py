@@ -308,6 +308,7 @@ class Store:
         namespace: str | None = None,
         background: bool = False,
         submit_timeout_s: float | None = None,
+        shard_index: int | None = None,
     ) -> Task | None:
         """Starts moving the blocks' shards up into the top tier (asynchronously). Returns the
         prefetch's task (``check``/``wait`` it; a shard no tier has fails it), or None when
@@ -316,10 +317,13 @@ class Store:
         below read its shards on the loader threads themselves rather than on their pools:
         fewer threads taking the engine's GIL in turn while it computes.
         ``submit_timeout_s``: longest the call blocks while the rank's prefetch queue is full
-        (default: the stack's ``queue_timeout_s``); past it, ``TimeoutError``."""
+        (default: the stack's ``queue_timeout_s``); past it, ``TimeoutError``.
+        ``shard_index``: only that shard of each block (a rank's own, which its loads read:
+        its prefetch then never depends on another rank's)."""
         self._check_open()
         arguments.check_flag(background, "background")
         timeout_s = arguments.check_timeout_s(submit_timeout_s, "submit_timeout_s")
+        only = arguments.check_one_shard(shard_index, self.layout)
         originals = arguments.check_block_ids(block_ids)
         blocks = self._scoped(originals, namespace)
         if not self._worker:
@@ -327,7 +331,11 @@ class Store:
                 f"prefetch is not allowed on a scheduler (device_id={self.device_id}): the "
                 "scheduler role has no data plane to fill; prefetch from a worker rank"
             )
-        keys = self.layout.keys_of_blocks(blocks)
+        keys = (
+            self.layout.keys_of_blocks(blocks)
+            if only is None
+            else [(block, only) for block in blocks]
+        )
         if not keys or len(self.tiers) == 1:
             return None
         present = self.tiers[0].lookup(keys)
@@ -464,22 +472,30 @@ class Store:
         _check_task(task)
         return task.done()
 
-    def pin(self, block_ids: Sequence[bytes], *, namespace: str | None = None) -> list[Pin]:
+    def pin(
+        self,
+        block_ids: Sequence[bytes],
+        *,
+        namespace: str | None = None,
+        shard_index: int | None = None,
+    ) -> list[Pin]:
         """Holds each block's shards that are Ready in the CacheBuffer there, so that no
         eviction (of this rank or any other on the node) takes them, until :meth:`unpin`; one
         :class:`Pin` per block, saying how many shards it holds. Shards below the buffer, or
         absent, are not held (a pin never loads nor allocates), and a stack without a buffer,
         or the scheduler role, holds nothing. ``remove(force=True)`` still removes a pinned
-        shard (its memory is freed at the unpin). Pins held at :meth:`close` are released."""
+        shard (its memory is freed at the unpin). Pins held at :meth:`close` are released.
+        ``shard_index``: only that shard of each block (a rank's own): ``held`` is 0 or 1."""
         self._check_open()
+        only = arguments.check_one_shard(shard_index, self.layout)
         originals = arguments.check_block_ids(block_ids)
         blocks = self._scoped(originals, namespace)
         if self._native is None or self._buffer is None or not blocks:
             return [Pin(block, ()) for block in originals]
-        per_block = self.layout.shards_per_block
-        if per_block == 1:  # the common case, without the per-shard loops (an engine's hit path)
+        per_block = self.layout.shards_per_block if only is None else 1
+        if per_block == 1:  # one shard a block: without the per-shard loops (the hit path)
             ids = b"".join(blocks)
-            shards = array("I", bytes(4 * len(blocks)))
+            shards = array("I", [only or 0]) * len(blocks)
         else:
             ids = b"".join(block for block in blocks for _ in range(per_block))
             shards = array("I", list(range(per_block)) * len(blocks))

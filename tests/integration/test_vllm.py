@@ -438,6 +438,7 @@ def tp2(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> di
     root = tmp_path_factory.mktemp("vllm-tp2")
     stack = _stack(root, "tp2")
     port = _free_port_pair()
+    later = _free_port_pair()
     extra = {"ucm_metrics_port": port}
     plan = {
         "engines": [
@@ -454,7 +455,24 @@ def tp2(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> di
                     },
                 ],
             },
-            {"llm": engine_args(models["a"], stack=stack, tp=2), "steps": [_gen("next", P1)]},
+            {
+                "llm": engine_args(
+                    models["a"], stack=stack, extra_config={"ucm_metrics_port": later}, tp=2
+                ),
+                "steps": [
+                    _gen("next", P1),
+                    {
+                        "op": "http_get",
+                        "label": "later0",
+                        "url": f"http://127.0.0.1:{later}/metrics",
+                    },
+                    {
+                        "op": "http_get",
+                        "label": "later1",
+                        "url": f"http://127.0.0.1:{later + 1}/metrics",
+                    },
+                ],
+            },
         ]
     }
     run = _check(
@@ -490,6 +508,13 @@ def test_tp2_ranks_share_one_buffer_and_serve_the_second_run(tp2: dict[str, Any]
         assert _metric(text, "ucm_store_loaded_shards_total", device_id=str(rank)) == 3
     files = list(Path(tp2["stack"]["tiers"][1]["path"]).glob("*/*.blk"))
     assert len(files) == 3
+    # The new engine's buffer is empty: each rank loaded asynchronously, moving up its own
+    # shard of each block (never the other rank's), then copying it from the CacheBuffer.
+    for rank in (0, 1):
+        text = run.result(f"later{rank}")["text"]
+        assert _metric(text, "ucm_store_prefetched_shards_total", device_id=str(rank)) == 3
+        assert _metric(text, "ucm_store_pinned_shards_total", device_id=str(rank)) == 3
+        assert _metric(text, "ucm_store_loaded_shards_total", device_id=str(rank)) == 3
 
 
 # ---- bad configuration fails at engine start, naming the key -------------------------------------

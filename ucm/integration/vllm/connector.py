@@ -174,7 +174,8 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # is asynchronous there. Under synchronous scheduling CacheBuffer hits load before
             # the forward pass, held from the look-up so that no eviction fails them.
             hold=self._hold if self._async_loads() and not self._async_scheduling else None,
-            every_load_async=self._async_scheduling and self._async_load_on(),
+            every_load_async=self._async_load_on()
+            and (self._async_scheduling or self._direct_loads()),
         )
         if self._async_scheduling and not self._async_load_on():
             logger.warning(
@@ -206,25 +207,22 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _async_loads(self) -> bool:
         """Whether loads of blocks not all in the CacheBuffer are asynchronous, moved up into
         it first (a prefetch with a deadline): then the synchronous ones are buffer hits, which
-        must cost a memcpy and never a read from below. Without a CacheBuffer an asynchronous
-        load has nowhere to put the bytes that arrive after a deadline but vLLM's blocks; with
-        more than one shard per block (TP > 1) a rank that finishes its prefetch before another
-        rank's shards are in judges the block by all its shards: see :meth:`_direct_loads`."""
-        return (
-            self._async_load_on()
-            and self._store.buffer is not None
-            and self._geometry.shards_per_block == 1
-        )
+        must cost a memcpy and never a read from below. With TP > 1 each rank prefetches,
+        pins and copies its own shard of each block, and vLLM recomputes a block any rank
+        reports failed. Without a CacheBuffer an asynchronous load has nowhere to put the
+        bytes that arrive after a deadline but vLLM's blocks: see :meth:`_direct_loads`."""
+        return self._async_load_on() and self._store.buffer is not None
 
     def _direct_loads(self) -> bool:
         """Whether every load is asynchronous and goes straight into vLLM's blocks, off the
-        step: under vLLM's asynchronous scheduling, where a synchronous load that fails costs
-        a token, when loads cannot go through the CacheBuffer (:meth:`_async_loads`: no
-        CacheBuffer, or TP > 1). Such a load has no deadline of its own (its late bytes could
-        only land in blocks vLLM had reused): vLLM keeps the request's blocks until the worker
-        reports it over, and the tiers' own request deadlines bound it. Under synchronous
-        scheduling these loads stay synchronous: a failed one costs no token there."""
-        return self._async_scheduling and self._async_load_on() and not self._async_loads()
+        step: when loads cannot go through the CacheBuffer (:meth:`_async_loads`: no
+        CacheBuffer), under either scheduling. Every such load reads a lower tier, so a
+        synchronous one would hold the forward pass for the read (and under vLLM's
+        asynchronous scheduling, one that failed would cost its request a token). A direct
+        load has no deadline of its own (its late bytes could only land in blocks vLLM had
+        reused): vLLM keeps the request's blocks until the worker reports it over, and the
+        tiers' own request deadlines bound it; only its own request waits for it."""
+        return self._async_load_on() and self._store.buffer is None
 
     def _hold(self, ids: Sequence[bytes]) -> Callable[[], None] | None:
         """Holds every shard of the blocks in the CacheBuffer, so that no eviction on the node

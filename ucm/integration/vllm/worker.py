@@ -49,7 +49,7 @@ class _AsyncLoad:
     blocks by the native copy threads. The request is reported in ``finished_recving`` when
     that copy is over: vLLM keeps its blocks until then, even if it is aborted.
 
-    A *direct* load (``WorkerSide(direct_async=True)``: no CacheBuffer, or TP > 1) has the
+    A *direct* load (``WorkerSide(direct_async=True)``: no CacheBuffer) has the
     second phase only: one load task reads the blocks from wherever the store has them
     straight into vLLM's blocks. It is submitted once this rank's dumps of its blocks are
     over, or ``deadline`` passed (those blocks then fail); the task itself has no deadline:
@@ -311,7 +311,10 @@ class WorkerSide:
         try:
             # Never blocks the step: with the prefetch queue full, it is not started.
             load.prefetch = self._store.prefetch(
-                [block_id for block_id, _ in load.group], background=True, submit_timeout_s=0.0
+                [block_id for block_id, _ in load.group],
+                background=True,
+                submit_timeout_s=0.0,
+                shard_index=self._rank,  # this rank's shard: never waits on another rank's
             )
         except Exception as exc:  # copied from what is in the CacheBuffer; the rest fails
             logger.warning("UCM prefetch of %d blocks not started: %s", len(load.group), exc)
@@ -365,19 +368,18 @@ class WorkerSide:
         return {load.req_id for load in over}
 
     def _start_copy(self, load: _AsyncLoad) -> None:
-        """The second phase: pins what the CacheBuffer holds of the load's blocks and submits
-        their copy into vLLM's blocks (it never reaches a lower tier: every shard is pinned)."""
+        """The second phase: pins what the CacheBuffer holds of this rank's shards of the
+        load's blocks and submits their copy into vLLM's blocks (it never reaches a lower
+        tier: every shard it copies is pinned). With TP > 1 each rank judges its own shards;
+        vLLM recomputes a block any rank reports failed."""
         load.copying = True
         ids = [block_id for block_id, _ in load.group]
         try:
-            load.pins = self._store.pin(ids)
+            load.pins = self._store.pin(ids, shard_index=self._rank)
         except Exception as exc:
             logger.warning("UCM: could not pin %d loaded blocks: %s", len(ids), exc)
             return
-        every = self._store.layout.shards_per_block
-        load.held = [
-            pair for pair, pin in zip(load.group, load.pins, strict=False) if pin.held == every
-        ]
+        load.held = [pair for pair, pin in zip(load.group, load.pins, strict=False) if pin.held]
         self._submit_held(load)
 
     def _submit_held(self, load: _AsyncLoad, submit_timeout_s: float | None = None) -> None:
