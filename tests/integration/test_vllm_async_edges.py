@@ -65,6 +65,11 @@ class Space:
     def gate_open(self) -> bool:
         return _tiers.GATES[self.name].is_set()
 
+    def close_gate(self) -> None:
+        """Holds the tier's next loads and dumps again (ENTERED is set by the next one)."""
+        _tiers.ENTERED[self.name].clear()
+        _tiers.GATES[self.name].clear()
+
     def wait_entered(self) -> None:
         assert _tiers.ENTERED[self.name].wait(GATE_WAIT_S), "no load reached the gate"
 
@@ -426,6 +431,70 @@ def test_a_direct_load_of_blocks_this_rank_is_still_dumping_never_holds_the_step
         assert stats["load_failed_blocks"] == (0 if dump_ends else 2)
         assert stats["load_late_blocks"] == (0 if dump_ends else 2)
         assert stats["loaded_blocks"] == (2 if dump_ends else 0)
+        h.assert_clean()
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_a_direct_load_past_its_deadline_is_recomputed_and_its_late_bytes_reach_no_vllm_block(
+    tmp_path: Path, space: Space, async_scheduling: bool
+) -> None:
+    """No CacheBuffer, so c's load of e's blocks is direct, and the tier holds it at the gate.
+    Past ucm_load_deadline_s c is reported with both blocks failed (late) while the gate stays
+    closed, vLLM recomputes them, and c's tokens are right. c's blocks then go to d, a new
+    prompt in a KV cache just big enough for it; only then does the gate open, and the late
+    load ends in its staging memory (freed once it is over), never in d's blocks: d's tokens
+    are right. On the code before, c's load had no deadline: c waited for the gate."""
+    h = Harness(
+        tmp_path / "h",
+        tiers=[space.tier(True)],
+        unique_id=f"vllm-edges-{uuid.uuid4().hex[:10]}",
+        async_scheduling=async_scheduling,
+        num_blocks=8,
+        extra_config={"ucm_load_deadline_s": 0.5},
+    )
+    from ucm.integration import bounded
+
+    store = h.worker._store
+    space.open_gate()
+    d_prompt = tokens(6, 6 * BLOCK + 3)  # 7 of the 7 usable blocks, with its decode
+    opener = threading.Timer(60.0, space.open_gate)  # bounds the wait of the code before
+    try:
+        h.add("e", E, 2)
+        _step_until(h, lambda: len(h.outputs.get("e", [])) == 2)
+        h.run(STEPS_MAX)
+        assert h.stored_count("e") == 2
+        space.close_gate()
+        opener.start()
+        h.add("c", E, 3)
+        _step_until(h, lambda: "c" in h.finished_recving, settle=False)
+        assert not space.gate_open(), "c's load waited for the gate"
+        (table,) = [r.async_loads["c"] for r in h.records if "c" in r.async_loads]
+        (done,) = [r for r in h.records if "c" in r.finished_recving]
+        assert done.invalid == set(table)
+        late = bounded.late_of(store)
+        assert len(late) == 1 and not store.check(late[0])  # still at the gate
+        _step_until(h, lambda: len(h.outputs.get("c", [])) == 3, settle=False)
+        assert h.outputs["c"] == Harness.expected_outputs(E, 3)
+        _step_until(h, lambda: "c" not in h.scheduler.requests, settle=False)
+        h.add("d", d_prompt, 4)
+        _step_until(h, lambda: len(h.outputs.get("d", [])) >= 1, settle=False)
+        freed_c = set(next(iter(h._held_blocks().values()), []))  # d's blocks
+        assert set(table) <= freed_c, (table, freed_c)  # d holds c's former blocks
+        assert not space.gate_open()
+    finally:
+        opener.cancel()
+        space.open_gate()
+    try:
+        store.wait(late[0], timeout_s=GATE_WAIT_S)  # the late load ends: into staging
+        bounded.reap_late()
+        assert bounded.late_of(store) == []
+        h.run(STEPS_MAX)
+        assert h.outputs["d"] == Harness.expected_outputs(d_prompt, 4)
+        stats = h.worker._worker.stats.data
+        assert stats["load_late_blocks"] == 2
+        assert stats["load_failed_blocks"] == 2
         h.assert_clean()
     finally:
         h.close()

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from .. import Store, Task, TaskError, arguments
 from ..errors import ConfigError, KeyMissingError, UcmError
+from ..layout import Layout
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +73,36 @@ class LateLoadError(UcmError):
     """A block that did not reach the engine's memory within the load deadline."""
 
 
+class Staging:
+    """Private memory for ``count`` shards of ``layout``, which a load writes before what
+    arrived in time is copied into an engine's memory. ``addresses[n]``: shard n's tensors,
+    as :meth:`~ucm.Store.load_data` takes them. ``populate``: fault every page in now (one
+    call, on the caller's thread); otherwise the load's threads fault them in as they write."""
+
+    __slots__ = ("addresses", "memory")
+
+    def __init__(self, layout: Layout, count: int, *, populate: bool = True) -> None:
+        shard_size = layout.shard_size
+        flags = mmap.MAP_PRIVATE | (mmap.MAP_POPULATE if populate else 0)
+        self.memory = mmap.mmap(-1, max(1, shard_size * count), flags=flags)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.memory))
+        sizes = layout.tensor_sizes
+        offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+        self.addresses = [
+            [base + n * shard_size + offset for offset in offsets] for n in range(count)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.memory)
+
+
 @dataclass
 class _Late:
     """Staging memory a late load may still write: kept until the load is over."""
 
     store: Store
     task: Task
-    staging: mmap.mmap
+    staging: Staging
 
 
 _LATE: list[_Late] = []
@@ -86,6 +110,25 @@ _LATE: list[_Late] = []
 that the memory outlives the engine's backend object too (a load still running when the store
 closed, past its close's wait, is left running)."""
 _LATE_LOCK = threading.Lock()
+
+
+def keep_late(store: Store, task: Task, staging: Staging) -> None:
+    """Keeps ``staging`` until ``task`` (a load into it that ran late) is over."""
+    with _LATE_LOCK:
+        _LATE.append(_Late(store, task, staging))
+
+
+def reap_late() -> None:
+    """Frees the staging memory of late loads that are over (of every store)."""
+    with _LATE_LOCK:
+        if _LATE:
+            _LATE[:] = [late for late in _LATE if not late.task.done()]
+
+
+def late_of(store: Store) -> list[Task]:
+    """The late loads of ``store`` still writing staging memory."""
+    with _LATE_LOCK:
+        return [late.task for late in _LATE if late.store is store]
 
 
 class BoundedLoads:
@@ -117,7 +160,7 @@ class BoundedLoads:
         each block that did not load. ``deadline``: a ``time.monotonic()`` instant (default:
         now plus ``deadline_s``). Returns by then, plus the memcpy of what arrived; nothing is
         written into ``pointers`` after it returned."""
-        self._reap()
+        reap_late()
         if deadline is None:
             deadline = time.monotonic() + self.deadline_s
         failed: dict[bytes, BaseException | str] = {}
@@ -258,16 +301,9 @@ class BoundedLoads:
         addresses = arguments.check_pointers(pointers, len(block_ids), store.layout, "dst_ptrs")
         with self._lock:
             self.staged_blocks += len(chosen)
-        shard_size = store.layout.shard_size
-        # MAP_POPULATE: the pages are faulted in by one call, not one fault each.
-        staging = mmap.mmap(
-            -1, shard_size * len(chosen), flags=mmap.MAP_PRIVATE | mmap.MAP_POPULATE
-        )
-        base = ctypes.addressof(ctypes.c_char.from_buffer(staging))
-        offsets = [sum(sizes[:j]) for j in range(len(sizes))]
-        staged = [
-            [base + n * shard_size + offset for offset in offsets] for n in range(len(chosen))
-        ]
+        # Populated: the pages are faulted in by one call, not one fault each.
+        staging = Staging(store.layout, len(chosen))
+        staged = staging.addresses
         try:
             task = store.load_data(
                 [block_ids[i] for i in chosen],
@@ -284,7 +320,7 @@ class BoundedLoads:
         try:
             store.wait(task, timeout_s=_left(deadline))
         except TimeoutError:
-            self._keep(task, staging)
+            keep_late(store, task, staging)
             for i in chosen:
                 failed.setdefault(block_ids[i], self._late("loaded"))
             return
@@ -292,7 +328,7 @@ class BoundedLoads:
             _by_block(exc, causes)
         except BaseException:
             if not store.check(task):  # still running: its memory must outlive it
-                self._keep(task, staging)
+                keep_late(store, task, staging)
             raise
         for n, i in enumerate(chosen):
             block = block_ids[i]
@@ -306,35 +342,22 @@ class BoundedLoads:
     def _late(self, what: str) -> LateLoadError:
         return LateLoadError(f"not {what} within the load deadline ({self.deadline_s:g} s)")
 
-    def _keep(self, task: Task, staging: mmap.mmap) -> None:
-        with _LATE_LOCK:
-            _LATE.append(_Late(self._store, task, staging))
-
-    def _reap(self) -> None:
-        """Frees the staging memory of late loads that are over (of every store)."""
-        with _LATE_LOCK:
-            if _LATE:
-                _LATE[:] = [late for late in _LATE if not late.task.done()]
-
-    def _mine(self) -> list[_Late]:
-        with _LATE_LOCK:
-            return [late for late in _LATE if late.store is self._store]
-
     def wait_late(self, timeout_s: float) -> bool:
         """Waits up to ``timeout_s`` for the late loads still writing staging memory; True
         once none is left (their memory is then freed)."""
         end = time.monotonic() + timeout_s
-        for late in self._mine():
+        for task in late_of(self._store):
             try:
-                self._store.wait(late.task, timeout_s=max(0.0, end - time.monotonic()))
+                self._store.wait(task, timeout_s=max(0.0, end - time.monotonic()))
             except TimeoutError:
                 return False
             except TaskError:
                 pass  # over: its failures were reported when it ran late
-        self._reap()
-        return not self._mine()
+        reap_late()
+        return not late_of(self._store)
 
     @property
     def late_staging_bytes(self) -> int:
         """Staging memory that late loads still hold."""
-        return sum(len(late.staging) for late in self._mine())
+        with _LATE_LOCK:
+            return sum(len(late.staging) for late in _LATE if late.store is self._store)

@@ -41,8 +41,8 @@ EXTRA_KEYS = {
     "run (under vLLM's asynchronous scheduling every load does); false: every load finishes "
     "before the forward pass",
     "ucm_load_deadline_s": "seconds an asynchronous load may take (default "
-    "10); blocks not in the CacheBuffer by then are reported failed and recomputed; also the "
-    "most a step's load waits for this rank's own dumps of its blocks",
+    "10); blocks not in the CacheBuffer (without one: not loaded) by then are reported failed "
+    "and recomputed; also the most a step's load waits for this rank's own dumps of its blocks",
     "ucm_lookup_wait_ms": "milliseconds the scheduler waits for a look-up that reaches a tier "
     "below the CacheBuffer (default 20); a slower one finishes in the background while vLLM "
     "schedules the other requests, and its request is scheduled on a later step",

@@ -219,9 +219,9 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         CacheBuffer), under either scheduling. Every such load reads a lower tier, so a
         synchronous one would hold the forward pass for the read (and under vLLM's
         asynchronous scheduling, one that failed would cost its request a token). A direct
-        load has no deadline of its own (its late bytes could only land in blocks vLLM had
-        reused): vLLM keeps the request's blocks until the worker reports it over, and the
-        tiers' own request deadlines bound it; only its own request waits for it."""
+        load reads into the worker's staging memory and is copied into vLLM's blocks once
+        over; past ``ucm_load_deadline_s`` it is reported failed and its late bytes end in
+        the staging memory (:class:`~ucm.integration.vllm.worker._AsyncLoad`)."""
         return self._async_load_on() and self._store.buffer is None
 
     def _hold(self, ids: Sequence[bytes]) -> Callable[[], None] | None:
@@ -483,6 +483,9 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         claims = getattr(self, "_claims", None)
         if claims is not None:
             claims.close()
+        worker = getattr(self, "_worker", None)
+        if worker is not None:  # direct loads still running keep their staging memory
+            worker.close()
         # Pending dumps and write-through work finish before the store closes.
         started = time.perf_counter()
         self._store.close()

@@ -7,16 +7,19 @@ tensor views."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ucm.errors import TaskError
 
 from ..addresses import BlockAddresses
+from ..bounded import Staging, keep_late, reap_late
 from .metadata import BlockTransfer, UcmConnectorMetadata, UcmWorkerMetadata
 from .metrics import UcmConnectorStats
 
@@ -49,11 +52,13 @@ class _AsyncLoad:
     blocks by the native copy threads. The request is reported in ``finished_recving`` when
     that copy is over: vLLM keeps its blocks until then, even if it is aborted.
 
-    A *direct* load (``WorkerSide(direct_async=True)``: no CacheBuffer) has the
-    second phase only: one load task reads the blocks from wherever the store has them
-    straight into vLLM's blocks. It is submitted once this rank's dumps of its blocks are
-    over, or ``deadline`` passed (those blocks then fail); the task itself has no deadline:
-    bytes that arrived after one could only land in blocks vLLM had reused."""
+    A *direct* load (``WorkerSide(direct_async=True)``: no CacheBuffer) has no CacheBuffer
+    to stage in: one load task reads the blocks from the tiers into private memory
+    (``staging``), submitted once this rank's dumps of its blocks are over, and the blocks
+    that arrived by ``deadline`` are copied from there into vLLM's blocks (``placing``, on
+    the worker's placing thread). Past the deadline the load is over with every block
+    failed; its task goes on into the staging memory only, which is kept until it ends
+    (``ucm.integration.bounded.keep_late``), never into a block vLLM recomputes or reuses."""
 
     req_id: str
     group: list[tuple[bytes, int]]
@@ -79,6 +84,10 @@ class _AsyncLoad:
     after_dumps: bool = False
     """Its prefetch waits for this rank's dumps of its blocks (started by ``advance_async``
     once they are over; past the deadline, the blocks the CacheBuffer holds are copied)."""
+    staging: Staging | None = None
+    """A direct load's private memory: ``held[n]`` is loaded into ``staging.addresses[n]``."""
+    placing: Future[None] | None = None
+    """A direct load's copy of what arrived in time from ``staging`` into vLLM's blocks."""
 
 
 def unique_key_groups(loads: Iterable[BlockTransfer]) -> list[list[tuple[bytes, int]]]:
@@ -140,6 +149,8 @@ class WorkerSide:
         self._dumped: Counter[bytes] = Counter()
         self._dump_failed: set[bytes] = set()
         """Dumps finished since the last step's worker metadata (see UcmWorkerMetadata)."""
+        self._placer: ThreadPoolExecutor | None = None
+        """Copies direct loads from their staging memory into vLLM's blocks, off the step."""
 
     def set_block_views(
         self, views: list[torch.Tensor], addresses: BlockAddresses | None = None
@@ -155,7 +166,6 @@ class WorkerSide:
         ids: list[bytes],
         vllm_blocks: list[int],
         background: bool = False,
-        submit_timeout_s: float | None = None,
     ) -> Task:
         """``background``: an asynchronous load's copy, which no step waits on. A load reads
         from below unless synchronous ones are of CacheBuffer hits (``hits_only``)."""
@@ -168,7 +178,6 @@ class WorkerSide:
                 addresses.of(vllm_blocks),
                 background=background,
                 fill=fill,
-                submit_timeout_s=submit_timeout_s,
             )
         return self._store.load(
             ids,
@@ -176,7 +185,6 @@ class WorkerSide:
             self._block_tensors(vllm_blocks),
             background=background,
             fill=fill,
-            submit_timeout_s=submit_timeout_s,
         )
 
     def _dump_task(self, ids: list[bytes], vllm_blocks: list[int]) -> Task:
@@ -283,11 +291,89 @@ class WorkerSide:
         return running
 
     def _submit_direct(self, load: _AsyncLoad, dumping: set[bytes]) -> None:
-        """Submits a direct load's task, without the blocks still being dumped (failed)."""
+        """Submits a direct load's task into staging memory, without the blocks still being
+        dumped (failed); a load the full queue does not take at once fails whole."""
+        reap_late()
         load.copying = True
         load.late = bool(dumping)
         load.held = [pair for pair in load.group if pair[0] not in dumping]
-        self._submit_held(load, submit_timeout_s=0.0)  # never holds the step up
+        if not load.held:
+            return
+        try:
+            # Not populated here: the loader threads fault the pages in as they write.
+            load.staging = Staging(self._store.layout, len(load.held), populate=False)
+            load.copy = self._store.load_data(
+                [block_id for block_id, _ in load.held],
+                self._rank,
+                load.staging.addresses,
+                background=True,
+                submit_timeout_s=0.0,  # never holds the step up
+            )
+        except Exception as exc:
+            logger.warning("UCM load of %d blocks not submitted: %s", len(load.held), exc)
+            load.held = []
+            load.staging = None
+
+    def _advance_direct(self, load: _AsyncLoad, now: float) -> None:
+        """A submitted direct load: once its task is over, the copy of the blocks that loaded
+        into vLLM's blocks starts (off the step); past the deadline with the task still
+        running, the load is over with every block late, and its staging memory is kept
+        until the task ends."""
+        task, staging = load.copy, load.staging
+        if load.placing is not None or task is None or staging is None:
+            return
+        if self._store.check(task):
+            failed = self._wait_load(task, load.held)
+            placed = [
+                (n, vllm_block)
+                for n, (block_id, vllm_block) in enumerate(load.held)
+                if block_id not in failed
+            ]
+            load.held = [pair for pair in load.held if pair[0] not in failed]
+            load.copy = None
+            if placed:
+                if self._placer is None:
+                    self._placer = ThreadPoolExecutor(1, thread_name_prefix="ucm-place")
+                load.placing = self._placer.submit(self._place, staging, placed)
+            else:
+                load.staging = None
+        elif now >= load.deadline:
+            keep_late(self._store, task, staging)
+            load.late = True
+            load.held = []
+            load.copy = None
+            load.staging = None
+
+    def _place(self, staging: Staging, placed: list[tuple[int, int]]) -> None:
+        """Copies shard ``n`` of ``staging`` into vLLM block ``b`` for each (n, b) of
+        ``placed`` (the placing thread: a memcpy, or a host-to-device copy for CUDA)."""
+        sizes = self._store.layout.tensor_sizes
+        addresses = self._addresses
+        if addresses is not None:
+            destinations = addresses.of([vllm_block for _, vllm_block in placed])
+            for k, (n, _) in enumerate(placed):
+                for j, size in enumerate(sizes):
+                    ctypes.memmove(destinations[k * len(sizes) + j], staging.addresses[n][j], size)
+            return
+        import torch
+
+        memory = torch.frombuffer(staging.memory, dtype=torch.uint8)
+        shard_size = self._store.layout.shard_size
+        for n, vllm_block in placed:
+            offset = n * shard_size
+            for view, size in zip(self._block_views, sizes, strict=True):
+                target = view[vllm_block].reshape(-1).view(torch.uint8)
+                target.copy_(memory[offset : offset + size])
+                offset += size
+
+    def close(self) -> None:
+        """Keeps the staging memory of direct loads still running until they end, and waits
+        for the copies out of staging (memcpys) to finish."""
+        for load in self._async:
+            if load.copy is not None and load.staging is not None:
+                keep_late(self._store, load.copy, load.staging)
+        if self._placer is not None:
+            self._placer.shutdown(wait=True)
 
     def _start_prefetches(self, meta: UcmConnectorMetadata) -> None:
         """Starts moving the blocks of the step's asynchronous loads up into the CacheBuffer.
@@ -326,11 +412,14 @@ class WorkerSide:
         now = time.monotonic()
         for load in self._async:
             if load.copying:
+                if load.direct:
+                    self._advance_direct(load, now)
                 continue
             if load.direct:
                 dumping = self._dumps_running(load.group)
                 if not dumping or now >= load.deadline:
                     self._submit_direct(load, dumping)
+                    self._advance_direct(load, now)
                 continue
             if load.after_dumps:
                 if self._dumps_running(load.group) and now < load.deadline:
@@ -355,17 +444,21 @@ class WorkerSide:
         if not self._async:
             return set()
         self.advance_async()
-        over = [
-            load
-            for load in self._async
-            if load.copying and (load.copy is None or self._store.check(load.copy))
-        ]
+        over = [load for load in self._async if self._over(load)]
         if not over:
             return set()
         self._async = [load for load in self._async if load not in over]
         for load in over:
             self._finish_async(load)
         return {load.req_id for load in over}
+
+    def _over(self, load: _AsyncLoad) -> bool:
+        """Whether the load is over: its copy into vLLM's blocks finished, or never started."""
+        if not load.copying:
+            return False
+        if load.direct:
+            return load.copy is None and (load.placing is None or load.placing.done())
+        return load.copy is None or self._store.check(load.copy)
 
     def _start_copy(self, load: _AsyncLoad) -> None:
         """The second phase: pins what the CacheBuffer holds of this rank's shards of the
@@ -380,20 +473,14 @@ class WorkerSide:
             logger.warning("UCM: could not pin %d loaded blocks: %s", len(ids), exc)
             return
         load.held = [pair for pair, pin in zip(load.group, load.pins, strict=False) if pin.held]
-        self._submit_held(load)
-
-    def _submit_held(self, load: _AsyncLoad, submit_timeout_s: float | None = None) -> None:
-        """Submits the load task of ``load.held`` into vLLM's blocks, in the background (none
-        when nothing is held); one that is not submitted leaves nothing held: every block
-        of the load then fails."""
         if not load.held:
             return
+        # One that is not submitted leaves nothing held: every block of the load then fails.
         try:
             load.copy = self._load_task(
                 [block_id for block_id, _ in load.held],
                 [vllm_block for _, vllm_block in load.held],
                 background=True,
-                submit_timeout_s=submit_timeout_s,
             )
         except Exception as exc:
             logger.warning("UCM load of %d blocks not submitted: %s", len(load.held), exc)
@@ -403,6 +490,14 @@ class WorkerSide:
         """Collects a load whose copy is over (or never started): releases its pins and marks
         every block it did not copy as a load error."""
         ids = [block_id for block_id, _ in load.group]
+        if load.placing is not None:
+            try:
+                load.placing.result()
+            except Exception as exc:
+                logger.warning("UCM: copying %d loaded blocks failed: %s", len(load.held), exc)
+                load.held = []
+            load.placing = None
+            load.staging = None
         try:
             copied = {block_id for block_id, _ in load.held}
             if load.copy is not None:
