@@ -1,6 +1,7 @@
 """Loads without a CacheBuffer under vLLM 0.32's own ``AsyncScheduler`` (``_vllm_sched.py``,
 with the configuration's ``async_scheduling`` on, as CUDA vLLM's is) and its ``Scheduler``:
-every load is asynchronous and goes straight into vLLM's blocks, off the step
+every load is asynchronous, read into the worker's staging memory and copied into vLLM's
+blocks, off the step
 (``UcmConnector._direct_loads``): each reads a lower tier, which must not hold the forward pass.
 
 Under asynchronous scheduling step K+1 is scheduled before step K's output is processed. A

@@ -30,11 +30,13 @@ request with an unconfirmed load is held until its outcome is known. Blocks alre
 the store are not dumped again (one lookup per step).
 
 **Worker processes** (``role=WORKER``, one per TP rank): a worker store (``device_id`` = the
-rank on this node). ``start_load_kv`` loads the step's blocks straight into vLLM's KV cache
-tensors (``store.load`` with each layer's block as a tensor view: no staging copy) and waits for
-them before the forward; blocks that fail (missing, corrupt, dead tier) are returned by
-``get_block_ids_with_load_errors`` so that vLLM recomputes them. ``wait_for_save`` submits the
-step's dumps as a task and returns: the forward pass never waits for a dump. The scheduler
+rank on this node). ``start_load_kv`` loads the step's synchronous loads (CacheBuffer hits)
+straight into vLLM's KV cache tensors (no staging copy) and waits for them before the
+forward, and starts the asynchronous ones (a prefetch into the CacheBuffer, or without one a
+*direct* load into staging memory), reported in ``get_finished`` once copied; blocks that
+fail (missing, corrupt, dead tier, late) are returned by ``get_block_ids_with_load_errors`` so
+that vLLM recomputes them. ``wait_for_save`` submits the step's dumps as a task and returns:
+the forward pass never waits for a dump. The scheduler
 *releases* each finished request whose blocks vLLM keeps with the step that carries its last
 save; ``get_finished`` reports it once every save of it has completed, whatever order vLLM calls
 the hooks in. Blocks of a preempted request are dumped before vLLM can reuse them

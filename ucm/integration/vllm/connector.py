@@ -214,14 +214,14 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._async_load_on() and self._store.buffer is not None
 
     def _direct_loads(self) -> bool:
-        """Whether every load is asynchronous and goes straight into vLLM's blocks, off the
-        step: when loads cannot go through the CacheBuffer (:meth:`_async_loads`: no
-        CacheBuffer), under either scheduling. Every such load reads a lower tier, so a
-        synchronous one would hold the forward pass for the read (and under vLLM's
-        asynchronous scheduling, one that failed would cost its request a token). A direct
-        load reads into the worker's staging memory and is copied into vLLM's blocks once
-        over; past ``ucm_load_deadline_s`` it is reported failed and its late bytes end in
-        the staging memory (:class:`~ucm.integration.vllm.worker._AsyncLoad`)."""
+        """Whether every load is asynchronous and *direct* (read from the tiers, not through
+        a CacheBuffer), off the step: when loads cannot go through the CacheBuffer
+        (:meth:`_async_loads`: no CacheBuffer), under either scheduling. Every such load
+        reads a lower tier, so a synchronous one would hold the forward pass for the read
+        (and under vLLM's asynchronous scheduling, one that failed would cost its request a
+        token). A direct load reads into the worker's staging memory and is copied into
+        vLLM's blocks once over; past ``ucm_load_deadline_s`` it is reported failed and its
+        late bytes end in the staging memory (:class:`~ucm.integration.vllm.worker._AsyncLoad`)."""
         return self._async_load_on() and self._store.buffer is None
 
     def _hold(self, ids: Sequence[bytes]) -> Callable[[], None] | None:

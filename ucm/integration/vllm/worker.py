@@ -124,7 +124,7 @@ class WorkerSide:
     ) -> None:
         self._store = store
         self._direct_async = direct_async
-        """Asynchronous loads read straight into vLLM's blocks (:class:`_AsyncLoad`)."""
+        """Asynchronous loads read into staging memory, not a CacheBuffer (:class:`_AsyncLoad`)."""
         self._load_deadline_s = load_deadline_s
         self._hits_only = hits_only
         """The scheduler loads asynchronously whatever is not all in the CacheBuffer, so a
@@ -261,9 +261,11 @@ class WorkerSide:
             self._start_prefetches(meta)
 
     def _start_direct(self, meta: UcmConnectorMetadata) -> None:
-        """Starts each asynchronous load as one load task straight into vLLM's blocks (no
-        CacheBuffer to stage them in), reported in ``finished_recving`` once the task is over,
-        however long the tiers take: vLLM keeps the blocks until then, aborted or not. A load
+        """Starts each asynchronous load as one load task into the worker's staging memory
+        (no CacheBuffer to stage them in; see :class:`_AsyncLoad`), reported in
+        ``finished_recving`` once what loaded is copied into vLLM's blocks, or past
+        ``ucm_load_deadline_s`` with every block failed: vLLM keeps the blocks until then,
+        aborted or not. A load
         of blocks this rank is still dumping is submitted once those dumps are over (a later
         :meth:`advance_async`; the step never waits for them), or with those blocks failed
         once ``ucm_load_deadline_s`` passed. A load the full queue does not take at once
