@@ -20,7 +20,8 @@ only.
 
 A block absent from every tier is not read twice: the prefetch's miss fails it at once.
 The vLLM connector has its own, asynchronous loads (``ucm_load_deadline_s`` in
-``docs/vllm.md``); this module shares their deadline's bounds and default.
+``docs/vllm.md``); this module shares their deadline's bounds and default, and its staging
+memory (:class:`Staging`, :func:`keep_late`) serves their *direct* loads (no CacheBuffer).
 """
 
 from __future__ import annotations
