@@ -439,6 +439,8 @@ def tp2(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> di
     stack = _stack(root, "tp2")
     port = _free_port_pair()
     later = _free_port_pair()
+    while abs(later - port) < 2:  # the second engine's pair: never the first one's ports
+        later = _free_port_pair()
     extra = {"ucm_metrics_port": port}
     plan = {
         "engines": [
