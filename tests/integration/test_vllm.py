@@ -439,8 +439,11 @@ def tp2(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> di
     stack = _stack(root, "tp2")
     port = _free_port_pair()
     later = _free_port_pair()
-    while abs(later - port) < 2:  # the second engine's pair: never the first one's ports
+    for _ in range(100):  # the second engine's pair: never the first one's ports
+        if abs(later - port) >= 2:
+            break
         later = _free_port_pair()
+    assert abs(later - port) >= 2
     extra = {"ucm_metrics_port": port}
     plan = {
         "engines": [
