@@ -4,7 +4,7 @@
 const std = @import("std");
 
 /// Bumped whenever the C ABI changes; the Python binding refuses a library with another value.
-pub const abi_version: u32 = 10;
+pub const abi_version: u32 = 11;
 
 /// Futex words are 32-bit on Linux, and they must be naturally aligned.
 pub const futex_word_size_bytes: usize = 4;
@@ -28,6 +28,17 @@ pub const checksum_parts_max: usize = 1 << 16;
 comptime {
     std.debug.assert(checksum_parts_max > 0);
     std.debug.assert(checksum_parts_max <= std.math.maxInt(u32));
+}
+
+// ---- Copies of caller ranges (exports.zig: ucm_copy_ranges) ----
+
+/// Most ranges one copy call moves: a load's blocks times their tensors (a caller with more
+/// splits them over several calls).
+pub const copy_ranges_max: usize = 1 << 20;
+
+comptime {
+    std.debug.assert(copy_ranges_max > 0);
+    std.debug.assert(copy_ranges_max <= std.math.maxInt(u32));
 }
 
 // ---- The native load queue (queue.zig) ----

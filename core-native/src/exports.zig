@@ -62,6 +62,77 @@ pub export fn ucm_checksum(n: u32, addresses: [*]const usize, lengths_bytes: [*]
     return @intFromEnum(Error.ok);
 }
 
+// ---- Copies ----
+
+/// Copies `n` caller ranges, `lengths_bytes[i]` bytes from `sources[i]` to `destinations[i]`,
+/// in order, in one call: a Python caller releases the GIL once for all of them, where one
+/// `ctypes.memmove` per range waits to take the GIL back after every range (behind any other
+/// Python thread that runs, up to a switch interval each). Stores are fenced before it
+/// returns. Returns 0, or invalid_argument (nothing copied) for more than `copy_ranges_max`
+/// ranges, a null address with a non-zero length, a range that wraps the address space, or
+/// a range whose source and destination overlap.
+pub export fn ucm_copy_ranges(n: u32, destinations: [*]const usize, sources: [*]const usize, lengths_bytes: [*]const usize) i32 {
+    if (n > constants.copy_ranges_max) return @intFromEnum(Error.invalid_argument);
+    if (!copy_ranges_valid(destinations[0..n], sources[0..n], lengths_bytes[0..n])) {
+        return @intFromEnum(Error.invalid_argument);
+    }
+    for (destinations[0..n], sources[0..n], lengths_bytes[0..n]) |destination, source, length_bytes| {
+        queue_module.copy_bytes(destination, source, length_bytes);
+    }
+    queue_module.store_fence(); // the non-temporal stores of copy_bytes, before the caller reads
+    return @intFromEnum(Error.ok);
+}
+
+fn copy_ranges_valid(destinations: []const usize, sources: []const usize, lengths_bytes: []const usize) bool {
+    std.debug.assert(destinations.len == sources.len and sources.len == lengths_bytes.len);
+    for (destinations, sources, lengths_bytes) |destination, source, length_bytes| {
+        if (length_bytes == 0) continue;
+        if (destination == 0 or source == 0) return false;
+        const destination_end = std.math.add(usize, destination, length_bytes) catch return false;
+        const source_end = std.math.add(usize, source, length_bytes) catch return false;
+        if (destination < source_end and source < destination_end) return false; // overlap
+    }
+    return true;
+}
+
+test "copy_ranges: copies every range byte for byte and refuses bad ranges whole" {
+    var prng = std.Random.DefaultPrng.init(11);
+    const random = prng.random();
+    var source: [4096 + 64]u8 = undefined;
+    random.bytes(&source);
+    var target = [_]u8{0} ** (4096 + 64);
+    // Three ranges, one long enough for the non-temporal path, one empty, one unaligned.
+    const destinations = [_]usize{ @intFromPtr(&target) + 1, @intFromPtr(&target), @intFromPtr(&target) + 4097 };
+    const sources = [_]usize{ @intFromPtr(&source) + 3, 0, @intFromPtr(&source) };
+    const lengths_bytes = [_]usize{ 4096, 0, 63 };
+    try std.testing.expectEqual(@as(i32, 0), ucm_copy_ranges(3, &destinations, &sources, &lengths_bytes));
+    try std.testing.expectEqualSlices(u8, source[3 .. 3 + 4096], target[1 .. 1 + 4096]);
+    try std.testing.expectEqualSlices(u8, source[0..63], target[4097 .. 4097 + 63]);
+    try std.testing.expectEqual(@as(u8, 0), target[0]);
+
+    const before = target;
+    const invalid = @intFromEnum(Error.invalid_argument);
+    // The second range overlaps itself: nothing is copied, not even the first range.
+    const first_then_overlap_destinations = [_]usize{ @intFromPtr(&target) + 100, @intFromPtr(&target) };
+    const first_then_overlap_sources = [_]usize{ @intFromPtr(&source), @intFromPtr(&target) + 10 };
+    const first_then_overlap_lengths = [_]usize{ 8, 11 };
+    try std.testing.expectEqual(invalid, ucm_copy_ranges(
+        2,
+        &first_then_overlap_destinations,
+        &first_then_overlap_sources,
+        &first_then_overlap_lengths,
+    ));
+    const nulls = [_]usize{0};
+    const one = [_]usize{1};
+    try std.testing.expectEqual(invalid, ucm_copy_ranges(1, &nulls, &sources, &one));
+    const wrapping = [_]usize{std.math.maxInt(usize) - 2};
+    const four = [_]usize{4};
+    try std.testing.expectEqual(invalid, ucm_copy_ranges(1, &wrapping, &sources, &four));
+    const too_many: u32 = @intCast(constants.copy_ranges_max + 1);
+    try std.testing.expectEqual(invalid, ucm_copy_ranges(too_many, &destinations, &sources, &lengths_bytes));
+    try std.testing.expectEqualSlices(u8, &before, &target);
+}
+
 // ---- CacheBuffer ----
 // Batched entry points over a control region at `ctrl` (see buffer.zig). Arrays are caller
 // memory of `n` elements; per-key outcomes are written to `out_*`. A negative return is a

@@ -473,16 +473,21 @@ class Harness:
                 time.sleep(0.005)
 
     def settle_loads(self, timeout_s: float = 60.0) -> None:
-        """Waits (bounded) until each asynchronous load's task in flight (its prefetch, or its
-        copy into vLLM's blocks) is over, or its deadline passed: an engine whose every
-        request waits for its load spins through empty steps for as long as the load takes,
-        not a fixed count of them."""
+        """Waits (bounded) until each asynchronous load's work in flight (its prefetch, its
+        copy into vLLM's blocks, or a direct load's task and then its placing copy out of
+        staging) is over, or its deadline passed: an engine whose every request waits for
+        its load spins through empty steps for as long as the load takes, not a fixed count
+        of them. (This harness's empty steps take about 0.1 ms and hold the GIL, where a
+        real step computes for milliseconds: a fixed count of them bounds nothing.)"""
         deadline = time.monotonic() + timeout_s
         store = self.worker._store
         for load in list(self.worker._worker._async):
-            task = load.copy if load.copying else load.prefetch
-            while task is not None and not store.check(task):
-                if not load.copying and time.monotonic() >= load.deadline:
+            while True:
+                task = load.copy if load.copying else load.prefetch
+                if task is not None and not store.check(task):
+                    if not load.copying and time.monotonic() >= load.deadline:
+                        break
+                elif load.placing is None or load.placing.done():
                     break
                 if time.monotonic() > deadline:
                     raise AssertionError(f"{load.req_id}'s load did not finish in time")

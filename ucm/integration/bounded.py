@@ -15,7 +15,8 @@ only.
   load, done synchronously. A hit costs a pin, the copy and an unpin.
 - **Through staging memory** (a stack without a buffer, or blocks the prefetch could not place
   in the buffer, such as a full one): the shards are loaded into private memory, waited for
-  until the deadline, and copied into the engine's memory only if they arrived in time. Staging
+  until the deadline, and copied into the engine's memory only if they arrived in time (one
+  native call for all of them, :func:`~ucm.native.copy.copy_ranges`). Staging
   memory of a load that ran late is kept until that load is over, so a late write lands in it.
 
 A block absent from every tier is not read twice: the prefetch's miss fails it at once.
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from .. import Store, Task, TaskError, arguments
 from ..errors import ConfigError, KeyMissingError, UcmError
 from ..layout import Layout
+from ..native.copy import copy_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -331,14 +333,17 @@ class BoundedLoads:
             if not store.check(task):  # still running: its memory must outlive it
                 keep_late(store, task, staging)
             raise
+        destinations: list[int] = []
+        sources: list[int] = []
         for n, i in enumerate(chosen):
             block = block_ids[i]
             if block in causes:
                 failed.setdefault(block, causes[block])
                 continue
-            tensors = addresses.flat[i * len(sizes) : (i + 1) * len(sizes)]
-            for source, destination, size in zip(staged[n], tensors, sizes, strict=True):
-                ctypes.memmove(destination, source, size)
+            destinations.extend(addresses.flat[i * len(sizes) : (i + 1) * len(sizes)])
+            sources.extend(staged[n])
+        # One native call: the GIL is released once, not once per tensor of every block.
+        copy_ranges(destinations, sources, list(sizes) * (len(sources) // len(sizes)))
 
     def _late(self, what: str) -> LateLoadError:
         return LateLoadError(f"not {what} within the load deadline ({self.deadline_s:g} s)")

@@ -17,10 +17,11 @@ from typing import Any
 
 # ---- constants.zig ----
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 FUTEX_WORD_SIZE_BYTES = 4
 FUTEX_WAIT_SLICE_NS = 100000000
 CHECKSUM_PARTS_MAX = 65536
+COPY_RANGES_MAX = 1048576
 QUEUE_LANE_DEPTH_MAX = 512
 QUEUE_TASKS_MAX = 1536
 QUEUE_TASK_KEYS_MAX = 16777216
@@ -478,6 +479,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ucm_version_load": (ctypes.c_int64, [ctypes.c_size_t]),
     "ucm_monotonic_ns": (ctypes.c_uint64, []),
     "ucm_checksum": (ctypes.c_int32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]),
+    "ucm_copy_ranges": (ctypes.c_int32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
     "ucm_buffer_ctrl_size_bytes": (ctypes.c_int64, [ctypes.POINTER(Geometry)]),
     "ucm_buffer_init": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint64, ctypes.POINTER(Geometry), ctypes.c_uint64]),
     "ucm_buffer_attach": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint64, ctypes.POINTER(Geometry)]),

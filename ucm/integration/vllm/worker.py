@@ -7,7 +7,6 @@ tensor views."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from collections import Counter
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ucm.errors import TaskError
+from ucm.native.copy import copy_ranges
 
 from ..addresses import BlockAddresses
 from ..bounded import Staging, keep_late, reap_late
@@ -348,14 +348,18 @@ class WorkerSide:
 
     def _place(self, staging: Staging, placed: list[tuple[int, int]]) -> None:
         """Copies shard ``n`` of ``staging`` into vLLM block ``b`` for each (n, b) of
-        ``placed`` (the placing thread: a memcpy, or a host-to-device copy for CUDA)."""
+        ``placed`` (the placing thread: one native call for a CPU KV cache, see
+        :func:`~ucm.native.copy.copy_ranges`; a host-to-device copy per tensor for CUDA)."""
         sizes = self._store.layout.tensor_sizes
         addresses = self._addresses
         if addresses is not None:
-            destinations = addresses.of([vllm_block for _, vllm_block in placed])
-            for k, (n, _) in enumerate(placed):
-                for j, size in enumerate(sizes):
-                    ctypes.memmove(destinations[k * len(sizes) + j], staging.addresses[n][j], size)
+            # One native call: the GIL is released once, not once per tensor of every block
+            # (each time back behind the engine's threads, up to a switch interval each).
+            copy_ranges(
+                addresses.of([vllm_block for _, vllm_block in placed]),
+                [source for n, _ in placed for source in staging.addresses[n]],
+                list(sizes) * len(placed),
+            )
             return
         import torch
 
