@@ -467,7 +467,7 @@ class Harness:
         """Waits (bounded) until the worker's dumps are done, as a slow step would."""
         deadline = time.monotonic() + timeout_s
         for pending in list(self.worker._worker._saves):
-            while not self.worker._store.check(pending.task):
+            while not self.worker._worker.save_done(pending):
                 if time.monotonic() > deadline:
                     raise AssertionError("a dump did not finish in time")
                 time.sleep(0.005)
@@ -589,11 +589,12 @@ class Harness:
                 self.violations.append(f"{load.req_id}'s load runs into blocks vLLM freed")
 
     def _check_done_dumping(self, req_id: str) -> None:
-        """A request reported finished must have no dump in flight or still to submit."""
+        """A request reported finished must have no dump still reading its blocks (in
+        flight from them, or a staged save's copy not over) or still to submit."""
         worker = self.worker._worker
         for pending in worker._saves:
-            if req_id in pending.requests and not self.worker._store.check(pending.task):
-                self.violations.append(f"{req_id} reported while its dump is in flight")
+            if req_id in pending.requests and worker.reads_vllm_blocks(pending):
+                self.violations.append(f"{req_id} reported while its dump reads its blocks")
         bound = getattr(worker, "_bound", None)
         if bound is not None and any(t.req_id == req_id for t in bound.saves):
             self.violations.append(f"{req_id} reported before its last save was submitted")
@@ -637,7 +638,7 @@ class Harness:
     def _check_no_dump_reads_a_free_block(self) -> None:
         held = self._held_blocks()
         for pending in self.worker._worker._saves:
-            if self.worker._store.check(pending.task):
+            if not self.worker._worker.reads_vllm_blocks(pending):
                 continue
             owners = [set(held.get(req_id, ())) for req_id in pending.requests]
             for block in getattr(pending, "vllm_blocks", ()):

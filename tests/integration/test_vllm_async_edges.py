@@ -382,6 +382,91 @@ def test_a_load_of_a_block_this_rank_is_still_dumping_waits_at_most_the_load_dea
         h.close()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_preemption_never_waits_for_a_dump_that_a_tier_holds(
+    tmp_path: Path, space: Space, async_scheduling: bool
+) -> None:
+    """No CacheBuffer, and a tier that holds every dump (the gate stays closed). 15 usable
+    vLLM blocks and two requests growing to 10 blocks each: vLLM preempts one, whose blocks
+    a dump still has to write. The worker copied them into staging memory when it submitted
+    the dump, so the preemption waits for nothing: both requests finish with the right
+    tokens while the gate is still closed, and no dump reads a block vLLM freed. On the code
+    before, ``handle_preemptions`` waited for the dump until the gate opened (the test's
+    60 s timer), and a finished request's blocks stayed held as long."""
+    h = Harness(
+        tmp_path / "h",
+        tiers=[space.tier(True)],
+        unique_id=f"vllm-edges-{uuid.uuid4().hex[:10]}",
+        async_scheduling=async_scheduling,
+        num_blocks=16,
+        # The victim's blocks are being dumped when it resumes: its load fails them then.
+        extra_config={"ucm_load_deadline_s": 0.5},
+    )
+    p1, p2 = tokens(11, 5 * BLOCK + 10), tokens(12, 5 * BLOCK + 10)
+    opener = threading.Timer(60.0, space.open_gate)  # bounds the wait of the code before
+    opener.start()
+    try:
+        h.add("p1", p1, 60)
+        h.add("p2", p2, 60)
+        _step_until(h, lambda: any(r.preempted for r in h.records), settle=False)
+        space.wait_entered()  # a dump waits at the gate
+        assert not space.gate_open(), "the preemption waited for a dump the tier holds"
+        _step_until(h, lambda: {"p1", "p2"} <= set(h.finished_sending), settle=False)
+        assert not space.gate_open(), "a request waited for a dump the tier holds"
+        assert h.outputs["p1"] == Harness.expected_outputs(p1, 60)
+        assert h.outputs["p2"] == Harness.expected_outputs(p2, 60)
+        assert h.violations == []
+    finally:
+        opener.cancel()
+        space.open_gate()
+    try:
+        h.run(STEPS_MAX)
+        h.settle_dumps()  # the dumps held at the gate write what was copied before the free
+        assert h.stored_count("p1") > 0 and h.stored_count("p2") > 0
+        h.assert_clean()  # every stored block is its prefix's KV
+    finally:
+        h.close()
+
+
+def test_staged_saves_hold_at_most_the_kv_caches_size_and_skip_the_rest(
+    tmp_path: Path, space: Space
+) -> None:
+    """No CacheBuffer, a tier that holds every dump: four requests of 5 full blocks each,
+    one after the other, in a KV cache of 16 blocks. The first three saves are copied into
+    staging memory (15 blocks); the fourth would take it past the KV cache's size, so it is
+    skipped and counted failed, never waited for: every request finishes while the gate is
+    closed. Once it opens, the 15 staged blocks are written, each its prefix's KV."""
+    h = Harness(
+        tmp_path / "h",
+        tiers=[space.tier(True)],
+        unique_id=f"vllm-edges-{uuid.uuid4().hex[:10]}",
+        async_scheduling=True,
+        num_blocks=16,
+    )
+    prompts = {f"r{i}": tokens(30 + i, 5 * BLOCK + 3) for i in range(4)}
+    opener = threading.Timer(60.0, space.open_gate)  # bounds a wait for the gate
+    opener.start()
+    try:
+        for req_id, prompt in prompts.items():
+            h.add(req_id, prompt, 1)
+            _step_until(h, lambda r=req_id: r in h.finished_sending, settle=False)
+            assert h.outputs[req_id] == Harness.expected_outputs(prompt, 1)
+        assert not space.gate_open(), "a request waited for a dump the tier holds"
+        stats = h.worker._worker.stats.data
+        assert stats["save_failed_blocks"] == 5
+        assert stats["saved_blocks"] == 0
+    finally:
+        opener.cancel()
+        space.open_gate()
+    try:
+        h.run(STEPS_MAX)
+        h.settle_dumps()
+        assert [h.stored_count(req_id) for req_id in prompts] == [5, 5, 5, 0]
+        h.assert_clean()
+    finally:
+        h.close()
+
+
 @pytest.mark.parametrize("dump_ends", [False, True], ids=["deadline-passes", "dump-ends"])
 def test_a_direct_load_of_blocks_this_rank_is_still_dumping_never_holds_the_step(
     tmp_path: Path, space: Space, monkeypatch: pytest.MonkeyPatch, dump_ends: bool
@@ -527,7 +612,7 @@ def test_an_async_load_of_blocks_this_rank_is_still_dumping_starts_its_prefetch_
         _step_until(h, lambda: len(h.outputs.get("e", [])) == 2, settle=False)
         for _ in range(3):  # e's dump is submitted after its last step
             h.step()
-        assert any(not h.worker._store.check(p.task) for p in h.worker._worker._saves)
+        assert any(not h.worker._worker.save_done(p) for p in h.worker._worker._saves)
         waited = _unfinished_waits(h, monkeypatch)
         h.add("c", E, 3)
         _step_until(h, lambda: "c" in h.finished_recving, settle=False)

@@ -35,12 +35,14 @@ straight into vLLM's KV cache tensors (no staging copy) and waits for them befor
 forward, and starts the asynchronous ones (a prefetch into the CacheBuffer, or without one a
 *direct* load into staging memory), reported in ``get_finished`` once copied; blocks that
 fail (missing, corrupt, dead tier, late) are returned by ``get_block_ids_with_load_errors`` so
-that vLLM recomputes them. ``wait_for_save`` submits the step's dumps as a task and returns:
-the forward pass never waits for a dump. The scheduler
-*releases* each finished request whose blocks vLLM keeps with the step that carries its last
-save; ``get_finished`` reports it once every save of it has completed, whatever order vLLM calls
-the hooks in. Blocks of a preempted request are dumped before vLLM can reuse them
-(``handle_preemptions``).
+that vLLM recomputes them. ``wait_for_save`` submits the step's dumps as a task (without a
+CacheBuffer, hands them to the saving thread, which copies them into staging memory first) and
+returns: the forward pass never waits for a dump. The scheduler *releases* each finished
+request whose blocks vLLM keeps with the step that carries its last save; ``get_finished``
+reports it once no save of it reads its blocks any more (completed, or copied into staging),
+whatever order vLLM calls the hooks in. Blocks of a preempted request are dumped (or,
+without a CacheBuffer, copied into the staging memory their dump writes from) before vLLM can
+reuse them (``handle_preemptions``).
 
 **Stats**: :class:`UcmConnectorStats` through ``get_kv_connector_stats`` (vLLM's logging and
 its Prometheus metrics ``vllm:ucm_*``, :class:`UcmPromMetrics`), and, with

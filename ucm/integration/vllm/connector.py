@@ -323,6 +323,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             load_deadline_s=load_deadline_s(self._extra),
             hits_only=self._async_loads(),
             direct_async=self._direct_loads(),
+            stage_saves=self._store.buffer is None,
         )
         self._metrics_server: MetricsServer | None = None
         port = self._extra.get("ucm_metrics_port")

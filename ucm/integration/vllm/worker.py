@@ -8,15 +8,18 @@ tensor views."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ucm.errors import TaskError
 from ucm.native.copy import copy_ranges
+from ucm.threadname import enter_thread
 
 from ..addresses import BlockAddresses
 from ..bounded import Staging, keep_late, reap_late
@@ -34,14 +37,28 @@ logger = logging.getLogger("vllm.ucm")
 
 @dataclass(eq=False)
 class _PendingSave:
-    task: Task
+    """One step's dump. Straight from vLLM's blocks (a CacheBuffer's stack, or a CUDA KV
+    cache), the dump reads them until its task is done. *Staged* (no CacheBuffer, a CPU KV
+    cache): the worker's saving thread copies the blocks into private staging memory
+    (``copy``, one native call) and submits the dump of that memory, so vLLM's blocks are read
+    only until the copy is over, however long the tier takes to write."""
+
+    task: Task | None
+    """The dump; for a staged save, None until the saving thread submitted it."""
     requests: set[str]
     ids: list[bytes]
     vllm_blocks: list[int]
-    """The vLLM blocks the dump reads: none may be reused until it is done."""
+    """The vLLM blocks the dump reads: none may be reused until it is done (or copied)."""
     finished: bool = False
     overdue: bool = False
     """A load already waited the load deadline for it: later loads do not wait again."""
+    copy: Future[Task] | None = None
+    """A staged save's copy into ``staging`` then the dump's submission; its result is the
+    dump task. ``copied`` is set as soon as the copy is over (before the submission)."""
+    copied: threading.Event | None = None
+    staging: Staging | None = None
+    blocks_free: bool = False
+    """vLLM's blocks are read no more: counted off ``_dumping`` (get_finished may report)."""
 
 
 @dataclass(eq=False)
@@ -121,6 +138,7 @@ class WorkerSide:
         load_deadline_s: float = 10.0,
         hits_only: bool = False,
         direct_async: bool = False,
+        stage_saves: bool = False,
     ) -> None:
         self._store = store
         self._direct_async = direct_async
@@ -151,6 +169,13 @@ class WorkerSide:
         """Dumps finished since the last step's worker metadata (see UcmWorkerMetadata)."""
         self._placer: ThreadPoolExecutor | None = None
         """Copies direct loads from their staging memory into vLLM's blocks, off the step."""
+        self._stage_saves = stage_saves
+        """No CacheBuffer: saves go through staging memory when the KV cache has addresses
+        (a CPU one; see :class:`_PendingSave`)."""
+        self._saver: ThreadPoolExecutor | None = None
+        """Copies staged saves out of vLLM's blocks, then submits their dumps, off the step."""
+        self._staged_bytes = 0
+        """Staging memory of staged saves not finished yet."""
 
     def set_block_views(
         self, views: list[torch.Tensor], addresses: BlockAddresses | None = None
@@ -205,15 +230,22 @@ class WorkerSide:
         self._bound = meta if meta.saves else None
 
     def handle_preemptions(self, meta: UcmConnectorMetadata) -> None:
+        """The preempted requests' blocks are free from this step on: every dump still
+        reading them must be over with them before the forward pass can write into them. A
+        staged save reads them only for its copy into staging memory (a memcpy: the wait is
+        bounded by memory bandwidth, never by a tier); a dump straight from vLLM's blocks (a
+        CacheBuffer's stack, or a CUDA KV cache) until it is done."""
         preempted = meta.preempted
         if not preempted:
             return
-        # Their blocks are free from this step on: every dump still reading them must finish
-        # before the forward pass can write into them.
         for pending in list(self._saves):
-            if pending.requests & preempted:
+            if not pending.requests & preempted:
+                continue
+            if pending.copied is not None:
+                pending.copied.wait()
+            else:
                 self._finish_save(pending)
-        self._saves = [pending for pending in self._saves if not pending.finished]
+        self._reap_saves()
 
     def start_load(self, meta: UcmConnectorMetadata) -> None:
         if meta.async_loads:
@@ -288,9 +320,29 @@ class WorkerSide:
         for pending in self._saves:
             if pending.finished or ids.isdisjoint(pending.ids):
                 continue
-            if not self._store.check(pending.task):
+            if not self.save_done(pending):
                 running |= ids.intersection(pending.ids)
         return running
+
+    def save_done(self, pending: _PendingSave) -> bool:
+        """Whether the dump is over (a staged save whose copy or submission failed is)."""
+        if pending.finished:
+            return True
+        if pending.copy is not None:
+            if not pending.copy.done():
+                return False
+            if pending.task is None and pending.copy.exception() is not None:
+                return True
+            pending.task = pending.copy.result()
+        assert pending.task is not None
+        return self._store.check(pending.task)
+
+    def reads_vllm_blocks(self, pending: _PendingSave) -> bool:
+        """Whether the dump may still read its vLLM blocks (a staged save: until its copy is
+        over; otherwise until it is done)."""
+        if pending.copied is not None:
+            return not pending.copied.is_set()
+        return not self.save_done(pending)
 
     def _submit_direct(self, load: _AsyncLoad, dumping: set[bytes]) -> None:
         """Submits a direct load's task into staging memory, without the blocks still being
@@ -335,7 +387,9 @@ class WorkerSide:
             load.copy = None
             if placed:
                 if self._placer is None:
-                    self._placer = ThreadPoolExecutor(1, thread_name_prefix="ucm-place")
+                    self._placer = ThreadPoolExecutor(
+                        1, thread_name_prefix="ucm-place", initializer=enter_thread
+                    )
                 load.placing = self._placer.submit(self._place, staging, placed)
             else:
                 load.staging = None
@@ -373,13 +427,21 @@ class WorkerSide:
                 offset += size
 
     def close(self) -> None:
-        """Keeps the staging memory of direct loads still running until they end, and waits
-        for the copies out of staging (memcpys) to finish."""
+        """Keeps the staging memory of direct loads and staged saves still running until
+        they end, and waits for the copies in and out of staging (memcpys; a staged save's
+        submission, at most ``dump_submit_timeout_s`` each) to finish."""
         for load in self._async:
             if load.copy is not None and load.staging is not None:
                 keep_late(self._store, load.copy, load.staging)
         if self._placer is not None:
             self._placer.shutdown(wait=True)
+        if self._saver is not None:
+            self._saver.shutdown(wait=True)
+        for pending in self._saves:
+            if pending.staging is None or pending.copy is None or pending.finished:
+                continue
+            if pending.copy.exception() is None and not self._store.check(pending.copy.result()):
+                keep_late(self._store, pending.copy.result(), pending.staging)
 
     def _start_prefetches(self, meta: UcmConnectorMetadata) -> None:
         """Starts moving the blocks of the step's asynchronous loads up into the CacheBuffer.
@@ -573,6 +635,9 @@ class WorkerSide:
                 seen.add(block_id)
                 ids.append(block_id)
                 blocks.append(vllm_block)
+        if self._stage_saves and self._addresses is not None:
+            self._submit_staged(requests, ids, blocks)
+            return
         try:
             task = self._dump_task(ids, blocks)
         except Exception as exc:
@@ -582,6 +647,64 @@ class WorkerSide:
             return
         self._saves.append(_PendingSave(task=task, requests=requests, ids=ids, vllm_blocks=blocks))
         self._dumping.update(requests)
+
+    def _submit_staged(self, requests: set[str], ids: list[bytes], blocks: list[int]) -> None:
+        """A staged save (:class:`_PendingSave`): the saving thread copies ``blocks`` into
+        staging memory and submits their dump from there. The staging memory of the saves in
+        flight is bounded by the KV cache's own size: past it (a tier that does not keep up),
+        the save is skipped, counted as failed, and never waited for."""
+        assert self._addresses is not None
+        size = len(ids) * self._shard_size
+        if self._staged_bytes + size > self._addresses.blocks * self._shard_size:
+            logger.warning(
+                "UCM: %d blocks not saved: the dumps in flight already hold %d bytes of "
+                "staging memory, the size of the KV cache (the tier does not keep up)",
+                len(ids),
+                self._staged_bytes,
+            )
+            self.stats.data["save_failed_blocks"] += len(ids)
+            self._dump_failed.update(ids)
+            return
+        staging = Staging(self._store.layout, len(ids), populate=False)
+        copied = threading.Event()
+        destinations = [address for shard in staging.addresses for address in shard]
+        sources = self._addresses.of(blocks)
+        if self._saver is None:
+            self._saver = ThreadPoolExecutor(
+                1, thread_name_prefix="ucm-save", initializer=enter_thread
+            )
+        copy = self._saver.submit(self._stage_dump, ids, sources, destinations, staging, copied)
+        self._staged_bytes += size
+        self._saves.append(
+            _PendingSave(
+                task=None,
+                requests=requests,
+                ids=ids,
+                vllm_blocks=blocks,
+                copy=copy,
+                copied=copied,
+                staging=staging,
+            )
+        )
+        self._dumping.update(requests)
+
+    def _stage_dump(
+        self,
+        ids: list[bytes],
+        sources: Iterable[int],
+        destinations: list[int],
+        staging: Staging,
+        copied: threading.Event,
+    ) -> Task:
+        """The saving thread: copies a save's blocks into its staging memory, then submits
+        the dump of that memory (waiting at most ``dump_submit_timeout_s`` on a full dump
+        queue)."""
+        try:
+            sizes = list(self._store.layout.tensor_sizes)
+            copy_ranges(destinations, list(sources), sizes * len(ids))
+        finally:
+            copied.set()  # vLLM's blocks are read no more (an error leaves them unread too)
+        return self._store.dump_data(ids, self._rank, staging.addresses)
 
     def _finish_saves_of(self, wanted: set[bytes]) -> set[bytes]:
         """Waits for this rank's dumps of any of ``wanted`` (a load must find what the dump
@@ -609,27 +732,73 @@ class WorkerSide:
 
     def _reap_saves(self) -> None:
         for pending in self._saves:
-            if self._store.check(pending.task):
+            if pending.copied is not None and pending.copied.is_set():
+                self._free_blocks(pending)
+            if self.save_done(pending):
                 self._finish_save(pending)
         self._saves = [pending for pending in self._saves if not pending.finished]
+
+    def _free_blocks(self, pending: _PendingSave) -> None:
+        """The dump reads the requests' vLLM blocks no more: they may be reported finished."""
+        if pending.blocks_free:
+            return
+        pending.blocks_free = True
+        self._dumping.subtract(pending.requests)
+        for req_id in pending.requests:
+            if self._dumping[req_id] <= 0:
+                del self._dumping[req_id]
 
     def _finish_save(self, pending: _PendingSave, timeout_s: float | None = None) -> bool:
         """Collects a dump, waiting for it up to ``timeout_s`` (None: until it is done);
         whether it is finished."""
         if pending.finished:
             return True
-        if timeout_s is not None and not self._store.check(pending.task):
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        failed: set[bytes] = set()
+        task = pending.task
+        if task is None and pending.copy is not None:  # a staged save not submitted yet
             try:
-                self._store.wait(pending.task, timeout_s)
-            except TimeoutError:
+                task = pending.task = pending.copy.result(timeout_s)
+            except FutureTimeoutError:
                 return False
+            except Exception as exc:
+                failed = set(pending.ids)
+                logger.warning("UCM: a dump of %d blocks not submitted: %s", len(pending.ids), exc)
+        if task is not None:
+            collected = self._collect_dump(pending, task, end)
+            if collected is None:
+                return False
+            failed = collected
+        pending.finished = True
+        if pending.staging is not None:
+            self._staged_bytes -= len(pending.ids) * self._shard_size
+            pending.staging = None
+        saved = len(pending.ids) - len(failed)
+        self.stats.data["saved_blocks"] += saved
+        self.stats.data["saved_bytes"] += saved * self._shard_size
+        self.stats.data["save_failed_blocks"] += len(failed)
+        self._dumped.update(block_id for block_id in pending.ids if block_id not in failed)
+        self._dump_failed |= failed
+        self._free_blocks(pending)
+        return True
+
+    def _collect_dump(
+        self, pending: _PendingSave, task: Task, end: float | None
+    ) -> set[bytes] | None:
+        """The ids of the dump's blocks that failed, once it is done (by ``end``, if given:
+        None when it is still running then)."""
+        if end is not None and not self._store.check(task):
+            try:
+                self._store.wait(task, max(end - time.monotonic(), 0.0))
+            except TimeoutError:
+                return None
             except Exception:  # failed: collected below
                 pass
-            if not self._store.check(pending.task):
-                return False
+            if not self._store.check(task):
+                return None
         failed: set[bytes] = set()
         try:
-            self._store.wait(pending.task)  # at once when reaped or waited; blocks otherwise
+            self._store.wait(task)  # at once when reaped or waited; blocks otherwise
         except TaskError as exc:
             failed = {block_id for block_id, _shard in exc.failures}
             logger.warning(
@@ -638,23 +807,13 @@ class WorkerSide:
         except Exception as exc:
             failed = set(pending.ids)
             logger.warning("UCM: a dump of %d blocks failed: %s", len(pending.ids), exc)
-        pending.finished = True
-        saved = len(pending.ids) - len(failed)
-        self.stats.data["saved_blocks"] += saved
-        self.stats.data["saved_bytes"] += saved * self._shard_size
-        self.stats.data["save_failed_blocks"] += len(failed)
-        self._dumped.update(block_id for block_id in pending.ids if block_id not in failed)
-        self._dump_failed |= failed
-        self._dumping.subtract(pending.requests)
-        for req_id in pending.requests:
-            if self._dumping[req_id] <= 0:
-                del self._dumping[req_id]
-        return True
+        return failed
 
     def get_finished(self) -> set[str]:
-        """The released requests none of whose saves is unsubmitted or in flight: each is
-        returned once. vLLM's ``finished_req_ids`` are not needed: the scheduler releases a
-        request only after sending its last save."""
+        """The released requests none of whose saves is unsubmitted or still reads their
+        blocks (in flight from them; a staged save: its copy not over): each is returned
+        once. vLLM's ``finished_req_ids`` are not needed: the scheduler releases a request
+        only after sending its last save."""
         self._reap_saves()
         waiting = {t.req_id for t in self._bound.saves} if self._bound is not None else set()
         done = {r for r in self._released if r not in waiting and not self._dumping.get(r)}
