@@ -4,9 +4,9 @@ released once for all of them.
 One ``ctypes.memmove`` per range releases the GIL and then waits to take it back after every
 range. While another Python thread runs (an engine's scheduler loop, its forward pass's glue),
 each of those waits can last a whole switch interval (5 ms), so a copy of a load's blocks,
-one range per block per layer, took tens of milliseconds for a few kilobytes. Used where an
-engine's memory is filled from staging memory: vLLM's direct loads and the bounded loads of
-SGLang and LMCache.
+one range per block per layer, took tens of milliseconds for a few kilobytes. Used wherever
+an engine's memory is copied to or from staging memory: vLLM's direct loads and its saves
+without a CacheBuffer, and the bounded loads of SGLang and LMCache.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def _check(columns: list[array[int]], start: int, end: int) -> None:
             continue
         if destination == 0 or source == 0:
             reason = "a null address with a non-zero length"
-        elif max(destination, source) + length > 2**64:
+        elif max(destination, source) + length >= 2**64:  # as the native check: no end past it
             reason = "the range wraps the address space"
         elif destination < source + length and source < destination + length:
             reason = "the source and destination overlap"

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
@@ -691,7 +691,7 @@ class WorkerSide:
     def _stage_dump(
         self,
         ids: list[bytes],
-        sources: Iterable[int],
+        sources: Sequence[int],
         destinations: list[int],
         staging: Staging,
         copied: threading.Event,
@@ -701,7 +701,7 @@ class WorkerSide:
         queue)."""
         try:
             sizes = list(self._store.layout.tensor_sizes)
-            copy_ranges(destinations, list(sources), sizes * len(ids))
+            copy_ranges(destinations, sources, sizes * len(ids))
         finally:
             copied.set()  # vLLM's blocks are read no more (an error leaves them unread too)
         return self._store.dump_data(ids, self._rank, staging.addresses)
