@@ -132,6 +132,16 @@ def _store(make: Make, *prompts: list[int]) -> None:
         assert h.stored_count(f"s{index}") == len(prompt) // BLOCK
 
 
+def _bufferless(tmp_path: Path, space: Space, **kwargs: Any) -> Harness:
+    """A harness over the gated recording tier alone (no CacheBuffer); the test closes it."""
+    return Harness(
+        tmp_path / "h",
+        tiers=[space.tier(True)],
+        unique_id=f"vllm-edges-{uuid.uuid4().hex[:10]}",
+        **kwargs,
+    )
+
+
 def _step_until(h: Harness, done: Callable[[], bool], settle: bool = True) -> None:
     """Steps until ``done()``; ``settle``: waits for the step's dumps after each step."""
     for _ in range(STEPS_MAX):
@@ -340,10 +350,9 @@ def test_a_load_of_a_block_this_rank_is_still_dumping_waits_at_most_the_load_dea
     Then both blocks fail, vLLM recomputes them, and c's tokens are right; so for d, a step
     later (the worker does not wait for that dump again). On the code before, the step waited
     for the dump until the gate opened."""
-    h = Harness(
-        tmp_path / "h",
-        tiers=[space.tier(True)],
-        unique_id=f"vllm-edges-{uuid.uuid4().hex[:10]}",
+    h = _bufferless(
+        tmp_path,
+        space,
         async_scheduling=False,
         extra_config={"ucm_load_deadline_s": 0.5, "ucm_async_load": False},
     )
@@ -393,10 +402,9 @@ def test_a_preemption_never_waits_for_a_dump_that_a_tier_holds(
     tokens while the gate is still closed, and no dump reads a block vLLM freed. On the code
     before, ``handle_preemptions`` waited for the dump until the gate opened (the test's
     60 s timer), and a finished request's blocks stayed held as long."""
-    h = Harness(
-        tmp_path / "h",
-        tiers=[space.tier(True)],
-        unique_id=f"vllm-edges-{uuid.uuid4().hex[:10]}",
+    h = _bufferless(
+        tmp_path,
+        space,
         async_scheduling=async_scheduling,
         num_blocks=16,
         # The victim's blocks are being dumped when it resumes: its load fails them then.
@@ -436,10 +444,9 @@ def test_staged_saves_hold_at_most_the_kv_caches_size_and_skip_the_rest(
     staging memory (15 blocks); the fourth would take it past the KV cache's size, so it is
     skipped and counted failed, never waited for: every request finishes while the gate is
     closed. Once it opens, the 15 staged blocks are written, each its prefix's KV."""
-    h = Harness(
-        tmp_path / "h",
-        tiers=[space.tier(True)],
-        unique_id=f"vllm-edges-{uuid.uuid4().hex[:10]}",
+    h = _bufferless(
+        tmp_path,
+        space,
         async_scheduling=True,
         num_blocks=16,
     )
@@ -477,10 +484,9 @@ def test_a_direct_load_of_blocks_this_rank_is_still_dumping_never_holds_the_step
     (``dump-ends``: the gate opens, both blocks load) or fails its blocks once
     ucm_load_deadline_s has passed (``deadline-passes``: vLLM recomputes them); c's tokens
     are right either way. (Before, the step waited for the dump up to the deadline.)"""
-    h = Harness(
-        tmp_path / "h",
-        tiers=[space.tier(True)],
-        unique_id=f"vllm-edges-{uuid.uuid4().hex[:10]}",
+    h = _bufferless(
+        tmp_path,
+        space,
         async_scheduling=True,
         extra_config={"ucm_load_deadline_s": 120.0 if dump_ends else 0.5},
     )
@@ -531,10 +537,9 @@ def test_a_direct_load_past_its_deadline_is_recomputed_and_its_late_bytes_reach_
     prompt in a KV cache just big enough for it; only then does the gate open, and the late
     load ends in its staging memory (freed once it is over), never in d's blocks: d's tokens
     are right. On the code before, c's load had no deadline: c waited for the gate."""
-    h = Harness(
-        tmp_path / "h",
-        tiers=[space.tier(True)],
-        unique_id=f"vllm-edges-{uuid.uuid4().hex[:10]}",
+    h = _bufferless(
+        tmp_path,
+        space,
         async_scheduling=async_scheduling,
         num_blocks=8,
         extra_config={"ucm_load_deadline_s": 0.5},

@@ -440,8 +440,11 @@ class WorkerSide:
         for pending in self._saves:
             if pending.staging is None or pending.copy is None or pending.finished:
                 continue
-            if pending.copy.exception() is None and not self._store.check(pending.copy.result()):
-                keep_late(self._store, pending.copy.result(), pending.staging)
+            if pending.copy.exception() is not None:
+                continue
+            task = pending.copy.result()
+            if not self._store.check(task):
+                keep_late(self._store, task, pending.staging)
 
     def _start_prefetches(self, meta: UcmConnectorMetadata) -> None:
         """Starts moving the blocks of the step's asynchronous loads up into the CacheBuffer.
