@@ -350,3 +350,56 @@ def test_the_snapshot_memory_a_burst_leaves_is_freed_once_the_writer_is_idle(
         dst = [[torch.zeros(shard, dtype=torch.uint8)] for _ in range(count)]
         fresh.wait(fresh.load(blocks, 0, dst), timeout_s=BOUND_S)
         assert all(torch.equal(d[0], s[0]) for d, s in zip(dst, src, strict=True))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+def test_a_cuda_dump_frees_vllms_blocks_once_submitted_however_long_the_tier_holds_it(
+    test_tiers: None, unique_id: str
+) -> None:
+    """A CUDA KV cache without a CacheBuffer: ``store.dump`` copies vLLM's blocks into its
+    pinned staging slots before it returns, so a preemption does not wait for the dump that a
+    tier holds at its gate, the finished request is reported at once, and the blocks vLLM then
+    overwrites do not change what the tier stores."""
+    from ucm.integration.vllm.metadata import BlockTransfer, UcmConnectorMetadata
+    from ucm.integration.vllm.worker import WorkerSide
+
+    GATES.setdefault("held", threading.Event()).clear()
+    config = {
+        "unique_id": unique_id,
+        "shard_size": SHARD,
+        "shards_per_block": 1,
+        "tiers": [{"type": "recording", "space": "held", "gated": True}],
+    }
+    count = 4
+    kv = torch.arange(count * SHARD, dtype=torch.int64, device="cuda").remainder(251)
+    kv = kv.to(torch.uint8)
+    want = kv.cpu()
+    ids = [block(60 + i) for i in range(count)]
+    try:
+        with ucm.open(config, device_id=0) as store:
+            worker = WorkerSide(store, rank=0, shard_size=SHARD)
+            worker.set_block_views([kv.view(count, SHARD)])
+            worker.bind(UcmConnectorMetadata(saves=[BlockTransfer("r", list(range(count)), ids)]))
+            bounded(worker.submit_saves, "wait_for_save of a CUDA KV cache")
+            assert ENTERED.setdefault("held", threading.Event()).wait(BOUND_S)
+            preempted = UcmConnectorMetadata(preempted={"r"}, released={"r"})
+            bounded(lambda: worker.handle_preemptions(preempted), "a preemption behind a held dump")
+            kv.fill_(7)  # vLLM writes into the freed blocks
+            torch.cuda.current_stream().synchronize()
+            worker.bind(preempted)
+            assert worker.get_finished() == {"r"}
+            assert not GATES["held"].is_set()  # all of it while the tier still holds the dump
+            GATES["held"].set()
+            deadline = time.monotonic() + BOUND_S
+            while worker.stats.data["saved_blocks"] < count:
+                assert time.monotonic() < deadline, dict(worker.stats.data)
+                worker.get_finished()
+                time.sleep(0.01)
+            dst = dst_for(count)
+            store.wait(store.load(ids, 0, dst), timeout_s=BOUND_S)
+            assert [d[0].numpy().tobytes() for d in dst] == [
+                want[i * SHARD : (i + 1) * SHARD].numpy().tobytes() for i in range(count)
+            ]
+    finally:
+        GATES["held"].set()

@@ -37,11 +37,14 @@ logger = logging.getLogger("vllm.ucm")
 
 @dataclass(eq=False)
 class _PendingSave:
-    """One step's dump. Straight from vLLM's blocks (a CacheBuffer's stack, or a CUDA KV
-    cache), the dump reads them until its task is done. *Staged* (no CacheBuffer, a CPU KV
-    cache): the worker's saving thread copies the blocks into private staging memory
-    (``copy``, one native call) and submits the dump of that memory, so vLLM's blocks are read
-    only until the copy is over, however long the tier takes to write."""
+    """One step's dump. Straight from a CPU KV cache's blocks (a CacheBuffer's stack), the
+    dump reads them until its task is done. From a CUDA KV cache, ``store.dump`` has copied
+    the blocks into its pinned staging slots before it returned (``ucm.staging``: the task
+    waits on that copy's event), so the blocks are read no more once it is submitted
+    (``copied`` is set then). *Staged* (no CacheBuffer, a CPU KV cache): the worker's saving
+    thread copies the blocks into private staging memory (``copy``, one native call) and
+    submits the dump of that memory, so vLLM's blocks are read only until the copy is over,
+    however long the tier takes to write."""
 
     task: Task | None
     """The dump; for a staged save, None until the saving thread submitted it."""
@@ -176,6 +179,8 @@ class WorkerSide:
         """Copies staged saves out of vLLM's blocks, then submits their dumps, off the step."""
         self._staged_bytes = 0
         """Staging memory of staged saves not finished yet."""
+        self._copied_at_submit = False
+        """A CUDA KV cache: a dump has copied vLLM's blocks by the time it is submitted."""
 
     def set_block_views(
         self, views: list[torch.Tensor], addresses: BlockAddresses | None = None
@@ -185,6 +190,7 @@ class WorkerSide:
         through ``load_data``/``dump_data`` with the step's addresses in one array."""
         self._block_views = views
         self._addresses = addresses
+        self._copied_at_submit = bool(views) and views[0].device.type == "cuda"
 
     def _load_task(
         self,
@@ -233,8 +239,9 @@ class WorkerSide:
         """The preempted requests' blocks are free from this step on: every dump still
         reading them must be over with them before the forward pass can write into them. A
         staged save reads them only for its copy into staging memory (a memcpy: the wait is
-        bounded by memory bandwidth, never by a tier); a dump straight from vLLM's blocks (a
-        CacheBuffer's stack, or a CUDA KV cache) until it is done."""
+        bounded by memory bandwidth, never by a tier), a CUDA dump not at all once submitted,
+        a dump straight from a CPU KV cache's blocks (a CacheBuffer's stack, where it ends
+        once in the buffer) until it is done."""
         preempted = meta.preempted
         if not preempted:
             return
@@ -648,8 +655,13 @@ class WorkerSide:
             self.stats.data["save_failed_blocks"] += len(ids)
             self._dump_failed.update(ids)
             return
-        self._saves.append(_PendingSave(task=task, requests=requests, ids=ids, vllm_blocks=blocks))
+        pending = _PendingSave(task=task, requests=requests, ids=ids, vllm_blocks=blocks)
+        self._saves.append(pending)
         self._dumping.update(requests)
+        if self._copied_at_submit:
+            pending.copied = threading.Event()
+            pending.copied.set()
+            self._free_blocks(pending)
 
     def _submit_staged(self, requests: set[str], ids: list[bytes], blocks: list[int]) -> None:
         """A staged save (:class:`_PendingSave`): the saving thread copies ``blocks`` into
