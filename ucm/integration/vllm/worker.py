@@ -7,6 +7,7 @@ tensor views."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -22,7 +23,7 @@ from ucm.native.copy import copy_ranges
 from ucm.threadname import enter_thread
 
 from ..addresses import BlockAddresses
-from ..bounded import Staging, keep_late, reap_late
+from ..bounded import Staging, StagingSlots, keep_late, reap_late
 from .metadata import BlockTransfer, UcmConnectorMetadata, UcmWorkerMetadata
 from .metrics import UcmConnectorStats
 
@@ -56,10 +57,12 @@ class _PendingSave:
     overdue: bool = False
     """A load already waited the load deadline for it: later loads do not wait again."""
     copy: Future[Task] | None = None
-    """A staged save's copy into ``staging`` then the dump's submission; its result is the
-    dump task. ``copied`` is set as soon as the copy is over (before the submission)."""
+    """A staged save's copy into its staging ``slots`` then the dump's submission; its result
+    is the dump task. ``copied`` is set as soon as the copy is over (before the submission)."""
     copied: threading.Event | None = None
-    staging: Staging | None = None
+    slots: list[int] | None = None
+    """A staged save's slots of the worker's :class:`~ucm.integration.bounded.StagingSlots`,
+    until the dump is over."""
     blocks_free: bool = False
     """vLLM's blocks are read no more: counted off ``_dumping`` (get_finished may report)."""
 
@@ -176,9 +179,10 @@ class WorkerSide:
         """No CacheBuffer: saves go through staging memory when the KV cache has addresses
         (a CPU one; see :class:`_PendingSave`)."""
         self._saver: ThreadPoolExecutor | None = None
-        """Copies staged saves out of vLLM's blocks, then submits their dumps, off the step."""
-        self._staged_bytes = 0
-        """Staging memory of staged saves not finished yet."""
+        """Copies staged saves out of vLLM's blocks, then submits their dumps, off the step;
+        gives the pages of staging slots past the warm bound back to the system."""
+        self._save_slots: StagingSlots | None = None
+        """Staged saves' memory: one slot per block, as many as the KV cache has blocks."""
         self._copied_at_submit = False
         """A CUDA KV cache: a dump has copied vLLM's blocks by the time it is submitted."""
 
@@ -191,6 +195,16 @@ class WorkerSide:
         self._block_views = views
         self._addresses = addresses
         self._copied_at_submit = bool(views) and views[0].device.type == "cuda"
+        if self._stage_saves and addresses is not None and self._save_slots is None:
+            self._save_slots, refused = StagingSlots.reserve(self._store.layout, addresses.blocks)
+            if refused is not None:  # strict overcommit, or a limit on address space
+                logger.warning(
+                    "UCM: staging memory for %d of the KV cache's %d blocks (%s): a save "
+                    "that finds every slot taken by the saves in flight is skipped",
+                    self._save_slots.capacity,
+                    addresses.blocks,
+                    refused,
+                )
 
     def _load_task(
         self,
@@ -445,13 +459,14 @@ class WorkerSide:
         if self._saver is not None:
             self._saver.shutdown(wait=True)
         for pending in self._saves:
-            if pending.staging is None or pending.copy is None or pending.finished:
+            if pending.slots is None or pending.copy is None or pending.finished:
                 continue
             if pending.copy.exception() is not None:
                 continue
             task = pending.copy.result()
             if not self._store.check(task):
-                keep_late(self._store, task, pending.staging)
+                assert self._save_slots is not None
+                keep_late(self._store, task, self._save_slots)
 
     def _start_prefetches(self, meta: UcmConnectorMetadata) -> None:
         """Starts moving the blocks of the step's asynchronous loads up into the CacheBuffer.
@@ -665,31 +680,33 @@ class WorkerSide:
 
     def _submit_staged(self, requests: set[str], ids: list[bytes], blocks: list[int]) -> None:
         """A staged save (:class:`_PendingSave`): the saving thread copies ``blocks`` into
-        staging memory and submits their dump from there. The staging memory of the saves in
-        flight is bounded by the KV cache's own size: past it (a tier that does not keep up),
-        the save is skipped, counted as failed, and never waited for."""
-        assert self._addresses is not None
-        size = len(ids) * self._shard_size
-        if self._staged_bytes + size > self._addresses.blocks * self._shard_size:
+        staging slots and submits their dump from there. The slots are reused from save to
+        save (warm memory: no page faults in the copy), and there are as many as the KV
+        cache has blocks: past them (a tier that does not keep up), the save is skipped,
+        counted as failed, and never waited for."""
+        assert self._addresses is not None and self._save_slots is not None
+        slots = self._save_slots.take(len(ids))
+        if slots is None:
             logger.warning(
-                "UCM: %d blocks not saved: the dumps in flight already hold %d bytes of "
-                "staging memory, the size of the KV cache (the tier does not keep up)",
+                "UCM: %d blocks not saved: the dumps in flight already hold %d of the %d "
+                "blocks of staging memory, the size of the KV cache (the tier does not keep "
+                "up)",
                 len(ids),
-                self._staged_bytes,
+                self._save_slots.held,
+                self._save_slots.capacity,
             )
             self.stats.data["save_failed_blocks"] += len(ids)
             self._dump_failed.update(ids)
             return
-        staging = Staging(self._store.layout, len(ids), populate=False)
+        addresses = self._save_slots.addresses(slots)
         copied = threading.Event()
-        destinations = [address for shard in staging.addresses for address in shard]
+        destinations = [address for shard in addresses for address in shard]
         sources = self._addresses.of(blocks)
         if self._saver is None:
             self._saver = ThreadPoolExecutor(
                 1, thread_name_prefix="ucm-save", initializer=enter_thread
             )
-        copy = self._saver.submit(self._stage_dump, ids, sources, destinations, staging, copied)
-        self._staged_bytes += size
+        copy = self._saver.submit(self._stage_dump, ids, sources, destinations, addresses, copied)
         self._saves.append(
             _PendingSave(
                 task=None,
@@ -698,7 +715,7 @@ class WorkerSide:
                 vllm_blocks=blocks,
                 copy=copy,
                 copied=copied,
-                staging=staging,
+                slots=slots,
             )
         )
         self._dumping.update(requests)
@@ -708,7 +725,7 @@ class WorkerSide:
         ids: list[bytes],
         sources: Sequence[int],
         destinations: list[int],
-        staging: Staging,
+        addresses: list[list[int]],
         copied: threading.Event,
     ) -> Task:
         """The saving thread: copies a save's blocks into its staging memory, then submits
@@ -719,7 +736,7 @@ class WorkerSide:
             copy_ranges(destinations, sources, sizes * len(ids))
         finally:
             copied.set()  # vLLM's blocks are read no more (an error leaves them unread too)
-        return self._store.dump_data(ids, self._rank, staging.addresses)
+        return self._store.dump_data(ids, self._rank, addresses)
 
     def _finish_saves_of(self, wanted: set[bytes]) -> set[bytes]:
         """Waits for this rank's dumps of any of ``wanted`` (a load must find what the dump
@@ -785,9 +802,9 @@ class WorkerSide:
                 return False
             failed = collected
         pending.finished = True
-        if pending.staging is not None:
-            self._staged_bytes -= len(pending.ids) * self._shard_size
-            pending.staging = None
+        if pending.slots is not None:
+            self._give_slots(pending.slots)
+            pending.slots = None
         saved = len(pending.ids) - len(failed)
         self.stats.data["saved_blocks"] += saved
         self.stats.data["saved_bytes"] += saved * self._shard_size
@@ -796,6 +813,15 @@ class WorkerSide:
         self._dump_failed |= failed
         self._free_blocks(pending)
         return True
+
+    def _give_slots(self, slots: list[int]) -> None:
+        """Frees a finished staged save's slots; the saving thread gives the pages of those
+        past the warm bound back to the system (never the step's thread: it takes time)."""
+        assert self._save_slots is not None and self._saver is not None
+        cold = self._save_slots.give(slots)
+        if cold:
+            with contextlib.suppress(RuntimeError):  # closed: the slots are not needed again
+                self._saver.submit(self._save_slots.trim, cold)
 
     def _collect_dump(
         self, pending: _PendingSave, task: Task, end: float | None
