@@ -12,6 +12,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any
 
@@ -401,5 +403,73 @@ def test_a_cuda_dump_frees_vllms_blocks_once_submitted_however_long_the_tier_hol
             assert [d[0].numpy().tobytes() for d in dst] == [
                 want[i * SHARD : (i + 1) * SHARD].numpy().tobytes() for i in range(count)
             ]
+    finally:
+        GATES["held"].set()
+
+
+def test_a_full_dump_queue_never_holds_a_staged_saves_copy(
+    test_tiers: None, unique_id: str
+) -> None:
+    """No CacheBuffer (saves are staged), a tier that holds every dump, and a dump queue of
+    one whose submissions wait up to 45 s: save 0 is taken by the dispatcher and held at the
+    gate, save 1 fills the queue, and save 2's submission waits for room. Save 3's copy out
+    of vLLM's blocks does not wait behind that submission: the preemption of its request
+    returns within 15 s, and its request is reported finished, while the gate is still closed.
+    Once it opens, every save is stored with the bytes its blocks held before they were
+    overwritten. On the code before, one thread copied and then submitted each save in turn,
+    so save 3's copy waited for save 2's submission (45 s)."""
+    from ucm.integration.addresses import BlockAddresses
+    from ucm.integration.vllm.metadata import BlockTransfer, UcmConnectorMetadata
+    from ucm.integration.vllm.worker import WorkerSide
+
+    GATES.setdefault("held", threading.Event()).clear()
+    config = {
+        "unique_id": unique_id,
+        "shard_size": SHARD,
+        "shards_per_block": 1,
+        "tiers": [{"type": "recording", "space": "held", "gated": True}],
+        "load": {"dump_queue_depth": 1, "dump_submit_timeout_s": 45},
+    }
+    count = 4
+    kv = torch.arange(count * SHARD, dtype=torch.int64).remainder(251).to(torch.uint8)
+    want = kv.clone()
+    view = kv.view(count, SHARD)
+    ids = [block(70 + i) for i in range(count)]
+    try:
+        with ucm.open(config) as store:
+            worker = WorkerSide(store, rank=0, shard_size=SHARD, stage_saves=True)
+            worker.set_block_views([view], BlockAddresses([view], [SHARD], ["layer.0"], count))
+            for step in range(count):
+                saves = [BlockTransfer(f"r{step}", [step], [ids[step]])]
+                worker.bind(UcmConnectorMetadata(saves=saves, released={f"r{step}"}))
+                bounded(worker.submit_saves, "wait_for_save of a staged save")
+                if step == 0:
+                    assert ENTERED.setdefault("held", threading.Event()).wait(BOUND_S)
+            preempted = UcmConnectorMetadata(preempted={"r3"})
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(worker.handle_preemptions, preempted)
+                try:
+                    waiting.result(timeout=15.0)
+                except FuturesTimeout:
+                    GATES["held"].set()
+                    raise AssertionError(
+                        "the preemption waited for a save's submission to a full dump queue"
+                    ) from None
+            view[3].fill_(0xEE)  # vLLM writes into the preempted request's blocks
+            assert "r3" in worker.get_finished()
+            assert not GATES["held"].is_set()
+            GATES["held"].set()
+            deadline = time.monotonic() + BOUND_S
+            while worker.stats.data["saved_blocks"] < count:
+                assert time.monotonic() < deadline, dict(worker.stats.data)
+                worker.get_finished()
+                time.sleep(0.01)
+            assert worker.stats.data.get("save_failed_blocks", 0) == 0
+            dst = dst_for(count)
+            store.wait(store.load(ids, 0, dst), timeout_s=BOUND_S)
+            assert [d[0].numpy().tobytes() for d in dst] == [
+                want[i * SHARD : (i + 1) * SHARD].numpy().tobytes() for i in range(count)
+            ]
+            worker.close()
     finally:
         GATES["held"].set()

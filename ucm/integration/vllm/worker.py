@@ -43,12 +43,12 @@ class _PendingSave:
     the blocks into its pinned staging slots before it returned (``ucm.staging``: the task
     waits on that copy's event), so the blocks are read no more once it is submitted
     (``copied`` is set then). *Staged* (no CacheBuffer, a CPU KV cache): the worker's saving
-    thread copies the blocks into private staging memory (``copy``, one native call) and
-    submits the dump of that memory, so vLLM's blocks are read only until the copy is over,
-    however long the tier takes to write."""
+    thread copies the blocks into private staging memory (one native call), and its
+    submitting thread submits the dump of that memory (``copy``), so vLLM's blocks are read
+    only until the copy is over, however long the tier takes to write."""
 
     task: Task | None
-    """The dump; for a staged save, None until the saving thread submitted it."""
+    """The dump; for a staged save, None until the submitting thread submitted it."""
     requests: set[str]
     ids: list[bytes]
     vllm_blocks: list[int]
@@ -57,8 +57,9 @@ class _PendingSave:
     overdue: bool = False
     """A load already waited the load deadline for it: later loads do not wait again."""
     copy: Future[Task] | None = None
-    """A staged save's copy into its staging ``slots`` then the dump's submission; its result
-    is the dump task. ``copied`` is set as soon as the copy is over (before the submission)."""
+    """A staged save's copy into its staging ``slots`` (the saving thread), then the dump's
+    submission (the submitting thread, so that no copy waits behind a submission to a full
+    dump queue); its result is the dump task. ``copied`` is set as soon as the copy is over."""
     copied: threading.Event | None = None
     slots: list[int] | None = None
     """A staged save's slots of the worker's :class:`~ucm.integration.bounded.StagingSlots`,
@@ -179,8 +180,11 @@ class WorkerSide:
         """No CacheBuffer: saves go through staging memory when the KV cache has addresses
         (a CPU one; see :class:`_PendingSave`)."""
         self._saver: ThreadPoolExecutor | None = None
-        """Copies staged saves out of vLLM's blocks, then submits their dumps, off the step;
-        gives the pages of staging slots past the warm bound back to the system."""
+        """Copies staged saves out of vLLM's blocks, off the step."""
+        self._submitter: ThreadPoolExecutor | None = None
+        """Submits staged saves' dumps in order (each may wait ``dump_submit_timeout_s`` on a
+        full dump queue), and gives the pages of staging slots past the warm bound back to
+        the system."""
         self._save_slots: StagingSlots | None = None
         """Staged saves' memory: one slot per block, as many as the KV cache has blocks."""
         self._copied_at_submit = False
@@ -456,8 +460,10 @@ class WorkerSide:
                 keep_late(self._store, load.copy, load.staging)
         if self._placer is not None:
             self._placer.shutdown(wait=True)
-        if self._saver is not None:
+        if self._saver is not None:  # first: its copies hand their dumps to the submitter
             self._saver.shutdown(wait=True)
+        if self._submitter is not None:
+            self._submitter.shutdown(wait=True)
         for pending in self._saves:
             if pending.slots is None or pending.copy is None or pending.finished:
                 continue
@@ -680,10 +686,10 @@ class WorkerSide:
 
     def _submit_staged(self, requests: set[str], ids: list[bytes], blocks: list[int]) -> None:
         """A staged save (:class:`_PendingSave`): the saving thread copies ``blocks`` into
-        staging slots and submits their dump from there. The slots are reused from save to
-        save (warm memory: no page faults in the copy), and there are as many as the KV
-        cache has blocks: past them (a tier that does not keep up), the save is skipped,
-        counted as failed, and never waited for."""
+        staging slots, and the submitting thread submits their dump from there. The slots
+        are reused from save to save (warm memory: no page faults in the copy), and there
+        are as many as the KV cache has blocks: past them (a tier that does not keep up),
+        the save is skipped, counted as failed, and never waited for."""
         assert self._addresses is not None and self._save_slots is not None
         slots = self._save_slots.take(len(ids))
         if slots is None:
@@ -702,11 +708,15 @@ class WorkerSide:
         copied = threading.Event()
         destinations = [address for shard in addresses for address in shard]
         sources = self._addresses.of(blocks)
-        if self._saver is None:
+        if self._saver is None or self._submitter is None:
             self._saver = ThreadPoolExecutor(
                 1, thread_name_prefix="ucm-save", initializer=enter_thread
             )
-        copy = self._saver.submit(self._stage_dump, ids, sources, destinations, addresses, copied)
+            self._submitter = ThreadPoolExecutor(
+                1, thread_name_prefix="ucm-save-submit", initializer=enter_thread
+            )
+        copy: Future[Task] = Future()
+        self._saver.submit(self._stage_copy, ids, sources, destinations, addresses, copied, copy)
         self._saves.append(
             _PendingSave(
                 task=None,
@@ -720,23 +730,40 @@ class WorkerSide:
         )
         self._dumping.update(requests)
 
-    def _stage_dump(
+    def _stage_copy(
         self,
         ids: list[bytes],
         sources: Sequence[int],
         destinations: list[int],
         addresses: list[list[int]],
         copied: threading.Event,
-    ) -> Task:
-        """The saving thread: copies a save's blocks into its staging memory, then submits
-        the dump of that memory (waiting at most ``dump_submit_timeout_s`` on a full dump
-        queue)."""
+        submitted: Future[Task],
+    ) -> None:
+        """The saving thread: copies a save's blocks into its staging memory, then hands the
+        dump of that memory to the submitting thread (``submitted`` gets the dump task)."""
         try:
             sizes = list(self._store.layout.tensor_sizes)
             copy_ranges(destinations, sources, sizes * len(ids))
+        except Exception as exc:
+            submitted.set_exception(exc)
+            return
         finally:
             copied.set()  # vLLM's blocks are read no more (an error leaves them unread too)
-        return self._store.dump_data(ids, self._rank, addresses)
+        assert self._submitter is not None
+        try:
+            self._submitter.submit(self._submit_staged_dump, ids, addresses, submitted)
+        except RuntimeError as exc:  # the worker closed
+            submitted.set_exception(exc)
+
+    def _submit_staged_dump(
+        self, ids: list[bytes], addresses: list[list[int]], submitted: Future[Task]
+    ) -> None:
+        """The submitting thread: submits a staged save's dump (waiting at most
+        ``dump_submit_timeout_s`` on a full dump queue)."""
+        try:
+            submitted.set_result(self._store.dump_data(ids, self._rank, addresses))
+        except Exception as exc:
+            submitted.set_exception(exc)
 
     def _finish_saves_of(self, wanted: set[bytes]) -> set[bytes]:
         """Waits for this rank's dumps of any of ``wanted`` (a load must find what the dump
@@ -815,13 +842,13 @@ class WorkerSide:
         return True
 
     def _give_slots(self, slots: list[int]) -> None:
-        """Frees a finished staged save's slots; the saving thread gives the pages of those
+        """Frees a finished staged save's slots; the submitting thread gives the pages of those
         past the warm bound back to the system (never the step's thread: it takes time)."""
-        assert self._save_slots is not None and self._saver is not None
+        assert self._save_slots is not None and self._submitter is not None
         cold = self._save_slots.give(slots)
         if cold:
             with contextlib.suppress(RuntimeError):  # closed: the slots are not needed again
-                self._saver.submit(self._save_slots.trim, cold)
+                self._submitter.submit(self._save_slots.trim, cold)
 
     def _collect_dump(
         self, pending: _PendingSave, task: Task, end: float | None
