@@ -436,6 +436,49 @@ def test_a_preemption_never_waits_for_a_dump_that_a_tier_holds(
         h.close()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_preemption_never_waits_for_write_back_a_tier_holds(
+    make: Make, space: Space, async_scheduling: bool
+) -> None:
+    """A CacheBuffer of 2 slots over a ``write: back`` tier that holds every write (the gate
+    stays closed): a dump finds the slots dirty and goes straight down, or waits for the
+    write-back debt to be paid, so its task waits at the gate. Two requests growing to 10
+    blocks each in 15 usable vLLM blocks: vLLM preempts one. Saves over a buffer that writes
+    back are staged, so the preemption waits for nothing: both requests finish with the right
+    tokens while the gate is closed, and no dump reads a block vLLM freed. On the code
+    before, a dump read vLLM's blocks until the tier took it, and ``handle_preemptions``
+    waited for it until the gate opened (the test's 60 s timer)."""
+    h = make(
+        gated=True,
+        buffer={"capacity": "32KiB"},
+        lower={"write": "back"},
+        async_scheduling=async_scheduling,
+        num_blocks=16,
+        extra_config={"ucm_load_deadline_s": 0.5},
+    )
+    assert h.worker._store.buffer.stats()["capacity_slots"] == 2
+    p1, p2 = tokens(13, 5 * BLOCK + 10), tokens(14, 5 * BLOCK + 10)
+    opener = threading.Timer(60.0, space.open_gate)  # bounds the wait of the code before
+    opener.start()
+    try:
+        h.add("p1", p1, 60)
+        h.add("p2", p2, 60)
+        _step_until(h, lambda: any(r.preempted for r in h.records), settle=False)
+        space.wait_entered()  # a write waits at the gate
+        assert not space.gate_open(), "the preemption waited for a write the tier holds"
+        _step_until(h, lambda: {"p1", "p2"} <= set(h.finished_sending), settle=False)
+        assert not space.gate_open(), "a request waited for a write the tier holds"
+        assert h.outputs["p1"] == Harness.expected_outputs(p1, 60)
+        assert h.outputs["p2"] == Harness.expected_outputs(p2, 60)
+        assert h.violations == []
+    finally:
+        opener.cancel()
+        space.open_gate()
+    h.run(STEPS_MAX)
+    h.settle_dumps()
+    h.assert_clean()  # every stored block is its prefix's KV
+
+
 def test_staged_saves_hold_at_most_the_kv_caches_size_and_skip_the_rest(
     tmp_path: Path, space: Space
 ) -> None:

@@ -36,9 +36,9 @@ forward, and starts the asynchronous ones (a prefetch into the CacheBuffer, or w
 *direct* load into staging memory), reported in ``get_finished`` once copied; blocks that
 fail (missing, corrupt, dead tier, late) are returned by ``get_block_ids_with_load_errors`` so
 that vLLM recomputes them. ``wait_for_save`` submits the step's dumps as a task (without a
-CacheBuffer, hands them to the saving thread, which copies them into staging memory and
-passes their submission to the submitting thread) and returns: the forward pass never waits
-for a dump. The scheduler *releases* each finished
+CacheBuffer, or over one that writes back, hands them to the saving thread, which copies them
+into staging memory and passes their submission to the submitting thread) and returns: the
+forward pass never waits for a dump. The scheduler *releases* each finished
 request whose blocks vLLM keeps with the step that carries its last save; ``get_finished``
 reports it once no save of it reads its blocks any more (completed, or copied into staging),
 whatever order vLLM calls the hooks in. Blocks of a preempted request are dumped (or,

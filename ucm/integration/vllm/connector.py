@@ -323,7 +323,10 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             load_deadline_s=load_deadline_s(self._extra),
             hits_only=self._async_loads(),
             direct_async=self._direct_loads(),
-            stage_saves=self._store.buffer is None,
+            # Without a CacheBuffer a dump writes to a tier; over one that writes back, a
+            # dump may wait for write-back debt or go straight down. Either way a tier that
+            # holds a write would hold vLLM's blocks: such saves are staged.
+            stage_saves=self._store.buffer is None or self._store.buffer.writes_back,
         )
         self._metrics_server: MetricsServer | None = None
         port = self._extra.get("ucm_metrics_port")

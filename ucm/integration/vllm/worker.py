@@ -42,10 +42,11 @@ class _PendingSave:
     dump reads them until its task is done. From a CUDA KV cache, ``store.dump`` has copied
     the blocks into its pinned staging slots before it returned (``ucm.staging``: the task
     waits on that copy's event), so the blocks are read no more once it is submitted
-    (``copied`` is set then). *Staged* (no CacheBuffer, a CPU KV cache): the worker's saving
-    thread copies the blocks into private staging memory (one native call), and its
-    submitting thread submits the dump of that memory (``copy``), so vLLM's blocks are read
-    only until the copy is over, however long the tier takes to write."""
+    (``copied`` is set then). *Staged* (a CPU KV cache, and no CacheBuffer or one that
+    writes back, where a dump may wait for a tier: ``WorkerSide(stage_saves=True)``): the
+    worker's saving thread copies the blocks into private staging memory (one native call),
+    and its submitting thread submits the dump of that memory (``copy``), so vLLM's blocks
+    are read only until the copy is over, however long the tier takes to write."""
 
     task: Task | None
     """The dump; for a staged save, None until the submitting thread submitted it."""
@@ -177,8 +178,8 @@ class WorkerSide:
         self._placer: ThreadPoolExecutor | None = None
         """Copies direct loads from their staging memory into vLLM's blocks, off the step."""
         self._stage_saves = stage_saves
-        """No CacheBuffer: saves go through staging memory when the KV cache has addresses
-        (a CPU one; see :class:`_PendingSave`)."""
+        """Saves go through staging memory when the KV cache has addresses (a CPU one; see
+        :class:`_PendingSave`): the connector asks for it when a dump may wait for a tier."""
         self._saver: ThreadPoolExecutor | None = None
         """Copies staged saves out of vLLM's blocks, off the step."""
         self._submitter: ThreadPoolExecutor | None = None
