@@ -391,6 +391,32 @@ def test_a_load_of_a_block_this_rank_is_still_dumping_waits_at_most_the_load_dea
         h.close()
 
 
+def _preempt_one_of_two_while_the_gate_is_closed(
+    h: Harness, space: Space, seed: int, what: str
+) -> None:
+    """Two requests (prompts of seeds ``seed`` and ``seed + 1``) growing to 10 blocks each,
+    in a KV cache that holds 15: vLLM preempts one while a ``what`` (dump, write) waits at
+    the tier's gate. Both finish, with the right tokens, while the gate is still closed; the
+    gate opens on the way out (a 60 s timer bounds the wait of the code before)."""
+    p1, p2 = tokens(seed, 5 * BLOCK + 10), tokens(seed + 1, 5 * BLOCK + 10)
+    opener = threading.Timer(60.0, space.open_gate)
+    opener.start()
+    try:
+        h.add("p1", p1, 60)
+        h.add("p2", p2, 60)
+        _step_until(h, lambda: any(r.preempted for r in h.records), settle=False)
+        space.wait_entered()  # a dump or write waits at the gate
+        assert not space.gate_open(), f"the preemption waited for a {what} the tier holds"
+        _step_until(h, lambda: {"p1", "p2"} <= set(h.finished_sending), settle=False)
+        assert not space.gate_open(), f"a request waited for a {what} the tier holds"
+        assert h.outputs["p1"] == Harness.expected_outputs(p1, 60)
+        assert h.outputs["p2"] == Harness.expected_outputs(p2, 60)
+        assert h.violations == []
+    finally:
+        opener.cancel()
+        space.open_gate()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_preemption_never_waits_for_a_dump_that_a_tier_holds(
     tmp_path: Path, space: Space, async_scheduling: bool
@@ -410,23 +436,7 @@ def test_a_preemption_never_waits_for_a_dump_that_a_tier_holds(
         # The victim's blocks are being dumped when it resumes: its load fails them then.
         extra_config={"ucm_load_deadline_s": 0.5},
     )
-    p1, p2 = tokens(11, 5 * BLOCK + 10), tokens(12, 5 * BLOCK + 10)
-    opener = threading.Timer(60.0, space.open_gate)  # bounds the wait of the code before
-    opener.start()
-    try:
-        h.add("p1", p1, 60)
-        h.add("p2", p2, 60)
-        _step_until(h, lambda: any(r.preempted for r in h.records), settle=False)
-        space.wait_entered()  # a dump waits at the gate
-        assert not space.gate_open(), "the preemption waited for a dump the tier holds"
-        _step_until(h, lambda: {"p1", "p2"} <= set(h.finished_sending), settle=False)
-        assert not space.gate_open(), "a request waited for a dump the tier holds"
-        assert h.outputs["p1"] == Harness.expected_outputs(p1, 60)
-        assert h.outputs["p2"] == Harness.expected_outputs(p2, 60)
-        assert h.violations == []
-    finally:
-        opener.cancel()
-        space.open_gate()
+    _preempt_one_of_two_while_the_gate_is_closed(h, space, 11, "dump")
     try:
         h.run(STEPS_MAX)
         h.settle_dumps()  # the dumps held at the gate write what was copied before the free
@@ -457,23 +467,7 @@ def test_a_preemption_never_waits_for_write_back_a_tier_holds(
         extra_config={"ucm_load_deadline_s": 0.5},
     )
     assert h.worker._store.buffer.stats()["capacity_slots"] == 2
-    p1, p2 = tokens(13, 5 * BLOCK + 10), tokens(14, 5 * BLOCK + 10)
-    opener = threading.Timer(60.0, space.open_gate)  # bounds the wait of the code before
-    opener.start()
-    try:
-        h.add("p1", p1, 60)
-        h.add("p2", p2, 60)
-        _step_until(h, lambda: any(r.preempted for r in h.records), settle=False)
-        space.wait_entered()  # a write waits at the gate
-        assert not space.gate_open(), "the preemption waited for a write the tier holds"
-        _step_until(h, lambda: {"p1", "p2"} <= set(h.finished_sending), settle=False)
-        assert not space.gate_open(), "a request waited for a write the tier holds"
-        assert h.outputs["p1"] == Harness.expected_outputs(p1, 60)
-        assert h.outputs["p2"] == Harness.expected_outputs(p2, 60)
-        assert h.violations == []
-    finally:
-        opener.cancel()
-        space.open_gate()
+    _preempt_one_of_two_while_the_gate_is_closed(h, space, 13, "write")
     h.run(STEPS_MAX)
     h.settle_dumps()
     h.assert_clean()  # every stored block is its prefix's KV

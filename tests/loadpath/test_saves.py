@@ -354,6 +354,21 @@ def test_the_snapshot_memory_a_burst_leaves_is_freed_once_the_writer_is_idle(
         assert all(torch.equal(d[0], s[0]) for d, s in zip(dst, src, strict=True))
 
 
+def _assert_saved(worker: Any, store: ucm.Store, ids: list[bytes], want: torch.Tensor) -> None:
+    """Waits (bounded) until the worker has collected a save of every one of ``ids`` (one
+    ``SHARD`` each), then loads them back: block i holds ``want``'s i-th ``SHARD`` bytes."""
+    deadline = time.monotonic() + BOUND_S
+    while worker.stats.data["saved_blocks"] < len(ids):
+        assert time.monotonic() < deadline, dict(worker.stats.data)
+        worker.get_finished()
+        time.sleep(0.01)
+    dst = dst_for(len(ids))
+    store.wait(store.load(ids, 0, dst), timeout_s=BOUND_S)
+    assert [d[0].numpy().tobytes() for d in dst] == [
+        want[i * SHARD : (i + 1) * SHARD].numpy().tobytes() for i in range(len(ids))
+    ]
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
 def test_a_cuda_dump_frees_vllms_blocks_once_submitted_however_long_the_tier_holds_it(
@@ -393,16 +408,7 @@ def test_a_cuda_dump_frees_vllms_blocks_once_submitted_however_long_the_tier_hol
             assert worker.get_finished() == {"r"}
             assert not GATES["held"].is_set()  # all of it while the tier still holds the dump
             GATES["held"].set()
-            deadline = time.monotonic() + BOUND_S
-            while worker.stats.data["saved_blocks"] < count:
-                assert time.monotonic() < deadline, dict(worker.stats.data)
-                worker.get_finished()
-                time.sleep(0.01)
-            dst = dst_for(count)
-            store.wait(store.load(ids, 0, dst), timeout_s=BOUND_S)
-            assert [d[0].numpy().tobytes() for d in dst] == [
-                want[i * SHARD : (i + 1) * SHARD].numpy().tobytes() for i in range(count)
-            ]
+            _assert_saved(worker, store, ids, want)
     finally:
         GATES["held"].set()
 
@@ -459,17 +465,8 @@ def test_a_full_dump_queue_never_holds_a_staged_saves_copy(
             assert "r3" in worker.get_finished()
             assert not GATES["held"].is_set()
             GATES["held"].set()
-            deadline = time.monotonic() + BOUND_S
-            while worker.stats.data["saved_blocks"] < count:
-                assert time.monotonic() < deadline, dict(worker.stats.data)
-                worker.get_finished()
-                time.sleep(0.01)
+            _assert_saved(worker, store, ids, want)
             assert worker.stats.data.get("save_failed_blocks", 0) == 0
-            dst = dst_for(count)
-            store.wait(store.load(ids, 0, dst), timeout_s=BOUND_S)
-            assert [d[0].numpy().tobytes() for d in dst] == [
-                want[i * SHARD : (i + 1) * SHARD].numpy().tobytes() for i in range(count)
-            ]
             worker.close()
     finally:
         GATES["held"].set()

@@ -130,6 +130,25 @@ def _pass(
     return {"hooks": hooks, "waits": waits, "stored_s": stored_s, "bytes": original.numel()}
 
 
+def _per_step(
+    what: str, staged: list[float], direct: list[float], baseline: str, step_mib: float
+) -> list[Figure]:
+    """The p50 and the max over the steps of ``what`` (seconds per step), staged against
+    ``baseline``, in ms."""
+    return [
+        Figure(
+            name=f"{what}, {quantile} of the steps",
+            value=pick(staged) * 1000,
+            unit="ms",
+            baseline=baseline,
+            baseline_value=pick(direct) * 1000,
+            higher_is_better=False,
+            extra={"step_mib": step_mib, "steps": float(len(staged))},
+        )
+        for quantile, pick in (("p50", statistics.median), ("max", max))
+    ]
+
+
 class VllmSaves:
     name = "vllm_saves"
     title = (
@@ -183,19 +202,13 @@ class VllmSaves:
                     kept.setdefault("stored_s", []).append(result["stored_s"])
         step_mib = geometry["per_step"] * geometry["layers"] * geometry["layer_bytes"] / 2**20
         figures: list[Figure] = []
-        for quantile, pick in (("p50", statistics.median), ("max", max)):
-            staged, direct = results["saves", "staged"], results["saves", "direct"]
-            figures.append(
-                Figure(
-                    name=f"save hook (wait_for_save) return, {quantile} of the steps",
-                    value=pick(staged["hooks"]) * 1000,
-                    unit="ms",
-                    baseline="dumps straight from vLLM's blocks",
-                    baseline_value=pick(direct["hooks"]) * 1000,
-                    higher_is_better=False,
-                    extra={"step_mib": step_mib, "steps": float(len(staged["hooks"]))},
-                )
-            )
+        figures += _per_step(
+            "save hook (wait_for_save) return",
+            results["saves", "staged"]["hooks"],
+            results["saves", "direct"]["hooks"],
+            "dumps straight from vLLM's blocks",
+            step_mib,
+        )
         staged, direct = results["saves", "staged"], results["saves", "direct"]
         total_mib = step_mib * geometry["steps"]
         figures.append(
@@ -208,19 +221,13 @@ class VllmSaves:
                 higher_is_better=False,
             )
         )
-        for quantile, pick in (("p50", statistics.median), ("max", max)):
-            staged, direct = results["preemptions", "staged"], results["preemptions", "direct"]
-            figures.append(
-                Figure(
-                    name=f"preemption wait before the forward pass, {quantile} of the steps",
-                    value=pick(staged["waits"]) * 1000,
-                    unit="ms",
-                    baseline="dumps straight from vLLM's blocks (the tier's write)",
-                    baseline_value=pick(direct["waits"]) * 1000,
-                    higher_is_better=False,
-                    extra={"step_mib": step_mib},
-                )
-            )
+        figures += _per_step(
+            "preemption wait before the forward pass",
+            results["preemptions", "staged"]["waits"],
+            results["preemptions", "direct"]["waits"],
+            "dumps straight from vLLM's blocks (the tier's write)",
+            step_mib,
+        )
         series: dict[str, tuple[list[float], list[float]]] = {}
         for system in ("direct", "staged"):
             xs, ys = series.setdefault(system, ([], []))
