@@ -369,6 +369,70 @@ def _assert_saved(worker: Any, store: ucm.Store, ids: list[bytes], want: torch.T
     ]
 
 
+def test_a_workers_close_never_waits_for_each_staged_save_behind_a_stuck_tier(
+    test_tiers: None, unique_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No CacheBuffer (saves are staged), a tier that holds every dump, a dump queue of one,
+    and submissions that wait up to 4 s each: save 0 is held at the gate, save 1 fills the
+    queue, and 10 more wait on the submitting thread. The worker's close returns within two
+    of those waits, while the gate is still closed: once a submission timed out while it
+    closes, the saves behind it are dropped, never submitted. Once the gate opens, saves 0 and
+    1 are stored whole, and nothing else. On the code before, close waited 4 s for each
+    queued save (40 s)."""
+    from ucm.integration.addresses import BlockAddresses
+    from ucm.integration.vllm.metadata import BlockTransfer, UcmConnectorMetadata
+    from ucm.integration.vllm.worker import WorkerSide
+
+    GATES.setdefault("held", threading.Event()).clear()
+    config = {
+        "unique_id": unique_id,
+        "shard_size": SHARD,
+        "shards_per_block": 1,
+        "tiers": [{"type": "recording", "space": "held", "gated": True}],
+        "load": {"dump_queue_depth": 1, "dump_submit_timeout_s": 4},
+    }
+    count = 12
+    kv = torch.arange(count * SHARD, dtype=torch.int64).remainder(241).to(torch.uint8)
+    view = kv.view(count, SHARD)
+    ids = [block(90 + i) for i in range(count)]
+    try:
+        with ucm.open(config) as store:
+            worker = WorkerSide(store, rank=0, shard_size=SHARD, stage_saves=True)
+            worker.set_block_views([view], BlockAddresses([view], [SHARD], ["layer.0"], count))
+            for step in range(count):
+                saves = [BlockTransfer(f"r{step}", [step], [ids[step]])]
+                worker.bind(UcmConnectorMetadata(saves=saves, released={f"r{step}"}))
+                bounded(worker.submit_saves, "wait_for_save of a staged save")
+                if step == 0:
+                    assert ENTERED.setdefault("held", threading.Event()).wait(BOUND_S)
+            with ThreadPoolExecutor(1) as pool, caplog.at_level("WARNING", "vllm.ucm"):
+                closing = pool.submit(worker.close)
+                try:
+                    closing.result(timeout=20.0)
+                except FuturesTimeout:
+                    GATES["held"].set()
+                    raise AssertionError(
+                        "the worker's close waited for each queued save's submission"
+                    ) from None
+            assert not GATES["held"].is_set()
+            # Saves 2-11: one or two timed out on the full queue, the rest were dropped.
+            said = "blocks not saved: the worker closed while a tier did not keep up"
+            assert len([r for r in caplog.records if said in r.getMessage()]) == 1
+            GATES["held"].set()
+            deadline = time.monotonic() + BOUND_S
+            while store.lookup(ids[:2]) != [True, True]:
+                assert time.monotonic() < deadline, store.lookup(ids)
+                time.sleep(0.01)
+            assert store.lookup(ids) == [True, True] + [False] * (count - 2)
+            dst = dst_for(2)
+            store.wait(store.load(ids[:2], 0, dst), timeout_s=BOUND_S)
+            assert [d[0].numpy().tobytes() for d in dst] == [
+                kv[i * SHARD : (i + 1) * SHARD].numpy().tobytes() for i in range(2)
+            ]
+    finally:
+        GATES["held"].set()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
 def test_a_cuda_dump_frees_vllms_blocks_once_submitted_however_long_the_tier_holds_it(

@@ -190,6 +190,13 @@ class WorkerSide:
         """Staged saves' memory: one slot per block, as many as the KV cache has blocks."""
         self._copied_at_submit = False
         """A CUDA KV cache: a dump has copied vLLM's blocks by the time it is submitted."""
+        self._closing = False
+        """:meth:`close` began: a staged save's submission that times out drops the rest."""
+        self._close_refused = False
+        """A staged save's submission timed out on a full dump queue while closing: the tier
+        does not keep up, and the saves behind it are dropped, not waited for one by one."""
+        self._dropped_at_close = 0
+        """Blocks of staged saves dropped at close, unsubmitted."""
 
     def set_block_views(
         self, views: list[torch.Tensor], addresses: BlockAddresses | None = None
@@ -454,8 +461,10 @@ class WorkerSide:
 
     def close(self) -> None:
         """Keeps the staging memory of direct loads and staged saves still running until
-        they end, and waits for the copies in and out of staging (memcpys; a staged save's
-        submission, at most ``dump_submit_timeout_s`` each) to finish."""
+        they end, and waits for the copies in and out of staging (memcpys) and for the
+        submissions of staged saves while the dump queue takes them: past the first that
+        times out on a full queue (``dump_submit_timeout_s``), the rest are dropped."""
+        self._closing = True
         for load in self._async:
             if load.copy is not None and load.staging is not None:
                 keep_late(self._store, load.copy, load.staging)
@@ -465,6 +474,12 @@ class WorkerSide:
             self._saver.shutdown(wait=True)
         if self._submitter is not None:
             self._submitter.shutdown(wait=True)
+        if self._dropped_at_close:
+            logger.warning(
+                "UCM: %d blocks not saved: the worker closed while a tier did not keep up "
+                "(a full dump queue)",
+                self._dropped_at_close,
+            )
         for pending in self._saves:
             if pending.slots is None or pending.copy is None or pending.finished:
                 continue
@@ -760,9 +775,19 @@ class WorkerSide:
         self, ids: list[bytes], addresses: list[list[int]], submitted: Future[Task]
     ) -> None:
         """The submitting thread: submits a staged save's dump (waiting at most
-        ``dump_submit_timeout_s`` on a full dump queue)."""
+        ``dump_submit_timeout_s`` on a full dump queue). Once one timed out while the worker
+        closes, the saves still queued here are dropped: a close never waits
+        ``dump_submit_timeout_s`` for each save behind a tier that does not keep up."""
+        if self._close_refused:
+            self._dropped_at_close += len(ids)
+            submitted.set_exception(RuntimeError("the worker closed before the dump's submission"))
+            return
         try:
             submitted.set_result(self._store.dump_data(ids, self._rank, addresses))
+        except TimeoutError as exc:
+            if self._closing:
+                self._close_refused = True
+            submitted.set_exception(exc)
         except Exception as exc:
             submitted.set_exception(exc)
 
