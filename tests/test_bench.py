@@ -340,3 +340,36 @@ def test_a_benchmark_finds_the_harness_in_the_checkout_or_says_it_needs_one(
         "and engine drivers, which the wheel does not ship); run it from a UCM checkout "
         "(pip install -e .)"
     )
+
+
+@pytest.mark.parametrize("ci", [False, True], ids=["outside-ci", "ci"])
+def test_an_engine_benchmark_without_its_engine_says_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, ci: bool
+) -> None:
+    """vLLM's benchmarks with ``pandas`` (what ``vllm bench serve`` needs) made absent: one
+    figure that says so, and no measurement; under CI, which installs every engine, an error."""
+    from ucm.bench.vllm_serving import BENCHMARK
+
+    real_find_spec = ucm.bench.importlib.util.find_spec
+    monkeypatch.setattr(
+        ucm.bench.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "pandas" else real_find_spec(name, *a),
+    )
+    monkeypatch.delenv("CI", raising=False)
+    if ci:
+        monkeypatch.setenv("CI", "true")
+        with pytest.raises(RuntimeError) as info:
+            BENCHMARK.run(BenchOptions(quick=True))
+        assert str(info.value) == (
+            "pandas not installed: `bash tools/install-test-env` installs every engine and "
+            "what its benchmarks need, and CI runs benchmark 'vllm_serving'"
+        )
+        return
+    result = BENCHMARK.run(BenchOptions(quick=True))
+    assert [figure.name for figure in result.figures] == ["not measured: pandas not installed"]
+    assert result.notes == [
+        "pandas not installed: `bash tools/install-test-env` installs every engine and what "
+        "its benchmarks need"
+    ]
+    assert check_result(BENCHMARK, result) is None

