@@ -134,15 +134,18 @@ def test_with_and_without_a_buffer_the_stack_takes_the_same_settings_model(
         ucm.open({**stack(unique_id, lower), "load": {"load_workers": 2}})
 
 
-def bounded(call: Callable[[], Any], what: str) -> Any:
-    """``call()`` in another thread, failing the test (not hanging it) past BOUND_S."""
+def bounded(
+    call: Callable[[], Any], what: str, *, timeout_s: float = BOUND_S, gate: str = "low"
+) -> Any:
+    """``call()`` in another thread, failing the test (not hanging it) past ``timeout_s``;
+    then the tier's ``gate`` opens, so that the thread can finish."""
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(call)
         try:
-            return future.result(timeout=BOUND_S)
+            return future.result(timeout=timeout_s)
         except FuturesTimeout:
-            GATES.setdefault("low", threading.Event()).set()  # let the thread finish
-            raise AssertionError(f"{what} did not return within {BOUND_S} s") from None
+            GATES.setdefault(gate, threading.Event()).set()  # let the thread finish
+            raise AssertionError(f"{what} did not return within {timeout_s} s") from None
 
 
 def test_many_tasks_in_flight_check_does_not_block(test_tiers: None, unique_id: str) -> None:

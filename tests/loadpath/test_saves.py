@@ -12,8 +12,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any
 
@@ -369,16 +367,16 @@ def _assert_saved(worker: Any, store: ucm.Store, ids: list[bytes], want: torch.T
     ]
 
 
-def test_a_workers_close_never_waits_for_each_staged_save_behind_a_stuck_tier(
-    test_tiers: None, unique_id: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """No CacheBuffer (saves are staged), a tier that holds every dump, a dump queue of one,
-    and submissions that wait up to 4 s each: save 0 is held at the gate, save 1 fills the
-    queue, and 10 more wait on the submitting thread. The worker's close returns within two
-    of those waits, while the gate is still closed: once a submission timed out while it
-    closes, the saves behind it are dropped, never submitted. Once the gate opens, saves 0 and
-    1 are stored whole, and nothing else. On the code before, close waited 4 s for each
-    queued save (40 s)."""
+@contextlib.contextmanager
+def _staged_saves_held_at_the_gate(
+    unique_id: str, *, count: int, submit_timeout_s: float, first: int, pattern: int
+) -> Iterator[tuple[ucm.Store, Any, torch.Tensor, list[bytes]]]:
+    """No CacheBuffer (saves are staged), a tier that holds every dump at gate ``held``, and
+    a dump queue of one whose submissions wait up to ``submit_timeout_s``: ``count`` steps,
+    step i saving vLLM block i (request ``r<i>``, released) as block ``first + i``, the KV
+    cache's bytes counting mod ``pattern``. Yields (store, worker, KV cache, ids) once every
+    save is handed to the worker and save 0 is held at the gate; the gate opens on the way
+    out."""
     from ucm.integration.addresses import BlockAddresses
     from ucm.integration.vllm.metadata import BlockTransfer, UcmConnectorMetadata
     from ucm.integration.vllm.worker import WorkerSide
@@ -389,12 +387,11 @@ def test_a_workers_close_never_waits_for_each_staged_save_behind_a_stuck_tier(
         "shard_size": SHARD,
         "shards_per_block": 1,
         "tiers": [{"type": "recording", "space": "held", "gated": True}],
-        "load": {"dump_queue_depth": 1, "dump_submit_timeout_s": 4},
+        "load": {"dump_queue_depth": 1, "dump_submit_timeout_s": submit_timeout_s},
     }
-    count = 12
-    kv = torch.arange(count * SHARD, dtype=torch.int64).remainder(241).to(torch.uint8)
+    kv = torch.arange(count * SHARD, dtype=torch.int64).remainder(pattern).to(torch.uint8)
     view = kv.view(count, SHARD)
-    ids = [block(90 + i) for i in range(count)]
+    ids = [block(first + i) for i in range(count)]
     try:
         with ucm.open(config) as store:
             worker = WorkerSide(store, rank=0, shard_size=SHARD, stage_saves=True)
@@ -405,32 +402,41 @@ def test_a_workers_close_never_waits_for_each_staged_save_behind_a_stuck_tier(
                 bounded(worker.submit_saves, "wait_for_save of a staged save")
                 if step == 0:
                     assert ENTERED.setdefault("held", threading.Event()).wait(BOUND_S)
-            with ThreadPoolExecutor(1) as pool, caplog.at_level("WARNING", "vllm.ucm"):
-                closing = pool.submit(worker.close)
-                try:
-                    closing.result(timeout=20.0)
-                except FuturesTimeout:
-                    GATES["held"].set()
-                    raise AssertionError(
-                        "the worker's close waited for each queued save's submission"
-                    ) from None
-            assert not GATES["held"].is_set()
-            # Saves 2-11: one or two timed out on the full queue, the rest were dropped.
-            said = "blocks not saved: the worker closed while a tier did not keep up"
-            assert len([r for r in caplog.records if said in r.getMessage()]) == 1
-            GATES["held"].set()
-            deadline = time.monotonic() + BOUND_S
-            while store.lookup(ids[:2]) != [True, True]:
-                assert time.monotonic() < deadline, store.lookup(ids)
-                time.sleep(0.01)
-            assert store.lookup(ids) == [True, True] + [False] * (count - 2)
-            dst = dst_for(2)
-            store.wait(store.load(ids[:2], 0, dst), timeout_s=BOUND_S)
-            assert [d[0].numpy().tobytes() for d in dst] == [
-                kv[i * SHARD : (i + 1) * SHARD].numpy().tobytes() for i in range(2)
-            ]
+            yield store, worker, kv, ids
     finally:
         GATES["held"].set()
+
+
+def test_a_workers_close_never_waits_for_each_staged_save_behind_a_stuck_tier(
+    test_tiers: None, unique_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No CacheBuffer (saves are staged), a tier that holds every dump, a dump queue of one,
+    and submissions that wait up to 4 s each: save 0 is held at the gate, save 1 fills the
+    queue, and 10 more wait on the submitting thread. The worker's close returns within two
+    of those waits, while the gate is still closed: once a submission timed out while it
+    closes, the saves behind it are dropped, never submitted. Once the gate opens, saves 0 and
+    1 are stored whole, and nothing else. On the code before, close waited 4 s for each
+    queued save (40 s)."""
+    with _staged_saves_held_at_the_gate(
+        unique_id, count=12, submit_timeout_s=4, first=90, pattern=241
+    ) as (store, worker, kv, ids):
+        with caplog.at_level("WARNING", "vllm.ucm"):
+            bounded(worker.close, "the worker's close", timeout_s=20.0, gate="held")
+        assert not GATES["held"].is_set()
+        # Saves 2-11: one or two timed out on the full queue, the rest were dropped.
+        said = "blocks not saved: the worker closed while a tier did not keep up"
+        assert len([r for r in caplog.records if said in r.getMessage()]) == 1
+        GATES["held"].set()
+        deadline = time.monotonic() + BOUND_S
+        while store.lookup(ids[:2]) != [True, True]:
+            assert time.monotonic() < deadline, store.lookup(ids)
+            time.sleep(0.01)
+        assert store.lookup(ids) == [True, True] + [False] * (len(ids) - 2)
+        dst = dst_for(2)
+        store.wait(store.load(ids[:2], 0, dst), timeout_s=BOUND_S)
+        assert [d[0].numpy().tobytes() for d in dst] == [
+            kv[i * SHARD : (i + 1) * SHARD].numpy().tobytes() for i in range(2)
+        ]
 
 
 @pytest.mark.cuda
@@ -488,49 +494,23 @@ def test_a_full_dump_queue_never_holds_a_staged_saves_copy(
     Once it opens, every save is stored with the bytes its blocks held before they were
     overwritten. On the code before, one thread copied and then submitted each save in turn,
     so save 3's copy waited for save 2's submission (45 s)."""
-    from ucm.integration.addresses import BlockAddresses
-    from ucm.integration.vllm.metadata import BlockTransfer, UcmConnectorMetadata
-    from ucm.integration.vllm.worker import WorkerSide
+    from ucm.integration.vllm.metadata import UcmConnectorMetadata
 
-    GATES.setdefault("held", threading.Event()).clear()
-    config = {
-        "unique_id": unique_id,
-        "shard_size": SHARD,
-        "shards_per_block": 1,
-        "tiers": [{"type": "recording", "space": "held", "gated": True}],
-        "load": {"dump_queue_depth": 1, "dump_submit_timeout_s": 45},
-    }
-    count = 4
-    kv = torch.arange(count * SHARD, dtype=torch.int64).remainder(251).to(torch.uint8)
-    want = kv.clone()
-    view = kv.view(count, SHARD)
-    ids = [block(70 + i) for i in range(count)]
-    try:
-        with ucm.open(config) as store:
-            worker = WorkerSide(store, rank=0, shard_size=SHARD, stage_saves=True)
-            worker.set_block_views([view], BlockAddresses([view], [SHARD], ["layer.0"], count))
-            for step in range(count):
-                saves = [BlockTransfer(f"r{step}", [step], [ids[step]])]
-                worker.bind(UcmConnectorMetadata(saves=saves, released={f"r{step}"}))
-                bounded(worker.submit_saves, "wait_for_save of a staged save")
-                if step == 0:
-                    assert ENTERED.setdefault("held", threading.Event()).wait(BOUND_S)
-            preempted = UcmConnectorMetadata(preempted={"r3"})
-            with ThreadPoolExecutor(1) as pool:
-                waiting = pool.submit(worker.handle_preemptions, preempted)
-                try:
-                    waiting.result(timeout=15.0)
-                except FuturesTimeout:
-                    GATES["held"].set()
-                    raise AssertionError(
-                        "the preemption waited for a save's submission to a full dump queue"
-                    ) from None
-            view[3].fill_(0xEE)  # vLLM writes into the preempted request's blocks
-            assert "r3" in worker.get_finished()
-            assert not GATES["held"].is_set()
-            GATES["held"].set()
-            _assert_saved(worker, store, ids, want)
-            assert worker.stats.data.get("save_failed_blocks", 0) == 0
-            worker.close()
-    finally:
+    with _staged_saves_held_at_the_gate(
+        unique_id, count=4, submit_timeout_s=45, first=70, pattern=251
+    ) as (store, worker, kv, ids):
+        want = kv.clone()
+        preempted = UcmConnectorMetadata(preempted={"r3"})
+        bounded(
+            lambda: worker.handle_preemptions(preempted),
+            "the preemption behind a save's submission to a full dump queue",
+            timeout_s=15.0,
+            gate="held",
+        )
+        kv.view(len(ids), SHARD)[3].fill_(0xEE)  # vLLM writes into the preempted request's blocks
+        assert "r3" in worker.get_finished()
+        assert not GATES["held"].is_set()
         GATES["held"].set()
+        _assert_saved(worker, store, ids, want)
+        assert worker.stats.data.get("save_failed_blocks", 0) == 0
+        worker.close()
