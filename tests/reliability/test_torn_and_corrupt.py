@@ -239,13 +239,40 @@ def _temp_files(directory: Path) -> list[Path]:
     return sorted(directory.rglob("*.tmp"))
 
 
+def _kill_while_writing(writer: subprocess.Popen[str], directory: Path) -> list[Path]:
+    """SIGKILLs ``writer`` while one of its block files is a temp file, and returns the temp
+    files it left. A temp file lives only while its bytes are written (a millisecond or two of
+    each dump), so a kill at a random time mostly misses it. Here the writer is stopped as soon
+    as a temp file shows, and inspected while stopped: its files stand still then. It is killed
+    if one is still there, and let go on otherwise, until ``WRITER_PHASE_S`` runs out."""
+    deadline = time.monotonic() + WRITER_PHASE_S
+    stops = 0
+    while time.monotonic() < deadline:
+        if not _temp_files(directory):
+            time.sleep(0.0002)
+            continue
+        writer.send_signal(signal.SIGSTOP)
+        _, status = os.waitpid(writer.pid, os.WUNTRACED)  # returns once every thread stopped
+        assert os.WIFSTOPPED(status), f"writer {writer.pid} ended: wait status {status}"
+        stops += 1
+        left = _temp_files(directory)
+        if left:
+            writer.send_signal(signal.SIGKILL)
+            writer.wait(WRITER_PHASE_S)
+            return left
+        writer.send_signal(signal.SIGCONT)  # the file was renamed in between: try the next
+    writer.kill()
+    writer.wait(WRITER_PHASE_S)
+    pytest.fail(f"no temp file stood still in {WRITER_PHASE_S} s ({stops} stops)")
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", ["posix", "fsspec"])
 def test_temp_files_of_writers_killed_mid_dump_are_reaped_without_a_capacity(
     tmp_path: Path, kind: str
 ) -> None:
-    # Big shards: a dump spends most of its time writing its files' temp copies, where the
-    # kill lands. No capacity: no eviction scan ever runs in this directory.
+    # Big shards: each dump writes its files' temp copies for a while. No capacity: no
+    # eviction scan ever runs in this directory.
     tier: dict[str, Any] = (
         {"type": "posix", "path": str(tmp_path / "nvme")}
         if kind == "posix"
@@ -257,25 +284,17 @@ def test_temp_files_of_writers_killed_mid_dump_are_reaped_without_a_capacity(
         "shards_per_block": SHARDS_PER_BLOCK,
         "tiers": [tier],
     }
-    rng = random.Random(11)
-    left: list[Path] = []
-    for run in range(12):
-        stderr = tmp_path / f"writer-{run}.stderr"
-        with open(stderr, "w") as errors:
-            writer = subprocess.Popen(
-                [sys.executable, "-c", BIG_WRITER, json.dumps(config)],
-                stdout=subprocess.PIPE,
-                stderr=errors,
-                text=True,
-            )
-        _ready_within(writer, stderr, WRITER_PHASE_S)
-        time.sleep(rng.uniform(0.1, 0.5))
-        writer.send_signal(signal.SIGKILL)
-        writer.wait(WRITER_PHASE_S)
-        left = _temp_files(tmp_path / "nvme")
-        if left:
-            break
-    assert left, "no writer was killed while it wrote a block file"
+    stderr = tmp_path / "writer.stderr"
+    with open(stderr, "w") as errors:
+        writer = subprocess.Popen(
+            [sys.executable, "-c", BIG_WRITER, json.dumps(config)],
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+        )
+    _ready_within(writer, stderr, WRITER_PHASE_S)
+    left = _kill_while_writing(writer, tmp_path / "nvme")
+    assert all(path.exists() for path in left)  # the dead writer's, nobody removes them yet
     with ucm.open(config) as store:  # a later process using the directory
         sweep = store.tiers[0].temp_sweep
         sweep.result(timeout=WRITER_PHASE_S)
