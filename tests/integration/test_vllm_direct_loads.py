@@ -15,7 +15,6 @@ tests). Tests assert outcomes (tokens, states, counts), never timings."""
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import random
 import uuid
@@ -31,6 +30,8 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed", allow_module_level=True)
 
 from loadpath import _tiers
+
+from ucm.errors import ConfigError
 
 from ._vllm_sched import BLOCK, LOOKUP_TIMEOUT_MS, Harness
 
@@ -198,22 +199,31 @@ def test_under_the_synchronous_scheduler_a_load_without_a_buffer_is_direct_too(
     h.assert_clean()
 
 
-def test_ucm_async_load_false_under_the_async_scheduler_loads_synchronously_and_says_why(
-    make: Make, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.WARNING, logger="vllm.ucm"):
-        h = make(async_scheduling=True, extra_config={"ucm_async_load": False})
-    assert any(
-        "ucm_async_load'] is false under vLLM's asynchronous scheduling" in r.getMessage()
-        and "costs its request a wrong token" in r.getMessage()
-        for r in caplog.records
-    ), [r.getMessage() for r in caplog.records]
+def test_ucm_async_load_false_is_refused_under_the_async_scheduler(make: Make) -> None:
+    """A synchronous load that fails under vLLM's asynchronous scheduling costs its request a
+    wrong token (vLLM scheduled the next step over the failed block before it knew). The
+    connector refuses the configuration at start, naming the key, the value and what is
+    valid; on the code before it only warned, and loaded synchronously."""
+    with pytest.raises(ConfigError) as raised:
+        make(async_scheduling=True, extra_config={"ucm_async_load": False})
+    assert str(raised.value) == (
+        "kv_connector_extra_config['ucm_async_load']: False is not valid under vLLM's "
+        "asynchronous scheduling (CUDA vLLM's default): vLLM schedules each step before it "
+        "learns that the last one's load failed, so a synchronous load that fails (a block "
+        "missing, corrupt, or on a dead tier) would cost its request a wrong token. Leave "
+        "ucm_async_load true (the default), or turn asynchronous scheduling off "
+        "(--no-async-scheduling)"
+    )
+    # Under synchronous scheduling it stands: every load before the forward pass.
+    h = make(async_scheduling=False, extra_config={"ucm_async_load": False})
     h.add("a", A, 2)
     h.run()
     start = len(h.records)
     h.add("b", B, 3)
     h.run()
     assert [list(r.loads) for r in h.records[start:] if r.loads] == [["b"]]
+    assert not any(r.async_loads for r in h.records[start:])
+    assert h.outputs["b"] == Harness.expected_outputs(B, 3)
     h.assert_clean()
 
 

@@ -24,8 +24,9 @@ request's blocks until the workers have dumped them.
 as they fill), once its tokens are known, and only once the scheduler knows that no load
 beneath it failed: a failed load (on any TP rank) leaves garbage that every later block of the
 request attended to. Workers echo the steps whose loads they ran (``loaded_steps``) in the same
-output as vLLM's ``invalid_block_ids``; until that output is processed (one step later with
-synchronous scheduling, two with asynchronous), blocks at or after the load wait. A finished
+output as vLLM's ``invalid_block_ids``; until that output is processed (the next step:
+synchronous loads run under synchronous scheduling only; an asynchronous load's outcome
+comes before its request is scheduled), blocks at or after the load wait. A finished
 request with an unconfirmed load is held until its outcome is known. Blocks already present in
 the store are not dumped again (one lookup per step).
 

@@ -39,7 +39,8 @@ EXTRA_KEYS = {
     "ucm_async_load": "true (default): a request whose matched blocks are not all in the "
     "CacheBuffer loads them asynchronously, waiting in WAITING_FOR_REMOTE_KVS while the others "
     "run (under vLLM's asynchronous scheduling every load does); false: every load finishes "
-    "before the forward pass",
+    "before the forward pass (refused under vLLM's asynchronous scheduling, where a failed one "
+    "would cost a wrong token)",
     "ucm_load_deadline_s": "seconds an asynchronous load may take (default "
     "10); blocks not in the CacheBuffer (without one: not loaded) by then are reported failed "
     "and recomputed; also the most a step's load waits for this rank's own dumps of its blocks",

@@ -80,6 +80,15 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         """vLLM's asynchronous scheduling (CUDA vLLM's default): step K+1 is scheduled before
         step K's output is processed, so a synchronous load that fails costs a token."""
+        if self._async_scheduling and self._extra.get("ucm_async_load") is False:
+            raise ConfigError(
+                f"{extra_key('ucm_async_load')}: False is not valid under vLLM's asynchronous "
+                "scheduling (CUDA vLLM's default): vLLM schedules each step before it learns "
+                "that the last one's load failed, so a synchronous load that fails (a block "
+                "missing, corrupt, or on a dead tier) would cost its request a wrong token. "
+                "Leave ucm_async_load true (the default), or turn asynchronous scheduling off "
+                "(--no-async-scheduling)"
+            )
         self._stats = UcmConnectorStats()
         self._closed = False
         self._rank = -1
@@ -171,22 +180,13 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tenants=TenantMapping.parse(self._extra.get("ucm_namespace"), "ucm_namespace"),
             # Under vLLM's asynchronous scheduling a synchronous load that fails costs its
             # request a token, and may leave vLLM 0.32 never scheduling it again: every load
-            # is asynchronous there. Under synchronous scheduling CacheBuffer hits load before
-            # the forward pass, held from the look-up so that no eviction fails them.
+            # is asynchronous there (``ucm_async_load: false`` is refused above). Under
+            # synchronous scheduling CacheBuffer hits load before the forward pass, held from
+            # the look-up so that no eviction fails them.
             hold=self._hold if self._async_loads() and not self._async_scheduling else None,
             every_load_async=self._async_load_on()
             and (self._async_scheduling or self._direct_loads()),
         )
-        if self._async_scheduling and not self._async_load_on():
-            logger.warning(
-                "UCM: %s is false under vLLM's asynchronous scheduling: every load runs "
-                "before the forward pass, and a load that fails (a block missing, corrupt, or "
-                "on a dead tier) costs its request a wrong token: vLLM keeps the token the "
-                "next step, scheduled before the failure was known, decoded over the failed "
-                "block; vLLM 0.32 may also never finish that request. Leave it true, or turn "
-                "asynchronous scheduling off",
-                extra_key("ucm_async_load"),
-            )
         if transfer.is_kv_consumer and transfer.kv_load_failure_policy != "recompute":
             logger.warning(
                 "UCM: kv_load_failure_policy=%r: a block that fails to load (missing, corrupt, "

@@ -126,8 +126,7 @@ class _RequestState:
     save_cap: int | None = None
     """Blocks from this index on were computed over another request's load that failed (a
     vLLM block shared through vLLM's prefix cache): never saved by this request. vLLM does
-    not always recompute them (under asynchronous scheduling it keeps what a request sharing
-    the failed block computed in a later step)."""
+    not always recompute them."""
 
     def barrier(self) -> int | None:
         return min((load.first_block for load in self.pending), default=None)
@@ -226,9 +225,6 @@ class SchedulerSide:
         self._step = 0
         self._dumping_ids: dict[bytes, int] = {}
         """Blocks the workers were asked to dump → ranks not done yet: present for lookups."""
-        self._loading_ids: set[bytes] | None = None
-        """The UCM ids of the synchronous loads not confirmed yet (None: to compute again,
-        after the pending loads changed)."""
 
     def on_new_request(self, request: Request) -> None:
         self._state(request)
@@ -312,10 +308,6 @@ class SchedulerSide:
         start = num_computed_tokens // bs
         full = int(request.num_tokens) // bs
         ids = self._chain(state, full)
-        # Before anything else: a request whose every full block vLLM's prefix cache holds
-        # would compute its last tokens over them too.
-        if start > 0 and self._shares_unconfirmed(ids[:start]):
-            return None, False  # computing over a load that may have failed: ask again
         if full <= start:
             return 0, False
         try:
@@ -339,25 +331,6 @@ class SchedulerSide:
         load_async = self._loads_async(state, ids[start : math.ceil(hit / bs)])
         state.planned = (start, external, load_async)
         return external, load_async
-
-    def _shares_unconfirmed(self, local: Sequence[bytes]) -> bool:
-        """Whether vLLM's prefix cache hit (blocks ``local``) holds blocks that a synchronous
-        load of an earlier step writes, whose outcome the scheduler has not seen yet (under
-        asynchronous scheduling, for one step). vLLM rolls back, when that load failed, the
-        request that loaded and what others computed over it *in the load's step*, not what
-        a request scheduled in a later step computed over it: that request would decode from
-        garbage. It waits (``None``: vLLM asks again) until the outcome is known."""
-        loading = self._loading_ids
-        if loading is None:
-            states = [*self._requests.values(), *(f.state for f in self._finishing.values())]
-            loading = self._loading_ids = {
-                block_id
-                for state in states
-                for load in state.pending
-                if not load.load_async
-                for block_id in load.ucm_ids
-            }
-        return bool(loading) and not loading.isdisjoint(local)
 
     def _waits_for_compute(self, state: _RequestState, ids: Sequence[bytes], missing: int) -> bool:
         """Whether the request waits, this step, for another engine on the node that is
@@ -492,7 +465,6 @@ class SchedulerSide:
         self._loads.clear()
         self._load_first.clear()
         self._load_async.clear()
-        self._loading_ids = None
         computed_before: dict[str, int] = {
             new.req_id: int(new.num_computed_tokens) for new in scheduler_output.scheduled_new_reqs
         }
@@ -544,8 +516,8 @@ class SchedulerSide:
 
     def _unconfirmed_blocks(self) -> dict[int, _PendingLoad]:
         """The vLLM blocks that synchronous loads not confirmed yet write into. vLLM's prefix
-        cache shares them with requests scheduled after the load (in its step, or in the next
-        one under asynchronous scheduling) at once; an asynchronous load's blocks are shared
+        cache shares them with requests scheduled in the load's step at once (synchronous
+        loads run under synchronous scheduling only); an asynchronous load's blocks are shared
         only once its outcome is known."""
         states = [*self._requests.values(), *(f.state for f in self._finishing.values())]
         return {
@@ -707,7 +679,6 @@ class SchedulerSide:
         self._settle(lambda load: not load.load_async and load.step in steps, invalid)
 
     def _settle(self, done: Callable[[_PendingLoad], bool], invalid: set[int]) -> None:
-        self._loading_ids = None
         by_state = {id(f.state): f for f in self._finishing.values()}
         for state in [*self._requests.values(), *(f.state for f in self._finishing.values())]:
             settled = [load for load in state.pending if done(load)]
