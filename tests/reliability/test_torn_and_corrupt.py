@@ -164,18 +164,27 @@ threads got a CPU to exit on (up to 16 s was seen here, with several times more 
 work than CPUs)."""
 
 
-def _ready_within(writer: subprocess.Popen[str], stderr: Path, timeout_s: float) -> None:
-    """Waits for the writer's ``ready`` line; fails naming what it printed to stderr."""
+def _start_writer(script: str, config: dict[str, Any], stderr: Path) -> subprocess.Popen[str]:
+    """Starts a writer process and waits for its ``ready`` line; fails naming what it printed
+    to stderr."""
+    with open(stderr, "w") as errors:
+        writer = subprocess.Popen(
+            [sys.executable, "-c", script, json.dumps(config)],
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+        )
     assert writer.stdout is not None
-    readable, _, _ = select.select([writer.stdout], [], [], timeout_s)
+    readable, _, _ = select.select([writer.stdout], [], [], WRITER_PHASE_S)
     line = writer.stdout.readline() if readable else ""
     if line != "ready\n":
         writer.kill()
         writer.wait(WRITER_PHASE_S)
         pytest.fail(
             f"writer {writer.pid}: {'exited' if readable else 'silent'} after "
-            f"{timeout_s} s, not ready ({line!r}); stderr:\n{stderr.read_text()[-4000:]}"
+            f"{WRITER_PHASE_S} s, not ready ({line!r}); stderr:\n{stderr.read_text()[-4000:]}"
         )
+    return writer
 
 
 @pytest.mark.timeout(300)
@@ -190,15 +199,7 @@ def test_a_writer_killed_mid_dump_never_leaves_readable_torn_shards(tmp_path: Pa
         "tiers": [{"type": "posix", "path": str(tmp_path / "nvme")}],
     }
     for run in range(6):
-        stderr = tmp_path / f"writer-{run}.stderr"
-        with open(stderr, "w") as errors:
-            writer = subprocess.Popen(
-                [sys.executable, "-c", WRITER, json.dumps(config)],
-                stdout=subprocess.PIPE,
-                stderr=errors,
-                text=True,
-            )
-        _ready_within(writer, stderr, WRITER_PHASE_S)
+        writer = _start_writer(WRITER, config, tmp_path / f"writer-{run}.stderr")
         time.sleep(rng.uniform(0.05, 0.4))
         writer.send_signal(signal.SIGKILL)
         writer.wait(WRITER_PHASE_S)
@@ -284,15 +285,7 @@ def test_temp_files_of_writers_killed_mid_dump_are_reaped_without_a_capacity(
         "shards_per_block": SHARDS_PER_BLOCK,
         "tiers": [tier],
     }
-    stderr = tmp_path / "writer.stderr"
-    with open(stderr, "w") as errors:
-        writer = subprocess.Popen(
-            [sys.executable, "-c", BIG_WRITER, json.dumps(config)],
-            stdout=subprocess.PIPE,
-            stderr=errors,
-            text=True,
-        )
-    _ready_within(writer, stderr, WRITER_PHASE_S)
+    writer = _start_writer(BIG_WRITER, config, tmp_path / "writer.stderr")
     left = _kill_while_writing(writer, tmp_path / "nvme")
     assert all(path.exists() for path in left)  # the dead writer's, nobody removes them yet
     with ucm.open(config) as store:  # a later process using the directory
