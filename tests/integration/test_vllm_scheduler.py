@@ -53,11 +53,14 @@ def make(tmp_path: Path) -> Iterator[object]:
     made: list[Harness] = []
 
     def factory(**kwargs: object) -> Harness:
+        # Each look-up answers in its step (these tests assert the step of each load; a busy
+        # machine can pass the default 20 ms wait, and the request would load a step later).
+        defaults: dict[str, object] = {"ucm_lookup_wait_ms": 10_000}
         if not kwargs.get("async_scheduling"):
-            kwargs["extra_config"] = {
-                "ucm_async_load": False,
-                **dict(kwargs.get("extra_config") or {}),
-            }  # type: ignore[call-overload]
+            defaults["ucm_async_load"] = False
+        given = kwargs.get("extra_config") or {}
+        assert isinstance(given, dict)
+        kwargs["extra_config"] = {**defaults, **given}
         harness = Harness(tmp_path / f"h{len(made)}", **kwargs)  # type: ignore[arg-type]
         made.append(harness)
         return harness
@@ -315,13 +318,8 @@ def test_kv_computed_over_another_requests_failed_load_is_never_saved(
     (``c_tokens`` 1). Synchronous scheduling only: the regime needs a synchronous load, and
     under the ``AsyncScheduler`` every load is asynchronous (vLLM shares a block of one only
     once it is reported finished)."""
-    # B's look-up must answer in its step (a busy machine can pass the default 20 ms wait:
-    # then C is scheduled first, and loads instead of sharing).
-    h = make(  # type: ignore[operator]
-        async_scheduling=False,
-        prefix_caching=True,
-        extra_config={"ucm_lookup_wait_ms": 10_000},
-    )
+    # B's look-up answers in its step (the fixture's wait): C shares, not loads.
+    h = make(async_scheduling=False, prefix_caching=True)  # type: ignore[operator]
     _store_a(h)
     assert h.scheduler.kv_cache_manager.reset_prefix_cache()  # A's freed blocks are garbage
     first_step = h._step + 1
@@ -385,11 +383,7 @@ def test_a_request_arriving_during_another_requests_load_of_its_prefix_gets_righ
     scheduled after B's load was confirmed, and shares B's blocks, never loading. Under the
     ``AsyncScheduler`` B's load is asynchronous: vLLM shares its blocks only once it is
     reported finished. Either way C's tokens are right, and so is every block stored."""
-    h = make(  # type: ignore[operator]
-        async_scheduling=async_scheduling,
-        prefix_caching=True,
-        extra_config={"ucm_lookup_wait_ms": 10_000},  # B's look-up answers in its step
-    )
+    h = make(async_scheduling=async_scheduling, prefix_caching=True)  # type: ignore[operator]
     _store_a(h)
     assert h.scheduler.kv_cache_manager.reset_prefix_cache()  # A's freed blocks are garbage
     first_step = h._step + 1
