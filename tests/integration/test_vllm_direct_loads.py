@@ -105,8 +105,8 @@ def _step_until(h: Harness, done: Callable[[], bool]) -> None:
 def test_a_load_that_fails_under_the_async_scheduler_costs_no_token(make: Make, bad: int) -> None:
     """B's 5 blocks are found by the look-up; block ``bad`` is gone before the load runs. The
     load is asynchronous: vLLM learns of the failure before B is scheduled, recomputes from
-    the failed block, and B's tokens are right (with the load synchronous they were not:
-    ``test_vllm_scheduler.py`` keeps that regime)."""
+    the failed block, and B's tokens are right (with the load synchronous they were not, and
+    the connector now refuses synchronous loads under the ``AsyncScheduler``)."""
     h = make(async_scheduling=True)
     h.add("a", A, 2)
     h.run()
