@@ -10,7 +10,8 @@ directory:
 2. ``sync``, ``async`` and ``floor`` (in turn, ``--repeats`` times each): request ``decoding``
    (a short prompt) decodes; after ``--admit-after`` of its tokens, request ``long`` (the long
    prompt plus one token) is admitted, and UCM serves its prefix from posix, synchronously
-   (``ucm_async_load: false``: the load runs before the forward pass) or asynchronously
+   (``ucm_async_load: false``, under synchronous scheduling: the load runs before the
+   forward pass) or asynchronously
    (``WAITING_FOR_REMOTE_KVS`` while ``decoding`` goes on). ``floor`` has no connector: the
    engine computes the long prompt before ``decoding`` starts, and vLLM's own prefix cache
    serves it, the cheapest any system can.
@@ -105,6 +106,10 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
             extra_config=extra,
         )
         llm_args["kv_transfer_config"] = KVTransferConfig(**llm_args["kv_transfer_config"])
+        if args.mode == "sync":
+            # Loads before the forward pass exist under synchronous scheduling only (the
+            # connector refuses them under asynchronous scheduling, CUDA vLLM's default).
+            llm_args["async_scheduling"] = False
         llm = LLM(**llm_args)
     engine = llm.llm_engine
     if args.mode == "seed":

@@ -12,7 +12,8 @@ Systems, each a fresh ``vllm serve`` (every worker on the same OpenMP threads):
 
 - **no connector** (the baseline): vLLM with its prefix cache;
 - **UCM sync** and **UCM async**: vLLM with its prefix cache and ``UcmConnector`` (a CacheBuffer
-  over posix with ``o_direct``), with ``ucm_async_load`` false and true (the default);
+  over posix with ``o_direct``), with ``ucm_async_load`` false (and ``--no-async-scheduling``:
+  the connector refuses synchronous loads under asynchronous scheduling) and true (the default);
 - **2 burners**: no connector and UCM async again, each beside two CPU-bound processes (a busy
   node: a first ask must still cost next to nothing). Both servers stay up and take turns in
   ``busy_rounds`` rounds (3; ``busy_asks`` = 2 asks per document), each round with documents of
@@ -239,7 +240,12 @@ class VllmServingBenchmark:
         runs["no connector"] = self._system(
             options, model, dataset, config, "plain", [], plain_env, cpu_bind()
         )
-        sync_args = self._ucm_args(self._stack(workdir, config, "sync"), {"ucm_async_load": False})
+        # Loads before the forward pass exist under synchronous scheduling only (the connector
+        # refuses them under vLLM's asynchronous scheduling, CUDA vLLM's default).
+        sync_args = [
+            *self._ucm_args(self._stack(workdir, config, "sync"), {"ucm_async_load": False}),
+            "--no-async-scheduling",
+        ]
         runs["UCM sync"] = self._system(
             options, model, dataset, config, "ucm-sync", sync_args, plain_env, cpu_bind()
         )
