@@ -184,8 +184,7 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # synchronous scheduling CacheBuffer hits load before the forward pass, held from
             # the look-up so that no eviction fails them.
             hold=self._hold if self._async_loads() and not self._async_scheduling else None,
-            every_load_async=self._async_load_on()
-            and (self._async_scheduling or self._direct_loads()),
+            every_load_async=self._async_scheduling or self._direct_loads(),
         )
         if transfer.is_kv_consumer and transfer.kv_load_failure_policy != "recompute":
             logger.warning(
