@@ -356,6 +356,7 @@ def test_its_counters_and_sglangs_storage_metrics_count_every_page(
             "set_pages": 2,
             "set_stored": 2,
             "set_failed": 0,
+            "set_late": 0,
         }
         assert reader.stats()["ucm"]["loaded_shards"] == 3
 
@@ -704,7 +705,7 @@ def test_two_tp_ranks_of_a_node_share_one_buffer(sgl: SGLang, unique_id: Callabl
             {},
             r"unknown key\(s\) \['ucm_stak'\]; the UCM backend reads "
             r"\['ucm_stack', 'ucm_kv_dtype', 'ucm_weights_id', 'ucm_namespace', "
-            r"'ucm_load_deadline_s', 'ucm_metrics_port'\]",
+            r"'ucm_load_deadline_s', 'ucm_set_deadline_s', 'ucm_metrics_port'\]",
         ),
         *(
             (
@@ -731,6 +732,16 @@ def test_two_tp_ranks_of_a_node_share_one_buffer(sgl: SGLang, unique_id: Callabl
                 ("5", "'5'"),
                 (True, "True"),
             )
+        ),
+        *(
+            (
+                {"ucm_stack": {}, "ucm_set_deadline_s": bad},
+                {},
+                r"^hicache_storage_backend_extra_config\['ucm_set_deadline_s'\]: "
+                + shown
+                + r" is not valid: expected a number of seconds in \(0, 3600\] \(default 30\)$",
+            )
+            for bad, shown in ((0, "0"), (float("nan"), "nan"), ("30", "'30'"))
         ),
         (
             {"ucm_stack": {}, "ucm_namespace": "lora"},
@@ -898,6 +909,7 @@ def test_gets_and_sets_on_a_closed_store_fail_every_page_and_count_them(
         "set_pages": 5,
         "set_stored": 3,
         "set_failed": 2,
+        "set_late": 0,
     }
     metrics = backend.get_stats()
     assert (metrics.prefetch_pgs, metrics.backup_pgs) == ([3, 1], [3, 2])
@@ -1024,6 +1036,160 @@ def test_a_get_from_a_stalled_tier_returns_by_the_load_deadline_and_never_writes
     finally:
         GATES[space].set()
         reader.close()
+        _tiers.unregister()
+
+
+def test_a_set_to_a_stalled_tier_returns_by_the_set_deadline_and_stores_the_bytes_it_was_given(
+    sgl: SGLang, unique_id: Callable[[], str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without a CacheBuffer a set waits for the tier: one that stalls (a hung NFS, a
+    black-holed S3) held SGLang's backup thread, and the pages' host lock, until the tier
+    gave up (here the gate's 120 s; a hung posix never does). Now each set returns False by
+    ``ucm_set_deadline_s`` and its dump goes on from staging memory: the bytes stored are the
+    ones the set was given, though SGLang rewrote those host pages once it returned. While
+    ``SETS_LATE_MAX`` late sets are held, another set fails at once."""
+    from loadpath import _tiers
+    from loadpath._tiers import ENTERED, GATES
+
+    from ucm.integration.sglang import SETS_LATE_MAX
+
+    _tiers.register()
+    space = f"sgl-set-stall-{uuid.uuid4().hex[:8]}"
+    GATES[space] = threading.Event()
+    ENTERED[space] = threading.Event()
+    pool = host_pool(sgl)
+    keys = keys_of(sgl, SETS_LATE_MAX + 1)
+    fill(pool, seed=51)
+    given: list[bytes] = []  # what each set was given
+    stack = {
+        "unique_id": unique_id(),
+        "tiers": [{"type": "recording", "space": space, "gated": True}],
+    }
+    extra = {"ucm_stack": stack, "ucm_set_deadline_s": 0.5}
+    backend = create_backend(sgl, storage_config(sgl, extra), pool)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ucm.integration.sglang"):
+            for n in range(SETS_LATE_MAX):
+                given.append(page_bytes(pool, pages_at(pool, [n]), 0))
+                started = time.monotonic()
+                assert backend.batch_set_v1([keys[n]], pages_at(pool, [n])) == [False]
+                assert time.monotonic() - started < 60  # the gate holds the dump for 120 s
+                fill(pool, seed=52 + n)  # SGLang reuses the pages once the set returned
+            assert ENTERED[space].is_set()
+            started = time.monotonic()
+            last = pages_at(pool, [SETS_LATE_MAX])
+            assert backend.batch_set_v1(keys[SETS_LATE_MAX:], last) == [False]
+            assert time.monotonic() - started < 0.5  # failed at once, not after the deadline
+        late = (
+            "UCM HiCache: a set of 1 page(s) was not stored within ucm_set_deadline_s (0.5 s); "
+            "its dump goes on from UCM's staging memory, not SGLang's pages"
+        )
+        assert _warnings(caplog) == [late] * SETS_LATE_MAX + [
+            f"UCM HiCache: a set of 1 page(s) not stored: the tiers still hold {SETS_LATE_MAX} "
+            "earlier sets past ucm_set_deadline_s (0.5 s)"
+        ]
+        assert backend.batch_exists(keys) == 0
+
+        GATES[space].set()  # the tier takes the late dumps now, from the staging memory
+        deadline = time.monotonic() + 60
+        while backend.batch_exists(keys) < SETS_LATE_MAX and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert backend.batch_exists(keys) == SETS_LATE_MAX
+        target = pages_at(pool, list(range(8, 8 + SETS_LATE_MAX)))
+        assert backend.batch_get_v1(keys[:SETS_LATE_MAX], target) == [True] * SETS_LATE_MAX
+        assert [page_bytes(pool, target, n) for n in range(SETS_LATE_MAX)] == given
+        assert backend.batch_set_v1(keys[SETS_LATE_MAX:], last) == [True]  # none held now
+        counted = backend.stats()["sglang"]
+        assert {name: counted[name] for name in ("sets", "set_pages", "set_stored")} == {
+            "sets": SETS_LATE_MAX + 2,
+            "set_pages": SETS_LATE_MAX + 2,
+            "set_stored": 1,
+        }
+        assert (counted["set_failed"], counted["set_late"]) == (SETS_LATE_MAX + 1,) * 2
+    finally:
+        GATES[space].set()
+        backend.close()
+        _tiers.unregister()
+
+
+def test_staged_sets_store_each_page_byte_exact_in_reused_staging_memory(
+    sgl: SGLang, unique_id: Callable[[], str], tmp_path: Path
+) -> None:
+    """Sets without a CacheBuffer (posix only) are staged, and a set reuses the memory of the
+    one before when it fits: sets of 3, 1, 2 and 4 pages, with the host pages rewritten after
+    each, store the bytes each set was given."""
+    pool = host_pool(sgl)
+    keys = keys_of(sgl, 10)
+    stack = {"unique_id": unique_id(), "tiers": [{"type": "posix", "path": str(tmp_path)}]}
+    backend = create_backend(sgl, storage_config(sgl, {"ucm_stack": stack}), pool)
+    try:
+        given: list[bytes] = []
+        first = 0
+        for seed, count in enumerate((3, 1, 2, 4)):
+            fill(pool, seed=70 + seed)
+            pages = pages_at(pool, list(range(count)))
+            given += [page_bytes(pool, pages, n) for n in range(count)]
+            assert backend.batch_set_v1(keys[first : first + count], pages) == [True] * count
+            first += count
+        fill(pool, seed=80)
+        for start in (0, 5):  # 5 pages at a time, into other host pages
+            target = pages_at(pool, list(range(8, 13)))
+            assert backend.batch_get_v1(keys[start : start + 5], target) == [True] * 5
+            assert [page_bytes(pool, target, n) for n in range(5)] == given[start : start + 5]
+        counted = backend.stats()["sglang"]
+        assert (counted["set_stored"], counted["set_late"]) == (10, 0)
+    finally:
+        backend.close()
+
+
+def test_a_set_over_a_buffer_that_writes_back_never_waits_for_a_tier_that_holds_writes(
+    sgl: SGLang, unique_id: Callable[[], str]
+) -> None:
+    """A CacheBuffer of 2 slots over a ``write: back`` tier that holds every write: once the
+    slots are dirty, a dump goes straight down or waits for the write-back debt, at the
+    tier's gate. Sets over such a buffer are staged, so each returns by
+    ``ucm_set_deadline_s``, and every page is stored with the bytes its set was given once
+    the tier takes the writes. On the code before, the third set waited at the gate (120 s)."""
+    from loadpath import _tiers
+    from loadpath._tiers import ENTERED, GATES
+
+    _tiers.register()
+    space = f"sgl-set-back-{uuid.uuid4().hex[:8]}"
+    GATES[space] = threading.Event()
+    ENTERED[space] = threading.Event()
+    pool = host_pool(sgl)
+    keys = keys_of(sgl, 4)
+    fill(pool, seed=61)
+    shard = len(page_bytes(pool, pages_at(pool, [0]), 0))  # one TP rank: a page is a shard
+    given: list[bytes] = []  # what each set was given
+    buffer = {"type": "buffer", "capacity": 2 * shard}
+    lower = {"type": "recording", "space": space, "gated": True, "write": "back"}
+    stack = {"unique_id": unique_id(), "tiers": [buffer, lower]}
+    extra = {"ucm_stack": stack, "ucm_set_deadline_s": 0.5}
+    backend = create_backend(sgl, storage_config(sgl, extra), pool)
+    try:
+        assert backend.store.buffer.stats()["capacity_slots"] == 2
+        stored = []
+        for n in range(4):
+            given.append(page_bytes(pool, pages_at(pool, [n]), 0))
+            started = time.monotonic()
+            stored += backend.batch_set_v1([keys[n]], pages_at(pool, [n]))
+            assert time.monotonic() - started < 60  # the gate holds a write for 120 s
+            fill(pool, seed=62 + n)  # SGLang reuses the pages once the set returned
+        assert ENTERED[space].is_set() and not all(stored)
+
+        GATES[space].set()
+        deadline = time.monotonic() + 60
+        while backend.batch_exists(keys) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        target = pages_at(pool, [8, 9, 10, 11])
+        assert backend.batch_get_v1(keys, target) == [True] * 4
+        assert [page_bytes(pool, target, n) for n in range(4)] == given
+        counted = backend.stats()["sglang"]
+        assert (counted["set_stored"], counted["set_late"]) == (sum(stored), 4 - sum(stored))
+    finally:
+        GATES[space].set()
+        backend.close()
         _tiers.unregister()
 
 

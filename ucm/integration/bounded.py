@@ -47,8 +47,11 @@ LOAD_DEADLINE_S_DEFAULT = 10.0
 LOAD_DEADLINE_S_MAX = 3600.0
 
 
-def check_load_deadline_s(value: object, key: str) -> float:
-    """A load deadline from an engine's config (``key`` names where it was given)."""
+def check_load_deadline_s(
+    value: object, key: str, default: float = LOAD_DEADLINE_S_DEFAULT
+) -> float:
+    """A load (or set) deadline from an engine's config (``key`` names where it was given;
+    ``default`` is the one its error message names)."""
     if (
         isinstance(value, bool)
         or not isinstance(value, int | float)
@@ -56,7 +59,7 @@ def check_load_deadline_s(value: object, key: str) -> float:
     ):
         raise ConfigError(
             f"{key}: {value!r} is not valid: expected a number of seconds in "
-            f"(0, {LOAD_DEADLINE_S_MAX:g}] (default {LOAD_DEADLINE_S_DEFAULT:g})"
+            f"(0, {LOAD_DEADLINE_S_MAX:g}] (default {default:g})"
         )
     return float(value)
 

@@ -36,6 +36,15 @@ pool fixes the geometry.
   SGLang recomputes it; a load or dump that raises (:data:`STORE_ERRORS`: a closed store, a
   full dump queue) fails every page of its call, counted, with one warning; bad arguments
   raise.
+- **Sets never wait on a tier without bound.** Without a CacheBuffer, or over one with
+  ``write: back`` tiers below (where a dump may wait for write-back debt or go straight down),
+  a set copies its pages out of the host pool into staging memory first (one native call) and
+  dumps from there, waiting at most ``ucm_set_deadline_s``: past it, its pages come back False
+  (SGLang logs a failed backup and frees them) while the dump goes on from the staging memory,
+  kept until it ends. While :data:`SETS_LATE_MAX` such late sets are still held by a tier,
+  further sets fail at once, so a hung tier holds a bounded amount of memory. With a
+  CacheBuffer whose tiers write through, a set is done once in the buffer (a slow
+  write-through is skipped), so it is not staged.
 - **Counters.** :meth:`UcmHiCacheStorage.stats` counts each get's pages by outcome and each
   set's; with ``--enable-storage-metrics``, :meth:`UcmHiCacheStorage.get_stats` feeds SGLang's
   own storage histograms.
@@ -66,9 +75,19 @@ from sglang.srt.mem_cache.hicache_storage import (
 import ucm
 from ucm.errors import ConfigError, InvalidArgumentError, KeyMissingError, TaskError, UcmError
 from ucm.metrics import CountersCollector, MetricsServer
+from ucm.native.copy import copy_ranges
 from ucm.stack import parse_stack
 
-from .bounded import LOAD_DEADLINE_S_DEFAULT, BoundedLoads, LateLoadError, check_load_deadline_s
+from .bounded import (
+    LOAD_DEADLINE_S_DEFAULT,
+    STAGING_WARM_BYTES,
+    BoundedLoads,
+    LateLoadError,
+    Staging,
+    check_load_deadline_s,
+    keep_late,
+    reap_late,
+)
 from .endpoint import check_metrics_port, serve_rank_metrics
 from .keys import (
     EngineGeometry,
@@ -96,6 +115,7 @@ EXTRA_CONFIG_KEYS = (
     "ucm_weights_id",
     "ucm_namespace",
     "ucm_load_deadline_s",
+    "ucm_set_deadline_s",
     "ucm_metrics_port",
 )
 """The ``ucm_*`` keys of the extra config this backend reads; any other ``ucm_*`` key is a typo."""
@@ -125,10 +145,20 @@ COUNTER_NAMES = (
     "set_pages",
     "set_stored",
     "set_failed",
+    "set_late",
 )
 """The backend's own counters (:meth:`UcmHiCacheStorage.stats`): calls and pages of the gets
 (``batch_get_v1``, ``batch_get``, ``get``) and sets. A page not loaded is a miss (no tier has
-it), late (past ``ucm_load_deadline_s``) or an error (a corrupt shard, a failed tier)."""
+it), late (past ``ucm_load_deadline_s``) or an error (a corrupt shard, a failed tier). A set's
+page not stored is counted in ``set_failed``, and also in ``set_late`` when it was a staged set
+that ran past ``ucm_set_deadline_s`` or that found :data:`SETS_LATE_MAX` late sets held."""
+
+SET_DEADLINE_S_DEFAULT = 30.0
+"""Seconds a staged set (no CacheBuffer, or one that writes back) may wait for its dump, by
+default; SGLang's backup thread waits that long at most."""
+SETS_LATE_MAX = 4
+"""Late sets (past ``ucm_set_deadline_s``) whose dumps a tier may still hold, each with its
+staging memory (a set's pages: at most SGLang's storage batch); past it, sets fail at once."""
 
 STORE_ERRORS = (UcmError, TimeoutError)
 """What a get's load or a set's dump may raise that fails the call's pages instead: UCM's errors
@@ -261,6 +291,21 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
             extra.get("ucm_load_deadline_s", LOAD_DEADLINE_S_DEFAULT),
             "hicache_storage_backend_extra_config['ucm_load_deadline_s']",
         )
+        self._set_deadline_s = check_load_deadline_s(
+            extra.get("ucm_set_deadline_s", SET_DEADLINE_S_DEFAULT),
+            "hicache_storage_backend_extra_config['ucm_set_deadline_s']",
+            SET_DEADLINE_S_DEFAULT,
+        )
+        self._stage_sets = False
+        """Sets are staged (see the module's notes): no CacheBuffer, or one that writes back."""
+        self._late_sets: list[ucm.Task] = []
+        """Dumps of staged sets that ran past the deadline and may still be running."""
+        self._spare: Staging | None = None
+        """The last staged set's memory, warm, when its dump ended in time and it is at most
+        ``STAGING_WARM_BYTES``: the next set that fits copies into it (no page faults)."""
+        self._sets_lock = threading.Lock()
+        """Guards ``_late_sets`` and ``_spare`` (SGLang sets from one backup thread, but the
+        tensor interface may be called from any)."""
         self._metrics_port = check_metrics_port(extra.get("ucm_metrics_port"), METRICS_PORT_KEY)
         self._metrics_server: MetricsServer | None = None
         self._loads: BoundedLoads | None = None
@@ -345,6 +390,8 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
             namespace=self._namespace,
         )
         self._loads = BoundedLoads(self._store, self._load_deadline_s)
+        buffer = self._store.buffer
+        self._stage_sets = buffer is None or buffer.writes_back
         config = self.storage_config
         if self._metrics_port is not None:
             # One endpoint per rank of the node: TP ranks first, then pipeline stages, then
@@ -741,19 +788,21 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         return loaded
 
     def _dump(self, ids: list[bytes], pointers: list[list[int]], started: float) -> list[bool]:
-        """Stores the pages and waits for the dump in full; each page is True unless its key
-        failed. SGLang writes on its own backup thread, off the requests' path. With a
-        CacheBuffer a dump is done once in the buffer (a slow write-through tier is skipped,
-        never waited for); without one it waits for the tier, up to the tier's request
-        deadline. A dump that raises (a dump queue full past ``dump_submit_timeout_s``, a
-        closed store) fails every page: see :data:`STORE_ERRORS`."""
+        """Stores the pages; each is True unless its key failed. SGLang writes on its own
+        backup thread, off the requests' path, and keeps the pages' host lock until this
+        returns. With a CacheBuffer whose tiers write through, a dump is done once in the
+        buffer (a slow write-through tier is skipped, never waited for), and the set waits for
+        it. Otherwise the set is staged (:meth:`_staged_dump`) and waits at most
+        ``ucm_set_deadline_s``. A dump that raises (a dump queue full past
+        ``dump_submit_timeout_s``, a closed store) fails every page: see
+        :data:`STORE_ERRORS`."""
+        shards = [self.plan.shard_index] * len(ids)
         try:
-            task = self.store.dump_data(ids, [self.plan.shard_index] * len(ids), pointers)
-            self.store.wait(task)
+            if self._stage_sets:
+                return self._staged_dump(ids, pointers, started)
+            self.store.wait(self.store.dump_data(ids, shards, pointers))
         except TaskError as error:
-            failed = {block for block, _shard in error.failures}
-            logger.debug("UCM HiCache: %s", error)
-            stored = [block not in failed for block in ids]
+            return self._stored(ids, error, started)
         except Exception as exc:
             self._count(sets=1, set_pages=len(ids), set_failed=len(ids))
             self._record("backup", len(ids), 0, started)
@@ -763,8 +812,83 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
                 "UCM HiCache: a set of %d page(s) failed, none stored: %s", len(ids), exc
             )
             return [False] * len(ids)
-        else:
+        return self._stored(ids, None, started)
+
+    def _staged_dump(
+        self, ids: list[bytes], pointers: list[list[int]], started: float
+    ) -> list[bool]:
+        """Copies the pages into staging memory and dumps them from there, waiting until
+        ``ucm_set_deadline_s`` after ``started``: past it the pages are not stored as far as
+        SGLang knows (all False, counted ``set_late``) and the dump goes on from the staging
+        memory, kept until it ends (:func:`~ucm.integration.bounded.keep_late`). While
+        :data:`SETS_LATE_MAX` late dumps are still running, the set fails at once."""
+        store = self.store
+        reap_late()
+        with self._sets_lock:
+            self._late_sets = [task for task in self._late_sets if not task.done()]
+            held = len(self._late_sets)
+            spare, self._spare = self._spare, None
+        if held >= SETS_LATE_MAX:
+            self._count(sets=1, set_pages=len(ids), set_failed=len(ids), set_late=len(ids))
+            self._record("backup", len(ids), 0, started)
+            logger.warning(
+                "UCM HiCache: a set of %d page(s) not stored: the tiers still hold %d earlier "
+                "sets past ucm_set_deadline_s (%g s)",
+                len(ids),
+                held,
+                self._set_deadline_s,
+            )
+            return [False] * len(ids)
+        fits = spare is not None and len(spare.addresses) >= len(ids)
+        staging = spare if spare is not None and fits else Staging(store.layout, len(ids))
+        addresses = staging.addresses[: len(ids)]
+        copy_ranges(
+            [address for shard in addresses for address in shard],
+            [address for page in pointers for address in page],
+            list(store.layout.tensor_sizes) * len(ids),
+        )
+        # SGLang's pages are read no more: whatever the tier does, the set returns by the
+        # deadline and SGLang may reuse them.
+        task = store.dump_data(ids, [self.plan.shard_index] * len(ids), addresses)
+        left_s = max(0.0, started + self._set_deadline_s - time.monotonic())
+        try:
+            store.wait(task, timeout_s=left_s)
+        except TimeoutError:
+            keep_late(store, task, staging)
+            with self._sets_lock:
+                self._late_sets.append(task)
+            self._count(sets=1, set_pages=len(ids), set_failed=len(ids), set_late=len(ids))
+            self._record("backup", len(ids), 0, started)
+            logger.warning(
+                "UCM HiCache: a set of %d page(s) was not stored within ucm_set_deadline_s "
+                "(%g s); its dump goes on from UCM's staging memory, not SGLang's pages",
+                len(ids),
+                self._set_deadline_s,
+            )
+            return [False] * len(ids)
+        except TaskError as error:
+            self._keep_warm(staging)
+            return self._stored(ids, error, started)
+        self._keep_warm(staging)
+        return self._stored(ids, None, started)
+
+    def _keep_warm(self, staging: Staging) -> None:
+        """Keeps the memory of a staged set whose dump ended for the next set, up to
+        ``STAGING_WARM_BYTES`` (a larger one is unmapped when dropped)."""
+        if len(staging) <= STAGING_WARM_BYTES:
+            with self._sets_lock:
+                if self._spare is None or len(self._spare) < len(staging):
+                    self._spare = staging
+
+    def _stored(self, ids: list[bytes], error: TaskError | None, started: float) -> list[bool]:
+        """Counts a set whose dump ended (``error``: the keys that failed) and says which
+        pages were stored."""
+        if error is None:
             stored = [True] * len(ids)
+        else:
+            failed = {block for block, _shard in error.failures}
+            logger.debug("UCM HiCache: %s", error)
+            stored = [block not in failed for block in ids]
         done = sum(stored)
         self._count(sets=1, set_pages=len(ids), set_stored=done, set_failed=len(ids) - done)
         self._record("backup", len(ids), done, started)
