@@ -284,6 +284,54 @@ def test_a_put_holds_its_own_reference_until_written(
         sm.close()
 
 
+def test_puts_a_tier_holds_never_take_the_memory_a_retrieve_needs(
+    register_plugin: Register, unique_id: str
+) -> None:
+    """Without a CacheBuffer, a put holds its MemoryObj (a reference of the plugin's own) until
+    the tier has the bytes, and L1 cannot evict a chunk so held. A tier that holds every
+    write (a hung NFS) then held all of LMCache's CPU memory, and a blocking retrieve, which
+    LMCache lets wait for memory (``busy_loop``), waited for it forever: the engine's load
+    hung. Puts now hold at most half of that memory; past it, a put is skipped (counted), its
+    chunk stays in L1 and can be evicted, and the retrieve gets memory at once."""
+    from ucm.integration.lmcache import PUT_MEMORY_SHARE
+
+    register_plugin(GatePlugin(), "gate-plugin")
+    GateTier.GATE.clear()
+    GateTier.ENTERED.clear()
+    stack = {"unique_id": unique_id, "tiers": [{"type": "gate"}]}
+    sm = lm.storage_manager(lm.config(stack, cpu_gb=0.002), lm.metadata())
+    backend = sm.storage_backends["ucm"]
+    meta = sm.metadata
+    objs = []
+    for _ in range(10_000):  # bounded: 2 MB of 8 KiB chunks
+        obj = sm.allocate(meta.get_shapes(), meta.get_dtypes(), busy_loop=False, eviction=False)
+        if obj is None:
+            break
+        objs.append(obj)
+    keys = [lm.key(1000 + n) for n in range(len(objs))]
+    outcome: list[Any] = []
+    getter = threading.Thread(
+        target=lambda: outcome.append(backend.batched_get_blocking([lm.key(7)])), daemon=True
+    )
+    try:
+        assert len(objs) >= 64
+        sm.batched_put(keys, objs)  # L1 and UCM; the gate holds UCM's writes
+        assert GateTier.ENTERED.wait(timeout=60)
+        getter.start()
+        getter.join(30)  # the retrieve evicts an L1 chunk that no put holds
+        assert not getter.is_alive(), "the retrieve waited for memory the held puts keep"
+        assert outcome == [[None]]  # the gate holds no loads: key 7 is simply not there
+        counted = backend.stats()["lmcache"]
+        size = sm.storage_backends["LocalCPUBackend"].memory_allocator.size
+        held = int(size * PUT_MEMORY_SHARE) // lm.CHUNK_BYTES
+        assert counted["puts_in_flight"] == held
+        assert counted["put_skipped_memory"] == len(objs) - held
+    finally:
+        GateTier.GATE.set()
+        getter.join(60)
+        sm.close()
+
+
 # ---- LMCacheEngine: store, drop L1, lookup, retrieve into the (CPU) paged KV cache -------------
 
 TOKENS = 4 * lm.CHUNK

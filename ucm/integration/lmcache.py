@@ -104,6 +104,12 @@ LOOKUP_PINS_MAX = 4096
 """Most async lookups whose pins wait for their prefetch at once; beyond it the oldest lookup's
 pins are released (a plugin's ``lookup_pins_max``)."""
 
+PUT_MEMORY_SHARE = 0.5
+"""Most of LMCache's CPU memory that puts still being written may hold (each keeps its
+MemoryObj until UCM has the bytes, and L1 cannot evict it meanwhile). Past it a put is skipped
+(``put_skipped_memory``): a tier that holds writes never takes the memory a retrieve waits
+for."""
+
 UcmKey = tuple[bytes, int]
 T = TypeVar("T")
 
@@ -387,6 +393,8 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         # Puts: keys being written, each holding this plugin's reference on its MemoryObj.
         self._put_lock = threading.Condition()
         self._in_flight: dict[CacheEngineKey, MemoryObj] = {}
+        self._puts_max = _puts_max(local_cpu_backend, config, self.layout.shard_size)
+        """Most puts in flight at once (:data:`PUT_MEMORY_SHARE` of LMCache's CPU memory)."""
         self._completions: queue.Queue[_PutBatch | None] = queue.Queue()
         self._completer = threading.Thread(
             target=self._complete_puts, name="ucm-lmcache-puts", daemon=True
@@ -630,6 +638,14 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                     if key in self._in_flight:
                         continue  # already being written
                     if not self._writable(obj):
+                        continue
+                    if len(self._in_flight) >= self._puts_max:
+                        self._skip(
+                            "put_skipped_memory",
+                            f"a chunk while {self._puts_max} puts are being written (half of "
+                            "LMCache's CPU memory: a tier that does not keep up must not hold "
+                            "the memory a retrieve waits for)",
+                        )
                         continue
                     ucm_key = self.ucm_key(key)
                     namespace = self.namespace_of(key)
@@ -1051,6 +1067,15 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 CLASS_NAME,
                 what,
             )
+
+
+def _puts_max(local_cpu_backend: Any, config: Any, shard_size: int) -> int:
+    """:data:`PUT_MEMORY_SHARE` of LMCache's CPU memory, in chunks (at least one): the size of
+    the worker's allocator, else ``max_local_cpu_size`` (GB, as LMCache reads it)."""
+    size = getattr(getattr(local_cpu_backend, "memory_allocator", None), "size", None)
+    if not isinstance(size, int) or size <= 0:
+        size = int(float(getattr(config, "max_local_cpu_size", 0) or 0) * 1024**3)
+    return max(1, int(size * PUT_MEMORY_SHARE) // shard_size)
 
 
 __all__ = [
