@@ -22,6 +22,7 @@ a snapshot of the bytes for the write-through writer, bounded in bytes).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import math
@@ -711,14 +712,24 @@ class DumpQueue:
         if self.writer is not None:
             self.writer.drain()
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Finishes the queued dumps, waiting ``queue_timeout_s`` at most. Returns False when
+        the dump thread was still inside a dump then (a tier that holds its write: a hung
+        NFS): that dump is left running on its thread (a daemon), and the dumps queued behind
+        it end with StoreClosedError. The caller must then keep what that dump may still use
+        (the native queue, the buffer's mappings)."""
         if self._closed:
-            return
+            return True
         self._closed = True
-        self._pending.put(None)
-        self._thread.join()
-        # What a drain or submit racing this close queued behind the None: ended here, so that
-        # no caller waits for a thread that has gone.
+        timeout_s = self._settings.queue_timeout_s
+        deadline = time.monotonic() + timeout_s
+        with contextlib.suppress(queue.Full):  # a stuck thread takes nothing: ended below
+            self._pending.put(None, timeout=timeout_s)
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        finished = not self._thread.is_alive()
+        # What was queued behind a stuck dump, or what a drain or submit racing this close
+        # queued behind the None: ended here, so that no caller waits for a thread that has
+        # gone (or that never comes back).
         closed = StoreClosedError("the store is closed; open a new one with ucm.open()")
         while True:
             try:
@@ -727,8 +738,13 @@ class DumpQueue:
                 break
             if item is not None:
                 item.progress.finish(item.progress.unfinished(), closed)
+        if not finished:
+            # The stuck thread ends once its dump returns (the queue is empty now).
+            with contextlib.suppress(queue.Full):
+                self._pending.put_nowait(None)
         if self.writer is not None:
-            self.writer.close(self._settings.queue_timeout_s)
+            self.writer.close(timeout_s)
+        return finished
 
     def _run(self) -> None:
         enter_thread()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import time
 from array import array
@@ -693,8 +694,16 @@ class Store:
             with self._pins_lock:  # before the queue goes: their references are its uses
                 held = list(self._pins)
             self.unpin(held)
-            if self._dumps is not None:  # may still hand dumps to the native queue
-                self._dumps.close()
+            if self._dumps is not None and not self._dumps.close():
+                # A dump a tier still holds (it may still hand work to the native queue, and
+                # copy into the buffer's mappings): keep both, as for loads that outlive the
+                # close.
+                sys.stderr.write(
+                    f"ucm: a dump still running after {self.settings.queue_timeout_s} s at "
+                    "close (a tier holds its write); leaving it running\n"
+                )
+                if self._native is not None:
+                    self._native.queue.abandon()
             if self._native is not None:
                 self._native.close()
             if self._admission is not None:  # after the loads finished, before the flushes

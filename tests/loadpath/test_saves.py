@@ -83,6 +83,53 @@ def test_close_waits_for_a_stuck_write_through_tier_at_most_queue_timeout_s(
         gate.set()
 
 
+def test_close_leaves_a_dump_that_a_tier_holds_running_after_queue_timeout_s(
+    test_tiers: None, unique_id: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A stack without a buffer: a dump is written into its tier, which holds it. Close waits
+    queue_timeout_s for it, then leaves it running and ends the dump queued behind it with
+    StoreClosedError. Before, close waited for as long as the tier held the write (a hung
+    NFS: for ever, and an SGLang detach or an engine's shutdown with it). Once the tier
+    answers, the dump finishes on the thread left running, with no crash, and its bytes are
+    stored."""
+    space = "held"
+    gate = GATES.setdefault(space, threading.Event())
+    gate.clear()
+    ENTERED.setdefault(space, threading.Event()).clear()
+    CONTENTS.pop(space, None)
+    config = {
+        "unique_id": unique_id,
+        "shard_size": SHARD,
+        "shards_per_block": 1,
+        "load": {"queue_timeout_s": 1.0},
+        "tiers": [{"type": "recording", "space": space, "gated": True}],
+    }
+    opener = threading.Timer(BOUND_S, gate.set)  # bounds the wait of the code before
+    opener.start()
+    try:
+        store = ucm.open(config)
+        held = [block(10)]
+        source = src_for(held, 0)  # read by the held dump until it ends
+        task = store.dump(held, 0, source)
+        assert ENTERED[space].wait(BOUND_S)  # the tier holds it
+        behind = [block(11)]
+        queued = store.dump(behind, 0, src_for(behind, 0))
+        store.close()
+        assert not gate.is_set(), "close waited for the tier"
+        assert "ucm: a dump still running after 1.0 s at close (a tier holds its write); " in (
+            capfd.readouterr().err
+        )
+        with pytest.raises(ucm.TaskError, match="StoreClosedError"):
+            store.wait(queued, timeout_s=BOUND_S)
+        gate.set()  # the tier answers: the dump left running ends, no crash
+        store.wait(task, timeout_s=BOUND_S)
+        assert CONTENTS[space][(held[0], 0)] == payload(held[0], 0, SHARD)
+        assert (behind[0], 0) not in CONTENTS[space]
+    finally:
+        opener.cancel()
+        gate.set()
+
+
 def test_a_stuck_write_through_tier_skips_what_the_backlog_cannot_hold(
     test_tiers: None, unique_id: str, tmp_path: Path
 ) -> None:
