@@ -829,18 +829,16 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
             held = len(self._late_sets)
             spare, self._spare = self._spare, None
         if held >= SETS_LATE_MAX:
-            self._count(sets=1, set_pages=len(ids), set_failed=len(ids), set_late=len(ids))
-            self._record("backup", len(ids), 0, started)
-            logger.warning(
-                "UCM HiCache: a set of %d page(s) not stored: the tiers still hold %d earlier "
-                "sets past ucm_set_deadline_s (%g s)",
-                len(ids),
-                held,
-                self._set_deadline_s,
+            return self._late_set(
+                ids,
+                started,
+                f"not stored: the tiers still hold {held} earlier sets past ucm_set_deadline_s "
+                f"({self._set_deadline_s:g} s)",
             )
-            return [False] * len(ids)
-        fits = spare is not None and len(spare.addresses) >= len(ids)
-        staging = spare if spare is not None and fits else Staging(store.layout, len(ids))
+        if spare is not None and len(spare.addresses) >= len(ids):
+            staging = spare
+        else:
+            staging = Staging(store.layout, len(ids))
         addresses = staging.addresses[: len(ids)]
         copy_ranges(
             [address for shard in addresses for address in shard],
@@ -857,20 +855,25 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
             keep_late(store, task, staging)
             with self._sets_lock:
                 self._late_sets.append(task)
-            self._count(sets=1, set_pages=len(ids), set_failed=len(ids), set_late=len(ids))
-            self._record("backup", len(ids), 0, started)
-            logger.warning(
-                "UCM HiCache: a set of %d page(s) was not stored within ucm_set_deadline_s "
-                "(%g s); its dump goes on from UCM's staging memory, not SGLang's pages",
-                len(ids),
-                self._set_deadline_s,
+            return self._late_set(
+                ids,
+                started,
+                f"was not stored within ucm_set_deadline_s ({self._set_deadline_s:g} s); its "
+                "dump goes on from UCM's staging memory, not SGLang's pages",
             )
-            return [False] * len(ids)
         except TaskError as error:
             self._keep_warm(staging)
             return self._stored(ids, error, started)
         self._keep_warm(staging)
         return self._stored(ids, None, started)
+
+    def _late_set(self, ids: list[bytes], started: float, what: str) -> list[bool]:
+        """Counts a staged set whose pages SGLang is told are not stored (``set_late``),
+        warns with ``what`` happened, and returns all False."""
+        self._count(sets=1, set_pages=len(ids), set_failed=len(ids), set_late=len(ids))
+        self._record("backup", len(ids), 0, started)
+        logger.warning("UCM HiCache: a set of %d page(s) %s", len(ids), what)
+        return [False] * len(ids)
 
     def _keep_warm(self, staging: Staging) -> None:
         """Keeps the memory of a staged set whose dump ended for the next set, up to
