@@ -799,7 +799,7 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         shards = [self.plan.shard_index] * len(ids)
         try:
             if self._stage_sets:
-                return self._staged_dump(ids, pointers, started)
+                return self._staged_dump(ids, shards, pointers, started)
             self.store.wait(self.store.dump_data(ids, shards, pointers))
         except TaskError as error:
             return self._stored(ids, error, started)
@@ -815,7 +815,7 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         return self._stored(ids, None, started)
 
     def _staged_dump(
-        self, ids: list[bytes], pointers: list[list[int]], started: float
+        self, ids: list[bytes], shards: list[int], pointers: list[list[int]], started: float
     ) -> list[bool]:
         """Copies the pages into staging memory and dumps them from there, waiting until
         ``ucm_set_deadline_s`` after ``started``: past it the pages are not stored as far as
@@ -847,7 +847,7 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         )
         # SGLang's pages are read no more: whatever the tier does, the set returns by the
         # deadline and SGLang may reuse them.
-        task = store.dump_data(ids, [self.plan.shard_index] * len(ids), addresses)
+        task = store.dump_data(ids, shards, addresses)
         left_s = max(0.0, started + self._set_deadline_s - time.monotonic())
         try:
             store.wait(task, timeout_s=left_s)
