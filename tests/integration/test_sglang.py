@@ -1076,6 +1076,8 @@ def test_a_set_to_a_stalled_tier_returns_by_the_set_deadline_and_stores_the_byte
                 assert time.monotonic() - started < 60  # the gate holds the dump for 120 s
                 fill(pool, seed=52 + n)  # SGLang reuses the pages once the set returned
             assert ENTERED[space].is_set()
+            slots = backend._set_slots  # one reservation: the late sets hold their slots
+            assert slots is not None and slots.held == SETS_LATE_MAX
             last = pages_at(pool, [SETS_LATE_MAX])
             # Failed at once, without a copy or a dump: the warning below says which way.
             assert backend.batch_set_v1(keys[SETS_LATE_MAX:], last) == [False]
@@ -1098,6 +1100,7 @@ def test_a_set_to_a_stalled_tier_returns_by_the_set_deadline_and_stores_the_byte
         assert backend.batch_get_v1(keys[:SETS_LATE_MAX], target) == [True] * SETS_LATE_MAX
         assert [page_bytes(pool, target, n) for n in range(SETS_LATE_MAX)] == given
         assert backend.batch_set_v1(keys[SETS_LATE_MAX:], last) == [True]  # none held now
+        assert backend._set_slots is slots and slots.held == 0  # the late sets' slots freed
         counted = backend.stats()["sglang"]
         assert {name: counted[name] for name in ("sets", "set_pages", "set_stored")} == {
             "sets": SETS_LATE_MAX + 2,
@@ -1112,11 +1115,16 @@ def test_a_set_to_a_stalled_tier_returns_by_the_set_deadline_and_stores_the_byte
 
 
 def test_staged_sets_store_each_page_byte_exact_in_reused_staging_memory(
-    sgl: SGLang, unique_id: Callable[[], str], tmp_path: Path
+    sgl: SGLang, unique_id: Callable[[], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Sets without a CacheBuffer (posix only) are staged, and a set reuses the memory of the
-    one before when it fits: sets of 3, 1, 2 and 4 pages, with the host pages rewritten after
-    each, store the bytes each set was given."""
+    """Sets without a CacheBuffer (posix only) are staged in slots reused from set to set:
+    sets of 3, 1, 2 and 4 pages, with the host pages rewritten after each, store the bytes
+    each set was given. The slots are reserved for ``SETS_LATE_MAX`` + 1 sets of SGLang's
+    storage batch (here 2 pages) or of the largest set so far: the 3-page set reserves 15
+    slots, and the 4-page set 20 anew."""
+    from ucm.integration import sglang as ucm_sglang
+
+    monkeypatch.setattr(ucm_sglang, "SET_BATCH_PAGES", 2)
     pool = host_pool(sgl)
     keys = keys_of(sgl, 10)
     stack = {"unique_id": unique_id(), "tiers": [{"type": "posix", "path": str(tmp_path)}]}
@@ -1124,12 +1132,19 @@ def test_staged_sets_store_each_page_byte_exact_in_reused_staging_memory(
     try:
         given: list[bytes] = []
         first = 0
+        reserved = []
         for seed, count in enumerate((3, 1, 2, 4)):
             fill(pool, seed=70 + seed)
             pages = pages_at(pool, list(range(count)))
             given += [page_bytes(pool, pages, n) for n in range(count)]
             assert backend.batch_set_v1(keys[first : first + count], pages) == [True] * count
             first += count
+            slots = backend._set_slots
+            assert slots is not None and slots.held == 0  # given back once the dump ended
+            if not reserved or reserved[-1][0] is not slots:
+                reserved.append((slots, slots.capacity))
+        assert [capacity for _slots, capacity in reserved] == [15, 20]
+        assert reserved[0][0].high_water == 3 and reserved[1][0].high_water == 4
         fill(pool, seed=80)
         for start in (0, 5):  # 5 pages at a time, into other host pages
             target = pages_at(pool, list(range(8, 13)))
@@ -1139,6 +1154,29 @@ def test_staged_sets_store_each_page_byte_exact_in_reused_staging_memory(
         assert (counted["set_stored"], counted["set_late"]) == (10, 0)
     finally:
         backend.close()
+
+
+def test_a_staged_set_whose_dump_raises_fails_its_pages_and_frees_its_slots(
+    sgl: SGLang, unique_id: Callable[[], str], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A staged set whose dump raises (here: the store closed under SGLang's backup thread)
+    fails every page, with the closed store's warning, and gives its staging slots back: no
+    dump reads them."""
+    pool = host_pool(sgl)
+    keys = keys_of(sgl, 4)
+    fill(pool, seed=90)
+    stack = {"unique_id": unique_id(), "tiers": [{"type": "posix", "path": str(tmp_path)}]}
+    backend = create_backend(sgl, storage_config(sgl, {"ucm_stack": stack}), pool)
+    assert backend.batch_set_v1(keys[:2], pages_at(pool, [0, 1])) == [True, True]
+    slots = backend._set_slots
+    assert slots is not None and slots.held == 0
+    backend.close()
+    with caplog.at_level(logging.WARNING, logger="ucm.integration.sglang"):
+        assert backend.batch_set_v1(keys[2:], pages_at(pool, [2, 3])) == [False, False]
+    assert _warnings(caplog) == [f"UCM HiCache: a set of 2 page(s) failed, none stored: {CLOSED}"]
+    assert backend._set_slots is slots and slots.held == 0 and slots.high_water == 2
+    counted = backend.stats()["sglang"]
+    assert (counted["set_stored"], counted["set_failed"], counted["set_late"]) == (2, 2, 0)
 
 
 def test_a_set_over_a_buffer_that_writes_back_never_waits_for_a_tier_that_holds_writes(

@@ -112,9 +112,10 @@ took more."""
 
 class StagingSlots:
     """``capacity`` shard-sized slots of private memory for staged transfers that follow one
-    another (the vLLM worker's staged saves), reused so that a slot's pages are faulted in
-    once, not at every transfer: a copy into fresh memory pays a page fault per 4 KiB (16 MiB
-    took 10-12 ms here against 2-3 ms into warm memory; ``ucm bench --only vllm_saves``).
+    another (the vLLM worker's staged saves, SGLang's staged sets), reused so that a slot's
+    pages are faulted in once, not at every transfer: a copy into fresh memory pays a page
+    fault per 4 KiB (16 MiB took 10-12 ms here against 2-3 ms into warm memory;
+    ``ucm bench --only vllm_saves``).
 
     One reservation of ``capacity`` slots: no memory until a slot is first written.
     :meth:`take` hands out warm slots first, and None when fewer than ``count`` are free (the

@@ -38,10 +38,11 @@ pool fixes the geometry.
   raise.
 - **Sets never wait on a tier without bound.** Without a CacheBuffer, or over one with
   ``write: back`` tiers below (where a dump may wait for write-back debt or go straight down),
-  a set copies its pages out of the host pool into staging memory first (one native call) and
-  dumps from there, waiting at most ``ucm_set_deadline_s``: past it, its pages come back False
-  (SGLang logs a failed backup and frees them) while the dump goes on from the staging memory,
-  kept until it ends. While :data:`SETS_LATE_MAX` such late sets are still held by a tier,
+  a set copies its pages out of the host pool into staging slots first (one native call;
+  :class:`~ucm.integration.bounded.StagingSlots`, reused from set to set) and dumps from
+  there, waiting at most ``ucm_set_deadline_s``: past it, its pages come back False (SGLang
+  logs a failed backup and frees them) while the dump goes on from the staging slots, kept
+  until it ends. While :data:`SETS_LATE_MAX` such late sets are still held by a tier,
   further sets fail at once, so a hung tier holds a bounded amount of memory. With a
   CacheBuffer whose tiers write through, a set is done once in the buffer (a slow
   write-through is skipped), so it is not staged.
@@ -80,10 +81,9 @@ from ucm.stack import parse_stack
 
 from .bounded import (
     LOAD_DEADLINE_S_DEFAULT,
-    STAGING_WARM_BYTES,
     BoundedLoads,
     LateLoadError,
-    Staging,
+    StagingSlots,
     check_load_deadline_s,
     keep_late,
     reap_late,
@@ -151,14 +151,29 @@ COUNTER_NAMES = (
 (``batch_get_v1``, ``batch_get``, ``get``) and sets. A page not loaded is a miss (no tier has
 it), late (past ``ucm_load_deadline_s``) or an error (a corrupt shard, a failed tier). A set's
 page not stored is counted in ``set_failed``, and also in ``set_late`` when it was a staged set
-that ran past ``ucm_set_deadline_s`` or that found :data:`SETS_LATE_MAX` late sets held."""
+that ran past ``ucm_set_deadline_s``, or that found :data:`SETS_LATE_MAX` late sets held (or
+too few staging slots free: sets from several threads at once)."""
 
 SET_DEADLINE_S_DEFAULT = 30.0
 """Seconds a staged set (no CacheBuffer, or one that writes back) may wait for its dump, by
 default; SGLang's backup thread waits that long at most."""
 SETS_LATE_MAX = 4
 """Late sets (past ``ucm_set_deadline_s``) whose dumps a tier may still hold, each with its
-staging memory (a set's pages: at most SGLang's storage batch); past it, sets fail at once."""
+staging slots (a set's pages: at most SGLang's storage batch); past it, sets fail at once."""
+SET_BATCH_PAGES = 128
+"""Pages of SGLang's storage batch (``STORAGE_BATCH_SIZE`` in ``sglang.srt.mem_cache.
+hicache_storage``): a backup's ``batch_set_v1`` holds at most this many. Staging slots are
+reserved for :data:`SETS_LATE_MAX` + 1 such sets (address space only: no page until written)."""
+
+
+@dataclass(frozen=True)
+class _LateSet:
+    """A staged set past ``ucm_set_deadline_s``: its dump and the slots it reads."""
+
+    task: ucm.Task
+    slots: StagingSlots
+    staging: list[int]
+
 
 STORE_ERRORS = (UcmError, TimeoutError)
 """What a get's load or a set's dump may raise that fails the call's pages instead: UCM's errors
@@ -298,13 +313,13 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         )
         self._stage_sets = False
         """Sets are staged (see the module's notes): no CacheBuffer, or one that writes back."""
-        self._late_sets: list[ucm.Task] = []
-        """Dumps of staged sets that ran past the deadline and may still be running."""
-        self._spare: Staging | None = None
-        """The last staged set's memory, warm, when its dump ended in time and it is at most
-        ``STAGING_WARM_BYTES``: the next set that fits copies into it (no page faults)."""
+        self._set_slots: StagingSlots | None = None
+        """Staging memory of staged sets, reused from set to set (warm pages: no page faults
+        in the copy); reserved at the first staged set (:meth:`_take_set_slots`)."""
+        self._late_sets: list[_LateSet] = []
+        """Staged sets that ran past the deadline, whose dumps may still be running."""
         self._sets_lock = threading.Lock()
-        """Guards ``_late_sets`` and ``_spare`` (SGLang sets from one backup thread, but the
+        """Guards ``_set_slots`` and ``_late_sets`` (SGLang sets from one backup thread, but the
         tensor interface may be called from any)."""
         self._metrics_port = check_metrics_port(extra.get("ucm_metrics_port"), METRICS_PORT_KEY)
         self._metrics_server: MetricsServer | None = None
@@ -817,17 +832,17 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
     def _staged_dump(
         self, ids: list[bytes], shards: list[int], pointers: list[list[int]], started: float
     ) -> list[bool]:
-        """Copies the pages into staging memory and dumps them from there, waiting until
+        """Copies the pages into staging slots and dumps them from there, waiting until
         ``ucm_set_deadline_s`` after ``started``: past it the pages are not stored as far as
-        SGLang knows (all False, counted ``set_late``) and the dump goes on from the staging
-        memory, kept until it ends (:func:`~ucm.integration.bounded.keep_late`). While
+        SGLang knows (all False, counted ``set_late``) and the dump goes on from the slots,
+        kept until it ends (:func:`~ucm.integration.bounded.keep_late`). While
         :data:`SETS_LATE_MAX` late dumps are still running, the set fails at once."""
         store = self.store
         reap_late()
         with self._sets_lock:
-            self._late_sets = [task for task in self._late_sets if not task.done()]
+            self._give_back_late_sets()
             held = len(self._late_sets)
-            spare, self._spare = self._spare, None
+            taken = None if held >= SETS_LATE_MAX else self._take_set_slots(len(ids))
         if held >= SETS_LATE_MAX:
             return self._late_set(
                 ids,
@@ -835,26 +850,33 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
                 f"not stored: the tiers still hold {held} earlier sets past ucm_set_deadline_s "
                 f"({self._set_deadline_s:g} s)",
             )
-        if spare is not None and len(spare.addresses) >= len(ids):
-            staging = spare
-        else:
-            staging = Staging(store.layout, len(ids))
-        addresses = staging.addresses[: len(ids)]
-        copy_ranges(
-            [address for shard in addresses for address in shard],
-            [address for page in pointers for address in page],
-            list(store.layout.tensor_sizes) * len(ids),
-        )
-        # SGLang's pages are read no more: whatever the tier does, the set returns by the
-        # deadline and SGLang may reuse them.
-        task = store.dump_data(ids, shards, addresses)
+        if taken is None:
+            return self._late_set(
+                ids,
+                started,
+                "not stored: the staging memory for sets is held by sets still being dumped",
+            )
+        slots, staging = taken
+        addresses = slots.addresses(staging)
+        try:
+            copy_ranges(
+                [address for shard in addresses for address in shard],
+                [address for page in pointers for address in page],
+                list(store.layout.tensor_sizes) * len(ids),
+            )
+            # SGLang's pages are read no more: whatever the tier does, the set returns by the
+            # deadline and SGLang may reuse them.
+            task = store.dump_data(ids, shards, addresses)
+        except BaseException:  # no dump reads the slots
+            self._give_set_slots(slots, staging)
+            raise
         left_s = max(0.0, started + self._set_deadline_s - time.monotonic())
         try:
             store.wait(task, timeout_s=left_s)
         except TimeoutError:
-            keep_late(store, task, staging)
+            keep_late(store, task, slots)
             with self._sets_lock:
-                self._late_sets.append(task)
+                self._late_sets.append(_LateSet(task, slots, staging))
             return self._late_set(
                 ids,
                 started,
@@ -862,10 +884,50 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
                 "dump goes on from UCM's staging memory, not SGLang's pages",
             )
         except TaskError as error:
-            self._keep_warm(staging)
+            self._give_set_slots(slots, staging)
             return self._stored(ids, error, started)
-        self._keep_warm(staging)
+        self._give_set_slots(slots, staging)
         return self._stored(ids, None, started)
+
+    def _take_set_slots(self, pages: int) -> tuple[StagingSlots, list[int]] | None:
+        """``pages`` slots for a staged set (the caller holds ``_sets_lock``), or None when
+        the sets in flight hold too many. The reservation holds :data:`SETS_LATE_MAX` late
+        sets and one more of SGLang's storage batch (:data:`SET_BATCH_PAGES`), or of the
+        largest set so far: a larger set reserves anew, and the slots the late sets hold in
+        the old reservation stay theirs until their dumps end."""
+        slots = self._set_slots
+        if slots is None or pages * (SETS_LATE_MAX + 1) > slots.capacity:
+            wanted = (SETS_LATE_MAX + 1) * max(pages, SET_BATCH_PAGES)
+            slots, refused = StagingSlots.reserve(self.store.layout, wanted)
+            if refused is not None:  # strict overcommit, or a limit on address space
+                logger.warning(
+                    "UCM HiCache: staging memory for %d of the %d pages wanted for sets (%s): "
+                    "a set that finds too few free is not stored",
+                    slots.capacity,
+                    wanted,
+                    refused,
+                )
+            self._set_slots = slots
+        staging = slots.take(pages)
+        return None if staging is None else (slots, staging)
+
+    def _give_set_slots(self, slots: StagingSlots, staging: list[int]) -> None:
+        """Frees a staged set's slots once its dump is over; the pages of those past the
+        warm bound go back to the system."""
+        cold = slots.give(staging)
+        if cold:
+            slots.trim(cold)
+
+    def _give_back_late_sets(self) -> None:
+        """Frees the slots of late sets whose dumps are over (the caller holds
+        ``_sets_lock``)."""
+        running = []
+        for late in self._late_sets:
+            if late.task.done():
+                self._give_set_slots(late.slots, late.staging)
+            else:
+                running.append(late)
+        self._late_sets = running
 
     def _late_set(self, ids: list[bytes], started: float, what: str) -> list[bool]:
         """Counts a staged set whose pages SGLang is told are not stored (``set_late``),
@@ -874,14 +936,6 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         self._record("backup", len(ids), 0, started)
         logger.warning("UCM HiCache: a set of %d page(s) %s", len(ids), what)
         return [False] * len(ids)
-
-    def _keep_warm(self, staging: Staging) -> None:
-        """Keeps the memory of a staged set whose dump ended for the next set, up to
-        ``STAGING_WARM_BYTES`` (a larger one is unmapped when dropped)."""
-        if len(staging) <= STAGING_WARM_BYTES:
-            with self._sets_lock:
-                if self._spare is None or len(self._spare) < len(staging):
-                    self._spare = staging
 
     def _stored(self, ids: list[bytes], error: TaskError | None, started: float) -> list[bool]:
         """Counts a set whose dump ended (``error``: the keys that failed) and says which
