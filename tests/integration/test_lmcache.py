@@ -247,20 +247,29 @@ def test_a_put_holds_its_own_reference_until_written(
 ) -> None:
     """StorageManager.batched_put drops its reference right after handing the objects over; the
     plugin holds one of its own until UCM has the bytes. With L1 off (allocator only), the
-    plugin's reference is the object's last one: freed after the write, never twice."""
+    plugin's reference is the object's last one: freed after the write, never twice. Over a
+    CacheBuffer that writes through, a put is not staged and its dump reads the object: here
+    the dump waits for write-through room (one shard of backlog, held at the gate)."""
     register_plugin(GatePlugin(), "gate-plugin")
     GateTier.GATE.clear()
     GateTier.ENTERED.clear()
-    stack = {"unique_id": unique_id, "tiers": [{"type": "gate"}]}
+    buffer = {
+        "type": "buffer",
+        "capacity": "4MiB",
+        "write_queue_bytes": lm.CHUNK_BYTES,  # the first chunk's write-through fills it
+        "write_through_wait_s": 60.0,  # a dump waits that long for write-through room
+    }
+    stack = {"unique_id": unique_id, "tiers": [buffer, {"type": "gate", "write": "through"}]}
     sm = lm.storage_manager(lm.config(stack, local_cpu=local_cpu), lm.metadata())
     try:
         backend = sm.storage_backends["ucm"]
+        sm.batched_put([lm.key(9)], [lm.filled(sm, 9)])  # in the buffer; held at the gate
+        assert GateTier.ENTERED.wait(timeout=60)
         baseline = lm.active_allocations(sm)
         keys = [lm.key(h) for h in (1, 2, 3)]
         objs = [lm.filled(sm, h) for h in (1, 2, 3)]
         with lm.lmcache_logs() as logs:
-            sm.batched_put(keys, objs)
-            assert GateTier.ENTERED.wait(timeout=60)
+            sm.batched_put(keys, objs)  # its dump waits for write-through room
             held = 2 if local_cpu else 1  # (L1) + this plugin; LMCache's own is gone
             assert [obj.get_ref_count() for obj in objs] == [held] * 3
             assert [backend.exists_in_put_tasks(k) for k in keys] == [True] * 3
@@ -284,15 +293,60 @@ def test_a_put_holds_its_own_reference_until_written(
         sm.close()
 
 
+@pytest.mark.parametrize("local_cpu", [True, False], ids=["with-L1", "allocator-only"])
+def test_a_staged_put_drops_its_reference_before_it_returns(
+    register_plugin: Register, unique_id: str, local_cpu: bool
+) -> None:
+    """Without a CacheBuffer a put is staged: its chunk is copied into UCM's staging slots and
+    the plugin's reference dropped before batched_submit_put_task returns, so a tier that
+    holds the write holds none of LMCache's memory. With L1 off the chunks are freed at once
+    and their memory given to other chunks while the tier still holds the write; the bytes
+    stored are still the ones put."""
+    register_plugin(GatePlugin(), "gate-plugin")
+    GateTier.GATE.clear()
+    GateTier.ENTERED.clear()
+    stack = {"unique_id": unique_id, "tiers": [{"type": "gate"}]}
+    sm = lm.storage_manager(lm.config(stack, local_cpu=local_cpu), lm.metadata())
+    try:
+        backend = sm.storage_backends["ucm"]
+        baseline = lm.active_allocations(sm)
+        keys = [lm.key(h) for h in (1, 2, 3)]
+        objs = [lm.filled(sm, h) for h in (1, 2, 3)]
+        with lm.lmcache_logs() as logs:
+            sm.batched_put(keys, objs)
+            assert GateTier.ENTERED.wait(timeout=60)  # the tier holds the write
+            held = 1 if local_cpu else 0  # (L1); neither LMCache's nor this plugin's
+            assert [obj.get_ref_count() for obj in objs] == [held] * 3
+            assert lm.active_allocations(sm) == baseline + (3 if local_cpu else 0)
+            assert [backend.exists_in_put_tasks(k) for k in keys] == [True] * 3
+            assert backend.batched_submit_put_task(keys, objs) is None  # not written twice
+            others = [lm.filled(sm, h) for h in (4, 5, 6)]  # may reuse the freed memory
+            GateTier.GATE.set()
+            assert backend.flush(timeout_s=60)
+            assert [backend.exists_in_put_tasks(k) for k in keys] == [False] * 3
+            for obj in others:
+                obj.ref_count_down()
+        assert not [m for m in logs.messages() if "Double free" in m or "negative" in m]
+        got = backend.batched_get_blocking(keys)
+        assert [lm.content(g) for g in got] == [lm.chunk_bytes(h) for h in (1, 2, 3)]
+        for g in got:
+            g.ref_count_down()
+        assert backend.stats()["lmcache"]["put_chunks_stored"] == 3
+    finally:
+        GateTier.GATE.set()
+        sm.close()
+
+
 def test_puts_a_tier_holds_never_take_the_memory_a_retrieve_needs(
     register_plugin: Register, unique_id: str
 ) -> None:
-    """Without a CacheBuffer, a put holds its MemoryObj (a reference of the plugin's own) until
-    the tier has the bytes, and L1 cannot evict a chunk so held. A tier that holds every
+    """Without a CacheBuffer, a put held its MemoryObj (a reference of the plugin's own) until
+    the tier had the bytes, and L1 cannot evict a chunk so held. A tier that holds every
     write (a hung NFS) then held all of LMCache's CPU memory, and a blocking retrieve, which
     LMCache lets wait for memory (``busy_loop``), waited for it forever: the engine's load
-    hung. Puts now hold at most half of that memory; past it, a put is skipped (counted), its
-    chunk stays in L1 and can be evicted, and the retrieve gets memory at once."""
+    hung. Such puts are now staged (they hold UCM's staging slots, none of LMCache's memory)
+    and capped at half of that memory in chunks; past it, a put is skipped (counted), and the
+    retrieve gets memory at once."""
     from ucm.integration.lmcache import PUT_MEMORY_SHARE
 
     register_plugin(GatePlugin(), "gate-plugin")
@@ -330,6 +384,63 @@ def test_puts_a_tier_holds_never_take_the_memory_a_retrieve_needs(
         GateTier.GATE.set()
         getter.join(60)
         sm.close()
+
+
+def test_close_leaves_puts_a_tier_holds_running_after_queue_timeout_s(
+    unique_id: str, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """LMCache closes its storage backends at shutdown, LocalCPUBackend first: that frees
+    LMCache's CPU memory before this plugin is closed. Without a CacheBuffer a put was written
+    into the tier from that memory, and the plugin's close waited up to 600 s for a tier that
+    held it (a hung NFS). On the code before, the process died of a segmentation fault once
+    the tier answered (here the 60 s timer opens the gate): the tier read freed memory. Now
+    such a put is staged (its chunk copied into UCM's staging slots when it is submitted), and
+    close waits the stack's ``queue_timeout_s``, as the store's close does, then leaves the
+    write running; once the tier answers, the bytes stored are the chunks'."""
+    from loadpath import _tiers
+    from loadpath._tiers import CONTENTS, ENTERED, GATES
+
+    _tiers.register()
+    space = f"lmc-close-{uuid.uuid4().hex[:8]}"
+    gate = GATES[space] = threading.Event()
+    ENTERED[space] = threading.Event()
+    stack = {
+        "unique_id": unique_id,
+        "load": {"queue_timeout_s": 1.0},
+        "tiers": [{"type": "recording", "space": space, "gated": True}],
+    }
+    opener = threading.Timer(60.0, gate.set)  # bounds the wait of the code before
+    opener.start()
+    sm = lm.storage_manager(lm.config(stack), lm.metadata())
+    try:
+        backend = sm.storage_backends["ucm"]
+        hashes = (1, 2, 3)
+        keys = [lm.key(h) for h in hashes]
+        sm.batched_put(keys, [lm.filled(sm, h) for h in hashes])
+        assert ENTERED[space].wait(timeout=60)  # the tier holds the write
+        with caplog.at_level("ERROR", logger="ucm.integration.lmcache"):
+            sm.close()  # LocalCPUBackend first, then the plugin
+        assert not gate.is_set(), "close waited for the tier"
+        assert [r.getMessage() for r in caplog.records if r.name == "ucm.integration.lmcache"] == [
+            "UCM: 3 LMCache chunk(s) still being written after 1 s (queue_timeout_s) at close: "
+            "their writes go on until the tier answers"
+        ]
+        assert "ucm: a dump still running after 1.0 s at close (a tier holds its write); " in (
+            capfd.readouterr().err
+        )
+        gate.set()  # the tier answers: the put left running ends and releases its chunk
+        deadline = time.monotonic() + 60
+        while backend.stats()["lmcache"]["puts_in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counted = backend.stats()["lmcache"]
+        assert (counted["puts_in_flight"], counted["put_chunks_stored"]) == (0, 3)
+        stored = CONTENTS[space]
+        assert [stored[backend.ucm_key(k)] for k in keys] == [lm.chunk_bytes(h) for h in hashes]
+    finally:
+        opener.cancel()
+        gate.set()
+        sm.close()
+        _tiers.unregister()
 
 
 # ---- LMCacheEngine: store, drop L1, lookup, retrieve into the (CPU) paged KV cache -------------

@@ -32,8 +32,10 @@ group's byte size. A stack states only ``unique_id`` and ``tiers``.
 **Ref counts.** ``StorageManager.batched_put`` calls ``ref_count_down()`` on every object once it
 has handed them to every backend; this plugin writes asynchronously, so it takes its own
 reference (``ref_count_up``) at submit time and drops it when UCM's dump task has finished with
-the object's memory. Retrieved objects are allocated from ``local_cpu_backend.allocate`` and
-handed to LMCache with the single reference the allocation made (a miss frees its allocation).
+the object's memory, or, for a staged put (no CacheBuffer, or one that writes back), once the
+chunk is copied into UCM's staging slots, before the submit returns. Retrieved objects are
+allocated from ``local_cpu_backend.allocate`` and handed to LMCache with the single reference
+the allocation made (a miss frees its allocation).
 
 **Errors.** A get never raises on a worker: any error of a load is a miss for its batch (every
 allocation freed), and a prefetch always answers and releases its lookup's pins. A get returns
@@ -79,8 +81,15 @@ from .. import DEFAULT_NAMESPACE, REMOVE_CHUNK_KEYS, Pin, Store, TaskError
 from .. import open as open_store
 from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, RoleError, UcmError
 from ..metrics import CountersCollector, MetricsServer
+from ..native.copy import copy_ranges
 from ..threadname import enter_thread
-from .bounded import LOAD_DEADLINE_S_DEFAULT, BoundedLoads, LateLoadError, check_load_deadline_s
+from .bounded import (
+    LOAD_DEADLINE_S_DEFAULT,
+    BoundedLoads,
+    LateLoadError,
+    StagingSlots,
+    check_load_deadline_s,
+)
 from .endpoint import check_metrics_port, serve_rank_metrics
 from .keys import EngineGeometry, KeySpace, engine_stack, named_block_id, warn_node_local
 from .tenants import TenantMapping
@@ -96,7 +105,8 @@ CLASS_NAME = "UcmStorageBackend"
 MODULE_PATH = __name__
 DEFAULT_PLUGIN_NAME = "ucm"
 FLUSH_TIMEOUT_S = 600.0
-"""close() waits at most this long for puts still being written (then logs what it dropped)."""
+"""flush() waits at most this long by default for puts still being written; close() waits the
+stack's ``queue_timeout_s``."""
 LOOKUP_PIN_TTL_S = 300.0
 """The pins an async lookup took are released by its prefetch; when no prefetch comes for this
 long, they are released anyway (a plugin's ``lookup_pin_ttl_s``)."""
@@ -105,10 +115,9 @@ LOOKUP_PINS_MAX = 4096
 pins are released (a plugin's ``lookup_pins_max``)."""
 
 PUT_MEMORY_SHARE = 0.5
-"""Most of LMCache's CPU memory that puts still being written may hold (each keeps its
-MemoryObj until UCM has the bytes, and L1 cannot evict it meanwhile). Past it a put is skipped
-(``put_skipped_memory``): a tier that holds writes never takes the memory a retrieve waits
-for."""
+"""Puts still being written, at most, as a share of LMCache's CPU memory in chunks: a staged
+put holds a chunk of UCM's staging slots (that many slots), another its MemoryObj for one
+copy into the CacheBuffer. Past it a put is skipped (``put_skipped_memory``)."""
 
 UcmKey = tuple[bytes, int]
 T = TypeVar("T")
@@ -287,7 +296,8 @@ class _Put:
     key: CacheEngineKey
     ucm_key: UcmKey
     namespace: str
-    obj: MemoryObj
+    obj: MemoryObj | None
+    """None once a staged put copied it and dropped this plugin's reference."""
     future: Future[bool]
 
 
@@ -313,6 +323,9 @@ class _PutBatch:
     task: Any
     puts: list[_Put]
     on_complete: Any
+    slots: StagingSlots | None = None
+    """A staged batch's staging slots (``staging``), given back once its dump is over."""
+    staging: list[int] | None = None
 
 
 class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
@@ -395,6 +408,11 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         self._in_flight: dict[CacheEngineKey, MemoryObj] = {}
         self._puts_max = _puts_max(local_cpu_backend, config, self.layout.shard_size)
         """Most puts in flight at once (:data:`PUT_MEMORY_SHARE` of LMCache's CPU memory)."""
+        self._stage_puts = False
+        """Puts are staged (see :meth:`batched_submit_put_task`): no CacheBuffer, or one
+        that writes back."""
+        self._put_slots: StagingSlots | None = None
+        """Staged puts' copies of their chunks: ``_puts_max`` slots."""
         self._completions: queue.Queue[_PutBatch | None] = queue.Queue()
         self._completer = threading.Thread(
             target=self._complete_puts, name="ucm-lmcache-puts", daemon=True
@@ -428,6 +446,18 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             raise ConfigError(f"extra_config[{self.stack_key!r}]: {exc}") from exc
         try:
             self._loads = BoundedLoads(self.store, load_deadline_s)
+            buffer = self.store.buffer
+            self._stage_puts = not self.is_scheduler and (buffer is None or buffer.writes_back)
+            if self._stage_puts:  # address space only, until a slot is first written
+                self._put_slots, refused = StagingSlots.reserve(self.store.layout, self._puts_max)
+                if refused is not None:  # strict overcommit, or a limit on address space
+                    logger.warning(
+                        "UCM: staging memory for %d of the %d puts allowed in flight (%s): a "
+                        "put that finds every slot taken fails",
+                        self._put_slots.capacity,
+                        self._puts_max,
+                        refused,
+                    )
             self._completer.start()
             nodes = max(1, int(metadata.world_size) // max(1, int(metadata.local_world_size)))
             warn_node_local("LMCache", nodes, self.layout.geometry.shards_per_block, stack)
@@ -622,8 +652,14 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         """Starts writing the chunks to UCM; returns one future per chunk written (True once it
         is stored, False if UCM failed it), or None when there was nothing to write.
 
-        Each object written gets a reference of its own here (ref_count_up), dropped when the
-        write is done: LMCache's batched_put drops its reference as soon as this returns."""
+        Each object written gets a reference of its own here (ref_count_up): LMCache's
+        batched_put drops its reference as soon as this returns. Over a CacheBuffer whose tiers
+        write through, the dump reads the object until the buffer has it, and the reference is
+        dropped then. Otherwise (no CacheBuffer, or one that writes back, where a dump may
+        wait on a tier) the put is *staged*: the chunk is copied into UCM's staging slots
+        before this returns, the reference dropped, and the dump reads only the copy. A tier
+        that holds the write then holds no memory of LMCache's, and nothing reads that memory
+        after LMCache freed it (its close frees its CPU memory before it closes this plugin)."""
         self._check_worker("put")
         if len(keys) != len(objs):
             raise InvalidArgumentError(
@@ -660,15 +696,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 handled.update(id(put) for put in already)
                 self._count("put_chunks_present", len(already))
                 if group:
-                    task = self.store.dump_data(
-                        [put.ucm_key[0] for put in group],
-                        [put.ucm_key[1] for put in group],
-                        [self._pointers(put.obj) for put in group],
-                        namespace=namespace,
-                    )
-                    batches.append(
-                        _PutBatch(task=task, puts=group, on_complete=on_complete_callback)
-                    )
+                    batches.append(self._submit_puts(group, namespace, on_complete_callback))
                     handled.update(id(put) for put in group)
         except Exception:
             left = [put for put in puts if id(put) not in handled]
@@ -682,6 +710,47 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         for batch in batches:
             self._completions.put(batch)
         return [put.future for put in submitted]
+
+    def _submit_puts(self, group: list[_Put], namespace: str, on_complete: Any) -> _PutBatch:
+        """Submits the dump of one namespace's puts, staged or not (see
+        :meth:`batched_submit_put_task`)."""
+        ids = [put.ucm_key[0] for put in group]
+        shards = [put.ucm_key[1] for put in group]
+        objs = [put.obj for put in group]
+        assert all(obj is not None for obj in objs)  # each holds this plugin's reference
+        sources = [self._pointers(obj) for obj in objs if obj is not None]
+        if not self._stage_puts:
+            task = self.store.dump_data(ids, shards, sources, namespace=namespace)
+            return _PutBatch(task=task, puts=group, on_complete=on_complete)
+        slots = self._put_slots
+        assert slots is not None
+        staging = slots.take(len(group))
+        if staging is None:  # only past a refused reservation: puts in flight never exceed it
+            raise UcmError(
+                f"UCM's staging memory for puts holds {slots.capacity} chunks, all in flight"
+            )
+        try:
+            addresses = slots.addresses(staging)
+            copy_ranges(
+                [address for shard in addresses for address in shard],
+                [address for pointers in sources for address in pointers],
+                list(self.store.layout.tensor_sizes) * len(group),
+            )
+            for put in group:  # LMCache's memory is read no more
+                if put.obj is not None:
+                    put.obj.ref_count_down()
+                    put.obj = None
+            task = self.store.dump_data(ids, shards, addresses, namespace=namespace)
+        except BaseException:
+            self._give_put_slots(slots, staging)
+            raise
+        return _PutBatch(task, group, on_complete, slots, staging)
+
+    def _give_put_slots(self, slots: StagingSlots, staging: list[int]) -> None:
+        """Frees a staged batch's slots; the pages of those past the warm bound go back."""
+        cold = slots.give(staging)
+        if cold:
+            slots.trim(cold)
 
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
         """Blocks until every put submitted so far is written, to the stack's top tier and to
@@ -734,6 +803,8 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 failed = dict(exc.failures)
             except Exception as exc:
                 failed = {put.ucm_key: exc for put in batch.puts}
+            if batch.slots is not None and batch.staging is not None:
+                self._give_put_slots(batch.slots, batch.staging)
             if failed:
                 cause = next(iter(failed.values()))
                 logger.warning(
@@ -756,9 +827,12 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             self._release(stored, stored=True)
 
     def _release(self, puts: Sequence[_Put], stored: bool | None) -> None:
-        """Drops this plugin's reference on each object and forgets the put."""
+        """Drops this plugin's reference on each object (unless a staged put dropped it) and
+        forgets the put."""
         for put in puts:
-            put.obj.ref_count_down()
+            if put.obj is not None:
+                put.obj.ref_count_down()
+                put.obj = None
         with self._put_lock:
             for put in puts:
                 self._in_flight.pop(put.key, None)
@@ -1002,16 +1076,25 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         return counters
 
     def close(self) -> None:
-        """Finishes the puts in flight, then closes the store (which finishes its own
-        write-through work: nothing acknowledged is lost on a clean close)."""
+        """Finishes the puts in flight, waiting the stack's ``queue_timeout_s`` at most, then
+        closes the store (which finishes its own write-through work: nothing acknowledged is
+        lost on a clean close). Puts a tier still holds then are left running (staged: they
+        read UCM's copy, never LMCache's memory), and end when the tier answers."""
         if self._closed:
             return
         self._closed = True
-        if not self.flush():
+        timeout_s = self.store.settings.queue_timeout_s
+        flushed = self.flush(timeout_s)
+        if not flushed:
             with self._put_lock:
                 left = len(self._in_flight)
-            logger.error("UCM: %d LMCache chunk(s) still being written at close", left)
-        self._stop_completer()
+            logger.error(
+                "UCM: %d LMCache chunk(s) still being written after %g s (queue_timeout_s) at "
+                "close: their writes go on until the tier answers",
+                left,
+                timeout_s,
+            )
+        self._stop_completer(FLUSH_TIMEOUT_S if flushed else 0.0)
         self._executor.shutdown(wait=True)
         with self._pin_lock:  # the store's close releases what they hold
             self._pins.clear()
@@ -1040,9 +1123,11 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         self._metrics_server = None
         self._closed = True
 
-    def _stop_completer(self) -> None:
+    def _stop_completer(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        """Ends the put completer once it has completed the puts before (waiting
+        ``timeout_s`` at most: 0 leaves it completing the puts a tier still holds)."""
         self._completions.put(None)
-        self._completer.join(timeout=FLUSH_TIMEOUT_S)
+        self._completer.join(timeout=timeout_s)
 
     # ---- helpers ------------------------------------------------------------------------------
 
