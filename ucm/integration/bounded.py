@@ -149,19 +149,32 @@ class StagingSlots:
         self.high_water = 0
 
     @classmethod
-    def reserve(cls, layout: Layout, capacity: int) -> tuple[StagingSlots, OSError | None]:
+    def reserve(cls, layout: Layout, capacity: int, what: str, short: str) -> StagingSlots:
         """``capacity`` slots, or, where the system refuses that much address space (strict
-        overcommit, ``RLIMIT_AS``), half as many, and so on down to one; with the refusal,
-        if there was one."""
+        overcommit, ``RLIMIT_AS``), half as many, and so on down to one. A refusal is logged:
+        staging memory for so many of ``capacity`` ``what`` (the refusal): ``short`` (what
+        happens when the slots run short)."""
+        wanted = capacity
         refused: OSError | None = None
         while True:  # bounded: capacity halves down to 1
             try:
-                return cls(layout, capacity), refused
+                slots = cls(layout, capacity)
+                break
             except OSError as exc:
                 if capacity == 1:
                     raise
                 capacity = max(1, capacity // 2)
                 refused = exc
+        if refused is not None:
+            logger.warning(
+                "UCM: staging memory for %d of the %d %s (%s): %s",
+                capacity,
+                wanted,
+                what,
+                refused,
+                short,
+            )
+        return slots
 
     def __len__(self) -> int:
         """Bytes of the slots taken and not given back (not of the whole reservation)."""
@@ -206,6 +219,13 @@ class StagingSlots:
             keep = max(0, max(self._warm_slots, self._largest) - len(self._warm))
             self._warm.extend(slots[:keep])
             return list(slots[keep:])
+
+    def give_back(self, slots: Sequence[int]) -> None:
+        """:meth:`give`, then :meth:`trim` of what the warm bound does not keep, on the
+        caller's thread."""
+        cold = self.give(slots)
+        if cold:
+            self.trim(cold)
 
     def trim(self, slots: Sequence[int]) -> None:
         """Gives the whole pages of ``slots`` back to the system, then frees the slots."""

@@ -449,15 +449,12 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             buffer = self.store.buffer
             self._stage_puts = not self.is_scheduler and (buffer is None or buffer.writes_back)
             if self._stage_puts:  # address space only, until a slot is first written
-                self._put_slots, refused = StagingSlots.reserve(self.store.layout, self._puts_max)
-                if refused is not None:  # strict overcommit, or a limit on address space
-                    logger.warning(
-                        "UCM: staging memory for %d of the %d puts allowed in flight (%s): a "
-                        "put that finds every slot taken fails",
-                        self._put_slots.capacity,
-                        self._puts_max,
-                        refused,
-                    )
+                self._put_slots = StagingSlots.reserve(
+                    self.store.layout,
+                    self._puts_max,
+                    "LMCache chunks allowed in flight",
+                    "a put that finds every slot taken fails",
+                )
             self._completer.start()
             nodes = max(1, int(metadata.world_size) // max(1, int(metadata.local_world_size)))
             warn_node_local("LMCache", nodes, self.layout.geometry.shards_per_block, stack)
@@ -742,15 +739,9 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                     put.obj = None
             task = self.store.dump_data(ids, shards, addresses, namespace=namespace)
         except BaseException:
-            self._give_put_slots(slots, staging)
+            slots.give_back(staging)
             raise
         return _PutBatch(task, group, on_complete, slots, staging)
-
-    def _give_put_slots(self, slots: StagingSlots, staging: list[int]) -> None:
-        """Frees a staged batch's slots; the pages of those past the warm bound go back."""
-        cold = slots.give(staging)
-        if cold:
-            slots.trim(cold)
 
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
         """Blocks until every put submitted so far is written, to the stack's top tier and to
@@ -804,7 +795,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             except Exception as exc:
                 failed = {put.ucm_key: exc for put in batch.puts}
             if batch.slots is not None and batch.staging is not None:
-                self._give_put_slots(batch.slots, batch.staging)
+                batch.slots.give_back(batch.staging)
             if failed:
                 cause = next(iter(failed.values()))
                 logger.warning(

@@ -868,7 +868,7 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
             # deadline and SGLang may reuse them.
             task = store.dump_data(ids, shards, addresses)
         except BaseException:  # no dump reads the slots
-            self._give_set_slots(slots, staging)
+            slots.give_back(staging)
             raise
         left_s = max(0.0, started + self._set_deadline_s - time.monotonic())
         try:
@@ -884,9 +884,9 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
                 "dump goes on from UCM's staging memory, not SGLang's pages",
             )
         except TaskError as error:
-            self._give_set_slots(slots, staging)
+            slots.give_back(staging)
             return self._stored(ids, error, started)
-        self._give_set_slots(slots, staging)
+        slots.give_back(staging)
         return self._stored(ids, None, started)
 
     def _take_set_slots(self, pages: int) -> tuple[StagingSlots, list[int]] | None:
@@ -898,25 +898,15 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         slots = self._set_slots
         if slots is None or pages * (SETS_LATE_MAX + 1) > slots.capacity:
             wanted = (SETS_LATE_MAX + 1) * max(pages, SET_BATCH_PAGES)
-            slots, refused = StagingSlots.reserve(self.store.layout, wanted)
-            if refused is not None:  # strict overcommit, or a limit on address space
-                logger.warning(
-                    "UCM HiCache: staging memory for %d of the %d pages wanted for sets (%s): "
-                    "a set that finds too few free is not stored",
-                    slots.capacity,
-                    wanted,
-                    refused,
-                )
+            slots = StagingSlots.reserve(
+                self.store.layout,
+                wanted,
+                "pages wanted for SGLang's sets",
+                "a set that finds too few free is not stored",
+            )
             self._set_slots = slots
         staging = slots.take(pages)
         return None if staging is None else (slots, staging)
-
-    def _give_set_slots(self, slots: StagingSlots, staging: list[int]) -> None:
-        """Frees a staged set's slots once its dump is over; the pages of those past the
-        warm bound go back to the system."""
-        cold = slots.give(staging)
-        if cold:
-            slots.trim(cold)
 
     def _give_back_late_sets(self) -> None:
         """Frees the slots of late sets whose dumps are over (the caller holds
@@ -924,7 +914,7 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         running = []
         for late in self._late_sets:
             if late.task.done():
-                self._give_set_slots(late.slots, late.staging)
+                late.slots.give_back(late.staging)
             else:
                 running.append(late)
         self._late_sets = running

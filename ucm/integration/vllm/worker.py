@@ -208,15 +208,12 @@ class WorkerSide:
         self._addresses = addresses
         self._copied_at_submit = bool(views) and views[0].device.type == "cuda"
         if self._stage_saves and addresses is not None and self._save_slots is None:
-            self._save_slots, refused = StagingSlots.reserve(self._store.layout, addresses.blocks)
-            if refused is not None:  # strict overcommit, or a limit on address space
-                logger.warning(
-                    "UCM: staging memory for %d of the KV cache's %d blocks (%s): a save "
-                    "that finds every slot taken by the saves in flight is skipped",
-                    self._save_slots.capacity,
-                    addresses.blocks,
-                    refused,
-                )
+            self._save_slots = StagingSlots.reserve(
+                self._store.layout,
+                addresses.blocks,
+                "blocks of the KV cache",
+                "a save that finds every slot taken by the saves in flight is skipped",
+            )
 
     def _load_task(
         self,
