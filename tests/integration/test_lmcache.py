@@ -443,6 +443,69 @@ def test_close_leaves_puts_a_tier_holds_running_after_queue_timeout_s(
         _tiers.unregister()
 
 
+CLOSE_WITH_A_QUEUED_PUT = r"""
+import json, sys, threading
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import _lmcache as lm
+from loadpath import _tiers
+from loadpath._tiers import CONTENTS, ENTERED, GATES
+
+_tiers.register()
+space = "queued"
+gate = GATES[space] = threading.Event()
+ENTERED[space] = threading.Event()
+buffer = {
+    "type": "buffer",
+    "capacity": "4MiB",
+    "queue_timeout_s": 60.0,
+    "write_queue_bytes": lm.CHUNK_BYTES,  # the first chunk's write-through fills it
+    "write_through_wait_s": 60.0,  # a dump waits that long for write-through room
+}
+lower = {"type": "recording", "space": space, "gated": True, "write": "through"}
+stack = {"unique_id": sys.argv[3], "tiers": [buffer, lower]}
+sm = lm.storage_manager(lm.config(stack), lm.metadata())
+backend = sm.storage_backends["ucm"]
+sm.batched_put([lm.key(9)], [lm.filled(sm, 9)])  # in the buffer; its write-through held
+assert ENTERED[space].wait(60)
+first, queued = [1, 2, 3], [4, 5, 6]
+# The dump thread takes the first batch and waits for write-through room; the second batch
+# waits in the dump queue, its chunks not read yet.
+sm.batched_put([lm.key(h) for h in first], [lm.filled(sm, h) for h in first])
+sm.batched_put([lm.key(h) for h in queued], [lm.filled(sm, h) for h in queued])
+threading.Timer(2.0, gate.set).start()
+sm.close()  # LocalCPUBackend (it frees LMCache's CPU memory), then the plugin
+stored = CONTENTS[space]
+exact = [stored.get(backend.ucm_key(lm.key(h))) == lm.chunk_bytes(h) for h in [9] + first + queued]
+print(json.dumps({"exact": exact}), flush=True)
+"""
+
+
+def test_lmcaches_close_frees_its_memory_only_once_the_puts_have_read_it(unique_id: str) -> None:
+    """LMCache's ``StorageManager.close()`` closes LocalCPUBackend, which frees LMCache's CPU
+    memory, before the storage plugins. Over a CacheBuffer that writes through, a put is not
+    staged: its dump reads the chunk until the buffer has it. Here a put's dump waits in the
+    dump queue at shutdown (the dump thread waits for write-through room behind a gated
+    tier, opened 2 s into the close). On the code before, LMCache freed the memory at once
+    and the queued dump then read it: the process died of a segmentation fault (the same
+    happened without any gate to 48 chunks of 2 MiB put just before ``close()``). Now
+    LocalCPUBackend's close waits for the plugin's puts first, and every chunk is written
+    through byte-exact. In a process of its own: the code before kills it."""
+    import json
+    import subprocess
+    import sys
+
+    tests = Path(__file__).resolve().parent
+    done = subprocess.run(
+        [sys.executable, "-c", CLOSE_WITH_A_QUEUED_PUT, str(tests), str(tests.parent), unique_id],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"exact": [True] * 7}
+
+
 # ---- LMCacheEngine: store, drop L1, lookup, retrieve into the (CPU) paged KV cache -------------
 
 TOKENS = 4 * lm.CHUNK

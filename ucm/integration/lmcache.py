@@ -66,6 +66,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -456,6 +457,8 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                     "a put that finds every slot taken fails",
                 )
             self._completer.start()
+            if local_cpu_backend is not None and not self.is_scheduler:
+                _finish_puts_before_close(local_cpu_backend, self)
             nodes = max(1, int(metadata.world_size) // max(1, int(metadata.local_world_size)))
             warn_node_local("LMCache", nodes, self.layout.geometry.shards_per_block, stack)
             # Last: a scrape reads every counter and lock above (a port in use raises here).
@@ -746,6 +749,15 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
     def flush(self, timeout_s: float = FLUSH_TIMEOUT_S) -> bool:
         """Blocks until every put submitted so far is written, to the stack's top tier and to
         every ``write: through`` tier below it; False if ``timeout_s`` ran out first."""
+        if not self._wait_puts(timeout_s):
+            return False
+        if not self.is_scheduler:
+            self.store.drain()
+        return True
+
+    def _wait_puts(self, timeout_s: float) -> bool:
+        """Blocks until no put is in flight (each written to the stack's top tier, or
+        failed); False if ``timeout_s`` ran out first."""
         deadline = time.monotonic() + timeout_s
         with self._put_lock:
             while self._in_flight:
@@ -753,9 +765,26 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 if left <= 0:
                     return False
                 self._put_lock.wait(timeout=min(left, 1.0))
-        if not self.is_scheduler:
-            self.store.drain()
         return True
+
+    def _before_lmcache_frees(self) -> None:
+        """Runs before LocalCPUBackend's close frees LMCache's CPU memory (see
+        :func:`_finish_puts_before_close`): waits, the stack's ``queue_timeout_s`` at most,
+        for the puts whose dumps still read that memory. A staged put read it before its
+        submit returned, so only unstaged puts (over a CacheBuffer that writes through) are
+        waited for: until the buffer has their bytes."""
+        if self._stage_puts:
+            return
+        timeout_s = self.store.settings.queue_timeout_s
+        if not self._wait_puts(timeout_s):
+            with self._put_lock:
+                left = len(self._in_flight)
+            logger.error(
+                "UCM: %d LMCache chunk(s) still being copied into the CacheBuffer after %g s "
+                "(queue_timeout_s) when LMCache frees its CPU memory",
+                left,
+                timeout_s,
+            )
 
     def _writable(self, obj: MemoryObj) -> bool:
         """Only full chunks in host memory fit a shard; anything else stays in LMCache's other
@@ -1143,6 +1172,25 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 CLASS_NAME,
                 what,
             )
+
+
+def _finish_puts_before_close(local_cpu_backend: Any, plugin: UcmStorageBackend) -> None:
+    """LMCache's ``StorageManager.close()`` closes its backends in the order it made them,
+    LocalCPUBackend before the storage plugins, and LocalCPUBackend's close frees LMCache's
+    CPU memory, which an unstaged put's dump may still be reading (a put submitted just
+    before shutdown). Its ``close`` is wrapped, on this instance only, so that the plugin's
+    puts are done with that memory first (:meth:`UcmStorageBackend._before_lmcache_frees`).
+    The wrapper holds the plugin weakly: it keeps no closed plugin alive."""
+    close = local_cpu_backend.close
+    plugin_ref = weakref.ref(plugin)
+
+    def close_after_ucm_puts() -> None:
+        live = plugin_ref()
+        if live is not None:
+            live._before_lmcache_frees()
+        close()
+
+    local_cpu_backend.close = close_after_ucm_puts
 
 
 def _puts_max(local_cpu_backend: Any, config: Any, shard_size: int) -> int:
