@@ -480,6 +480,64 @@ print(json.dumps({"exact": exact}), flush=True)
 """
 
 
+CLOSE_WITH_A_LOAD_RUNNING = r"""
+import json, sys, threading, time
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import _lmcache as lm
+from loadpath import _tiers
+
+_tiers.register()
+slow = {"type": "slowposix", "path": sys.argv[4], "delay_s": 1.5}  # a load of 1 chunk: 1.5 s
+stack = {"unique_id": sys.argv[3], "tiers": [slow]}
+sm = lm.storage_manager(lm.config(stack), lm.metadata())
+backend = sm.storage_backends["ucm"]
+keys = [lm.key(h) for h in (1, 2)]
+sm.batched_put(keys, [lm.filled(sm, h) for h in (1, 2)])
+assert backend.flush(60)
+got = []
+loader = threading.Thread(target=lambda: got.extend(backend.batched_get_blocking(keys[:1])))
+loader.start()
+time.sleep(0.3)  # the load is reading its shard
+sm.close()  # LocalCPUBackend (it frees LMCache's CPU memory), then the plugin
+loader.join(60)
+# A hit (its bytes are not read: the object's memory is LMCache's, freed by now).
+print(json.dumps({"hits": [obj is not None for obj in got]}), flush=True)
+"""
+
+
+def test_lmcaches_close_frees_its_memory_only_once_the_gets_have_written_it(
+    unique_id: str, tmp_path: Path
+) -> None:
+    """The same close order against a get: a get that is still reading from a tier when
+    LMCache shuts down copies the chunk into a MemoryObj of LMCache's once it arrives (within
+    ``load_deadline_s``). On the code before, LMCache had freed that memory by then: the
+    process died of a segmentation fault. Now LocalCPUBackend's close waits for the gets
+    running first (``load_deadline_s`` plus the stack's ``queue_timeout_s`` at most), and the
+    get returns its hit before the memory goes."""
+    import json
+    import subprocess
+    import sys
+
+    tests = Path(__file__).resolve().parent
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CLOSE_WITH_A_LOAD_RUNNING,
+            str(tests),
+            str(tests.parent),
+            unique_id,
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"hits": [True]}
+
+
 def test_lmcaches_close_frees_its_memory_only_once_the_puts_have_read_it(unique_id: str) -> None:
     """LMCache's ``StorageManager.close()`` closes LocalCPUBackend, which frees LMCache's CPU
     memory, before the storage plugins. Over a CacheBuffer that writes through, a put is not

@@ -406,6 +406,9 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         self._counters_lock = threading.Lock()
         # Puts: keys being written, each holding this plugin's reference on its MemoryObj.
         self._put_lock = threading.Condition()
+        self._loads_running = 0
+        """Gets between their first allocation and their return (guarded by ``_put_lock``):
+        each may still write a MemoryObj of LMCache's."""
         self._in_flight: dict[CacheEngineKey, MemoryObj] = {}
         self._puts_max = _puts_max(local_cpu_backend, config, self.layout.shard_size)
         """Most puts in flight at once (:data:`PUT_MEMORY_SHARE` of LMCache's CPU memory)."""
@@ -458,7 +461,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 )
             self._completer.start()
             if local_cpu_backend is not None and not self.is_scheduler:
-                _finish_puts_before_close(local_cpu_backend, self)
+                _finish_lmcache_use_before_close(local_cpu_backend, self)
             nodes = max(1, int(metadata.world_size) // max(1, int(metadata.local_world_size)))
             warn_node_local("LMCache", nodes, self.layout.geometry.shards_per_block, stack)
             # Last: a scrape reads every counter and lock above (a port in use raises here).
@@ -769,14 +772,24 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
 
     def _before_lmcache_frees(self) -> None:
         """Runs before LocalCPUBackend's close frees LMCache's CPU memory (see
-        :func:`_finish_puts_before_close`): waits, the stack's ``queue_timeout_s`` at most,
-        for the puts whose dumps still read that memory. A staged put read it before its
-        submit returned, so only unstaged puts (over a CacheBuffer that writes through) are
-        waited for: until the buffer has their bytes."""
-        if self._stage_puts:
-            return
+        :func:`_finish_lmcache_use_before_close`). Waits for the gets running, which may still
+        write a MemoryObj (``load_deadline_s`` plus the stack's ``queue_timeout_s`` at most),
+        and for the puts whose dumps still read one (``queue_timeout_s`` at most). A staged
+        put read its chunk before its submit returned, so only unstaged puts (over a
+        CacheBuffer that writes through) are waited for, until the buffer has their bytes."""
         timeout_s = self.store.settings.queue_timeout_s
-        if not self._wait_puts(timeout_s):
+        deadline = time.monotonic() + self._loads.deadline_s + timeout_s
+        with self._put_lock:
+            while self._loads_running and time.monotonic() < deadline:  # bounded by deadline
+                self._put_lock.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            loads = self._loads_running
+        if loads:
+            logger.error(
+                "UCM: %d LMCache get(s) still running after %g s when LMCache frees its CPU memory",
+                loads,
+                self._loads.deadline_s + timeout_s,
+            )
+        if not self._stage_puts and not self._wait_puts(timeout_s):
             with self._put_lock:
                 left = len(self._in_flight)
             logger.error(
@@ -909,6 +922,8 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         and every object allocated for them is freed (LMCache recomputes misses)."""
         self._check_worker("get")
         allocated: list[MemoryObj] = []
+        with self._put_lock:
+            self._loads_running += 1
         try:
             return self._load_into(keys, busy_loop, allocated)
         except Exception as exc:
@@ -923,6 +938,10 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 exc,
             )
             return [None] * len(keys)
+        finally:
+            with self._put_lock:
+                self._loads_running -= 1
+                self._put_lock.notify_all()
 
     def _load_into(
         self, keys: list[CacheEngineKey], busy_loop: bool, allocated: list[MemoryObj]
@@ -1174,13 +1193,14 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
             )
 
 
-def _finish_puts_before_close(local_cpu_backend: Any, plugin: UcmStorageBackend) -> None:
+def _finish_lmcache_use_before_close(local_cpu_backend: Any, plugin: UcmStorageBackend) -> None:
     """LMCache's ``StorageManager.close()`` closes its backends in the order it made them,
     LocalCPUBackend before the storage plugins, and LocalCPUBackend's close frees LMCache's
     CPU memory, which an unstaged put's dump may still be reading (a put submitted just
-    before shutdown). Its ``close`` is wrapped, on this instance only, so that the plugin's
-    puts are done with that memory first (:meth:`UcmStorageBackend._before_lmcache_frees`).
-    The wrapper holds the plugin weakly: it keeps no closed plugin alive."""
+    before shutdown) and a get still reading from a tier may still write. Its ``close`` is
+    wrapped, on this instance only, so that the plugin's puts and gets are done with that
+    memory first (:meth:`UcmStorageBackend._before_lmcache_frees`). The wrapper holds the
+    plugin weakly: it keeps no closed plugin alive."""
     close = local_cpu_backend.close
     plugin_ref = weakref.ref(plugin)
 
