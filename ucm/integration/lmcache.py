@@ -116,9 +116,10 @@ LOOKUP_PINS_MAX = 4096
 pins are released (a plugin's ``lookup_pins_max``)."""
 
 PUT_MEMORY_SHARE = 0.5
-"""Puts still being written, at most, as a share of LMCache's CPU memory in chunks: a staged
-put holds a chunk of UCM's staging slots (that many slots), another its MemoryObj for one
-copy into the CacheBuffer. Past it a put is skipped (``put_skipped_memory``)."""
+"""Puts still being written, at most, as a share of LMCache's CPU memory in chunks. A staged
+put holds one of that many staging slots of UCM's until the tier has its bytes; an unstaged
+put holds its MemoryObj until the CacheBuffer has them. Past it a put is skipped
+(``put_skipped_memory``)."""
 
 UcmKey = tuple[bytes, int]
 T = TypeVar("T")
@@ -404,12 +405,13 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         self._tag_namespaces = functools.lru_cache(maxsize=SALTS_KEPT)(self._tag_namespace)
         self._counters: Counter[str] = Counter()
         self._counters_lock = threading.Lock()
-        # Puts: keys being written, each holding this plugin's reference on its MemoryObj.
+        # Puts: keys being written (an unstaged put's MemoryObj holds this plugin's reference
+        # meanwhile; a staged put's chunk is in UCM's staging slots).
         self._put_lock = threading.Condition()
         self._loads_running = 0
         """Gets between their first allocation and their return (guarded by ``_put_lock``):
         each may still write a MemoryObj of LMCache's."""
-        self._in_flight: dict[CacheEngineKey, MemoryObj] = {}
+        self._in_flight: set[CacheEngineKey] = set()
         self._puts_max = _puts_max(local_cpu_backend, config, self.layout.shard_size)
         """Most puts in flight at once (:data:`PUT_MEMORY_SHARE` of LMCache's CPU memory)."""
         self._stage_puts = False
@@ -689,7 +691,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                     ucm_key = self.ucm_key(key)
                     namespace = self.namespace_of(key)
                     obj.ref_count_up()
-                    self._in_flight[key] = obj
+                    self._in_flight.add(key)
                     puts.append(_Put(key, ucm_key, namespace, obj, Future()))
             for namespace, group in _grouped(puts, lambda put: put.namespace).items():
                 present = self.store.lookup([put.ucm_key[0] for put in group], namespace=namespace)
@@ -868,7 +870,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 put.obj = None
         with self._put_lock:
             for put in puts:
-                self._in_flight.pop(put.key, None)
+                self._in_flight.discard(put.key)
             self._put_lock.notify_all()
         for put in puts:
             put.future.set_result(bool(stored))
@@ -1204,13 +1206,13 @@ def _finish_lmcache_use_before_close(local_cpu_backend: Any, plugin: UcmStorageB
     close = local_cpu_backend.close
     plugin_ref = weakref.ref(plugin)
 
-    def close_after_ucm_puts() -> None:
+    def close_after_ucm() -> None:
         live = plugin_ref()
         if live is not None:
             live._before_lmcache_frees()
         close()
 
-    local_cpu_backend.close = close_after_ucm_puts
+    local_cpu_backend.close = close_after_ucm
 
 
 def _puts_max(local_cpu_backend: Any, config: Any, shard_size: int) -> int:
