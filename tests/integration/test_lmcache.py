@@ -299,9 +299,9 @@ def test_a_staged_put_drops_its_reference_before_it_returns(
 ) -> None:
     """Without a CacheBuffer a put is staged: its chunk is copied into UCM's staging slots and
     the plugin's reference dropped before batched_submit_put_task returns, so a tier that
-    holds the write holds none of LMCache's memory. With L1 off the chunks are freed at once
-    and their memory given to other chunks while the tier still holds the write; the bytes
-    stored are still the ones put."""
+    holds the write holds none of LMCache's memory. With L1 off the chunks are freed at once,
+    and new chunks are allocated (and may take that memory) while the tier still holds the
+    write; the bytes stored are still the ones put."""
     register_plugin(GatePlugin(), "gate-plugin")
     GateTier.GATE.clear()
     GateTier.ENTERED.clear()
