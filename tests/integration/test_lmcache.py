@@ -265,6 +265,10 @@ def test_a_put_holds_its_own_reference_until_written(
         backend = sm.storage_backends["ucm"]
         sm.batched_put([lm.key(9)], [lm.filled(sm, 9)])  # in the buffer; held at the gate
         assert GateTier.ENTERED.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while backend.exists_in_put_tasks(lm.key(9)) and time.monotonic() < deadline:
+            time.sleep(0.01)  # its put ends once in the buffer; its reference goes after
+        assert not backend.exists_in_put_tasks(lm.key(9))
         baseline = lm.active_allocations(sm)
         keys = [lm.key(h) for h in (1, 2, 3)]
         objs = [lm.filled(sm, h) for h in (1, 2, 3)]
