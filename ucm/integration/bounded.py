@@ -135,7 +135,7 @@ class StagingSlots:
             -1, self.shard_size * capacity, flags=mmap.MAP_PRIVATE | _MAP_NORESERVE
         )
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self.memory))
-        sizes = layout.tensor_sizes
+        self._sizes = sizes = layout.tensor_sizes
         self._offsets = [sum(sizes[:j]) for j in range(len(sizes))]
         self._warm_slots = max(1, warm_bytes // self.shard_size)
         self._warm: list[int] = []
@@ -209,6 +209,17 @@ class StagingSlots:
             [self._base + slot * self.shard_size + offset for offset in self._offsets]
             for slot in slots
         ]
+
+    def copy_in(self, slots: Sequence[int], sources: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Copies one shard into each slot (``sources[n]``: shard n's tensor addresses, in
+        the layout's order; one native call) and returns the slots' :meth:`addresses`."""
+        addresses = self.addresses(slots)
+        copy_ranges(
+            [address for shard in addresses for address in shard],
+            [address for shard in sources for address in shard],
+            list(self._sizes) * len(slots),
+        )
+        return addresses
 
     def give(self, slots: Sequence[int]) -> list[int]:
         """Returns ``slots``: those the warm bound keeps are free at once; the others are

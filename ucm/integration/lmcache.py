@@ -82,7 +82,6 @@ from .. import DEFAULT_NAMESPACE, REMOVE_CHUNK_KEYS, Pin, Store, TaskError
 from .. import open as open_store
 from ..errors import ConfigError, InvalidArgumentError, KeyMissingError, RoleError, UcmError
 from ..metrics import CountersCollector, MetricsServer
-from ..native.copy import copy_ranges
 from ..threadname import enter_thread
 from .bounded import (
     LOAD_DEADLINE_S_DEFAULT,
@@ -735,12 +734,7 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 f"UCM's staging memory for puts holds {slots.capacity} chunks, all in flight"
             )
         try:
-            addresses = slots.addresses(staging)
-            copy_ranges(
-                [address for shard in addresses for address in shard],
-                [address for pointers in sources for address in pointers],
-                list(self.store.layout.tensor_sizes) * len(group),
-            )
+            addresses = slots.copy_in(staging, sources)
             for put in group:  # LMCache's memory is read no more
                 if put.obj is not None:
                     put.obj.ref_count_down()
@@ -763,14 +757,8 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
     def _wait_puts(self, timeout_s: float) -> bool:
         """Blocks until no put is in flight (each written to the stack's top tier, or
         failed); False if ``timeout_s`` ran out first."""
-        deadline = time.monotonic() + timeout_s
         with self._put_lock:
-            while self._in_flight:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._put_lock.wait(timeout=min(left, 1.0))
-        return True
+            return self._put_lock.wait_for(lambda: not self._in_flight, timeout_s)
 
     def _before_lmcache_frees(self) -> None:
         """Runs before LocalCPUBackend's close frees LMCache's CPU memory (see
@@ -780,10 +768,10 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         put read its chunk before its submit returned, so only unstaged puts (over a
         CacheBuffer that writes through) are waited for, until the buffer has their bytes."""
         timeout_s = self.store.settings.queue_timeout_s
-        deadline = time.monotonic() + self._loads.deadline_s + timeout_s
         with self._put_lock:
-            while self._loads_running and time.monotonic() < deadline:  # bounded by deadline
-                self._put_lock.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            self._put_lock.wait_for(
+                lambda: not self._loads_running, self._loads.deadline_s + timeout_s
+            )
             loads = self._loads_running
         if loads:
             logger.error(

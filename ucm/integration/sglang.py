@@ -76,7 +76,6 @@ from sglang.srt.mem_cache.hicache_storage import (
 import ucm
 from ucm.errors import ConfigError, InvalidArgumentError, KeyMissingError, TaskError, UcmError
 from ucm.metrics import CountersCollector, MetricsServer
-from ucm.native.copy import copy_ranges
 from ucm.stack import parse_stack
 
 from .bounded import (
@@ -857,13 +856,8 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
                 "not stored: the staging memory for sets is held by sets still being dumped",
             )
         slots, staging = taken
-        addresses = slots.addresses(staging)
         try:
-            copy_ranges(
-                [address for shard in addresses for address in shard],
-                [address for page in pointers for address in page],
-                list(store.layout.tensor_sizes) * len(ids),
-            )
+            addresses = slots.copy_in(staging, pointers)
             # SGLang's pages are read no more: whatever the tier does, the set returns by the
             # deadline and SGLang may reuse them.
             task = store.dump_data(ids, shards, addresses)
