@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import math
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -448,20 +451,21 @@ def test_close_leaves_puts_a_tier_holds_running_after_queue_timeout_s(
 
 
 CLOSE_WITH_A_QUEUED_PUT = r"""
-import json, sys, threading
+import json, sys, threading, time
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import _lmcache as lm
 from loadpath import _tiers
 from loadpath._tiers import CONTENTS, ENTERED, GATES
 
 _tiers.register()
+queue_timeout_s, gate_s = float(sys.argv[4]), float(sys.argv[5])
 space = "queued"
 gate = GATES[space] = threading.Event()
 ENTERED[space] = threading.Event()
 buffer = {
     "type": "buffer",
     "capacity": "4MiB",
-    "queue_timeout_s": 60.0,
+    "queue_timeout_s": queue_timeout_s,
     "write_queue_bytes": lm.CHUNK_BYTES,  # the first chunk's write-through fills it
     "write_through_wait_s": 60.0,  # a dump waits that long for write-through room
 }
@@ -476,11 +480,28 @@ first, queued = [1, 2, 3], [4, 5, 6]
 # waits in the dump queue, its chunks not read yet.
 sm.batched_put([lm.key(h) for h in first], [lm.filled(sm, h) for h in first])
 sm.batched_put([lm.key(h) for h in queued], [lm.filled(sm, h) for h in queued])
-threading.Timer(2.0, gate.set).start()
+threading.Timer(gate_s, gate.set).start()
 sm.close()  # LocalCPUBackend (it frees LMCache's CPU memory), then the plugin
+closed_before_gate = not gate.is_set()
 stored = CONTENTS[space]
-exact = [stored.get(backend.ucm_key(lm.key(h))) == lm.chunk_bytes(h) for h in [9] + first + queued]
-print(json.dumps({"exact": exact}), flush=True)
+wanted = [backend.ucm_key(lm.key(h)) for h in [9] + first + queued]
+for _ in range(600):  # the dumps a tier still held at close go on once it answers
+    if gate.is_set() and (all(key in stored for key in wanted) or not backend._in_flight):
+        break
+    time.sleep(0.1)
+exact = [stored.get(key) == lm.chunk_bytes(h) for key, h in zip(wanted, [9] + first + queued)]
+wrong = [key in stored and not right for key, right in zip(wanted, exact)]
+print(
+    json.dumps(
+        {
+            "exact": exact,
+            "wrong": wrong,
+            "in_flight": len(backend._in_flight),
+            "closed_before_gate": closed_before_gate,
+        }
+    ),
+    flush=True,
+)
 """
 
 
@@ -518,10 +539,6 @@ def test_lmcaches_close_frees_its_memory_only_once_the_gets_have_written_it(
     process died of a segmentation fault. Now LocalCPUBackend's close waits for the gets
     running first (``load_deadline_s`` plus the stack's ``queue_timeout_s`` at most), and the
     get returns its hit before the memory goes."""
-    import json
-    import subprocess
-    import sys
-
     tests = Path(__file__).resolve().parent
     done = subprocess.run(
         [
@@ -552,20 +569,63 @@ def test_lmcaches_close_frees_its_memory_only_once_the_puts_have_read_it(unique_
     happened without any gate to 48 chunks of 2 MiB put just before ``close()``). Now
     LocalCPUBackend's close waits for the plugin's puts first, and every chunk is written
     through byte-exact. In a process of its own: the code before kills it."""
-    import json
-    import subprocess
-    import sys
+    done = _run_close_with_a_queued_put(unique_id, queue_timeout_s=60.0, gate_s=2.0)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {
+        "exact": [True] * 7,
+        "wrong": [False] * 7,
+        "in_flight": 0,
+        "closed_before_gate": False,
+    }
 
+
+def test_lmcaches_memory_stays_mapped_when_a_put_reads_it_past_queue_timeout_s(
+    unique_id: str,
+) -> None:
+    """The same shutdown, with the gate opened only after the whole close (``queue_timeout_s``
+    1 s; the gate at 5 s). Past its bound the wait gives up, and on the code before LMCache
+    then freed its memory under the queued dump: the process died of a segmentation fault
+    once the gate opened. Now the close runs without the free: the memory stays mapped until
+    the process exits, and each step says so. The chunks the closed store could not take are
+    lost (LMCache's other backends hold them), never stored wrong."""
+    done = _run_close_with_a_queued_put(unique_id, queue_timeout_s=1.0, gate_s=5.0)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {
+        "exact": [True] + [False] * 6,  # the chunk written through before the close
+        "wrong": [False] * 7,
+        "in_flight": 0,
+        "closed_before_gate": True,
+    }
+    assert (
+        "UCM: 6 LMCache chunk(s) still being copied into the CacheBuffer after 1 s "
+        "(queue_timeout_s) when LMCache frees its CPU memory"
+    ) in done.stderr
+    assert (
+        "UCM: LMCache's CPU memory stays mapped until this process exits "
+        "(MixedMemoryAllocator): UCM still reads or writes it"
+    ) in done.stderr
+
+
+def _run_close_with_a_queued_put(
+    unique_id: str, queue_timeout_s: float, gate_s: float
+) -> subprocess.CompletedProcess[str]:
     tests = Path(__file__).resolve().parent
-    done = subprocess.run(
-        [sys.executable, "-c", CLOSE_WITH_A_QUEUED_PUT, str(tests), str(tests.parent), unique_id],
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CLOSE_WITH_A_QUEUED_PUT,
+            str(tests),
+            str(tests.parent),
+            unique_id,
+            str(queue_timeout_s),
+            str(gate_s),
+        ],
         capture_output=True,
         text=True,
         timeout=180,
         check=False,
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert json.loads(done.stdout.splitlines()[-1]) == {"exact": [True] * 7}
 
 
 # ---- LMCacheEngine: store, drop L1, lookup, retrieve into the (CPU) paged KV cache -------------

@@ -760,13 +760,15 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         with self._put_lock:
             return self._put_lock.wait_for(lambda: not self._in_flight, timeout_s)
 
-    def _before_lmcache_frees(self) -> None:
+    def _before_lmcache_frees(self) -> bool:
         """Runs before LocalCPUBackend's close frees LMCache's CPU memory (see
         :func:`_finish_lmcache_use_before_close`). Waits for the gets running, which may still
         write a MemoryObj (``load_deadline_s`` plus the stack's ``queue_timeout_s`` at most),
         and for the puts whose dumps still read one (``queue_timeout_s`` at most). A staged
         put read its chunk before its submit returned, so only unstaged puts (over a
-        CacheBuffer that writes through) are waited for, until the buffer has their bytes."""
+        CacheBuffer that writes through) are waited for, until the buffer has their bytes.
+        False if a get or an unstaged put is still running past those bounds: the memory must
+        then not be freed."""
         timeout_s = self.store.settings.queue_timeout_s
         with self._put_lock:
             self._put_lock.wait_for(
@@ -779,15 +781,17 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
                 loads,
                 self._loads.deadline_s + timeout_s,
             )
-        if not self._stage_puts and not self._wait_puts(timeout_s):
-            with self._put_lock:
-                left = len(self._in_flight)
-            logger.error(
-                "UCM: %d LMCache chunk(s) still being copied into the CacheBuffer after %g s "
-                "(queue_timeout_s) when LMCache frees its CPU memory",
-                left,
-                timeout_s,
-            )
+        if self._stage_puts or self._wait_puts(timeout_s):
+            return not loads
+        with self._put_lock:
+            left = len(self._in_flight)
+        logger.error(
+            "UCM: %d LMCache chunk(s) still being copied into the CacheBuffer after %g s "
+            "(queue_timeout_s) when LMCache frees its CPU memory",
+            left,
+            timeout_s,
+        )
+        return False
 
     def _writable(self, obj: MemoryObj) -> bool:
         """Only full chunks in host memory fit a shard; anything else stays in LMCache's other
@@ -1189,18 +1193,37 @@ def _finish_lmcache_use_before_close(local_cpu_backend: Any, plugin: UcmStorageB
     CPU memory, which an unstaged put's dump may still be reading (a put submitted just
     before shutdown) and a get still reading from a tier may still write. Its ``close`` is
     wrapped, on this instance only, so that the plugin's puts and gets are done with that
-    memory first (:meth:`UcmStorageBackend._before_lmcache_frees`). The wrapper holds the
-    plugin weakly: it keeps no closed plugin alive."""
+    memory first (:meth:`UcmStorageBackend._before_lmcache_frees`). Should one still use it
+    past that method's bounds (a tier that holds a write through), the close runs without
+    freeing the memory, which then stays mapped until the process exits: a leak at shutdown
+    rather than a write or read of freed memory. The wrapper holds the plugin weakly: it
+    keeps no closed plugin alive."""
     close = local_cpu_backend.close
     plugin_ref = weakref.ref(plugin)
 
     def close_after_ucm() -> None:
         live = plugin_ref()
-        if live is not None:
-            live._before_lmcache_frees()
-        close()
+        if live is None or live._before_lmcache_frees():
+            close()
+        else:
+            _close_keeping_memory(local_cpu_backend, close)
 
     local_cpu_backend.close = close_after_ucm
+
+
+def _close_keeping_memory(local_cpu_backend: Any, close: Callable[[], None]) -> None:
+    """Runs LocalCPUBackend's ``close`` with its memory allocator's ``close`` (the free)
+    made a no-op on that allocator instance, for good: UCM still uses the memory."""
+    allocator = getattr(local_cpu_backend, "memory_allocator", None)
+    logger.error(
+        "UCM: LMCache's CPU memory stays mapped until this process exits (%s): UCM still "
+        "reads or writes it",
+        type(allocator).__name__ if allocator is not None else "no allocator found, not closed",
+    )
+    if allocator is None:
+        return
+    allocator.close = lambda: None
+    close()
 
 
 def _puts_max(local_cpu_backend: Any, config: Any, shard_size: int) -> int:
