@@ -458,7 +458,8 @@ from loadpath import _tiers
 from loadpath._tiers import CONTENTS, ENTERED, GATES
 
 _tiers.register()
-queue_timeout_s, gate_s = float(sys.argv[4]), float(sys.argv[5])
+queue_timeout_s = float(sys.argv[4])
+gate_s = None if sys.argv[5] == "after-close" else float(sys.argv[5])
 space = "queued"
 gate = GATES[space] = threading.Event()
 ENTERED[space] = threading.Event()
@@ -480,9 +481,11 @@ first, queued = [1, 2, 3], [4, 5, 6]
 # waits in the dump queue, its chunks not read yet.
 sm.batched_put([lm.key(h) for h in first], [lm.filled(sm, h) for h in first])
 sm.batched_put([lm.key(h) for h in queued], [lm.filled(sm, h) for h in queued])
-threading.Timer(gate_s, gate.set).start()
+if gate_s is not None:
+    threading.Timer(gate_s, gate.set).start()
 sm.close()  # LocalCPUBackend (it frees LMCache's CPU memory), then the plugin
 closed_before_gate = not gate.is_set()
+gate.set()  # the tier answers (at once, if the timer has not opened it yet)
 stored = CONTENTS[space]
 wanted = [backend.ucm_key(lm.key(h)) for h in [9] + first + queued]
 for _ in range(600):  # the dumps a tier still held at close go on once it answers
@@ -582,13 +585,13 @@ def test_lmcaches_close_frees_its_memory_only_once_the_puts_have_read_it(unique_
 def test_lmcaches_memory_stays_mapped_when_a_put_reads_it_past_queue_timeout_s(
     unique_id: str,
 ) -> None:
-    """The same shutdown, with the gate opened only after the whole close (``queue_timeout_s``
-    1 s; the gate at 5 s). Past its bound the wait gives up, and on the code before LMCache
-    then freed its memory under the queued dump: the process died of a segmentation fault
-    once the gate opened. Now the close runs without the free: the memory stays mapped until
+    """The same shutdown, with the gate opened only once the whole close has returned
+    (``queue_timeout_s`` 1 s). Past its bound the wait gives up, and on the code before
+    LMCache then freed its memory under the queued dump: the process died of a segmentation
+    fault once the gate opened. Now the close runs without the free: the memory stays mapped until
     the process exits, and each step says so. The chunks the closed store could not take are
     lost (LMCache's other backends hold them), never stored wrong."""
-    done = _run_close_with_a_queued_put(unique_id, queue_timeout_s=1.0, gate_s=5.0)
+    done = _run_close_with_a_queued_put(unique_id, queue_timeout_s=1.0, gate_s=None)
     assert done.returncode == 0, done.stderr[-4000:]
     assert json.loads(done.stdout.splitlines()[-1]) == {
         "exact": [True] + [False] * 6,  # the chunk written through before the close
@@ -607,8 +610,10 @@ def test_lmcaches_memory_stays_mapped_when_a_put_reads_it_past_queue_timeout_s(
 
 
 def _run_close_with_a_queued_put(
-    unique_id: str, queue_timeout_s: float, gate_s: float
+    unique_id: str, queue_timeout_s: float, gate_s: float | None
 ) -> subprocess.CompletedProcess[str]:
+    """Runs CLOSE_WITH_A_QUEUED_PUT; its gate opens ``gate_s`` into the close, or once the
+    close has returned (None)."""
     tests = Path(__file__).resolve().parent
     return subprocess.run(
         [
@@ -619,7 +624,7 @@ def _run_close_with_a_queued_put(
             str(tests.parent),
             unique_id,
             str(queue_timeout_s),
-            str(gate_s),
+            "after-close" if gate_s is None else str(gate_s),
         ],
         capture_output=True,
         text=True,
