@@ -324,6 +324,16 @@ pub fn counter(queue: *Queue, which: queue_module.Counter) u64 {
     return queue.counter_value(which);
 }
 
+/// Waits, in 1 ms sleeps and for `wait_ms_max` at most, until `which` reaches `target`: work
+/// the queue's own threads do in the background, which a loaded machine may delay. The caller
+/// asserts the count afterwards.
+pub fn await_counter(queue: *Queue, which: queue_module.Counter, target: u64, wait_ms_max: u32) void {
+    var waited_ms: u32 = 0;
+    while (counter(queue, which) < target and waited_ms < wait_ms_max) : (waited_ms += 1) {
+        std.Thread.sleep(std.time.ns_per_ms);
+    }
+}
+
 pub fn expect_no_references(harness: *Harness) !void {
     try expectEqual(@as(u32, 0), harness.queue.held_slot_count());
     if (harness.null_buffer) return;
@@ -542,8 +552,7 @@ test "queue: no-fill loads miss, prefetch brings keys up, Prealloc prewarms the 
     // The idle window after this load prewarms (block, 1) of its 2 blocks; wait for it before
     // the next task, which would otherwise end that window first on a loaded machine (a CI
     // run beside two CPU burners found 3 of 5 below even after the 60 s wait).
-    var first_rounds: u32 = 0;
-    while (counter(harness.queue, .prewarmed) < 2 and first_rounds < 60_000) : (first_rounds += 1) std.Thread.sleep(std.time.ns_per_ms);
+    await_counter(harness.queue, .prewarmed, 2, 60_000);
     try expectEqual(@as(u64, 2), counter(harness.queue, .prewarmed));
     var prefetch = try Call.init(&.{ 1, 2, 3 }, 1);
     defer prefetch.deinit();
@@ -561,8 +570,7 @@ test "queue: no-fill loads miss, prefetch brings keys up, Prealloc prewarms the 
     // The idle window after the load prewarmed (block, 2) of its blocks (Scenario E). The
     // prewarm runs on the queue's own threads: on a loaded machine 1 s was not enough (a CI run
     // beside two CPU burners found 3 of 5), so the wait is bounded at 60 s.
-    var rounds: u32 = 0;
-    while (counter(harness.queue, .prewarmed) < 5 and rounds < 60_000) : (rounds += 1) std.Thread.sleep(std.time.ns_per_ms);
+    await_counter(harness.queue, .prewarmed, 5, 60_000);
     try expectEqual(@as(u64, 5), counter(harness.queue, .prewarmed)); // (b, 1) after the first load too
     for ([_]u32{ 1, 2, 3 }) |block| {
         const found = (try harness.base.find_locked(&block_id_of(block), 2)).?;
