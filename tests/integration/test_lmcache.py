@@ -489,7 +489,7 @@ gate.set()  # the tier answers (at once, if the timer has not opened it yet)
 stored = CONTENTS[space]
 wanted = [backend.ucm_key(lm.key(h)) for h in [9] + first + queued]
 for _ in range(600):  # the dumps a tier still held at close go on once it answers
-    if gate.is_set() and (all(key in stored for key in wanted) or not backend._in_flight):
+    if all(key in stored for key in wanted) or not backend._in_flight:
         break
     time.sleep(0.1)
 exact = [stored.get(key) == lm.chunk_bytes(h) for key, h in zip(wanted, [9] + first + queued)]

@@ -770,16 +770,15 @@ class UcmStorageBackend(StoragePluginInterface):  # type: ignore[misc]
         False if a get or an unstaged put is still running past those bounds: the memory must
         then not be freed."""
         timeout_s = self.store.settings.queue_timeout_s
+        loads_timeout_s = self._loads.deadline_s + timeout_s
         with self._put_lock:
-            self._put_lock.wait_for(
-                lambda: not self._loads_running, self._loads.deadline_s + timeout_s
-            )
+            self._put_lock.wait_for(lambda: not self._loads_running, loads_timeout_s)
             loads = self._loads_running
         if loads:
             logger.error(
                 "UCM: %d LMCache get(s) still running after %g s when LMCache frees its CPU memory",
                 loads,
-                self._loads.deadline_s + timeout_s,
+                loads_timeout_s,
             )
         if self._stage_puts or self._wait_puts(timeout_s):
             return not loads
