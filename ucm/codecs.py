@@ -22,6 +22,13 @@ records that too. lz4 and zstandard release the
 GIL while they run, numpy does for the shuffle and the fp8 arithmetic; the tiers call the codec
 on their own I/O threads, never on the engine's.
 
+Stored bytes are untrusted (anyone who can write a tier's directory or bucket writes them):
+``decode`` bounds every codec's output by the shard length the caller expects before it
+allocates, so a payload claiming more costs no memory. lz4 blocks carry no size and decode into
+``length`` bytes at most; a zstd frame must declare exactly ``length`` content bytes in its
+header, read before decoding (python-zstandard would otherwise allocate what the frame declares),
+and nothing may follow it; an fp8 payload's size is checked against the one ``length`` implies.
+
 Leaf module: ``lz4``, ``zstandard`` and ``numpy`` are imported when a codec first runs, so
 ``import ucm`` stays light (and never imports torch).
 """
@@ -323,18 +330,41 @@ def encode(codec: int, params: int, shard: Sequence[Buffer], length: int) -> Buf
     return payload if len(payload) < length else None
 
 
+def _zstd_decode(payload: Buffer, length: int) -> Buffer:
+    """The one zstd frame of ``payload``, which must declare ``length`` content bytes.
+    python-zstandard sizes its output by the size a frame declares and ignores
+    ``max_output_size`` then: a frame of 32 KiB declaring 1 GiB (and holding it, 4 bytes per
+    run of 128 KiB) would be decoded to 1 GiB before any length check. So the declared size is
+    read from the frame's header first; a frame declaring another size, or none (UCM's frames
+    always declare it), is refused before any output is allocated, and so are bytes after
+    the frame."""
+    import zstandard
+
+    declared = zstandard.frame_content_size(payload)
+    if declared == -1:
+        raise CodecError("zstd frame declares no content size")
+    if declared != length:
+        raise CodecError(f"zstd frame declares {declared} bytes, expected {length}")
+    data: Buffer = _zstd_decompressor().decompress(payload, allow_extra_data=False)
+    return data
+
+
 def decode(codec: int, params: int, payload: Buffer, length: int) -> Buffer:
-    """The ``length`` decoded bytes of a payload; raises CodecError when it does not decode."""
+    """The ``length`` decoded bytes of a payload; raises CodecError when it does not decode.
+    Stored bytes are untrusted: no codec allocates more than ``length`` bytes of output (and
+    working memory proportional to it) whatever the payload claims, so a hostile payload costs
+    a reader no more memory than a shard."""
     if codec == CodecId.NONE:
         return payload
     try:
         if codec == CodecId.LZ4:
             import lz4.block
 
+            # A block carries no size of its own: the output is ``length`` bytes at most.
             data: Buffer = lz4.block.decompress(payload, uncompressed_size=length)
         elif codec == CodecId.ZSTD:
             _level, shuffle = _zstd_params(params)
-            data = _zstd_decompressor().decompress(payload, max_output_size=length)
+            data = _zstd_decode(payload, length)
             if shuffle and len(data) == length:
                 data = _unshuffle(data, shuffle)
         elif codec == CodecId.FP8:
