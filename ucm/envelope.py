@@ -35,6 +35,14 @@ Parsing sorts what it reads into these outcomes:
   same key may replace it with this node's version, which the newer UCM still reads);
 - ``Corrupt``: bytes that claim to be ours but do not hold up: never data; the tier fails the
   key (not a miss), so the stack repairs it from a tier below.
+
+Stored bytes are untrusted: whoever can write a tier's directory or bucket chooses them. So a
+reader allocates by what the caller expects, never by what the bytes claim: ``parse`` checks
+every field (the shard length against the layout's, the stored size below it) before anything
+is allocated; a tier that reads a whole object reads at most ``read_bytes_max(length)`` (the
+largest object a shard has, plus one byte to tell a longer one) and ``open_object`` refuses a
+longer one; ``decode`` checks the payload's size against the envelope, and the codec bounds its
+output by the shard length (``ucm.codecs.decode``). A hostile object is Corrupt, like damage.
 """
 
 from __future__ import annotations
@@ -176,6 +184,19 @@ def newer_version(raw: bytes | bytearray | memoryview) -> int | None:
     return int(version) if version > VERSION else None
 
 
+def object_bytes_max(length: int) -> int:
+    """The most bytes a stored object of a ``length``-byte shard holds: a header and the shard
+    as it is (a codec's payload is smaller)."""
+    return HEADER_BYTES + length
+
+
+def read_bytes_max(length: int) -> int:
+    """The most bytes a tier reads of one object of a ``length``-byte shard: one more than the
+    largest object, so ``open_object`` tells a longer (hostile) object from a valid one without
+    the tier reading the rest of it."""
+    return object_bytes_max(length) + 1
+
+
 def parse(raw: bytes | bytearray | memoryview, key: Key, length: int) -> Envelope:
     """The envelope at the start of ``raw`` for ``key`` holding a ``length``-byte shard;
     raises Foreign (another format: a miss; Newer for a later envelope version) or Corrupt
@@ -239,9 +260,15 @@ def decode_into(envelope: Envelope, payload: Buffer, views: ShardViews) -> None:
 
 def open_object(data: Buffer, key: Key, length: int) -> Buffer:
     """The verified, decoded shard of a whole stored object (header followed by payload), for
-    tiers that keep one object per shard; raises Foreign or Corrupt."""
+    tiers that keep one object per shard; raises Foreign or Corrupt. ``data`` may be the first
+    ``read_bytes_max(length)`` bytes of a longer object: it is Corrupt."""
     view = memoryview(data).cast("B")
     envelope = parse(view, key, length)
+    if view.nbytes > object_bytes_max(length):
+        raise Corrupt(
+            f"more than {object_bytes_max(length)} bytes, the most a {length}-byte shard's "
+            "object holds"
+        )
     if view.nbytes != HEADER_BYTES + envelope.stored:
         raise Corrupt(f"{view.nbytes} bytes, expected {HEADER_BYTES + envelope.stored}")
     return decode(envelope, view[HEADER_BYTES:])
@@ -268,8 +295,10 @@ __all__ = [
     "key_digest",
     "legacy_format",
     "newer_version",
+    "object_bytes_max",
     "open_object",
     "parse",
+    "read_bytes_max",
     "seal",
     "verify",
 ]

@@ -6,7 +6,9 @@ the same URL sees the same blocks: ``<url>/<hex[:2]>/<hex>/<shard>``. Each objec
 envelope (``ucm.envelope``: codec, length, XXH3-64 of the shard, digest of its key) followed by
 the shard as the tier's ``codec:`` stored it (encoded and decoded on the I/O threads); a short
 or corrupted object is deleted and its load fails with a TierError saying so (not a miss, so
-the stack repairs it from below). An object of the format before the envelope
+the stack repairs it from below). A load reads no more of an object than the largest one a
+shard has, plus a byte (``envelope.read_bytes_max``): a longer object is corrupt too, and costs
+the reader no more memory than a valid one. An object of the format before the envelope
 (``UCF2``/``UCMF``) is deleted too and reads as a miss.
 
 An object of a later envelope version (``envelope.Newer``: written by a newer UCM sharing the
@@ -377,7 +379,11 @@ class FsspecTier(Tier):
         key, views = item
         path = self.object_path(key)
         try:
-            data = self.fs.cat_file(path, **self._call)
+            # Never more than the largest object a shard has (plus one byte, to see a longer
+            # one): a hostile object of any size costs this reader a shard's memory.
+            data = self.fs.cat_file(
+                path, start=0, end=envelope.read_bytes_max(self.shard_size), **self._call
+            )
         except FileNotFoundError:
             self._bump(misses=1)
             return KeyMissingError(

@@ -534,7 +534,7 @@ class MooncakeTier(Tier):
             )
         store_class = import_store_class()
         self.shard_size = self.layout.shard_size
-        self.object_bytes = HEADER_BYTES + self.shard_size
+        self.object_bytes = envelope.object_bytes_max(self.shard_size)
         host, port = _split_address(config.master_server_address)
         try:
             _probe(host, port, config.connect_timeout)
