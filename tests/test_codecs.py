@@ -1,6 +1,7 @@
 """The codecs of the lower tiers (ucm.codecs) through the envelope (ucm.envelope): byte-exact
 round trips of every lossless codec, fp8's rounding against torch's own e4m3, its error bound,
-what a damaged payload reads as, and the ``codec:`` settings a stack refuses, by YAML path."""
+what a damaged payload reads as, a payload claiming another size refused before it is
+decoded, and the ``codec:`` settings a stack refuses, by YAML path."""
 
 from __future__ import annotations
 
@@ -83,6 +84,50 @@ def test_a_damaged_payload_is_corrupt_never_data(codec: codecs.ZstdCodec) -> Non
             envelope.open_object(sealed.header + bytes(damaged), KEY, len(shard))
     with pytest.raises(envelope.Corrupt, match="bytes, expected"):
         envelope.open_object(sealed.header + bytes(payload[:-1]), KEY, len(shard))
+
+
+def _zstd_frame(declared: int | None, content: int) -> bytes:
+    """A zstd frame declaring ``declared`` content bytes (None: no size), holding ``content``
+    zero bytes as RLE blocks of up to 128 KiB (4 bytes each)."""
+    if declared is None:
+        out = bytearray(struct.pack("<I", 0xFD2FB528)) + bytes([0x00, 0x58])
+    else:
+        out = bytearray(struct.pack("<IBQ", 0xFD2FB528, 0xE0, declared))
+    while content:
+        size = min(128 * 1024, content)
+        content -= size
+        out += struct.pack("<I", (0 if content else 1) | (1 << 1) | (size << 3))[:3] + b"\0"
+    return bytes(out)
+
+
+def test_a_payload_claiming_another_size_is_refused_before_it_is_decoded() -> None:
+    """Stored bytes are untrusted: each codec decodes into the shard's length at most, and a
+    zstd frame's declared size is checked before zstandard allocates what it declares."""
+    import lz4.block
+
+    length = 65536
+    zstd = codecs.CodecId.ZSTD, 3
+    assert bytes(codecs.decode(*zstd, _zstd_frame(length, length), length)) == bytes(length)
+    for declared in (length - 1, length + 1, 1 << 30, 2**62):
+        with pytest.raises(
+            codecs.CodecError, match=f"^zstd frame declares {declared} bytes, expected {length}$"
+        ):
+            codecs.decode(*zstd, _zstd_frame(declared, 4096), length)
+    for unknown in (None, 2**64 - 1):  # 2**64 - 1 is zstd's "content size unknown"
+        with pytest.raises(codecs.CodecError, match=r"^zstd frame declares no content size$"):
+            codecs.decode(*zstd, _zstd_frame(unknown, length), length)
+    with pytest.raises(codecs.CodecError, match="1 bytes of unused data"):
+        codecs.decode(*zstd, _zstd_frame(length, length) + b"\0", length)
+    with pytest.raises(codecs.CodecError, match=r"^lz4 payload does not decode: "):
+        codecs.decode(
+            codecs.CodecId.LZ4, 0, lz4.block.compress(bytes(64 * length), store_size=False), length
+        )
+    fp8 = codecs.pack(codecs.Fp8Codec(source_dtype="bfloat16", block_elements=128))
+    size = 4 * (length // 2 // 128) + length // 2
+    with pytest.raises(
+        codecs.CodecError, match=f"^fp8 payload of {size + 1} bytes, expected {size}$"
+    ):
+        codecs.decode(*fp8, bytes(size + 1), length)
 
 
 def test_a_header_of_a_later_version_is_foreign() -> None:
