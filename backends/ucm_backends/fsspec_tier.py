@@ -23,7 +23,8 @@ load is then a miss and the engine recomputes). An explicit ``batched_remove``
 On ``file://`` an object is written to a temp name and renamed; the temp files of writers
 killed mid-dump are removed behind open.
 ``<hex>/touch`` is a marker whose modification time records the block's last touch; with
-``capacity`` set, an eviction pass drops whole blocks whose newest object is oldest.
+``capacity`` set, an eviction pass drops whole blocks whose newest object is oldest, and so does
+a namespace quota's pass (touches are recorded when either is set).
 
 Requests of a batch run concurrently on a thread pool (``io_threads``). For ``s3://`` we default
 botocore's connect/read timeouts and retries low, so a down endpoint fails a key within seconds
@@ -520,8 +521,10 @@ class FsspecTier(Tier):
     # --------------------------------------------------------------------------------- touch
 
     def touch(self, block_ids: Sequence[bytes]) -> None:
-        # Only eviction reads the touch time: without a capacity there is nothing to refresh.
-        if self.cfg.capacity is None or not block_ids:
+        # Only eviction reads the touch time (capacity's and the namespace quotas' passes):
+        # without either there is nothing to refresh.
+        evicts = self.cfg.capacity is not None or self._namespace_usage.quotas is not None
+        if not evicts or not block_ids:
             return
 
         def one(block_id: bytes) -> None:
