@@ -189,3 +189,47 @@ def test_a_reset_survives_a_byte_quota_on_the_default_namespace(tmp_path: Path) 
     epoch, hits = restarted_epoch_and_hits(config, namespace="tenant-a")
     assert epoch == 1
     assert hits == [False] * BLOCKS
+
+
+_READ_EPOCH = """
+import sys
+import ucm
+from ucm.integration.keys import Epochs, KeySpace
+space = KeySpace(engine="vllm", model="/models/llama-tiny", dtype="torch.float32",
+    block_tokens=4, kv_layout="[num_blocks, kv_heads, block_size, 2*head_size] x 2 layers",
+    tp_size=1)
+config = {"unique_id": sys.argv[1], "shard_size": 4096, "shards_per_block": 1,
+    "tiers": [{"type": "buffer", "capacity": 64 * 4096}]}
+with ucm.open(config, device_id=-1) as scheduler:
+    print(Epochs(space.salt()).current(scheduler))
+"""
+
+
+def test_a_buffer_only_stack_keeps_its_epoch_while_a_process_of_the_node_holds_it() -> None:
+    """The buffer's control plane holds the record for every process of the node: a
+    scheduler process (control plane only) started after a worker's reset reads it."""
+    import subprocess
+    import sys
+
+    config = {
+        "unique_id": f"rec-{uuid.uuid4().hex[:12]}",
+        "shard_size": SHARD,
+        "shards_per_block": 1,
+        "tiers": [{"type": "buffer", "capacity": 64 * SHARD}],
+    }
+    with ucm.open(config, device_id=0) as worker:
+        state = EpochState(Epochs(SPACE.salt()), worker)
+        try:
+            assert state.start() == 0
+            assert engine_reset(state) == 1
+            assert engine_reset(state) == 2
+        finally:
+            state.close()
+        read = subprocess.run(
+            [sys.executable, "-c", _READ_EPOCH, config["unique_id"]],
+            capture_output=True,
+            text=True,
+            timeout=WAIT_S,
+        )
+        assert read.returncode == 0, read.stderr
+        assert read.stdout.strip() == "2"
