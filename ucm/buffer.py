@@ -777,6 +777,14 @@ class BufferTier(Tier):
     def touch(self, block_ids: Sequence[bytes]) -> None:
         self.core.touch(list(block_ids))
 
+    def read_control(self, names: Sequence[bytes]) -> list[int | None]:
+        """The node's control records (the native control plane's table, which a scheduler
+        reads too): they live while any process of the node keeps the buffer open."""
+        return self.core.control_read(list(names))
+
+    def raise_control(self, name: bytes, value: int) -> None:
+        self.core.control_raise(name, value)
+
     def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
         """Removes the keys (native: one bucket-lock pass per chunk). Keys pinned through
         ``Tier.pins`` and slots in use by any rank are kept unless ``force``. A forced remove

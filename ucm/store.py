@@ -23,6 +23,7 @@ import time
 from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from . import arguments, namespaces
@@ -37,10 +38,12 @@ from .errors import (
     LookupUnansweredError,
     RoleError,
     StoreClosedError,
+    TierError,
+    UcmError,
 )
 from .layout import Key, Layout
 from .loadqueue import DumpItem, DumpQueue, LoadPath
-from .native.buffer import SLOT_NONE, NamespaceTableFullError
+from .native.buffer import CONTROL_NAME_BYTES, SLOT_NONE, NamespaceTableFullError
 from .native.queue import LOCAL_RANK_SIZE_MAX, NativeQueue, TaskKind
 from .plugins import tier_types
 from .stack import StackConfig, load_stack
@@ -269,7 +272,7 @@ class Store:
         A lower tier answers within its deadline and breaker: past them its answer is "absent".
         With ``exact``, a tier that did not answer about a shard no tier above it holds raises
         :class:`~ucm.LookupUnansweredError` instead, for a caller to whom "absent" and "cannot
-        tell" differ (the reset epoch's markers: :class:`~ucm.integration.keys.Epochs`)."""
+        tell" differ."""
         self._check_open()
         arguments.check_flag(exact, "exact")
         blocks = self._scoped(block_ids, namespace)
@@ -547,6 +550,80 @@ class Store:
         if blocks:
             for tier in self.tiers:
                 tier.touch(blocks)
+
+    def read_control(self, names: Sequence[bytes]) -> list[int]:
+        """Control records (a key space's reset epoch: :class:`~ucm.integration.keys.Epochs`):
+        each record's value, the maximum over every tier of the stack (0 where none holds it).
+        Records are no blocks: outside admission, quotas, eviction, codecs and namespaces.
+
+        Every tier must answer exactly, each within its deadline and breaker: one that does not
+        (unreachable, past its ``lookup_timeout_ms``, a record it holds is torn or corrupt, a
+        tier type that keeps no control records) raises :class:`~ucm.LookupUnansweredError`
+        naming it, so that the caller fails closed (a lower value could serve blocks from
+        before a reset). Works on a scheduler-role store."""
+        self._check_open()
+        checked = _control_names(names)
+        values = [0] * len(checked)
+        for position, tier in enumerate(self.tiers):
+            answers = self._control_call(position, partial(_read_records, tier, checked), "read")
+            if len(answers) != len(checked) or not all(
+                a is None or (isinstance(a, int) and a >= 0) for a in answers
+            ):
+                raise LookupUnansweredError(
+                    f"tier {tier.label!r} answered a read of {len(checked)} control record(s) "
+                    f"with {arguments.short(answers)}: one int >= 0 or None per record expected"
+                )
+            values = [max(v, a or 0) for v, a in zip(values, answers, strict=True)]
+        return values
+
+    def raise_control(self, name: bytes, value: int) -> None:
+        """Raises control record ``name`` (16 bytes) to at least ``value`` in every tier of
+        the stack (the buffer's node-wide table and every lower tier, whatever their
+        ``write:``, ``admit:``, codec and quotas), synchronously, each within its deadline.
+        Raises a :class:`~ucm.TierError` naming every tier it could not be written to (after
+        trying them all: the record lands wherever it can)."""
+        self._check_open()
+        (checked,) = _control_names([name])
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**64:
+            raise InvalidArgumentError(
+                f"value={value!r} is not valid: a control record's value is an int in [0, 2**64)"
+            )
+        failures = []
+        for position, tier in enumerate(self.tiers):
+            try:
+                self._control_call(position, partial(_raise_record, tier, checked, value), "write")
+            except UcmError as exc:
+                failures.append(str(exc))
+        if failures:
+            raise TierError(
+                f"control record {checked.hex()} could not be raised to {value} in every tier: "
+                + "; ".join(failures)
+            )
+
+    def _control_call(self, position: int, call: Callable[[], Any], what: str) -> Any:
+        """One tier's control record call, bounded by its deadline and breaker; raises
+        :class:`~ucm.LookupUnansweredError` naming the tier when it did not answer."""
+        tier = self.tiers[position]
+        if type(tier).read_control is Tier.read_control:  # no records: never trips a breaker
+            raise LookupUnansweredError(
+                f"tier {tier.label!r} (type {tier.type_name!r}) keeps no control records (it "
+                f"implements no Tier.read_control/raise_control): a control record {what} "
+                "cannot be answered by it"
+            )
+        guard = self._guards[position]
+        if guard is None:  # the buffer: local shared memory
+            try:
+                return call()
+            except UcmError as exc:
+                raise LookupUnansweredError(
+                    f"tier {tier.label!r}: control record {what}: {exc}"
+                ) from exc
+        answer = guard.call(call, None, exact=True)
+        if answer is None:
+            raise LookupUnansweredError(
+                f"tier {tier.label!r} did not answer a control record {what}: {guard.last_miss}"
+            )
+        return answer
 
     def remove(
         self, block_ids: Sequence[bytes], force: bool = False, *, namespace: str | None = None
@@ -1124,6 +1201,29 @@ _NATIVE_STORE_COUNTERS = (
     "get_keys",
 )
 """Counters of the native queue that are the store's own (its loads, dumps, prefetches)."""
+
+
+def _read_records(tier: Tier, names: list[bytes]) -> list[int | None]:
+    return list(tier.read_control(names))
+
+
+def _raise_record(tier: Tier, name: bytes, value: int) -> bool:
+    tier.raise_control(name, value)
+    return True  # the guard's "no answer" is None
+
+
+def _control_names(names: Any) -> list[bytes]:
+    if isinstance(names, (bytes, str)) or not isinstance(names, Sequence):
+        raise InvalidArgumentError(
+            f"names={arguments.short(names)} is not valid: expected a list of 16-byte names"
+        )
+    for index, name in enumerate(names):
+        if not isinstance(name, bytes) or len(name) != CONTROL_NAME_BYTES:
+            raise InvalidArgumentError(
+                f"names[{index}]={arguments.short(name)} is not valid: a control record's "
+                f"name is {CONTROL_NAME_BYTES} bytes"
+            )
+    return list(names)
 
 
 def _check_rank(device_id: Any, local_rank_size: Any) -> None:

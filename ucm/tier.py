@@ -358,6 +358,31 @@ class Tier(abc.ABC):
         keys = [key for key in self.list_keys() if namespaces.belongs(namespace, key[0])]
         return self.batched_remove(keys, force=True) if keys else 0
 
+    # ---- control records (reset epochs: ucm/integration/keys.py) ------------------------------
+    # A control record is a name (16 bytes) and a monotonic maximum (an int >= 0). It is no
+    # block: outside admission, quotas, eviction, codecs and namespaces, never counted in
+    # capacity or usage, never listed by list_keys, never removed by batched_remove or purge.
+
+    def read_control(self, names: Sequence[bytes]) -> list[int | None]:
+        """Each record's value, None where this tier holds no record of that name. Raises
+        (a :class:`~ucm.TierError`) when it cannot answer exactly: unreachable, or a record it
+        holds is torn or corrupt. A missing record must mean "never raised here"."""
+        raise TierError(
+            f"tier {self.label!r} (type {self.type_name!r}) keeps no control records: it "
+            "implements no Tier.read_control/raise_control, so a reset epoch cannot be read "
+            "from it (the read fails closed)"
+        )
+
+    def raise_control(self, name: bytes, value: int) -> None:
+        """Raises record ``name`` to ``max(its value, value)``, durably before returning (as
+        durable as the tier is), never lowering it. Raises a :class:`~ucm.TierError` when the
+        record could not be written."""
+        raise TierError(
+            f"tier {self.label!r} (type {self.type_name!r}) keeps no control records: it "
+            "implements no Tier.read_control/raise_control, so a reset epoch cannot be written "
+            "to it"
+        )
+
     def stats(self) -> dict[str, int | float]:
         """Counters for ``store.stats()``. The conformance suite requires at least ``hits`` and
         ``misses`` (keys loaded / missing) and ``remove_lock_acquisitions`` (lock acquisitions

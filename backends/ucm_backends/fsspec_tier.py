@@ -25,7 +25,12 @@ load is then a miss and the engine recomputes). An explicit ``batched_remove``
 On ``file://`` an object is written to a temp name and renamed; the temp files of writers
 killed mid-dump are removed behind open.
 ``<hex>/touch`` is a marker whose modification time records the block's last touch; with
-``capacity`` set, an eviction pass drops whole blocks whose newest object is oldest.
+``capacity`` set, an eviction pass drops whole blocks whose newest object is oldest, and so does
+a namespace quota's pass (touches are recorded when either is set).
+
+Control records (reset epochs, ``Tier.read_control``): ``<url>/control/<name hex>/<value>``, one
+small checksummed object per value (``ucm.control``), outside every scan, capacity, quota,
+eviction, listing and namespace of the tier.
 
 Requests of a batch run concurrently on a thread pool (``io_threads``). For ``s3://`` we default
 botocore's connect/read timeouts and retries low, so a down endpoint fails a key within seconds
@@ -54,7 +59,7 @@ from fsspec.registry import (  # type: ignore[import-untyped]
 from pydantic import Field
 
 import ucm
-from ucm import envelope, namespaces
+from ucm import control, envelope, namespaces
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.fieldtypes import Int
@@ -526,8 +531,10 @@ class FsspecTier(Tier):
     # --------------------------------------------------------------------------------- touch
 
     def touch(self, block_ids: Sequence[bytes]) -> None:
-        # Only eviction reads the touch time: without a capacity there is nothing to refresh.
-        if self.cfg.capacity is None or not block_ids:
+        # Only eviction reads the touch time (capacity's and the namespace quotas' passes):
+        # without either there is nothing to refresh.
+        evicts = self.cfg.capacity is not None or self._namespace_usage.quotas is not None
+        if not evicts or not block_ids:
             return
 
         def one(block_id: bytes) -> None:
@@ -543,6 +550,74 @@ class FsspecTier(Tier):
 
         self._map(one, list(block_ids))
         self._bump(touches=len(block_ids))
+
+    # ----------------------------------------------------------------------- control records
+
+    def read_control(self, names: Sequence[bytes]) -> list[int | None]:
+        """Each record's value from ``<url>/control/<name hex>/`` (``ucm.control``)."""
+        return [self._read_record(control.check_name(name)) for name in names]
+
+    def _read_record(self, name: bytes) -> int | None:
+        directory = f"{self.root}/{control.record_dir(name)}"
+
+        def listing() -> list[str] | None:
+            try:
+                found = self.fs.ls(directory, detail=False, refresh=True, **self._call)
+            except FileNotFoundError:
+                return None
+            return [str(path).rstrip("/").rsplit("/", 1)[-1] for path in found]
+
+        def fetch(value: int) -> bytes | None:
+            try:
+                data = self.fs.cat_file(f"{directory}/{control.value_file(value)}", **self._call)
+            except FileNotFoundError:
+                return None
+            return bytes(data)
+
+        try:
+            return control.read(name, listing, fetch, f"fsspec tier {self.label!r}")
+        except TierError:
+            raise
+        except Exception as exc:
+            raise TierError(
+                f"fsspec tier {self.label!r} ({self.cfg.url}): reading control record "
+                f"{name.hex()}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def raise_control(self, name: bytes, value: int) -> None:
+        """Writes the object of ``value`` (a local root: temp, fsync, rename; an object store's
+        put is atomic), then drops the objects of lower values."""
+        control.check_name(name)
+        control.check_value(value)
+        directory = f"{self.root}/{control.record_dir(name)}"
+        path = f"{directory}/{control.value_file(value)}"
+        data = control.encode(name, value)
+        try:
+            if self._local_fs:
+                os.makedirs(directory, exist_ok=True)
+                temp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+                with open(temp, "wb") as file:
+                    file.write(data)
+                    file.flush()
+                    os.fsync(file.fileno())
+                os.replace(temp, path)
+                dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
+            else:
+                self.fs.pipe_file(path, data, **self._call)
+            found = self.fs.ls(directory, detail=False, refresh=True, **self._call)
+            values = control.values_of([str(p).rstrip("/").rsplit("/", 1)[-1] for p in found])
+            control.prune(
+                values, max(values), lambda v: self._rm_one(f"{directory}/{control.value_file(v)}")
+            )
+        except Exception as exc:
+            raise TierError(
+                f"fsspec tier {self.label!r} ({self.cfg.url}): raising control record "
+                f"{name.hex()} to {value}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     # -------------------------------------------------------------------------------- remove
 
@@ -647,7 +722,10 @@ class FsspecTier(Tier):
         except FileNotFoundError:
             return []
         blocks: dict[bytes, tuple[float, int, list[str]]] = {}
+        control_root = f"{self.root.rstrip('/')}/{control.CONTROL_DIR}/"
         for path, info in found.items():
+            if str(path).startswith(control_root):  # control records are no blocks
+                continue
             parts = str(path).rstrip("/").split("/")
             if len(parts) < 2 or len(parts[-2]) != 32:
                 continue

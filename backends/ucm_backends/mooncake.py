@@ -51,6 +51,19 @@ Mooncake (whose client would spend seconds reconnecting on each), until a TCP pr
 by itself and the tier serves again. A master without HA restarts empty: the pool's blocks are
 misses, served from below.
 
+Control records (reset epochs, ``Tier.read_control``): one object per record,
+``<key_prefix>/control/<name hex>`` (``ucm.control``'s checksummed format), outside every block
+and namespace key and every pattern a purge removes by, put with ``with_hard_pin`` so the
+master's eviction never takes it. What Mooncake 0.3.13 cannot promise: an object lives in the
+segments of the clients holding its replicas, and the master drops it when all of them leave
+the pool (closed, or dead past the client TTL), pinned or not. A record lost that way reads as
+"never raised" (Mooncake keeps nothing that would tell it apart from a fresh pool), so a stack
+whose only tier below the buffer is mooncake keeps its epoch while the buffer or one of those
+segments lives; give the stack a posix or fsspec tier too (their records are files) for an
+epoch that survives every node leaving. A raise reads the record and upserts it when higher:
+two processes raising one record at once may leave the lower value (one writer per record,
+as vLLM's scheduler and each SGLang rank are, never does).
+
 Eviction is the master's: when the pool fills it drops unleased objects, and a shard it dropped
 is a plain miss, and nothing is written down on the way. The store feeds a ``write: back``
 tier from the evictions of the tiers above it down to the first ``write: through`` one, so a
@@ -74,7 +87,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 import ucm
-from ucm import envelope, namespaces
+from ucm import control, envelope, namespaces
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
 from ucm.fieldtypes import Int, Seconds
@@ -567,6 +580,9 @@ class MooncakeTier(Tier):
                 f"failed ({status}); see Mooncake's log above"
             )
         self._replicate = self._replicate_config(config.replica_num)
+        # Control records are hard-pinned: the master's eviction never drops them.
+        self._control_pin = self._replicate_config(config.replica_num)
+        self._control_pin.with_hard_pin = True
         self.master = _Master(config.master_server_address, config.master_retry_interval)
         self.registrations = _Registrations(self.client, self.label)
         self._arenas: list[_Arena] = []
@@ -610,6 +626,75 @@ class MooncakeTier(Tier):
         replicate = ReplicateConfig()
         replicate.replica_num = replica_num
         return replicate
+
+    # ---- control records (reset epochs) --------------------------------------------------
+
+    def control_object(self, name: bytes) -> str:
+        """``<key_prefix>/control/<name hex>``: outside every block and namespace key (and every
+        pattern a purge removes by)."""
+        return f"{self.cfg.key_prefix}/{control.record_dir(name)}"
+
+    def read_control(self, names: Sequence[bytes]) -> list[int | None]:
+        """Each record's value: one small object per record (``ucm.control``'s format).
+        Unanswerable (a TierError) when the master is down or an object is damaged."""
+        values: list[int | None] = []
+        for name in names:
+            control.check_name(name)
+            if not self.master.reachable():
+                raise TierError(
+                    f"mooncake tier {self.label!r}: control record read: {self.master.down_for()}"
+                )
+            values.append(self._read_record(name))
+        return values
+
+    def _read_record(self, name: bytes) -> int | None:
+        key = self.control_object(name)
+        exists = int(self.client.is_exist(key))
+        self.master.saw([exists])
+        if exists == 0:
+            return None
+        if exists < 0:
+            raise TierError(
+                f"mooncake tier {self.label!r}: control record {name.hex()}: is_exist "
+                f"answered {error_name(exists)}"
+            )
+        data = bytes(self.client.get(key))
+        # Removed since (an upsert replacing it): ask once more.
+        if len(data) < control.RECORD_BYTES and int(self.client.is_exist(key)) == 1:
+            data = bytes(self.client.get(key))
+        value = int.from_bytes(data[8:16], "little") if len(data) == control.RECORD_BYTES else -1
+        if value < 0 or not control.valid(name, value, data):
+            raise TierError(
+                f"mooncake tier {self.label!r}: control record {name.hex()}: its object is "
+                f"torn or corrupt ({len(data)} bytes); the record cannot be read exactly"
+            )
+        return value
+
+    def raise_control(self, name: bytes, value: int) -> None:
+        """Upserts the record's object, hard-pinned (the master's eviction never takes it),
+        when ``value`` is above the one it holds. Not atomic across processes: two raising
+        one record at once may leave the lower value (one writer per record never does)."""
+        control.check_name(name)
+        control.check_value(value)
+        if not self.master.reachable():
+            raise TierError(
+                f"mooncake tier {self.label!r}: control record raise: {self.master.down_for()}"
+            )
+        with self._lock:
+            current = self._read_record(name)
+            if current is not None and current >= value:
+                return
+            status = int(
+                self.client.upsert(
+                    self.control_object(name), control.encode(name, value), self._control_pin
+                )
+            )
+        self.master.saw([status])
+        if status != 0:
+            raise TierError(
+                f"mooncake tier {self.label!r}: control record {name.hex()}: upsert of {value} "
+                f"failed: {error_name(status)}"
+            )
 
     # ---- names, headers, arenas -------------------------------------------------------------
 

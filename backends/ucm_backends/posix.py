@@ -39,6 +39,10 @@ stripes by the first block-id byte) serialise writers of the same block. flock l
 open file description, so each acquisition opens its own descriptor: threads of one process
 exclude each other exactly like processes do. Every lock wait is bounded by ``lock_timeout``.
 
+Control records (reset epochs, ``Tier.read_control``): ``<path>/control/<name hex>/<value>``,
+one small checksummed file per value (``ucm.control``), outside every scan, capacity, quota,
+eviction, listing and namespace of the tier.
+
 Eviction. With ``capacity`` set, a pass runs when this process's estimate of the directory's size
 exceeds it (and at least every capacity/8 bytes written, so other processes' writes are seen). It
 scans the directory, drops whole blocks oldest-mtime first (dump, load and touch set the mtime),
@@ -68,7 +72,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import Field
 
 import ucm
-from ucm import envelope, namespaces
+from ucm import control, envelope, namespaces
 from ucm.affinity import in_background
 from ucm.config import LowerTierConfig, Size
 from ucm.errors import ConfigError, KeyMissingError, TierError
@@ -1024,6 +1028,65 @@ class PosixTier(Tier):
                 self._set_time(self.block_path(block_id))
         self._bump("touches", len(block_ids))
 
+    # ----------------------------------------------------------------- control records
+
+    def read_control(self, names: Sequence[bytes]) -> list[int | None]:
+        """Each record's value from ``<path>/control/<name hex>/`` (``ucm.control``)."""
+        return [self._read_record(control.check_name(name)) for name in names]
+
+    def _read_record(self, name: bytes) -> int | None:
+        directory = self.root / control.record_dir(name)
+
+        def listing() -> list[str] | None:
+            try:
+                return os.listdir(directory)
+            except FileNotFoundError:
+                return None
+
+        def fetch(value: int) -> bytes | None:
+            try:
+                with open(directory / control.value_file(value), "rb") as file:
+                    return file.read(control.RECORD_BYTES + 1)
+            except FileNotFoundError:
+                return None
+
+        try:
+            return control.read(name, listing, fetch, f"posix tier {self.label!r}")
+        except OSError as exc:
+            raise TierError(
+                f"posix tier {self.label!r}: reading control record {name.hex()}: {exc}"
+            ) from exc
+
+    def raise_control(self, name: bytes, value: int) -> None:
+        """Writes the file of ``value`` (temp, fsync, rename, fsync of the directory), then
+        drops the files of lower values."""
+        control.check_name(name)
+        control.check_value(value)
+        directory = self.root / control.record_dir(name)
+        final = directory / control.value_file(value)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            if not final.exists():
+                temp = directory / f"{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    os.write(fd, control.encode(name, value))
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(temp, final)
+                dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
+            values = control.values_of(os.listdir(directory))
+            control.prune(values, max(values), lambda v: _unlink(directory / control.value_file(v)))
+        except OSError as exc:
+            raise TierError(
+                f"posix tier {self.label!r}: raising control record {name.hex()} to {value}: {exc}"
+            ) from exc
+
     # ------------------------------------------------------------------------------ remove
 
     def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
@@ -1310,6 +1373,11 @@ class PosixTier(Tier):
         self._closed = True
         self._pool.shutdown(wait=True)
         self._sweeper.shutdown(wait=True)
+
+
+def _unlink(path: Path) -> None:
+    with suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def _by_namespace(entries: list[tuple[int, int, int, bytes]]) -> dict[str, int]:

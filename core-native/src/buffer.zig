@@ -5,7 +5,7 @@
 //! validated by `attach`. It holds no pointers, only indices and offsets, so every process may
 //! map it at a different address:
 //!
-//!   [Header][Clock][Counters][Holders][Namespaces][Bucket × bucket_count][Slot × (regular + reserved)]
+//!   [Header][Clock][Counters][Holders][Namespaces][Controls][Bucket × bucket_count][Slot × (regular + reserved)]
 //!
 //! Locking: each hash bucket has a cross-process lock word holding the holder's pid. A slot's
 //! key, chain link, holders, owner and state transitions are changed only under the lock of the
@@ -37,6 +37,14 @@
 //! namespace at or below its guarantee when another namespace inserts (the occupancy is
 //! decremented by a CAS that refuses to cross the guarantee), and a namespace at its cap
 //! evicts its own slots only.
+//!
+//! Control records (reset epochs): a fixed table of named monotonic maxima, outside every
+//! slot, chain, quota and eviction. An entry is claimed free -> registering by CAS, its name
+//! and first value written, then published live (release); a value only grows (`fetchMax`).
+//! Two processes registering one new name at once may take two entries: a read answers the
+//! maximum over every live entry of the name, so the two stay one record. An entry left
+//! `registering` by a process killed in between is never published (lost to the table; the
+//! raise it belonged to never returned).
 //!
 //! Data slots are addressed as segment_base[segment] + offset; `slot_location` computes the
 //! pair with shift+mask when slots_per_segment is a power of two, else with div/mod.
@@ -298,6 +306,19 @@ pub const Namespaces = extern struct {
     entries: [constants.buffer_namespaces_max]NamespaceEntry,
 };
 
+/// One control record: a name and the largest value ever raised to under it.
+pub const ControlEntry = extern struct {
+    /// Written once, while the entry is `registering`, before it turns live (release).
+    name: [constants.buffer_control_name_size_bytes]u8,
+    state: Atomic(u32),
+    _pad0: u32,
+    value: Atomic(u64),
+};
+
+pub const Controls = extern struct {
+    entries: [constants.buffer_controls_max]ControlEntry,
+};
+
 /// What a namespace-aware allocation may take: free slots and any victim (`grow`), or only
 /// the inserting namespace's own slots (it is at its cap).
 const Quota = struct { namespace: u16, grow: bool };
@@ -332,6 +353,9 @@ comptime {
     assert(@sizeOf(NamespaceEntry) == constants.buffer_namespace_entry_size_bytes);
     assert(@sizeOf(Namespaces) == constants.buffer_namespace_table_size_bytes);
     assert(@offsetOf(Slot, "namespace") == 60);
+    assert(@sizeOf(ControlEntry) == constants.buffer_control_entry_size_bytes);
+    assert(@sizeOf(Controls) == constants.buffer_control_table_size_bytes);
+    assert(@offsetOf(ControlEntry, "value") % 8 == 0);
     assert(@offsetOf(Slot, "version") % constants.futex_word_size_bytes == 0);
     assert(@offsetOf(Bucket, "lock") % constants.futex_word_size_bytes == 0);
 }
@@ -340,7 +364,8 @@ const clock_offset_bytes = constants.buffer_header_size_bytes;
 const counters_offset_bytes = clock_offset_bytes + constants.buffer_clock_size_bytes;
 const holders_offset_bytes = counters_offset_bytes + constants.buffer_counters_size_bytes;
 const namespaces_offset_bytes = holders_offset_bytes + constants.buffer_holder_table_size_bytes;
-const buckets_offset_bytes = namespaces_offset_bytes + constants.buffer_namespace_table_size_bytes;
+const controls_offset_bytes = namespaces_offset_bytes + constants.buffer_namespace_table_size_bytes;
+const buckets_offset_bytes = controls_offset_bytes + constants.buffer_control_table_size_bytes;
 
 pub const Status = enum(i32) {
     ok = 0,
@@ -360,6 +385,8 @@ pub const Status = enum(i32) {
     namespaces_full = -109,
     /// The guarantees of the registered namespaces would exceed the regular slots.
     guarantees_over = -110,
+    /// Every control record entry is taken (`constants.buffer_controls_max`).
+    controls_full = -111,
 };
 
 pub const GetResult = enum(u8) {
@@ -511,6 +538,7 @@ pub const Buffer = struct {
     counters: *Counters,
     holder_table: *Holders,
     namespace_table: *Namespaces,
+    control_table: *Controls,
     buckets: []Bucket,
     slots: []Slot,
     geometry: Geometry,
@@ -623,6 +651,7 @@ pub const Buffer = struct {
             .counters = @ptrFromInt(ctrl_base + counters_offset_bytes),
             .holder_table = @ptrFromInt(ctrl_base + holders_offset_bytes),
             .namespace_table = @ptrFromInt(ctrl_base + namespaces_offset_bytes),
+            .control_table = @ptrFromInt(ctrl_base + controls_offset_bytes),
             .buckets = buckets[0..geometry.bucket_count],
             .slots = slots[0..geometry.slot_count_total()],
             .geometry = geometry,
@@ -955,6 +984,59 @@ pub const Buffer = struct {
     pub fn debug_set_start_time(buffer: Buffer, holder: u32, start_time: u64) void {
         assert(holder < constants.buffer_holders_max);
         buffer.holder_table.entries[holder].start_time.store(start_time, .monotonic);
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Control records: named monotonic maxima (reset epochs), outside every slot.
+
+    pub const ControlName = [constants.buffer_control_name_size_bytes]u8;
+
+    /// The largest value raised under `name`, or null when no entry holds it.
+    pub fn control_read(buffer: Buffer, name: *const ControlName) ?u64 {
+        var found: ?u64 = null;
+        for (&buffer.control_table.entries) |*entry| {
+            // Acquire: pairs with the release that publishes the entry's name and value.
+            if (entry.state.load(.acquire) != @intFromEnum(NamespaceState.live)) continue;
+            if (!std.mem.eql(u8, &entry.name, name)) continue;
+            // Acquire: pairs with the raise's acq_rel maximum (a value read is a value raised).
+            const value = entry.value.load(.acquire);
+            found = @max(found orelse 0, value);
+        }
+        return found;
+    }
+
+    /// Raises record `name` to at least `value` (a monotonic maximum), registering it when no
+    /// entry holds it; returns the record's value after the raise.
+    pub fn control_raise(buffer: Buffer, name: *const ControlName, value: u64) error{ControlsFull}!u64 {
+        const table = &buffer.control_table.entries;
+        var raised: ?u64 = null;
+        for (table) |*entry| {
+            if (entry.state.load(.acquire) != @intFromEnum(NamespaceState.live)) continue;
+            if (!std.mem.eql(u8, &entry.name, name)) continue;
+            // AcqRel: the maximum is one atomic read-modify-write (no retry loop), ordered
+            // after the caller's earlier writes and before its later reads of the record.
+            const before = entry.value.fetchMax(value, .acq_rel);
+            raised = @max(raised orelse 0, @max(before, value));
+        }
+        if (raised) |result| return buffer.control_read(name) orelse result;
+        for (table) |*entry| {
+            // Acquire on success: nothing to see; the entry is ours to write.
+            if (entry.state.cmpxchgStrong(
+                @intFromEnum(NamespaceState.free),
+                @intFromEnum(NamespaceState.registering),
+                .acquire,
+                .monotonic,
+            ) != null) continue;
+            assert(entry.value.load(.monotonic) == 0);
+            entry.name = name.*;
+            entry.value.store(value, .monotonic);
+            // Release: whoever sees the entry live sees its name and first value.
+            entry.state.store(@intFromEnum(NamespaceState.live), .release);
+            const result = buffer.control_read(name);
+            assert(result != null and result.? >= value);
+            return result.?;
+        }
+        return error.ControlsFull;
     }
 
     // ---------------------------------------------------------------------------------------
@@ -2404,6 +2486,35 @@ test "namespaces: register, re-register, and the named errors" {
     try std.testing.expectError(error.NamespacesFull, buffer.register_namespace(0xC, 0, 8));
     try std.testing.expectEqual(@as(u16, 1), buffer.namespace_of(&quota_test_id(0xA, 7)));
     try std.testing.expectEqual(@as(u16, 0), buffer.namespace_of(&quota_test_id(0xD, 7)));
+}
+
+test "control records: a monotonic maximum per name, outside every slot; a full table is an error" {
+    const buffer = try quota_test_buffer();
+    const a: Buffer.ControlName = @splat(0xA);
+    const b: Buffer.ControlName = @splat(0xB);
+    try std.testing.expectEqual(@as(?u64, null), buffer.control_read(&a));
+    try std.testing.expectEqual(@as(u64, 3), try buffer.control_raise(&a, 3));
+    try std.testing.expectEqual(@as(u64, 3), try buffer.control_raise(&a, 1)); // never lowered
+    try std.testing.expectEqual(@as(u64, 7), try buffer.control_raise(&a, 7));
+    try std.testing.expectEqual(@as(?u64, 7), buffer.control_read(&a));
+    try std.testing.expectEqual(@as(?u64, null), buffer.control_read(&b));
+    // A record is no slot: no key, no occupancy, nothing for eviction or remove to take.
+    try std.testing.expectEqual(@as(u32, 0), buffer.namespace_table.entries[0].occupancy_slots.load(.monotonic));
+    // Two entries of one name (a registration race) read as their maximum.
+    var twin = &buffer.control_table.entries[constants.buffer_controls_max - 1];
+    twin.name = a;
+    twin.value.store(9, .monotonic);
+    twin.state.store(@intFromEnum(NamespaceState.live), .release);
+    try std.testing.expectEqual(@as(?u64, 9), buffer.control_read(&a));
+    try std.testing.expectEqual(@as(u64, 9), try buffer.control_raise(&a, 8));
+    var index: u32 = 1;
+    while (index < constants.buffer_controls_max - 1) : (index += 1) {
+        var name: Buffer.ControlName = @splat(0);
+        std.mem.writeInt(u32, name[0..4], index, .little);
+        _ = try buffer.control_raise(&name, index);
+    }
+    try std.testing.expectError(error.ControlsFull, buffer.control_raise(&b, 1));
+    try std.testing.expectEqual(@as(u64, 10), try buffer.control_raise(&a, 10)); // still raised
 }
 
 test "namespaces: a flood from B never pushes A below its guarantee; A at its cap evicts its own" {

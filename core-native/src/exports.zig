@@ -268,6 +268,32 @@ pub export fn ucm_buffer_namespace_info(ctrl: usize, index: u32, out: *buffer.Na
     return 0;
 }
 
+/// Reads `count` control records: names (16 bytes each, packed) at `names`; for each, its
+/// value into `out_values` and 1 into `out_found` when the buffer holds it, else 0 and 0.
+pub export fn ucm_buffer_control_read(ctrl: usize, names: [*]const u8, count: u32, out_values: [*]u64, out_found: [*]u8) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (count > constants.buffer_control_read_names_max) return buffer_status(.invalid_argument);
+    const name_bytes = constants.buffer_control_name_size_bytes;
+    for (0..count) |index| {
+        const name: *const buffer.Buffer.ControlName = @ptrCast(names + index * name_bytes);
+        const value = view.control_read(name);
+        out_values[index] = value orelse 0;
+        out_found[index] = @intFromBool(value != null);
+    }
+    return 0;
+}
+
+/// Raises control record `name` (16 bytes) to at least `value`; writes its value after the
+/// raise to `out_value`. controls_full when the name is new and every entry is taken.
+pub export fn ucm_buffer_control_raise(ctrl: usize, name: [*]const u8, value: u64, out_value: *u64) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    const record: *const buffer.Buffer.ControlName = @ptrCast(name);
+    out_value.* = view.control_raise(record, value) catch |err| return switch (err) {
+        error.ControlsFull => buffer_status(.controls_full),
+    };
+    return 0;
+}
+
 /// The dead-holder mask after checking every live holder (pid + start time).
 pub export fn ucm_buffer_scan_holders(ctrl: usize, out_mask: *u64) i32 {
     const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);

@@ -7,10 +7,13 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import pytest
+import torch
 
 import ucm
 from ucm.integration.keys import (
@@ -180,36 +183,88 @@ def test_importing_the_integration_package_imports_no_engine() -> None:
 # ---- reset epochs -------------------------------------------------------------------------------
 
 
-def test_epochs_are_marker_blocks_every_process_sees(tmp_path: Path) -> None:
-    """The current epoch is the highest marker in the stack: past a window of markers, across
-    holes (resets that never wrote their marker), per writer, and from a scheduler-role store."""
-    from ucm.integration.keys import EPOCH_WINDOW, Epochs, write_marker
+def test_epochs_are_control_records_every_process_sees(tmp_path: Path) -> None:
+    """The current epoch is the stack's control record: raised by a reset, read by every
+    process (a scheduler-role store too), per writer, never lowered, and no block."""
+    from ucm.integration.keys import Epochs
 
     stack = {
-        "unique_id": "epochs",
+        "unique_id": f"epochs-{uuid.uuid4().hex[:8]}",
         "tensor_size_list": [64, 64],
         "shards_per_block": 2,
-        # The markers' arithmetic, not look-up deadlines: on a loaded machine a posix look-up
-        # can run past the default 1 s, and a tier past its deadline answers "absent" (a lower
-        # epoch: a known gap, docs/reliability.md#known-gaps).
-        "tiers": [{"type": "posix", "path": str(tmp_path), "lookup_timeout_ms": 60_000}],
+        "tiers": [
+            {"type": "buffer", "capacity": 16 * 128},
+            {"type": "posix", "path": str(tmp_path), "lookup_timeout_ms": 60_000},
+        ],
     }
     base = SPACE.salt()
     assert SPACE.salt(epoch=0) == base and SPACE.salt(epoch=1) != base
     epochs, other = Epochs(base), Epochs(base, writer="tp1")
+    assert epochs.name != other.name and len(epochs.name) == 16
     with ucm.open(stack, device_id=0, local_rank_size=2) as worker:
         scheduler = ucm.open(stack, device_id=-1, local_rank_size=2)
         assert epochs.current(scheduler) == 0
         assert epochs.begin(worker) == 1 and epochs.current(scheduler) == 1
-        assert epochs.begin(worker, after=5) == 6  # this process was already in epoch 5
-        write_marker(worker, epochs.marker(EPOCH_WINDOW + 3))  # in the second window
-        assert epochs.current(scheduler) == EPOCH_WINDOW + 3
+        assert epochs.begin(scheduler, after=5) == 6  # this process was already in epoch 5
+        assert epochs.current(worker) == 6
+        worker.raise_control(epochs.name, 2)  # a late raise never lowers it
+        assert epochs.current(scheduler) == 6
         assert other.current(scheduler) == 0  # another writer's sequence
-        # Both shards of a marker are written: the block is whole in the stack.
-        assert worker.lookup([epochs.marker(1)]) == [True]
+        # Held by the buffer's node-wide table and by posix alike; no block of either.
+        assert [tier.read_control([epochs.name]) for tier in worker.tiers] == [[6], [6]]
+        assert worker.tiers[1].list_keys() == []
+        assert worker.buffer is not None
+        assert sum(row.occupancy_slots for row in worker.buffer.core.namespaces()) == 0
         scheduler.close()
+    # Every process closed (the buffer gone): posix still holds it.
+    with ucm.open(stack, device_id=-1, local_rank_size=1) as later:
+        assert epochs.current(later) == 6
     with pytest.raises(ValueError, match="epoch must be an int >= 0"):
         SPACE.salt(epoch=-1)
+
+
+def test_control_record_reads_name_the_bad_argument_and_a_tier_without_records_fails_closed(
+    tmp_path: Path,
+) -> None:
+    from ucm.integration.keys import Epochs, EpochState
+    from ucm.tier import Tier
+
+    stack = _slow_markers_stack(tmp_path, f"epochs-args-{uuid.uuid4().hex[:8]}")
+    stack["tiers"][0]["lookup_timeout_ms"] = 60_000  # type: ignore[index]
+    with ucm.open(stack, device_id=0) as store:
+        with pytest.raises(ucm.InvalidArgumentError, match=r"names\[0\]=b'short' is not valid"):
+            store.read_control([b"short"])
+        with pytest.raises(ucm.InvalidArgumentError, match="value=-1 is not valid"):
+            store.raise_control(bytes(16), -1)
+        # A tier type that keeps no control records (a third party's): the read fails closed.
+        tier = store.tiers[0]
+        tier.read_control = partial(Tier.read_control, tier)  # type: ignore[method-assign]
+        with pytest.raises(ucm.LookupUnansweredError, match="keeps no control records"):
+            store.read_control([bytes(16)])
+        state = EpochState(Epochs(SPACE.salt()), store)
+        try:
+            assert state.start() is None  # unknown: ids carry a nonce
+        finally:
+            state.close()
+
+
+def test_a_damaged_record_file_fails_closed_never_reads_as_zero(tmp_path: Path) -> None:
+    from ucm.integration.keys import Epochs
+
+    stack = _slow_markers_stack(tmp_path, f"epochs-torn-{uuid.uuid4().hex[:8]}")
+    stack["tiers"][0]["lookup_timeout_ms"] = 60_000  # type: ignore[index]
+    epochs = Epochs(SPACE.salt())
+    with ucm.open(stack, device_id=0) as store:
+        assert epochs.begin(store) == 1
+        assert epochs.begin(store) == 2
+    files = list((tmp_path / "control" / epochs.name.hex()).iterdir())
+    assert [f.name for f in files] == [f"{2:020d}"]  # lower values are dropped
+    files[0].write_bytes(files[0].read_bytes()[:-1])  # torn
+    with (
+        ucm.open(stack, device_id=0) as store,
+        pytest.raises(ucm.LookupUnansweredError, match="torn or corrupt"),
+    ):
+        epochs.current(store)
 
 
 def _slow_markers_stack(tmp_path: Path, unique_id: str) -> dict[str, object]:
@@ -229,27 +284,27 @@ def _slow_markers_stack(tmp_path: Path, unique_id: str) -> dict[str, object]:
 
 
 class _Gate:
-    """Makes a tier's look-ups answer past their deadline while ``slow`` is set."""
+    """Makes a tier's control record reads answer past their deadline while ``slow`` is set."""
 
     def __init__(self, tier: object) -> None:
         self.slow = threading.Event()
         self.slow.set()
-        answer = tier.lookup  # type: ignore[attr-defined]
+        answer = tier.read_control  # type: ignore[attr-defined]
 
-        def lookup(keys: Sequence[tuple[bytes, int]]) -> list[bool]:
+        def read_control(names: Sequence[bytes]) -> list[int | None]:
             if self.slow.is_set():
                 time.sleep(0.3)
-            return list(answer(keys))
+            return list(answer(names))
 
-        tier.lookup = lookup  # type: ignore[attr-defined]
+        tier.read_control = read_control  # type: ignore[attr-defined]
 
 
-def test_an_epoch_read_while_the_markers_tier_does_not_answer_is_never_a_lower_one(
+def test_an_epoch_read_while_the_records_tier_does_not_answer_is_never_a_lower_one(
     tmp_path: Path,
 ) -> None:
-    """A tier past its look-up deadline answers "absent" to a request's look-up; the epoch's
-    read must not take that for "no marker" (the epoch would fall back, and blocks saved before
-    the reset be served once the tier answers again): it raises, naming the tier and why."""
+    """A tier past its deadline answers "absent" to a request's look-up; the epoch's read must
+    not take that for "no record" (the epoch would fall back, and blocks saved before the
+    reset be served once the tier answers again): it raises, naming the tier and why."""
     from ucm.integration.keys import Epochs
 
     stack = _slow_markers_stack(tmp_path, "epochs-slow")
@@ -260,13 +315,11 @@ def test_an_epoch_read_while_the_markers_tier_does_not_answer_is_never_a_lower_o
         _Gate(scheduler.tiers[0])
         with pytest.raises(ucm.LookupUnansweredError) as raised:
             epochs.current(scheduler)
-        assert "tier 'posix' did not answer a look-up of 128 shard(s)" in str(raised.value)
+        assert "tier 'posix' did not answer a control record read" in str(raised.value)
         assert "lookup_timeout_ms=50" in str(raised.value)
-        # A request's look-up still answers "absent" past the deadline.
-        assert scheduler.lookup([epochs.marker(1)]) == [False]
 
 
-def _poll_until(state: object, bound_s: float = 30.0) -> tuple[int, bytes | None]:
+def _poll_until(state: object, bound_s: float = 30.0) -> int:
     deadline = time.monotonic() + bound_s
     while time.monotonic() < deadline:
         adopted = state.poll()  # type: ignore[attr-defined]
@@ -277,7 +330,7 @@ def _poll_until(state: object, bound_s: float = 30.0) -> tuple[int, bytes | None
 
 
 def test_an_unknown_epoch_salts_ids_with_a_nonce_until_the_tier_answers(tmp_path: Path) -> None:
-    """EpochState: unknown at start (the markers' tier past its deadline), a nonce; adopted,
+    """EpochState: unknown at start (the records' tier past its deadline), a nonce; adopted,
     on the engine's thread, once a retry on its own thread reads it; never a lower epoch."""
     from ucm.integration.keys import Epochs, EpochState, provisional_salt
 
@@ -298,8 +351,8 @@ def test_an_unknown_epoch_salts_ids_with_a_nonce_until_the_tier_answers(tmp_path
             assert state.poll() is None  # retries while the tier is slow: still unknown
             assert state.epoch is None
             gate.slow.clear()
-            assert _poll_until(state) == (2, None)  # no reset was pending: no marker
-            assert state.epoch == 2 and state.poll() is None
+            assert _poll_until(state) == 2
+            assert state.epoch == 2 and state.poll() is None and state.unrecorded is None
             other.close()
         finally:
             state.close()
@@ -308,7 +361,7 @@ def test_an_unknown_epoch_salts_ids_with_a_nonce_until_the_tier_answers(tmp_path
 def test_a_reset_while_the_epoch_cannot_be_read_is_pending_then_goes_past_the_stack(
     tmp_path: Path,
 ) -> None:
-    from ucm.integration.keys import Epochs, EpochState, write_marker
+    from ucm.integration.keys import Epochs, EpochState
 
     stack = _slow_markers_stack(tmp_path, "epochs-pending")
     epochs = Epochs(SPACE.salt())
@@ -317,16 +370,56 @@ def test_a_reset_while_the_epoch_cannot_be_read_is_pending_then_goes_past_the_st
         state = EpochState(epochs, worker, retry_s=0.05)
         try:
             assert state.start() == 1
-            assert state.reset() == (2, epochs.marker(2))  # the tier answers: at once
-            write_marker(worker, epochs.marker(2))
+            assert state.reset() == 2  # the tier answers: recorded at once
+            assert epochs.current(worker) == 2 and state.unrecorded is None
             gate = _Gate(worker.tiers[0])
             nonce = state.nonce
-            assert state.reset() == (None, None)  # cannot read the stack's epoch: pending
+            assert state.reset() is None  # cannot read the stack's epoch: pending
             assert state.epoch is None and state.nonce != nonce
-            write_marker(worker, epochs.marker(5))  # another process reset 3 more times
+            worker.tiers[0].raise_control(epochs.name, 5)  # another process reset 3 times
             gate.slow.clear()
-            assert _poll_until(state) == (6, epochs.marker(6))  # past the stack's, with marker
+            assert _poll_until(state) == 6  # past the stack's
             assert state.epoch == 6
+            deadline = time.monotonic() + 30
+            while state.unrecorded is not None:  # recorded from the next polls
+                assert time.monotonic() < deadline, "the pending reset was never recorded"
+                state.poll()
+                time.sleep(0.02)
+            assert epochs.current(worker) == 6
+        finally:
+            state.close()
+
+
+def test_a_reset_a_tier_did_not_take_is_recorded_again_until_it_is(tmp_path: Path) -> None:
+    from ucm.integration.keys import Epochs, EpochState
+
+    stack = _slow_markers_stack(tmp_path, f"epochs-retry-{uuid.uuid4().hex[:8]}")
+    stack["tiers"][0]["lookup_timeout_ms"] = 60_000  # type: ignore[index]
+    epochs = Epochs(SPACE.salt())
+    with ucm.open(stack, device_id=0) as store:
+        tier = store.tiers[0]
+        answer = tier.raise_control
+        failing = threading.Event()
+        failing.set()
+
+        def raise_control(name: bytes, value: int) -> None:
+            if failing.is_set():
+                raise ucm.TierError("disk full (injected)")
+            answer(name, value)
+
+        tier.raise_control = raise_control  # type: ignore[method-assign]
+        state = EpochState(epochs, store, retry_s=0.05)
+        try:
+            assert state.start() == 0
+            assert state.reset() == 1  # this process is in epoch 1 at once
+            assert state.unrecorded == 1 and epochs.current(store) == 0
+            failing.clear()
+            deadline = time.monotonic() + 30
+            while state.unrecorded is not None:
+                assert time.monotonic() < deadline, "the reset was never recorded"
+                assert state.poll() is None
+                time.sleep(0.02)
+            assert epochs.current(store) == 1
         finally:
             state.close()
 
@@ -344,20 +437,24 @@ def test_epoch_reads_stuck_in_a_tier_never_take_the_requests_look_up_threads(
     stack = _slow_markers_stack(tmp_path, "epochs-stuck")
     stack["tiers"][0]["breaker"] = {"failures": 1_000_000}  # type: ignore[index]
     epochs = Epochs(SPACE.salt())
+    block = bytes(range(16))
     with ucm.open(stack, device_id=0, local_rank_size=1) as worker:
         assert epochs.begin(worker) == 1
+        src = [[torch.zeros(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)]]
+        for shard in range(2):
+            worker.wait(worker.dump([block], shard, src))
     with ucm.open(stack, device_id=-1, local_rank_size=1) as scheduler:
         tier = scheduler.tiers[0]
-        answer = tier.lookup  # type: ignore[attr-defined]
+        answer = tier.read_control
         hanging, release = threading.Event(), threading.Event()
         hanging.set()
 
-        def lookup(keys: Sequence[tuple[bytes, int]]) -> list[bool]:
+        def read_control(names: Sequence[bytes]) -> list[int | None]:
             if hanging.is_set():  # a black hole while the epoch is read
                 release.wait(60)
-            return list(answer(keys))
+            return list(answer(names))
 
-        tier.lookup = lookup  # type: ignore[attr-defined]
+        tier.read_control = read_control  # type: ignore[method-assign]
         try:
             messages = []
             for _ in range(LOOKUP_THREADS + 2):
@@ -365,12 +462,11 @@ def test_epoch_reads_stuck_in_a_tier_never_take_the_requests_look_up_threads(
                     epochs.current(scheduler)
                 messages.append(str(raised.value))
             hanging.clear()  # the tier answers new calls; the epoch's reads are still stuck
-            # A request's look-up is answered: the marker is there.
-            assert scheduler.lookup([epochs.marker(1)]) == [True]
+            # A request's look-up is answered.
+            assert scheduler.lookup([block]) == [True]
             assert "lookup_timeout_ms=50" in messages[0]
             assert messages[-1].endswith(
-                f"all {EXACT_LOOKUP_THREADS} of its exact look-up threads are held by earlier "
-                "calls; whether they are there is unknown"
+                f"all {EXACT_LOOKUP_THREADS} of its exact look-up threads are held by earlier calls"
             )
             assert scheduler.stats()["tiers"][0]["lookup_busy"] == LOOKUP_THREADS + 1
         finally:

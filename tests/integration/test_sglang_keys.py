@@ -142,7 +142,7 @@ def keys_of(sgl: SGLang, count: int) -> list[str]:
 def stack_of(unique_id: str, lower: Path | None = None) -> dict[str, Any]:
     tiers: list[dict[str, Any]] = [{"type": "buffer", "capacity": "4MiB"}]
     if lower is not None:
-        # A restarted backend reads the clear's marker from posix: a generous deadline.
+        # A restarted backend reads the clear's epoch record from posix: a generous deadline.
         tiers.append({"type": "posix", "path": str(lower), "lookup_timeout_ms": 60_000})
     return {"unique_id": unique_id, "tiers": tiers}
 
@@ -305,10 +305,10 @@ def test_clear_serves_nothing_stored_before_it_on_any_tier(
         restarted.close()
 
 
-def test_a_backend_started_while_the_markers_tier_is_slow_never_takes_an_older_epoch(
+def test_a_backend_started_while_the_records_tier_is_slow_never_takes_an_older_epoch(
     sgl: SGLang, unique_id: Callable[[], str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The posix tier holding the clear's marker answers past its look-up deadline when a
+    """The posix tier holding the clear's epoch record answers past its deadline when a
     backend starts. It must not start in epoch 0 (it would serve pages stored before the clear
     once the tier answers): its page ids carry a nonce until it reads epoch 1. A clear made
     while the tier is slow is pending, and begins epoch 2 once the tier answers."""
@@ -329,16 +329,16 @@ def test_a_backend_started_while_the_markers_tier_is_slow_never_takes_an_older_e
         assert backend.epoch == 1 and backend.batch_exists(after) == 2
     finally:
         backend.close()
-    segments.unlink(stack["unique_id"])  # a restart: only the posix tier holds the marker
+    segments.unlink(stack["unique_id"])  # a restart: only the posix tier holds the record
 
     slow = threading.Event()
     slow.set()
-    answer = PosixTier.lookup
+    answer = PosixTier.read_control
 
-    def lookup(self: PosixTier, keys: Any) -> list[bool]:
+    def read_control(self: PosixTier, names: Any) -> list[int | None]:
         if slow.is_set():
             time.sleep(0.6)
-        return answer(self, keys)
+        return answer(self, names)
 
     def adopted(rank: Any, epoch: int) -> None:
         began = time.monotonic()
@@ -347,7 +347,7 @@ def test_a_backend_started_while_the_markers_tier_is_slow_never_takes_an_older_e
             time.sleep(0.05)
         assert rank.epoch == epoch
 
-    monkeypatch.setattr(PosixTier, "lookup", lookup)
+    monkeypatch.setattr(PosixTier, "read_control", read_control)
     pool = host_pool(sgl)
     restarted = create_backend(sgl, storage_config(sgl, {"ucm_stack": stack}), pool)
     try:
@@ -369,7 +369,7 @@ def test_a_backend_started_while_the_markers_tier_is_slow_never_takes_an_older_e
     segments.unlink(stack["unique_id"])
     later = create_backend(sgl, storage_config(sgl, {"ucm_stack": stack}), host_pool(sgl))
     try:
-        assert later.epoch == 2  # the pending clear's marker was written
+        assert later.epoch == 2  # the pending clear's epoch was recorded
     finally:
         later.close()
 

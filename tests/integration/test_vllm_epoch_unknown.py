@@ -1,14 +1,15 @@
-"""A vLLM scheduler that starts while the tier holding the reset epoch's marker does not answer
+"""A vLLM scheduler that starts while the tier holding the reset epoch's record does not answer
 (issue 21's bounded look-ups met issue 12's reset epochs), driven through vLLM 0.32's own
 ``Scheduler`` (``_vllm_sched.py``).
 
 Engine A saves prompt P's blocks, then resets (``reset_cache``: what an RL weight sync calls) and
 saves prompt R in the new epoch 1. P's epoch-0 blocks are then overwritten with other KV, as the
 old weights' KV is to the new weights. Engine B opens the same posix tier with its look-ups
-answering past their deadline. Before the fix, B read "no marker" (the bounded look-up's
-"absent"), started in epoch 0, and once the tier answered again served P's epoch-0 blocks: wrong
-tokens. Now B starts with a nonce (it is served only what it saved itself), adopts epoch 1 once
-the tier answers, and is then served R's epoch-1 blocks and none of P's.
+answering past their deadline (its control record reads too). Before the fix, B read "no
+marker" (the bounded look-up's "absent"), started in epoch 0, and once the tier answered again
+served P's epoch-0 blocks: wrong tokens. Now B starts with a nonce (it is served only what it
+saved itself), adopts epoch 1 once the tier answers, and is then served R's epoch-1 blocks and
+none of P's.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _run_one(h: Harness, req_id: str, prompt: list[int], max_tokens: int = 4) ->
 
 
 @pytest.mark.timeout(600)
-def test_an_engine_started_while_the_markers_tier_is_slow_never_serves_an_older_epoch(
+def test_an_engine_started_while_the_records_tier_is_slow_never_serves_an_older_epoch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from ucm_backends.posix import PosixTier
@@ -103,7 +104,15 @@ def test_an_engine_started_while_the_markers_tier_is_slow_never_serves_an_older_
             time.sleep(DEADLINE_MS / 1000 * 3)
         return answer(self, keys)
 
+    read_records = PosixTier.read_control
+
+    def read_control(self: PosixTier, names: Sequence[bytes]) -> list[int | None]:
+        if slow.is_set():
+            time.sleep(DEADLINE_MS / 1000 * 3)
+        return read_records(self, names)
+
     monkeypatch.setattr(PosixTier, "lookup", lookup)
+    monkeypatch.setattr(PosixTier, "read_control", read_control)
     b = Harness(tmp_path, async_scheduling=False, unique_id="epoch-b", tiers=posix)
     counted: Counter[str] = Counter()  # what vLLM collects from the connector each step
     collect = b.connector.get_kv_connector_stats

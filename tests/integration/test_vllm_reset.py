@@ -8,8 +8,10 @@ in its own processes, on one random-weight Llama written locally:
   again in the new epoch and served from it;
 - engine B, the same model path with ``hf_overrides={"rope_theta": 500}``, shares no block id with
   A and is served nothing A saved;
-- engine C, a restart of A's configuration, starts in the epoch A's reset began (the marker is in
-  the stack): it is served P as saved after the reset, and not Q, saved before it.
+- engine C, a restart of A's configuration, starts in the epoch A's reset began (its record is in
+  the stack, though posix admits blocks only once reused, ``admit: {after_reuse: 1}``, and the
+  epoch is looked up, never "used"): it is served P as saved after the reset (reused, so
+  admitted), and not Q, saved before it.
 
 vLLM's own prefix cache is off, so a cached token can only come from UCM.
 """
@@ -53,9 +55,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "unique_id": f"vllm-reset-{uuid.uuid4().hex[:10]}",
         "tiers": [
             {"type": "buffer", "capacity": "64MiB"},
-            # Engine C reads A's epoch marker from posix at start: a generous deadline, so a
+            # Engine C reads A's epoch record from posix at start: a generous deadline, so a
             # loaded machine does not leave C with a nonce (docs/vllm.md) when it reads.
-            {"type": "posix", "path": str(root / "posix"), "lookup_timeout_ms": 60_000},
+            # Posix admits a block once reused: the epoch is no block, so C still reads it.
+            {
+                "type": "posix",
+                "path": str(root / "posix"),
+                "lookup_timeout_ms": 60_000,
+                "admit": {"after_reuse": 1},
+            },
         ],
     }
     report = {"ucm_report_block_ids": True}

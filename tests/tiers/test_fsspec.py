@@ -3,6 +3,7 @@ concurrency, eviction by last touch."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 import sys
@@ -31,7 +32,7 @@ from ucm.testing.conformance import (
     load_keys,
     shard_bytes,
 )
-from ucm.tier import Outcome, ShardViews
+from ucm.tier import NAMESPACE_BYTES_OPTION, NamespaceBytes, Outcome, ShardViews
 
 from .conftest import fsspec_tier
 
@@ -361,6 +362,28 @@ def test_capacity_evicts_oldest_touched_block(tmp_path: Path) -> None:
     assert not (tmp_path / d.hex()[:2] / d.hex() / "touch").exists()
     stats = tier.stats()
     assert (stats["evictions"], stats["touches"]) == (2, 2)
+    tier.close()
+
+
+def test_touch_without_capacity_renews_the_age_a_namespace_quota_evicts_by(
+    tmp_path: Path,
+) -> None:
+    """Quota eviction drops a namespace's oldest *touched* blocks, so a tier with a namespace
+    quota and no ``capacity`` still records touches."""
+    object_bytes = HEADER_BYTES + LAYOUT.shard_size
+    quotas = NamespaceBytes(named={}, others=6 * object_bytes + 200)  # three blocks
+    context = dataclasses.replace(make_context(LAYOUT), options={NAMESPACE_BYTES_OPTION: quotas})
+    tier = FsspecTier(FsspecConfig(url=f"file://{tmp_path}"), context)
+    a, b, c, d = block_ids(4)
+    for block in (a, b, c):
+        dump_keys(tier, LAYOUT.keys_of_blocks([block]))
+        time.sleep(0.02)  # distinct modification times even on a coarse clock
+    tier.touch([a])
+    time.sleep(0.02)
+    dump_keys(tier, LAYOUT.keys_of_blocks([d]))  # over the quota: the oldest touched goes
+    assert tier.lookup_blocks([a, b, c, d]) == [True, False, True, True]
+    assert (tmp_path / a.hex()[:2] / a.hex() / "touch").exists()
+    assert tier.stats()["touches"] == 1
     tier.close()
 
 

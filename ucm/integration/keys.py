@@ -12,9 +12,10 @@ LMCache plugin refuses a LoRA-enabled engine (docs/lmcache.md).
 **Reset epochs** (:class:`Epochs`): vLLM's ``reset_cache`` and SGLang's ``clear`` must stop UCM
 serving anything saved before them, on every tier and every process sharing the stack. A reset
 does not delete blocks (UCM cannot enumerate a tier's keys by key space); it moves the key space
-to a new *epoch*, which every block id carries, and persists the epoch as a marker block in the
-stack, where the lower tiers and every process opening the stack later see it. Blocks of older
-epochs stay until their tiers evict them, and are never served again.
+to a new *epoch*, which every block id carries, and records the epoch in a control record of
+the stack (the buffer's node-wide table and every lower tier, outside admission, quotas,
+eviction, codecs and namespaces), where every process opening the stack later reads it. Blocks
+of older epochs stay until their tiers evict them, and are never served again.
 
 - :func:`chain_block_ids`: the id of each *full* block of a token sequence is the hash of the
   previous block's id and the block's own token ids, so block *i*'s id names the whole prefix
@@ -31,7 +32,6 @@ says what the engine's layout is.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import logging
@@ -42,6 +42,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..breaker import DaemonPool
@@ -55,8 +56,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-KEYS_VERSION = 1
-"""Bumped whenever the derivation below changes: old ids then simply stop matching (misses)."""
+KEYS_VERSION = 2
+"""Bumped whenever the derivation below changes: old ids then simply stop matching (misses).
+2: reset epochs are control records, no longer marker blocks; the ids of every epoch an older
+UCM wrote (whose markers this version does not read) stop matching."""
 
 _CHAIN_TAG = b"ucm-chain\0"
 _NAME_TAG = b"ucm-name\0"
@@ -152,63 +155,51 @@ def named_block_id(salt: bytes, name: bytes | str | int) -> bytes:
     return hashlib.blake2b(_NAME_TAG + data, digest_size=BLOCK_ID_BYTES, key=salt).digest()
 
 
-EPOCH_WINDOW = 64
-"""Epoch markers asked for in one lookup while finding the current epoch."""
-EPOCH_WINDOWS_MAX = 1 << 14
-"""Bound of the search: about a million resets of one key space (one lookup per window)."""
+_EPOCH_TAG = b"ucm-epoch\0"
 
 
 @dataclass(frozen=True)
 class Epochs:
-    """The reset epochs of one key space, persisted as marker blocks in the stack.
-
-    Marker *n* is the block ``named_block_id(base, "ucm-epoch:<writer>:<n>")``, every shard of it
-    zeros; its presence says "epoch *n* has begun". The current epoch is the highest marker
-    present (0 when none), found by looking the markers up in windows of :data:`EPOCH_WINDOW`
-    (one lookup per window, the first window answering for the first 64 resets).
+    """The reset epochs of one key space: a control record of the stack
+    (:meth:`~ucm.Store.read_control`), a monotonic maximum held in the buffer's node-wide
+    table and in every lower tier, outside admission, quotas, eviction, codecs and namespaces.
 
     - ``base`` is the key space's salt at epoch 0, so a reset moves one key space only (one
       model, dtype, layout...), on every tier and for every process that opens the stack later.
     - ``writer`` names whose sequence of resets this is: one per engine instance that resets on
       its own (an SGLang TP rank clears on its own; vLLM's scheduler resets for all its ranks).
       All ranks of a deployment are reset together by their engine, so their sequences agree.
-    - Markers are kept young: finding the epoch touches every marker found, so a tier that evicts
-      the least recently used blocks evicts a marker only after every block older than it, that
-      is after every block of the epochs it ended. A missing marker then means a lower epoch
-      whose blocks are gone too. The safe direction holds when a marker is lost some other way
-      (a tier wiped by hand): the epoch falls back and ids of blocks saved since the reset stop
-      matching (misses, never wrong KV), unless blocks of that lower epoch survive elsewhere.
+
+    The record's name (:attr:`name`) is 16 bytes of keyed BLAKE2b of the writer, keyed by
+    ``base``. Its value is the current epoch (0 when no tier holds it: no reset yet). A read
+    the stack cannot answer exactly raises :class:`~ucm.LookupUnansweredError` (the caller
+    fails closed: :class:`EpochState`).
     """
 
     base: bytes
     writer: str = ""
 
-    def marker(self, epoch: int) -> bytes:
-        """The id of epoch ``epoch``'s marker block."""
-        return named_block_id(self.base, f"ucm-epoch:{self.writer}:{epoch}")
+    @property
+    def name(self) -> bytes:
+        """The key space's control record name."""
+        return hashlib.blake2b(
+            _EPOCH_TAG + self.writer.encode(), digest_size=16, key=self.base
+        ).digest()
 
     def current(self, store: Store) -> int:
-        """The highest epoch whose marker ``store`` holds (0 when none). Raises
-        :class:`~ucm.LookupUnansweredError` when a tier did not answer (past its deadline, its
-        breaker open): a marker only it holds would be missed, and a lower epoch is unsafe."""
-        found = 0
-        start = 1
-        for _ in range(EPOCH_WINDOWS_MAX):
-            window = range(start, start + EPOCH_WINDOW)
-            present = store.lookup([self.marker(n) for n in window], exact=True)
-            hits = [n for n, hit in zip(window, present, strict=True) if hit]
-            if not hits:
-                return found
-            found = hits[-1]
-            _touch(store, [self.marker(n) for n in hits])
-            start += EPOCH_WINDOW
-        return found
+        """The stack's epoch: the largest value any tier holds (0 when none). Raises
+        :class:`~ucm.LookupUnansweredError` when a tier did not answer exactly (past its
+        deadline, its breaker open, a damaged record, a tier that keeps no records)."""
+        (epoch,) = store.read_control([self.name])
+        return epoch
 
     def begin(self, store: Store, after: int = 0) -> int:
         """Starts a new epoch, past the stack's current one and past ``after`` (the epoch this
-        process is in): writes its marker into ``store`` (a worker store) and returns it."""
+        process is in): raises the record in every tier of ``store`` and returns the epoch.
+        Raises :class:`~ucm.TierError` when a tier could not be written (the epoch is begun
+        wherever it could be)."""
         epoch = max(self.current(store), after) + 1
-        write_marker(store, self.marker(epoch))
+        store.raise_control(self.name, epoch)
         return epoch
 
 
@@ -225,17 +216,20 @@ def provisional_salt(salt: bytes, nonce: bytes) -> bytes:
 class EpochState:
     """The reset epoch one engine process's ids are in: the stack's, never a lower one.
 
-    :meth:`start` reads the epoch with exact look-ups (:meth:`Epochs.current`). When a tier
-    does not answer (:class:`~ucm.LookupUnansweredError`: past its ``lookup_timeout_ms``, its
-    breaker open), the epoch is *unknown* (``epoch`` is None): the engine salts its ids with a
-    nonce of this process (:func:`provisional_salt`), so it is served only what it saved itself
-    since, and nothing of any epoch saved by anyone else. The read is retried on a thread of its
-    own, at most every ``retry_s``; :meth:`poll`, called by the engine on its own thread, never
-    waits and adopts the epoch once it has been read. A reset (:meth:`reset`) whose read of the
-    stack's epoch fails is *pending*: the engine moves to a new nonce at once (nothing saved
-    before is served), and the epoch past the stack's is begun, its marker written, when the
-    read succeeds. A process that exits before then leaves no marker (as a reset whose marker
-    write fails does).
+    :meth:`start` reads the epoch (:meth:`Epochs.current`: every tier's control record, each
+    within its deadline). When a tier does not answer exactly (:class:`~ucm.LookupUnansweredError`:
+    past its ``lookup_timeout_ms``, its breaker open, a damaged record), the epoch is *unknown*
+    (``epoch`` is None): the engine salts its ids with a nonce of this process
+    (:func:`provisional_salt`), so it is served only what it saved itself since, and nothing of
+    any epoch saved by anyone else. The read is retried on a thread of its own, at most every
+    ``retry_s``; :meth:`poll`, called by the engine on its own thread, never waits and adopts
+    the epoch once it has been read.
+
+    A reset (:meth:`reset`) moves the process to the epoch past the stack's and its own, and
+    raises the record to it in every tier at once (:meth:`~ucm.Store.raise_control`). A reset
+    whose read of the stack's epoch fails is *pending*: the engine moves to a new nonce at once
+    (nothing saved before is served), and the epoch is begun when the read succeeds. A record
+    that could not be raised in every tier is raised again from :meth:`poll` until it is.
     """
 
     def __init__(self, epochs: Epochs, store: Store, *, retry_s: float = EPOCH_RETRY_S) -> None:
@@ -249,7 +243,10 @@ class EpochState:
         self._floor = 0
         """The highest epoch this process has been in: a reset goes past it."""
         self._reset_pending = False
-        self._read: Future[int] | None = None
+        self._unrecorded: int | None = None
+        """An epoch this process began whose record some tier did not take yet."""
+        self._job: tuple[str, Future[int]] | None = None
+        """The background read (``"read"``) or record raise (``"raise"``) under way."""
         self._retry_at = 0.0
         self._pool: DaemonPool | None = None
         self._lock = threading.Lock()
@@ -265,65 +262,118 @@ class EpochState:
             self._unknown(str(exc))
         return self.epoch
 
-    def reset(self) -> tuple[int | None, bytes | None]:
-        """A reset: the new epoch (past the stack's and this process's) and its marker, which
-        the caller writes with a worker store; ``(None, None)`` when the stack's epoch cannot be
-        read now (the reset is pending: :meth:`poll` returns its epoch and marker later)."""
+    def reset(self) -> int | None:
+        """A reset: the new epoch (past the stack's and this process's), recorded in every
+        tier before this returns; None when the stack's epoch cannot be read now (the reset is
+        pending: :meth:`poll` returns its epoch later)."""
         with self._lock:
             self._floor = max(self._floor, self.epoch or 0)
-            self._read = None  # a read started before the reset answers for the old epoch
+            self._job = None  # a read started before the reset answers for the old epoch
             try:
                 stack = self._epochs.current(self._store)
             except UcmError as exc:
                 self._reset_pending = True
                 self._unknown(str(exc))
-                return None, None
+                return None
             self._reset_pending = False
-            self.epoch = self._floor = max(stack, self._floor) + 1
-            return self.epoch, self._epochs.marker(self.epoch)
+            epoch = self.epoch = self._floor = max(stack, self._floor) + 1
+        self._record(epoch)
+        return epoch
 
-    def poll(self) -> tuple[int, bytes | None] | None:
+    def poll(self) -> int | None:
         """While the epoch is unknown: starts a read when one is due, and once one has answered,
-        adopts its epoch and returns it with the marker to write (a pending reset's; None
-        otherwise). None when there is nothing new. Never waits on a tier."""
-        if self.epoch is not None:
+        adopts its epoch (beginning a pending reset's) and returns it. While a begun epoch's
+        record is missing from a tier: raises it again when due. None when there is nothing
+        new. Never waits on a tier."""
+        if self.epoch is not None and self._unrecorded is None:
             return None
         with self._lock:
-            read = self._read
-            if read is None:
+            job = self._job
+            if job is None:
                 now = time.monotonic()
                 if now >= self._retry_at:
                     self._retry_at = now + self._retry_s
                     if self._pool is None:
                         self._pool = DaemonPool("ucm-epoch", 1)
-                    self._read = self._pool.try_submit(lambda: self._epochs.current(self._store))
+                    if self.epoch is None:
+                        read = partial(self._read, self._reset_pending, self._floor)
+                        future = self._pool.try_submit(read)
+                        self._job = ("read", future) if future is not None else None
+                    elif self._unrecorded is not None:
+                        future = self._pool.try_submit(partial(self._raise, self._unrecorded))
+                        self._job = ("raise", future) if future is not None else None
                 return None
-            if not read.done():
+            kind, future = job
+            if not future.done():
                 return None
-            self._read = None
+            self._job = None
             try:
-                stack = read.result()
-            except Exception as exc:  # not yet: the next read is due after retry_s
-                logger.debug("UCM: the reset epoch is still unknown: %s", exc)
+                value = future.result()
+            except Exception as exc:  # not yet: the next try is due after retry_s
+                logger.debug("UCM: the reset epoch's %s failed again: %s", kind, exc)
                 return None
-            marker = None
-            if self._reset_pending:
+            if kind == "raise":
+                if self._unrecorded is not None and self._unrecorded <= value:
+                    self._unrecorded = None
+                logger.info("UCM: reset epoch %d is now recorded in every tier", value)
+                return None
+            began = self._reset_pending
+            if began:  # the job began the pending reset's epoch: ``value`` is it
                 self._reset_pending = False
-                epoch = max(stack, self._floor) + 1
-                marker = self._epochs.marker(epoch)
+                epoch = value
             else:
-                epoch = max(stack, self._floor)
+                epoch = max(value, self._floor)
             self.epoch = self._floor = epoch
         logger.info(
             "UCM: the stack's reset epoch is now known: %d%s; ids from now on are in it",
             epoch,
-            " (the pending reset begins it)" if marker is not None else "",
+            " (the pending reset begins it)" if began else "",
         )
-        return epoch, marker
+        return epoch
+
+    @property
+    def unrecorded(self) -> int | None:
+        """An epoch this process began whose record some tier did not take yet (None: none)."""
+        return self._unrecorded
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+
+    def _read(self, pending: bool, floor: int) -> int:
+        """The background read (on the epoch thread): the stack's epoch; with a pending reset,
+        the epoch it begins (past the stack's and ``floor``), recorded before it is adopted (a
+        tier that does not take it leaves it to be recorded again from :meth:`poll`)."""
+        stack = self._epochs.current(self._store)
+        if not pending:
+            return stack
+        epoch = max(stack, floor) + 1
+        self._record(epoch)
+        return epoch
+
+    def _raise(self, epoch: int) -> int:
+        self._store.raise_control(self._epochs.name, epoch)
+        return epoch
+
+    def _record(self, epoch: int) -> None:
+        try:
+            self._raise(epoch)
+        except UcmError as exc:
+            with self._lock:
+                self._unrecorded = max(self._unrecorded or 0, epoch)
+                self._retry_at = time.monotonic() + self._retry_s
+            logger.warning(
+                "UCM: reset epoch %d could not be recorded in every tier (%s): this process is "
+                "in it; recording it again every %.1f s (an engine started before then may "
+                "read an older epoch from the tiers that lack it)",
+                epoch,
+                exc,
+                self._retry_s,
+            )
+            return
+        with self._lock:
+            if self._unrecorded is not None and self._unrecorded <= epoch:
+                self._unrecorded = None
 
     def _unknown(self, why: str) -> None:
         self.epoch = None
@@ -336,23 +386,6 @@ class EpochState:
             why,
             self._retry_s,
         )
-
-
-def write_marker(store: Store, block_id: bytes) -> None:
-    """Writes every shard of block ``block_id`` as zeros into ``store`` (a worker store: it has a
-    data plane) and waits for it; raises the store's error when it could not."""
-    layout = store.layout
-    zeros = bytearray(layout.shard_size)
-    address = ctypes.addressof((ctypes.c_char * len(zeros)).from_buffer(zeros))
-    pointers = []
-    for size in layout.tensor_sizes:
-        pointers.append(address)
-        address += size
-    shards = layout.shards_per_block
-    task = store.dump_data([block_id] * shards, list(range(shards)), [pointers] * shards)
-    store.wait(task)
-    # Below the top tier too, now: a marker must outlive the process that wrote it.
-    store.drain()
 
 
 def warn_node_local(engine: str, nodes: int, shards: int, stack: StackConfig) -> bool:
@@ -378,13 +411,6 @@ def warn_node_local(engine: str, nodes: int, shards: int, stack: StackConfig) ->
         where,
     )
     return True
-
-
-def _touch(store: Store, block_ids: Sequence[bytes]) -> None:
-    try:
-        store.touch(block_ids)
-    except Exception as exc:  # a tier that cannot touch keeps the marker's age: not fatal
-        logger.debug("UCM: touching epoch markers failed: %s", exc)
 
 
 @dataclass(frozen=True)
@@ -515,7 +541,6 @@ def _short(value: Any) -> str:
 
 
 __all__ = [
-    "EPOCH_WINDOW",
     "GEOMETRY_KEYS",
     "KEYS_VERSION",
     "EngineGeometry",
@@ -526,5 +551,4 @@ __all__ = [
     "engine_stack",
     "named_block_id",
     "warn_node_local",
-    "write_marker",
 ]

@@ -74,7 +74,14 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 import ucm
-from ucm.errors import ConfigError, InvalidArgumentError, KeyMissingError, TaskError, UcmError
+from ucm.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    KeyMissingError,
+    TaskError,
+    TierError,
+    UcmError,
+)
 from ucm.metrics import CountersCollector, MetricsServer
 from ucm.stack import parse_stack
 
@@ -97,7 +104,6 @@ from .keys import (
     named_block_id,
     provisional_salt,
     warn_node_local,
-    write_marker,
 )
 from .salts import config_digest, weights_fingerprint
 from .tenants import TenantMapping
@@ -482,20 +488,27 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
     def clear(self) -> None:
         """SGLang's ``clear_hicache_storage``: no page stored before it is served again.
 
-        Moves this rank's key space to a new reset epoch and writes the epoch's marker into the
-        stack (:class:`~ucm.integration.keys.Epochs`): every page id computed from now on differs
-        from every id stored before, on every tier, and a backend opened later on this stack
-        (a restart, another node sharing a lower tier) starts in the new epoch. Old pages are not
-        deleted: they stay until their tiers evict them. Raises if the marker cannot be written,
-        so that SGLang does not report a clear that did not happen.
+        Moves this rank's key space to a new reset epoch and records it in the stack's control
+        record (:class:`~ucm.integration.keys.Epochs`: the buffer's node-wide table and every
+        lower tier, outside admission, quotas and eviction): every page id computed from now on
+        differs from every id stored before, on every tier, and a backend opened later on this
+        stack (a restart, another node sharing a lower tier) starts in the new epoch. Old pages
+        are not deleted: they stay until their tiers evict them. Raises if the epoch could not
+        be recorded in every tier (this rank is in it, and records it again until it is), so
+        that SGLang does not report a clear that a restart might not see.
         """
-        store = self._require_store()
+        self._require_store()
         assert self._epochs is not None
-        epoch, marker = self._epochs.reset()
+        epoch = self._epochs.reset()
         self._set_epoch(epoch)
-        if marker is None:  # pending: the epoch and its marker follow when the tier answers
+        if epoch is None:  # pending: the epoch follows when the tier answers
             return
-        write_marker(store, marker)
+        if self._epochs.unrecorded is not None:
+            raise TierError(
+                f"UCM HiCache rank {self.storage_config.tp_rank}: clear: epoch {epoch} could "
+                "not be recorded in every tier of the stack (this rank is in it and records it "
+                "again; a backend started before then may not be)"
+            )
         logger.info(
             "UCM HiCache rank %d: cleared (key space epoch %d): pages stored before are never "
             "served; they stay in the tiers until evicted",
@@ -514,21 +527,13 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
 
     def _poll_epoch(self) -> None:
         """Adopts the reset epoch once a tier that did not answer at start (or at a clear)
-        has (:class:`~ucm.integration.keys.EpochState`), writing a pending clear's marker."""
-        if self._epochs is None or self.epoch is not None:
+        has, and records a clear's epoch that some tier did not take
+        (:class:`~ucm.integration.keys.EpochState`)."""
+        if self._epochs is None:
             return
         adopted = self._epochs.poll()
-        if adopted is None:
-            return
-        epoch, marker = adopted
-        if marker is not None:
-            try:
-                write_marker(self._require_store(), marker)
-            except UcmError as exc:  # as a clear whose marker cannot be written: this rank
-                logger.warning(  # is in the new epoch, a later backend may not be
-                    "UCM HiCache: could not write the epoch marker of a pending clear: %s", exc
-                )
-        self._set_epoch(epoch)
+        if adopted is not None:
+            self._set_epoch(adopted)
 
     @property
     def store(self) -> ucm.Store:

@@ -17,7 +17,7 @@ from typing import Any
 
 # ---- constants.zig ----
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 FUTEX_WORD_SIZE_BYTES = 4
 FUTEX_WAIT_SLICE_NS = 100000000
 CHECKSUM_PARTS_MAX = 65536
@@ -59,7 +59,7 @@ POPULATE_CHUNK_BYTES = 33554432
 POPULATE_THREADS_MAX = 8
 POPULATE_CHUNKS_MAX = 524288
 BUFFER_MAGIC = 3544410238739104597
-BUFFER_LAYOUT_VERSION = 5
+BUFFER_LAYOUT_VERSION = 6
 BUFFER_CACHE_LINE_BYTES = 64
 BUFFER_HEADER_SIZE_BYTES = 256
 BUFFER_CLOCK_SIZE_BYTES = 64
@@ -71,6 +71,11 @@ BUFFER_HOLDER_TABLE_SIZE_BYTES = 2112
 BUFFER_NAMESPACES_MAX = 32
 BUFFER_NAMESPACE_ENTRY_SIZE_BYTES = 64
 BUFFER_NAMESPACE_TABLE_SIZE_BYTES = 2048
+BUFFER_CONTROLS_MAX = 64
+BUFFER_CONTROL_NAME_SIZE_BYTES = 16
+BUFFER_CONTROL_ENTRY_SIZE_BYTES = 32
+BUFFER_CONTROL_TABLE_SIZE_BYTES = 2048
+BUFFER_CONTROL_READ_NAMES_MAX = 65536
 BUFFER_HOLDER_SCAN_INTERVAL_NS = 100000000
 BUFFER_SLOT_SIZE_BYTES = 64
 BUFFER_SLOT_COUNT_MAX = 1073741824
@@ -269,6 +274,7 @@ class BufferStatus(enum.IntEnum):
     NOT_REGISTERED = -108
     NAMESPACES_FULL = -109
     GUARANTEES_OVER = -110
+    CONTROLS_FULL = -111
 
 
 class HolderState(enum.IntEnum):
@@ -489,6 +495,8 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ucm_buffer_holder_info": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.POINTER(HolderEntry)]),
     "ucm_buffer_register_namespace": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32]),
     "ucm_buffer_namespace_info": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.POINTER(NamespaceEntry)]),
+    "ucm_buffer_control_read": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p]),
+    "ucm_buffer_control_raise": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]),
     "ucm_buffer_scan_holders": (ctypes.c_int32, [ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)]),
     "ucm_buffer_get": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
     "ucm_buffer_commit": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),

@@ -271,6 +271,13 @@ def live_geometry(unique_id: str) -> Geometry:
     return Geometry._from_struct(header.geometry)
 
 
+def _check_control_name(name: object) -> None:
+    if not isinstance(name, bytes) or len(name) != CONTROL_NAME_BYTES:
+        raise InvalidArgumentError(
+            f"name={name!r} is not valid: a control record's name is {CONTROL_NAME_BYTES} bytes"
+        )
+
+
 def _check_int(name: str, value: object, low: int, high: int, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         advice = f"; {hint}" if hint else ""
@@ -439,11 +446,18 @@ class NamespaceUsage:
 
 
 NAMESPACES_MAX = _abi.BUFFER_NAMESPACES_MAX
+CONTROLS_MAX = _abi.BUFFER_CONTROLS_MAX
+CONTROL_NAME_BYTES = _abi.BUFFER_CONTROL_NAME_SIZE_BYTES
 
 
 class NamespaceTableFullError(InvalidArgumentError):
     """Every entry of the buffer's namespace table is taken: a namespace registered now counts
     in the default namespace's entry (and takes its quota)."""
+
+
+class ControlTableFullError(InvalidArgumentError):
+    """Every entry of the buffer's control record table is taken: a new record (a key space
+    resetting for the first time on this node) cannot be held by the buffer."""
 
 
 @dataclass(frozen=True)
@@ -545,6 +559,49 @@ class BufferCore:
             )
         self._check(min(index, 0), "register_namespace")
         return index
+
+    # -- control records (reset epochs) -----------------------------------------------------
+
+    def control_read(self, names: Sequence[bytes]) -> list[int | None]:
+        """Each record's value (the largest ever raised under the name, node-wide), None where
+        the buffer holds no record of that name. Works on a scheduler (control plane only)."""
+        for name in names:
+            _check_control_name(name)
+        if not names:
+            return []
+        if len(names) > _abi.BUFFER_CONTROL_READ_NAMES_MAX:
+            raise InvalidArgumentError(
+                f"names: {len(names)} records in one read is not valid: at most "
+                f"{_abi.BUFFER_CONTROL_READ_NAMES_MAX}"
+            )
+        packed = bytes(b"".join(names))
+        values = (ctypes.c_uint64 * len(names))()
+        found = (ctypes.c_uint8 * len(names))()
+        self._check(
+            self._native.ucm_buffer_control_read(
+                self._ctrl, packed, len(names), ctypes.addressof(values), ctypes.addressof(found)
+            ),
+            "control_read",
+        )
+        return [int(v) if f else None for v, f in zip(values, found, strict=True)]
+
+    def control_raise(self, name: bytes, value: int) -> int:
+        """Raises record ``name`` to at least ``value`` (never lowers it); returns its value
+        after the raise."""
+        _check_control_name(name)
+        _check_int("value", value, 0, 2**64 - 1, "a record's value is a u64")
+        out = ctypes.c_uint64()
+        status = int(
+            self._native.ucm_buffer_control_raise(self._ctrl, name, value, ctypes.byref(out))
+        )
+        if status == _Status.CONTROLS_FULL:
+            raise ControlTableFullError(
+                f"cannot hold control record {name.hex()}: all {CONTROLS_MAX} entries of the "
+                "buffer's control record table are taken (one per key space and writer that "
+                "reset on this node since the buffer was created; every rank closing frees them)"
+            )
+        self._check(status, "control_raise")
+        return int(out.value)
 
     def namespaces(self) -> list[NamespaceUsage]:
         """Every live entry of the namespace table (entry 0 first)."""

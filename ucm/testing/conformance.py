@@ -8,6 +8,10 @@ earlier calls of the same test, but not with other tests). The suite closes ever
 Stats contract checked here: ``stats()`` has at least :data:`REQUIRED_STATS`, where ``hits`` and
 ``misses`` count loaded and missing keys and ``remove_lock_acquisitions`` counts the lock
 acquisitions ``batched_remove`` made (one per chunk of REMOVE_CHUNK_KEYS keys, seed 003).
+
+Control records (``Tier.read_control``/``raise_control``, a stack's reset epochs) are checked
+too: a tier that keeps none fails that case, and a stack holding it cannot read its epoch (its
+engines fail closed, salting their ids with a nonce of their own).
 """
 
 from __future__ import annotations
@@ -326,6 +330,32 @@ class TierConformance:
         usage = tier.namespace_usage()
         if usage is not None:
             assert usage == dict.fromkeys(names[1:], per_namespace)
+
+    # --------------------------------------------------------------------- control records
+
+    def test_control_records_are_monotonic_maxima_outside_the_blocks(
+        self, make_tier: TierFactory
+    ) -> None:
+        """A control record (a reset epoch) only grows, and is no block: never listed or
+        counted in usage, never removed by a remove or a purge of every namespace."""
+        tier = make_tier(SINGLE_TENSOR)
+        a, b = bytes(range(16)), bytes(range(16, 32))
+        assert tier.read_control([]) == []
+        assert tier.read_control([a, b]) == [None, None]
+        tier.raise_control(a, 3)
+        tier.raise_control(a, 1)  # never lowered
+        assert tier.read_control([a, b]) == [3, None]
+        tier.raise_control(a, 2**40)
+        tier.raise_control(b, 0)
+        assert tier.read_control([b, a]) == [0, 2**40]
+        keys = SINGLE_TENSOR.keys_of_blocks(block_ids(2, seed=31))
+        dump_keys(tier, keys)
+        usage = tier.namespace_usage()
+        if usage is not None:  # a tier whose store lists no keys (Mooncake) reports None
+            assert usage == {namespaces.DEFAULT_NAMESPACE: len(keys)}
+        assert tier.batched_remove(keys, force=True) == len(keys)
+        assert tier.purge(namespaces.DEFAULT_NAMESPACE) == 0
+        assert tier.read_control([a, b]) == [2**40, 0]
 
     # ------------------------------------------------------------------------------- close
 

@@ -17,14 +17,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ucm.affinity import NewThreads, background_cpus
 from ucm.breaker import LOOKUP_THREADS, DaemonPool
-from ucm.errors import ConfigError, UcmError
+from ucm.errors import ConfigError
 from ucm.native.buffer import SLOT_NONE
 from ucm.threadname import bind_new_threads
 
 from ..addresses import BlockAddresses, block_view
 from ..claims import ComputeClaims
 from ..endpoint import serve_rank_metrics
-from ..keys import Epochs, EpochState, warn_node_local, write_marker
+from ..keys import Epochs, EpochState, warn_node_local
 from ..tenants import TenantMapping
 from .config import (
     STACK_KEY_NAME,
@@ -140,7 +140,6 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._pin_background(started)
         self._key_space = key_space(vllm_config, kv_cache_config)
         self._epochs = EpochState(Epochs(self._key_space.salt()), self._store)
-        self._reset_marker: bytes | None = None
         nodes = int(getattr(vllm_config.parallel_config, "nnodes", 1) or 1)
         warn_node_local("vLLM", nodes, self._geometry.shards_per_block, self._store.config)
         transfer = self._kv_transfer_config
@@ -263,14 +262,11 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> UcmConnectorMetadata:
         meta = self._sched.build_connector_meta(scheduler_output)
-        meta.reset_marker, self._reset_marker = self._reset_marker, None
-        # An epoch unknown at start (or at a reset) is adopted between steps, as a reset is.
+        # An epoch unknown at start (or at a reset) is adopted between steps, as a reset is;
+        # a reset's record that some tier did not take is raised again from here.
         adopted = self._epochs.poll()
         if adopted is not None:
-            epoch, marker = adopted
-            self._sched.reset(epoch)
-            if marker is not None:
-                self._reset_marker = marker
+            self._sched.reset(adopted)
         return meta
 
     def reset_cache(self) -> bool:
@@ -279,17 +275,17 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         The key space moves to a new epoch (:class:`~ucm.integration.keys.Epochs`): every id
         computed from now on differs from every id saved before, on every tier. Requests that
         vLLM still tracks keep a throwaway salt of their own (:meth:`SchedulerSide.reset`).
-        TP rank 0 writes the epoch's marker with the next step, so later engines on this stack
-        start in the new epoch. When the stack's epoch cannot be read now (a tier does not
-        answer), the reset is pending (:class:`~ucm.integration.keys.EpochState`): ids carry a
-        new nonce at once, and the epoch and its marker follow once the tier answers.
+        The scheduler records the new epoch in the stack's control record (the buffer's
+        node-wide table and every lower tier) before this returns, so later engines on this
+        stack start in it. When the stack's epoch cannot be read now (a tier does not answer),
+        the reset is pending (:class:`~ucm.integration.keys.EpochState`): ids carry a new
+        nonce at once, and the epoch follows once the tier answers.
         """
         if self._role != KVConnectorRole.SCHEDULER:
             return True
-        epoch, marker = self._epochs.reset()
+        epoch = self._epochs.reset()
         self._sched.reset(epoch)
-        if marker is not None:
-            self._reset_marker = marker
+        if epoch is not None:
             logger.info(
                 "UCM reset: key space epoch %d; blocks saved before are never served", epoch
             )
@@ -437,11 +433,6 @@ class UcmConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._bound_meta()
         if meta is None:
             return
-        if meta.reset_marker and self._rank == 0:
-            try:
-                write_marker(self._store, meta.reset_marker)
-            except UcmError as exc:
-                logger.warning("UCM: could not persist a reset's epoch marker: %s", exc)
         self._worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -37,8 +37,6 @@ class UcmConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """Finished requests whose blocks vLLM keeps for UCM (``request_finished`` answered true):
     every save of theirs is in this step or an earlier one. A worker reports each in
     ``get_finished`` once, when every one of those saves has completed on it."""
-    reset_marker: bytes | None = None
-    """The epoch marker of a reset_cache since the last step: TP rank 0 writes it."""
     step: int = 0
     """The scheduler's number for this step: a worker that ran its loads echoes it
     (:attr:`UcmWorkerMetadata.loaded_steps`) with the output that carries their failures."""

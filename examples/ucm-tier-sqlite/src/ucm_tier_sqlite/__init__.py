@@ -82,6 +82,15 @@ _SCHEMA = (
         UPDATE usage SET bytes = bytes - OLD.nbytes + NEW.nbytes WHERE id = 0;
     END;
     """,
+    # Control records (a stack's reset epochs): no shards, so outside usage, capacity,
+    # eviction and removal. The value is 8 bytes big-endian, so SQLite's max() of two blobs
+    # (a byte comparison) is the larger number, and a u64 fits (an INTEGER is signed).
+    """
+    CREATE TABLE IF NOT EXISTS control (
+        name BLOB PRIMARY KEY CHECK (length(name) = 16),
+        value BLOB NOT NULL CHECK (length(value) = 8)
+    );
+    """,
 )
 
 # An upsert (not INSERT OR REPLACE): REPLACE deletes the old row without firing the delete
@@ -494,6 +503,43 @@ class SqliteTier(ucm.Tier):
                     )
         except sqlite3.Error as exc:
             raise self._error("touch", exc) from exc
+
+    def read_control(self, names: Sequence[bytes]) -> list[int | None]:
+        for name in names:
+            self._check_control_name(name)
+        try:
+            conn = self._connect()
+            found = {}
+            for part in chunks(list(names), _QUERY_CHUNK_KEYS):
+                marks = ",".join("?" * len(part))
+                rows = conn.execute(
+                    f"SELECT name, value FROM control WHERE name IN ({marks})", list(part)
+                ).fetchall()
+                found.update({bytes(name): int.from_bytes(value, "big") for name, value in rows})
+        except sqlite3.Error as exc:
+            raise self._error("read_control", exc) from exc
+        return [found.get(name) for name in names]
+
+    def raise_control(self, name: bytes, value: int) -> None:
+        self._check_control_name(name)
+        if not isinstance(value, int) or not 0 <= value < 2**64:
+            raise InvalidArgumentError(f"value={value!r} is not valid: expected a u64")
+        try:
+            with self._write() as conn:
+                conn.execute(
+                    "INSERT INTO control (name, value) VALUES (?, ?) ON CONFLICT (name) "
+                    "DO UPDATE SET value = max(value, excluded.value)",
+                    (name, value.to_bytes(8, "big")),
+                )
+        except sqlite3.Error as exc:
+            raise self._error("raise_control", exc) from exc
+
+    @staticmethod
+    def _check_control_name(name: object) -> None:
+        if not isinstance(name, bytes) or len(name) != 16:
+            raise InvalidArgumentError(
+                f"name={name!r} is not valid: a control record's name is 16 bytes"
+            )
 
     def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
         distinct = list(dict.fromkeys(keys))
