@@ -45,6 +45,7 @@ const linux = std.os.linux;
 const constants = @import("constants.zig");
 const futex = @import("futex.zig");
 const seg_sys = @import("seg_sys.zig");
+const removal_log = @import("removal_log.zig");
 
 const assert = std.debug.assert;
 const Atomic = std.atomic.Value;
@@ -334,13 +335,15 @@ comptime {
     assert(@offsetOf(Slot, "namespace") == 60);
     assert(@offsetOf(Slot, "version") % constants.futex_word_size_bytes == 0);
     assert(@offsetOf(Bucket, "lock") % constants.futex_word_size_bytes == 0);
+    assert(removals_offset_bytes % constants.buffer_cache_line_bytes == 0);
 }
 
 const clock_offset_bytes = constants.buffer_header_size_bytes;
 const counters_offset_bytes = clock_offset_bytes + constants.buffer_clock_size_bytes;
 const holders_offset_bytes = counters_offset_bytes + constants.buffer_counters_size_bytes;
 const namespaces_offset_bytes = holders_offset_bytes + constants.buffer_holder_table_size_bytes;
-const buckets_offset_bytes = namespaces_offset_bytes + constants.buffer_namespace_table_size_bytes;
+const removals_offset_bytes = namespaces_offset_bytes + constants.buffer_namespace_table_size_bytes;
+const buckets_offset_bytes = removals_offset_bytes + constants.removal_log_size_bytes;
 
 pub const Status = enum(i32) {
     ok = 0,
@@ -511,6 +514,8 @@ pub const Buffer = struct {
     counters: *Counters,
     holder_table: *Holders,
     namespace_table: *Namespaces,
+    /// The node's removal log (removal_log.zig): purges and forced removes, for writers.
+    removal_log: *removal_log.Log,
     buckets: []Bucket,
     slots: []Slot,
     geometry: Geometry,
@@ -565,6 +570,7 @@ pub const Buffer = struct {
         const default_entry = &buffer.namespace_table.entries[0];
         default_entry.state = Atomic(u32).init(@intFromEnum(NamespaceState.live));
         default_entry.cap_slots = Atomic(u32).init(geometry.slot_count_total());
+        buffer.removal_log.init();
         for (buffer.buckets) |*bucket| {
             bucket.lock = Atomic(u32).init(0);
             bucket.head = slot_none;
@@ -623,6 +629,7 @@ pub const Buffer = struct {
             .counters = @ptrFromInt(ctrl_base + counters_offset_bytes),
             .holder_table = @ptrFromInt(ctrl_base + holders_offset_bytes),
             .namespace_table = @ptrFromInt(ctrl_base + namespaces_offset_bytes),
+            .removal_log = @ptrFromInt(ctrl_base + removals_offset_bytes),
             .buckets = buckets[0..geometry.bucket_count],
             .slots = slots[0..geometry.slot_count_total()],
             .geometry = geometry,
@@ -2354,7 +2361,7 @@ const quota_test_geometry = Geometry{
     .bucket_count = 4,
     .slots_per_segment = 8,
 };
-var quota_test_memory: [8192]u8 align(constants.buffer_cache_line_bytes) = undefined;
+var quota_test_memory: [8192 + constants.removal_log_size_bytes]u8 align(constants.buffer_cache_line_bytes) = undefined;
 
 fn quota_test_buffer() !Buffer {
     assert(ctrl_size_bytes(quota_test_geometry) <= quota_test_memory.len);

@@ -17,7 +17,7 @@ from typing import Any
 
 # ---- constants.zig ----
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 FUTEX_WORD_SIZE_BYTES = 4
 FUTEX_WAIT_SLICE_NS = 100000000
 CHECKSUM_PARTS_MAX = 65536
@@ -59,7 +59,7 @@ POPULATE_CHUNK_BYTES = 33554432
 POPULATE_THREADS_MAX = 8
 POPULATE_CHUNKS_MAX = 524288
 BUFFER_MAGIC = 3544410238739104597
-BUFFER_LAYOUT_VERSION = 5
+BUFFER_LAYOUT_VERSION = 6
 BUFFER_CACHE_LINE_BYTES = 64
 BUFFER_HEADER_SIZE_BYTES = 256
 BUFFER_CLOCK_SIZE_BYTES = 64
@@ -83,6 +83,11 @@ BUFFER_LOCK_TIMEOUT_NS = 10000000000
 BUFFER_LOCK_ROUND_MAX = 16777216
 BUFFER_WAIT_ROUND_MAX = 16777216
 BUFFER_CAS_ATTEMPTS_MAX = 64
+REMOVAL_LOG_ENTRIES = 4096
+REMOVAL_LOG_ENTRY_SIZE_BYTES = 32
+REMOVAL_LOG_HEADER_SIZE_BYTES = 64
+REMOVAL_LOG_SIZE_BYTES = 131136
+REMOVAL_LOG_READ_MAX = 4096
 
 # ---- queue.zig ----
 
@@ -378,6 +383,26 @@ class Occupancy(ctypes.Structure):
 
 assert ctypes.sizeof(Occupancy) == 64
 
+# ---- removal_log.zig ----
+
+REMOVAL_LOG_INCOMPLETE = -2
+
+
+class RemovalKind(enum.IntEnum):
+    PURGE = 1
+    REMOVE = 2
+
+
+class RemovalRecord(ctypes.Structure):
+    _fields_ = (
+        ("generation", ctypes.c_uint64),
+        ("kind", ctypes.c_uint64),
+        ("id", ctypes.c_uint8 * 16),
+    )
+
+
+assert ctypes.sizeof(RemovalRecord) == 32
+
 # ---- shm.zig, populate.zig, seg_region.zig ----
 
 
@@ -512,6 +537,11 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ucm_buffer_slot_locations": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
     "ucm_buffer_slot_addresses": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p]),
     "ucm_buffer_occupancy": (ctypes.c_int32, [ctypes.c_size_t, ctypes.POINTER(Occupancy)]),
+    "ucm_buffer_removal_log": (ctypes.c_size_t, [ctypes.c_size_t]),
+    "ucm_removal_log_init": (ctypes.c_int32, [ctypes.c_size_t]),
+    "ucm_removal_log_generation": (ctypes.c_int64, [ctypes.c_size_t]),
+    "ucm_removal_log_append": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint64, ctypes.c_void_p]),
+    "ucm_removal_log_read": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64)]),
     "ucm_queue_create": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(Settings), ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]),
     "ucm_queue_submit": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]),
     "ucm_queue_done": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint64]),
