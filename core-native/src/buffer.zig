@@ -27,6 +27,9 @@
 //! Eviction holds the new key's bucket lock and only *tries* the victim's bucket lock, so two
 //! bucket locks are never waited for at once and there is no lock-order deadlock.
 //!
+//! The removal log (`removal_log.zig`) has its own section after the namespace table: purges
+//! and forced removes, which writers to lower tiers read (`ucm/finality.py`).
+//!
 //! Namespaces (quotas): a key's first 8 bytes are its namespace's tag (`ucm/namespaces.py`).
 //! A fixed table maps registered tags to an index (entry 0: the default namespace, and every
 //! key whose tag is not registered) holding the namespace's guarantee and cap in slots and
