@@ -817,6 +817,9 @@ class BufferTier(Tier):
             if queue.abandoned or not queue.drain(self.cfg.queue_timeout_s):
                 return
             queue.destroy()
+        # A write-through write that close left running still settles (ucm.finality): on a
+        # private copy of the log from now on, never on the unmapped control plane.
+        self.finality.detach()
         self.region.close()
         # The native close re-creates the lock file when this process is not the last data
         # holder to leave (a scheduler closing after its workers): remove it if now unused.

@@ -58,6 +58,8 @@ class Finality:
     def __init__(self, log: RemovalLog, held: Held | None = None) -> None:
         self.log = log
         self._held = held
+        self._held_lock = threading.Lock()
+        """Held while ``held`` runs: :meth:`detach` returns only once no call is in it."""
         self._lock = threading.Lock()
         self._counts = {"writes_retracted": 0, "retract_failures": 0}
 
@@ -111,8 +113,9 @@ class Finality:
         try:
             removed = self.removed(start, keys)
             gone = [key for key, away in zip(keys, removed, strict=True) if away]
-            if gone and self._held is not None:
-                again = self._held(gone)
+            if gone:
+                with self._held_lock:
+                    again = self._held(gone) if self._held is not None else [False] * len(gone)
                 gone = [key for key, back in zip(gone, again, strict=True) if not back]
             if gone:
                 retract(gone)
@@ -127,6 +130,14 @@ class Finality:
             return 0
         self._count("writes_retracted", len(gone))
         return len(gone)
+
+    def detach(self) -> None:
+        """The buffer is closing: writes that outlive it (a write-through write that close
+        left running) settle on a private copy of the log, and without asking the buffer
+        whether it holds a key again (every covered key is removed again: a miss at worst)."""
+        self.log.detach()
+        with self._held_lock:
+            self._held = None
 
     def counts(self) -> dict[str, int]:
         with self._lock:

@@ -28,7 +28,7 @@ from typing import Any
 from . import arguments, namespaces
 from .admission import Admission, GatedTier
 from .breaker import TierGuard
-from .buffer import BufferTier
+from .buffer import BufferTier, BufferTierConfig
 from .config import LowerTierConfig
 from .errors import (
     ConfigError,
@@ -38,7 +38,7 @@ from .errors import (
     RoleError,
     StoreClosedError,
 )
-from .finality import Finality
+from .finality import Finality, forced_remove
 from .layout import Key, Layout
 from .loadqueue import DumpItem, DumpQueue, LoadPath
 from .native.buffer import SLOT_NONE, NamespaceTableFullError
@@ -1084,8 +1084,13 @@ class Store:
         if not back and not gated_back:
             return None
 
+        # The buffer's sink is settled by the buffer (it knows when it took its slots); a
+        # lower tier's evictions are settled here (ucm.finality).
+        settles = not (position == 0 and isinstance(self.config.tiers[0], BufferTierConfig))
+
         def sink(keys: Sequence[Key], views: Sequence[ShardViews]) -> Sequence[Outcome]:
             results: list[Outcome] = [None] * len(keys)
+            since = self._finality.start() if settles else 0
             if self._admission is not None:
                 for i in gated_back:
                     self._admission.declined(i, len(keys))
@@ -1096,6 +1101,8 @@ class Store:
                         results[j] = outcome
             if back:
                 self._count("written_back_shards", sum(1 for r in results if r is None))
+                if settles:
+                    self._finality.settle(since, keys, forced_remove([self.tiers[i] for i in back]))
             return results
 
         return sink

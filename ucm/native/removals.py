@@ -42,6 +42,8 @@ class RemovalLog:
         self._address = address
         self._keepalive = keepalive
         self._native = lib()
+        self._lock = threading.Lock()
+        """Held by every call on the log: :meth:`detach` never moves it under a reader."""
 
     @classmethod
     def of_buffer(cls, core: BufferCore) -> RemovalLog:
@@ -60,9 +62,22 @@ class RemovalLog:
         log._check(log._native.ucm_removal_log_init(address), "init")
         return log
 
+    def detach(self) -> None:
+        """From now on, reads and appends use a private copy of the log as it is now: the
+        memory it was in (a buffer's control plane) is about to be unmapped. Removals that
+        other processes record later are not seen through this object."""
+        size = _abi.REMOVAL_LOG_SIZE_BYTES
+        memory = (ctypes.c_ubyte * (size + 64))()
+        address = ctypes.addressof(memory)
+        address += -address % 64
+        with self._lock:
+            ctypes.memmove(address, self._address, size)
+            self._address, self._keepalive = address, memory
+
     def generation(self) -> int:
         """The latest removal's generation (0: none yet)."""
-        value = int(self._native.ucm_removal_log_generation(self._address))
+        with self._lock:
+            value = int(self._native.ucm_removal_log_generation(self._address))
         self._check(value, "generation")
         return value
 
@@ -85,11 +100,12 @@ class RemovalLog:
         capacity = _abi.REMOVAL_LOG_READ_MAX
         out = (_abi.RemovalRecord * capacity)()
         latest = ctypes.c_uint64(0)
-        count = int(
-            self._native.ucm_removal_log_read(
-                self._address, generation, out, capacity, ctypes.byref(latest)
+        with self._lock:
+            count = int(
+                self._native.ucm_removal_log_read(
+                    self._address, generation, out, capacity, ctypes.byref(latest)
+                )
             )
-        )
         if count == _abi.REMOVAL_LOG_INCOMPLETE:
             return None
         self._check(count, "read")
@@ -104,7 +120,8 @@ class RemovalLog:
                 f"removal log: id must be {BLOCK_ID_BYTES} bytes, got {len(block_id)}"
             )
         raw = (ctypes.c_ubyte * BLOCK_ID_BYTES).from_buffer_copy(block_id)
-        value = int(self._native.ucm_removal_log_append(self._address, int(kind), raw))
+        with self._lock:
+            value = int(self._native.ucm_removal_log_append(self._address, int(kind), raw))
         self._check(value, "append")
         return value
 
