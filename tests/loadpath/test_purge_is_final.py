@@ -230,3 +230,44 @@ def test_ucm_purge_reaches_another_processs_write_through_backlog(
         "writes_retracted": BLOCKS * SHARDS,
         "retract_failures": 0,
     }
+
+
+def _no_buffer_stack(unique_id: str, tmp_path: Path) -> dict[str, Any]:
+    return {
+        "unique_id": unique_id,
+        "shard_size": SHARD,
+        "shards_per_block": SHARDS,
+        "tiers": [{"type": "slowposix", "path": str(tmp_path / "nvme"), "dump_gate": "nvme"}],
+    }
+
+
+@pytest.mark.timeout(300)
+def test_a_dump_into_a_top_tier_without_a_buffer_is_taken_back_by_a_purge_in_the_process(
+    test_tiers: None, unique_id: str, tmp_path: Path
+) -> None:
+    """Without a buffer the log is the process's own: a dump into the posix top tier, held at
+    its gate, lands after another store of the process purged the namespace, and is removed
+    again once it has landed (before the fix, every block stayed)."""
+    gate = GATES.setdefault("nvme", threading.Event())
+    gate.clear()
+    purged = [block(500 + n) for n in range(BLOCKS)]
+    config = _no_buffer_stack(unique_id, tmp_path)
+    with ucm.open(config, namespace=NS) as writer, ucm.open(config, namespace=NS) as purger:
+        try:
+            src = [
+                [torch.frombuffer(bytearray(payload(b, 0, SHARD)), dtype=torch.uint8)]
+                for b in purged
+            ]
+            task = writer.dump(purged, 0, src)
+            assert ENTERED.setdefault("nvme", threading.Event()).wait(BOUND_S), "no dump"
+            assert purger.purge(NS) == [0]  # nothing landed yet
+            gate.set()  # the dump lands now, after the purge returned
+            writer.wait(task, timeout_s=BOUND_S)
+            assert writer.lookup(purged) == [False] * BLOCKS
+            counters = {
+                name: writer.stats().get(name) for name in ("writes_retracted", "retract_failures")
+            }
+        finally:
+            gate.set()
+    assert _below(tmp_path, NS, purged) == _absent(purged)
+    assert counters == {"writes_retracted": BLOCKS * SHARDS, "retract_failures": 0}
