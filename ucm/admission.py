@@ -14,6 +14,8 @@ is *admitted*, and then at once, by whichever process of the node admits it:
   are marked as having survived T, and admitted when their count allows.
 - **Exactly once**: admission sets a per-tier bit in the slot under its bucket lock
   (``Buffer.admit``), so one process writes the shard, from the slot (held meanwhile).
+- **A removal meanwhile is final**: a purge or a forced remove that ran while a shard was
+  written here (:mod:`ucm.finality`) removes it here again once the write has landed.
 - **A failed write is retried**: when the gated tier fails the write of an admitted shard
   (an error or a raising tier), its bit is cleared (``Buffer.unadmit``)
   before the slot is released, so the shard's next use admits it again
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 
 from .buffer import BufferTier
 from .config import AdmitConfig
+from .finality import Finality, forced_remove
 from .layout import Key
 from .threadname import enter_thread
 from .tier import Outcome, ShardViews, Tier
@@ -80,9 +83,12 @@ class Admission:
     """Runs the gated tiers' admission for one process: a thread that checks the keys of this
     process's finished loads and its dumps' residency deadlines."""
 
-    def __init__(self, buffer: BufferTier, gated: list[GatedTier], count: Count) -> None:
+    def __init__(
+        self, buffer: BufferTier, gated: list[GatedTier], count: Count, finality: Finality
+    ) -> None:
         assert gated
         self._buffer = buffer
+        self._finality = finality
         self.gated = gated
         self._count = count
         self._shard_bytes = buffer.layout.shard_size
@@ -184,6 +190,7 @@ class Admission:
 
     def _admit(self, gate: GatedTier, keys: list[Key], mature: bool) -> int:
         rule = gate.rule
+        since = self._finality.start()  # before the slots (the bytes written) are taken
         batch = self._buffer.queue.take_admitted(
             keys,
             reuses_min=rule.after_reuse or 0,
@@ -216,6 +223,9 @@ class Admission:
                 # The bit is cleared while the slot is still held, so a later use admits the
                 # shard again; left set, no process would ever write it there.
                 self._buffer.queue.unadmit(failed, gate.index)
+            # A purge or a forced remove that ran meanwhile: what it covers goes again (every
+            # key of the batch: a raising tier may have written some).
+            self._finality.settle(since, batch.keys, forced_remove([gate.tier]))
         finally:
             self._buffer.queue.release(batch.slots)
         written = len(batch.keys) - len(failed)

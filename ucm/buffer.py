@@ -31,12 +31,13 @@ A flusher's references to the slots it writes down go through the native queue
 **A remove is final against a flush in flight.** ``remove(force=True)`` (and a purge) takes a
 slot out of the buffer even while a flusher writes it down, and then removes the key from the
 tiers below, where that write may not have landed yet: the write would bring the removed block
-back. So a flusher, once its write is over and before it lets go of its slots, looks at each
-(:meth:`BufferCore.detached`: the shared control plane, so a remove by any process counts) and
-removes from the tiers it wrote to each key whose slot a remove took meanwhile and that no
-later dump put back in the buffer. A forced remove in this process also waits, at most
-``wait_timeout_s``, for this process's flushes of its keys, so that when it returns they are
-over.
+back. So a flush goes through :class:`ucm.finality.Finality`, like every other write to a
+lower tier: it reads the node's removal generation before it takes its slots, and once its
+write is over, before it lets go of them, removes from the tiers it wrote to each key that a
+removal recorded since covers (a purge or a forced remove, by any process: the log is in the
+shared control plane) and that no later dump put back in the buffer. A forced remove in this
+process also waits, at most ``wait_timeout_s``, for this process's flushes of its keys, so
+that when it returns they are over.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from .errors import (
     TierError,
 )
 from .fieldtypes import Int, Seconds
+from .finality import Finality
 from .hookspecs import hookimpl
 from .layout import BLOCK_ID_BYTES, Key
 from .native import _abi
@@ -76,6 +78,7 @@ from .native.queue import (
     NativeQueue,
     TaskKind,
 )
+from .native.removals import RemovalLog
 from .native.segments import SharedRegion
 from .threadname import enter_thread
 from .tier import EvictSink, Outcome, ShardViews, Tier, TierContext, WriteBackRemove
@@ -299,8 +302,6 @@ class BufferTier(Tier):
             "write_back_failures": 0,
             "written_down_unbuffered": 0,
             "written_down_lock_timeouts": 0,
-            "write_back_retracted": 0,
-            "write_back_retract_failures": 0,
         }
         self._counts_lock = threading.Lock()
         # Write-back debt: dumps commit dirty when `write: back` tiers below must get them.
@@ -308,6 +309,9 @@ class BufferTier(Tier):
         self._retract: WriteBackRemove | None = (
             None if context.is_scheduler else context.write_back_remove
         )
+        # A purge or a forced remove is final (ucm.finality): the node's removal log, read by
+        # every write of this process to a lower tier.
+        self.finality = Finality(RemovalLog.of_buffer(self.core), held=self.core.lookup)
         self._flushing: Counter[Key] = Counter()
         """Keys this process's flushes are writing down right now (a forced remove waits)."""
         self._flushing_changed = threading.Condition()
@@ -522,6 +526,7 @@ class BufferTier(Tier):
         if self._sink is None:
             return run(0, len(keys))
         outcomes: list[Outcome] = []
+        since = self.finality.start()  # before the bytes land anywhere (ucm.finality)
         size = max(1, min(self.cfg.step_keys, self.dirty_limit_slots))
         for start in range(0, len(keys), size):
             end = min(len(keys), start + size)
@@ -549,6 +554,8 @@ class BufferTier(Tier):
                 for i, outcome in zip(refused, written, strict=True):
                     if outcome is None:
                         chunk[i] = None
+                if self._retract is not None:
+                    self.finality.settle(since, [keys[start + i] for i in refused], self._retract)
                 self.count("written_down_unbuffered", sum(1 for o in written if o is None))
                 self.count(
                     "written_down_lock_timeouts",
@@ -605,6 +612,7 @@ class BufferTier(Tier):
         written counts as written (its debt went with it), only a tier's failure does not."""
         assert self._sink is not None
         queue = self.queue
+        start = self.finality.start()  # before the slots (the bytes written) are taken
         batch = queue.take_dirty(max(1, limit))
         if not batch.keys:
             return 0, 0
@@ -624,8 +632,10 @@ class BufferTier(Tier):
                 except Exception as exc:  # a raising tier fails the batch, it stays dirty
                     outcomes = [exc] * len(batch.keys)
                 written = [outcome is None for outcome in outcomes]
-                # While the references are held: a slot is reused only once they are gone.
-                self._retract_removed(batch.keys, batch.slots)
+                # Every key of the batch, written or not (a raising tier may have written
+                # some): a removal since `start` covers it, its copy below goes again.
+                if self._retract is not None:
+                    self.finality.settle(start, batch.keys, self._retract)
                 cleaned = self.core.clean(batch.slots, written)
             finally:
                 queue.release(batch.slots)
@@ -641,38 +651,6 @@ class BufferTier(Tier):
             self._last_write_back_error = next(o for o in outcomes if o is not None)
         assert cleaned <= sum(written)
         return len(batch.keys), sum(written)
-
-    def _retract_removed(self, keys: Sequence[Key], slots: Sequence[int] | array[int]) -> None:
-        """After a flush's write, before its references go: the keys whose slots a
-        ``remove(force=True)`` took out of the buffer while they were written down are
-        removed from the tiers they were written to, or the write, landing after the remove
-        had cleared those tiers, would bring them back. Every key of such a slot, written or
-        not (a raising tier may have written some). Skipped: a key the buffer holds again (a
-        dump after the remove: the block is wanted, and its copy below with it). A slot still
-        on its chain now means any remove of it comes after the write, and clears what it
-        wrote itself. A failure is logged and counted (``write_back_retract_failures``), never
-        raised: the flush must still clean and release its slots."""
-        if self._retract is None:
-            return
-        gone: list[Key] = []
-        try:
-            detached = self.core.detached(slots)
-            gone = [key for key, away in zip(keys, detached, strict=True) if away]
-            if gone:
-                back = self.core.lookup(gone)
-                gone = [key for key, again in zip(gone, back, strict=True) if not again]
-            if gone:
-                self._retract(gone)
-        except Exception as exc:
-            self.count("write_back_retract_failures", max(1, len(gone)))
-            logger.warning(
-                "UCM: %d shard(s) removed while they were written back could not be removed "
-                "from the `write: back` tier(s) they were written to: %r",
-                len(gone),
-                exc,
-            )
-            return
-        self.count("write_back_retracted", len(gone))
 
     def _wait_for_flushes(self, keys: Sequence[Key]) -> None:
         """Waits, at most ``wait_timeout_s``, until no flush of this process is writing any of
@@ -818,6 +796,7 @@ class BufferTier(Tier):
             counters[name] = queue_counters.get(name, 0)
         with self._counts_lock:
             counters.update(self._counts)
+        counters.update(self.finality.counts())
         residency = self.region.residency()
         counters["resident_bytes"] = residency.resident_bytes
         counters["data_bytes"] = residency.data_bytes
@@ -846,6 +825,9 @@ class BufferTier(Tier):
             if queue.abandoned or not queue.drain(self.cfg.queue_timeout_s):
                 return
             queue.destroy()
+        # A write-through write that close left running still settles (ucm.finality): on a
+        # private copy of the log from now on, never on the unmapped control plane.
+        self.finality.detach()
         self.region.close()
         # The native close re-creates the lock file when this process is not the last data
         # holder to leave (a scheduler closing after its workers): remove it if now unused.

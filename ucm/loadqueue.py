@@ -49,6 +49,7 @@ from .errors import (
     StoreClosedError,
     TierError,
 )
+from .finality import Finality, forced_remove
 from .layout import Key
 from .native.pybuffer import copy_into
 from .native.queue import (
@@ -64,6 +65,7 @@ from .native.queue import (
     WorkKind,
     WorkState,
 )
+from .native.removals import process_log
 from .task import Progress, Task
 from .threadname import enter_thread
 from .tier import Outcome, ShardViews, Tier
@@ -660,8 +662,10 @@ class DumpQueue:
         settings: LoadSettings,
         native: LoadPath | None = None,
         buffer: BufferTier | None = None,
+        finality: Finality | None = None,
     ) -> None:
         self._top = top
+        self._finality = finality if finality is not None else Finality(process_log())
         self._native = native
         self._buffer = buffer
         self._through = through
@@ -678,6 +682,7 @@ class DumpQueue:
                 count,
                 settings.write_through_wait_s,
                 settings.write_snapshot_idle_s,
+                finality=self._finality,
             )
             if through
             else None
@@ -762,6 +767,8 @@ class DumpQueue:
 
     def _dump(self, item: DumpItem) -> None:
         keys, memory, progress = item.task_keys.keys, item.memory, item.progress
+        # Before any of the bytes land (ucm.finality): a removal after this is found below.
+        since = self._finality.start()
         if self._buffer is not None:  # the buffer part, natively, straight from the addresses
             native, buffer = self._native, self._buffer
             assert native is not None
@@ -776,6 +783,8 @@ class DumpQueue:
             outcomes = buffer.dump_with(keys, run, lambda i: memory.views[i])
         else:
             outcomes = self._top.dump(keys, memory.views)
+            # Without a buffer the top tier is a lower tier: a removal meanwhile is final.
+            self._finality.settle(since, keys, forced_remove([self._top]))
         if self._through:
             # The caller may reuse its tensors once the task is done: snapshot the bytes (those
             # the backlog takes: the rest skip the write-through tiers, never waiting for them).
@@ -785,7 +794,7 @@ class DumpQueue:
             order += [i for i, o in enumerate(outcomes) if o is None]
             assert self.writer is not None  # made with the write-through tiers
             taken = self.writer.put(
-                self._through, [keys[i] for i in order], [memory.views[i] for i in order]
+                self._through, [keys[i] for i in order], [memory.views[i] for i in order], since
             )
             if taken < len(keys) and self._buffer is not None:
                 # Node-wide too (the buffer's counters), for `ucm stats` and its metrics.
@@ -840,8 +849,11 @@ class WriteQueue:
         count: Count,
         wait_s: float = 0.0,
         idle_s: float = LoadSettings.model_fields["write_snapshot_idle_s"].default,
+        *,
+        finality: Finality | None = None,
     ) -> None:
         self._capacity_bytes = capacity_bytes
+        self._finality = finality if finality is not None else Finality(process_log())
         self._count = count
         self._wait_s = wait_s
         self._idle_s = idle_s
@@ -853,7 +865,7 @@ class WriteQueue:
         """Bytes the idle trim took off the free list and is unmapping (the writer's only)."""
         self._free_lock = threading.Lock()
         self._condition = threading.Condition()
-        self._queue: queue.Queue[tuple[list[Tier], list[Key], list[Snapshot]] | None] = (
+        self._queue: queue.Queue[tuple[list[Tier], list[Key], list[Snapshot], int] | None] = (
             queue.Queue()
         )
         self._thread = threading.Thread(target=self._run, name="ucm-write-through", daemon=True)
@@ -868,10 +880,19 @@ class WriteQueue:
         """Snapshot buffers written and kept for the next dumps (freed when idle)."""
         return self._free_bytes + self._releasing_bytes
 
-    def put(self, tiers: list[Tier], keys: list[Key], sources: Sequence[ShardViews]) -> int:
+    def put(
+        self,
+        tiers: list[Tier],
+        keys: list[Key],
+        sources: Sequence[ShardViews],
+        since: int | None = None,
+    ) -> int:
         """Snapshots and queues the longest prefix of the shards that fits in the backlog
         (an empty backlog takes them all), after waiting up to ``wait_s`` for room; the rest
-        skip the write-through tiers. Returns how many shards were queued."""
+        skip the write-through tiers. Returns how many shards were queued. ``since``: the
+        removal generation read before the bytes were captured (ucm.finality; None: now)."""
+        if since is None:
+            since = self._finality.start()
         sizes = [sum(len(view) for view in views) for views in sources]
         deadline = time.monotonic() + self._wait_s
         with self._condition:
@@ -906,7 +927,7 @@ class WriteQueue:
                 _snapshot(views, self._buffer_of(sum(memoryview(v).nbytes for v in views)))
                 for views in sources[:taken]
             ]
-            self._queue.put((tiers, keys[:taken], data))
+            self._queue.put((tiers, keys[:taken], data, since))
         return taken
 
     def drain(self) -> None:
@@ -933,7 +954,7 @@ class WriteQueue:
             except queue.Empty:
                 break
             if item is not None:
-                tiers, keys, data = item
+                tiers, keys, data, _since = item
                 skipped += len(keys) * len(tiers)
                 with self._condition:
                     self._pending_bytes -= sum(len(d) for d in data)
@@ -959,15 +980,23 @@ class WriteQueue:
                 continue
             if item is None:
                 return
-            tiers, keys, data = item
+            tiers, keys, data, since = item
             views: list[ShardViews] = [[memoryview(d)] for d in data]
             for tier in tiers:
-                try:
-                    outcomes = tier.dump(keys, views)
-                    failed = sum(1 for o in outcomes if o is not None)
-                except Exception:
-                    failed = len(keys)
-                self._count("write_through_shards", len(keys) - failed)
+                # Just before the bytes land, and again once they have (ucm.finality): a key
+                # that a purge or a forced remove covered since the dump is not written, or
+                # is removed again.
+                kept = self._finality.unremoved(since, keys)
+                written_keys = [keys[i] for i in kept]
+                failed = 0
+                if written_keys:
+                    try:
+                        outcomes = tier.dump(written_keys, [views[i] for i in kept])
+                        failed = sum(1 for o in outcomes if o is not None)
+                    except Exception:
+                        failed = len(written_keys)
+                    self._finality.settle(since, written_keys, forced_remove([tier]))
+                self._count("write_through_shards", len(written_keys) - failed)
                 self._count("write_through_failures", failed)
             del views  # the tiers are done with them: the buffers may be written again
             self._give_back(data)

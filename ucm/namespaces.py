@@ -76,6 +76,10 @@ def tag(namespace: str) -> bytes:
     return hashlib.blake2b(namespace.encode(), digest_size=TAG_BYTES, person=_PERSON_TAG).digest()
 
 
+_DEFAULT_TAG = tag(DEFAULT_NAMESPACE)
+"""What a purge of the default namespace records (its ids carry no tag of their own)."""
+
+
 def register(namespace: str) -> None:
     """Remembers ``namespace``'s name so that its keys resolve back to it in this process."""
     if namespace == DEFAULT_NAMESPACE:
@@ -112,6 +116,16 @@ def belongs(namespace: str, scoped_id: bytes) -> bool:
     if namespace == DEFAULT_NAMESPACE:
         return namespace_of(scoped_id) == DEFAULT_NAMESPACE
     return bytes(scoped_id[:TAG_BYTES]) == tag(namespace)
+
+
+def purge_covers(purged_tag: bytes, scoped_id: bytes) -> bool:
+    """Whether a purge of the namespace whose tag is ``purged_tag`` covers a stored id: for
+    the default namespace's tag (``tag(DEFAULT_NAMESPACE)``), an id of no registered
+    namespace; for another's, an id that its tag starts. The one decision the removal log's
+    readers (:mod:`ucm.finality`) make per key and purge."""
+    if purged_tag == _DEFAULT_TAG:
+        return belongs(DEFAULT_NAMESPACE, scoped_id)
+    return bytes(scoped_id[:TAG_BYTES]) == purged_tag
 
 
 def known() -> list[str]:

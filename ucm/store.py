@@ -29,7 +29,7 @@ from typing import Any
 from . import arguments, namespaces
 from .admission import Admission, GatedTier
 from .breaker import TierGuard
-from .buffer import BufferTier
+from .buffer import BufferTier, BufferTierConfig
 from .config import LowerTierConfig
 from .errors import (
     ConfigError,
@@ -41,10 +41,12 @@ from .errors import (
     TierError,
     UcmError,
 )
+from .finality import Finality, forced_remove
 from .layout import Key, Layout
 from .loadqueue import DumpItem, DumpQueue, LoadPath
 from .native.buffer import CONTROL_NAME_BYTES, SLOT_NONE, NamespaceTableFullError
 from .native.queue import LOCAL_RANK_SIZE_MAX, NativeQueue, TaskKind
+from .native.removals import process_log
 from .plugins import tier_types
 from .stack import StackConfig, load_stack
 from .task import Progress, Task
@@ -166,6 +168,11 @@ class Store:
         top = self.tiers[0]
         # The shared CacheBuffer (native core), typed: it brings the native load queue.
         self._buffer: BufferTier | None = top if isinstance(top, BufferTier) else None
+        # A purge or a forced remove is final (ucm.finality): the buffer's node-wide removal
+        # log, or without a buffer this process's own.
+        self._finality = (
+            self._buffer.finality if self._buffer is not None else Finality(process_log())
+        )
         # Namespaces in the buffer's node-wide table (quotas, per-namespace figures): the
         # quotas' named ones and this store's own now, any other when a call first names it.
         self._quota_registered: set[str] = set()
@@ -228,7 +235,7 @@ class Store:
                 )
             if self._worker and gated:
                 assert self._buffer is not None  # checked by the stack's validation
-                self._admission = Admission(self._buffer, gated, self._count)
+                self._admission = Admission(self._buffer, gated, self._count, self._finality)
             # Dumps that Python follows up go through the dump thread: without a buffer, with
             # write-through tiers, or within the write-back bound.
             writes_back = self._buffer is not None and self._buffer.writes_back
@@ -240,6 +247,7 @@ class Store:
                     settings=settings,
                     native=self._native,
                     buffer=self._buffer,
+                    finality=self._finality,
                 )
         except BaseException:
             if self._admission is not None:
@@ -639,8 +647,14 @@ class Store:
         # Pending write-through work would resurrect removed shards below: finish it first.
         self.drain()
         before = self._lookup_keys(keys, stop_early=False, bounded=False)
-        for tier in self.tiers:
-            tier.batched_remove(keys, force=force)
+        if force:
+            self._remove_finally(
+                lambda: self._finality.record_removes(blocks),
+                lambda tier: tier.batched_remove(keys, force=True),
+            )
+        else:
+            for tier in self.tiers:
+                tier.batched_remove(keys)
         after = self._lookup_keys(keys, stop_early=False, bounded=False)
         removed = sum(1 for was, still in zip(before, after, strict=True) if was and not still)
         self._count("removed_shards", removed)
@@ -671,8 +685,24 @@ class Store:
         name = namespaces.check_namespace(namespace)
         # Pending write-through work would bring purged shards back below: finish it first.
         self.drain()
-        removed = [tier.purge(name) for tier in self.tiers]
+        removed = self._remove_finally(
+            lambda: self._finality.record_purge(name), lambda tier: tier.purge(name)
+        )
         self._count("purged_shards", sum(removed))
+        return removed
+
+    def _remove_finally(
+        self, record: Callable[[], None], remove: Callable[[Tier], int]
+    ) -> list[int]:
+        """A removal that is final (ucm.finality): the buffer first, then the removal goes in
+        the removal log, then the tiers below. A write to a lower tier that lands after this
+        cleared it carries bytes taken before the buffer was cleared, so it started before the
+        record and finds it once landed; one that landed earlier is cleared here."""
+        removed: list[int] = []
+        for position, tier in enumerate(self.tiers):
+            if position == self._start:
+                record()
+            removed.append(remove(tier))
         return removed
 
     def drain(self) -> None:
@@ -729,6 +759,7 @@ class Store:
             "background_paced_us",
         ):
             counters.setdefault(name, 0)
+        counters.update(self._finality.counts())  # writes_retracted, retract_failures
         lookups = counters["hits"] + counters["misses"]
         counters["hit_rate"] = counters["hits"] / lookups if lookups else 0.0
         writer = self._dumps.writer if self._dumps is not None else None
@@ -1130,8 +1161,13 @@ class Store:
         if not back and not gated_back:
             return None
 
+        # The buffer's sink is settled by the buffer (it knows when it took its slots); a
+        # lower tier's evictions are settled here (ucm.finality).
+        settles = not (position == 0 and isinstance(self.config.tiers[0], BufferTierConfig))
+
         def sink(keys: Sequence[Key], views: Sequence[ShardViews]) -> Sequence[Outcome]:
             results: list[Outcome] = [None] * len(keys)
+            since = self._finality.start() if settles else 0
             if self._admission is not None:
                 for i in gated_back:
                     self._admission.declined(i, len(keys))
@@ -1142,6 +1178,8 @@ class Store:
                         results[j] = outcome
             if back:
                 self._count("written_back_shards", sum(1 for r in results if r is None))
+                if settles:
+                    self._finality.settle(since, keys, forced_remove([self.tiers[i] for i in back]))
             return results
 
         return sink

@@ -11,6 +11,7 @@ const exports = @import("exports.zig");
 const shm = @import("shm.zig");
 const populate = @import("populate.zig");
 const seg_region = @import("seg_region.zig");
+const removal_log = @import("removal_log.zig");
 
 const header =
     \\"""The C ABI of ``libucm_core.so`` as Python constants: limits (``constants.zig``), enums,
@@ -70,6 +71,10 @@ pub fn generate(writer: *std.Io.Writer) !void {
     try write_struct(writer, "HolderEntry", buffer.HolderEntry);
     try write_struct(writer, "NamespaceEntry", buffer.NamespaceEntry);
     try write_struct(writer, "Occupancy", buffer.Occupancy);
+    try writer.writeAll("\n# ---- removal_log.zig ----\n\n");
+    try write_int(writer, "REMOVAL_LOG_INCOMPLETE", exports.removal_log_incomplete);
+    try write_enum(writer, "RemovalKind", removal_log.Kind);
+    try write_struct(writer, "RemovalRecord", removal_log.Record);
     try writer.writeAll("\n# ---- shm.zig, populate.zig, seg_region.zig ----\n");
     try write_struct(writer, "SegAttachEntry", shm.AttachEntry);
     try write_struct(writer, "SegHeader", shm.Header);

@@ -27,6 +27,9 @@
 //! Eviction holds the new key's bucket lock and only *tries* the victim's bucket lock, so two
 //! bucket locks are never waited for at once and there is no lock-order deadlock.
 //!
+//! The removal log (`removal_log.zig`) has its own section after the namespace table: purges
+//! and forced removes, which writers to lower tiers read (`ucm/finality.py`).
+//!
 //! Namespaces (quotas): a key's first 8 bytes are its namespace's tag (`ucm/namespaces.py`).
 //! A fixed table maps registered tags to an index (entry 0: the default namespace, and every
 //! key whose tag is not registered) holding the namespace's guarantee and cap in slots and
@@ -53,6 +56,7 @@ const linux = std.os.linux;
 const constants = @import("constants.zig");
 const futex = @import("futex.zig");
 const seg_sys = @import("seg_sys.zig");
+const removal_log = @import("removal_log.zig");
 
 const assert = std.debug.assert;
 const Atomic = std.atomic.Value;
@@ -358,6 +362,7 @@ comptime {
     assert(@offsetOf(ControlEntry, "value") % 8 == 0);
     assert(@offsetOf(Slot, "version") % constants.futex_word_size_bytes == 0);
     assert(@offsetOf(Bucket, "lock") % constants.futex_word_size_bytes == 0);
+    assert(removals_offset_bytes % constants.buffer_cache_line_bytes == 0);
 }
 
 const clock_offset_bytes = constants.buffer_header_size_bytes;
@@ -365,7 +370,8 @@ const counters_offset_bytes = clock_offset_bytes + constants.buffer_clock_size_b
 const holders_offset_bytes = counters_offset_bytes + constants.buffer_counters_size_bytes;
 const namespaces_offset_bytes = holders_offset_bytes + constants.buffer_holder_table_size_bytes;
 const controls_offset_bytes = namespaces_offset_bytes + constants.buffer_namespace_table_size_bytes;
-const buckets_offset_bytes = controls_offset_bytes + constants.buffer_control_table_size_bytes;
+const removals_offset_bytes = controls_offset_bytes + constants.buffer_control_table_size_bytes;
+const buckets_offset_bytes = removals_offset_bytes + constants.removal_log_size_bytes;
 
 pub const Status = enum(i32) {
     ok = 0,
@@ -539,6 +545,8 @@ pub const Buffer = struct {
     holder_table: *Holders,
     namespace_table: *Namespaces,
     control_table: *Controls,
+    /// The node's removal log (removal_log.zig): purges and forced removes, for writers.
+    removal_log: *removal_log.Log,
     buckets: []Bucket,
     slots: []Slot,
     geometry: Geometry,
@@ -593,6 +601,7 @@ pub const Buffer = struct {
         const default_entry = &buffer.namespace_table.entries[0];
         default_entry.state = Atomic(u32).init(@intFromEnum(NamespaceState.live));
         default_entry.cap_slots = Atomic(u32).init(geometry.slot_count_total());
+        buffer.removal_log.init();
         for (buffer.buckets) |*bucket| {
             bucket.lock = Atomic(u32).init(0);
             bucket.head = slot_none;
@@ -652,6 +661,7 @@ pub const Buffer = struct {
             .holder_table = @ptrFromInt(ctrl_base + holders_offset_bytes),
             .namespace_table = @ptrFromInt(ctrl_base + namespaces_offset_bytes),
             .control_table = @ptrFromInt(ctrl_base + controls_offset_bytes),
+            .removal_log = @ptrFromInt(ctrl_base + removals_offset_bytes),
             .buckets = buckets[0..geometry.bucket_count],
             .slots = slots[0..geometry.slot_count_total()],
             .geometry = geometry,
@@ -2436,7 +2446,7 @@ const quota_test_geometry = Geometry{
     .bucket_count = 4,
     .slots_per_segment = 8,
 };
-var quota_test_memory: [8192]u8 align(constants.buffer_cache_line_bytes) = undefined;
+var quota_test_memory: [8192 + constants.buffer_control_table_size_bytes + constants.removal_log_size_bytes]u8 align(constants.buffer_cache_line_bytes) = undefined;
 
 fn quota_test_buffer() !Buffer {
     assert(ctrl_size_bytes(quota_test_geometry) <= quota_test_memory.len);

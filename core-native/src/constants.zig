@@ -161,7 +161,8 @@ pub const buffer_magic: u64 = 0x3130_4655_424D_4355;
 /// `dirty_slots` and `flushed`); dirty slots are never eviction victims. 5: the namespace
 /// table after the holder table; `Slot.namespace` (offset 60); `Slot.reuses` (bytes 62..63,
 /// uses counted for admission) and the admitted/matured slot flag bits. 6: the control
-/// record table (reset epochs) after the namespace table.
+/// record table (reset epochs) after the namespace table, then the removal log
+/// (removal_log.zig).
 pub const buffer_layout_version: u32 = 6;
 pub const buffer_cache_line_bytes: u64 = 64;
 pub const buffer_header_size_bytes: usize = 256;
@@ -224,4 +225,23 @@ comptime {
     std.debug.assert(buffer_remove_chunk_keys == 1024);
     std.debug.assert(buffer_lock_wait_slice_ns < buffer_lock_timeout_ns);
     std.debug.assert(buffer_lock_wait_slice_ns <= futex_wait_slice_ns);
+}
+
+// ---- Removal log (removal_log.zig): what makes a purge or a forced remove final ----
+
+/// Entries of the removal log's ring: the most purges and forced block removes a writer can
+/// look back over. A writer whose window spans more fails closed (retracts all it wrote).
+pub const removal_log_entries: u32 = 4096;
+pub const removal_log_entry_size_bytes: usize = 32;
+/// The log's header (its generation) owns one cache line; the ring follows.
+pub const removal_log_header_size_bytes: usize = 64;
+pub const removal_log_size_bytes: usize = removal_log_header_size_bytes + removal_log_entries * removal_log_entry_size_bytes;
+/// Entries one `ucm_removal_log_read` call copies out at most (a window past this wrapped).
+pub const removal_log_read_max: u32 = removal_log_entries;
+
+comptime {
+    std.debug.assert(std.math.isPowerOfTwo(removal_log_entries));
+    std.debug.assert(removal_log_size_bytes % buffer_cache_line_bytes == 0);
+    std.debug.assert(removal_log_header_size_bytes == buffer_cache_line_bytes);
+    std.debug.assert(removal_log_read_max <= removal_log_entries);
 }

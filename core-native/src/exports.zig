@@ -592,6 +592,58 @@ pub export fn ucm_buffer_occupancy(ctrl: usize, out: *buffer.Occupancy) i32 {
 }
 // ---- end CacheBuffer ----
 
+// ---- The removal log (removal_log.zig) ----
+// A log is the CacheBuffer's (`ucm_buffer_removal_log` gives its address) or a process's own
+// (`removal_log_size_bytes` of zeroed, 64-byte aligned memory, `ucm_removal_log_init`).
+const removal_log = @import("removal_log.zig");
+
+fn removal_log_at(log_addr: usize) ?*removal_log.Log {
+    if (log_addr == 0 or log_addr % constants.buffer_cache_line_bytes != 0) return null;
+    return @ptrFromInt(log_addr);
+}
+
+/// The address of the removal log inside the control region at `ctrl` (0: not a buffer).
+pub export fn ucm_buffer_removal_log(ctrl: usize) usize {
+    const view = buffer_open(ctrl) orelse return 0;
+    return @intFromPtr(view.removal_log);
+}
+
+/// Initialises a process's own log at `log_addr` (`removal_log_size_bytes` bytes).
+pub export fn ucm_removal_log_init(log_addr: usize) i32 {
+    const log = removal_log_at(log_addr) orelse return @intFromEnum(Error.invalid_argument);
+    log.init();
+    return 0;
+}
+
+/// The latest removal generation of the log (a writer reads it before it captures its data).
+pub export fn ucm_removal_log_generation(log_addr: usize) i64 {
+    const log = removal_log_at(log_addr) orelse return @intFromEnum(Error.invalid_argument);
+    return @intCast(log.current());
+}
+
+/// Records a removal (`kind`: removal_log.Kind; `id`: 16 bytes) and returns its generation.
+pub export fn ucm_removal_log_append(log_addr: usize, kind: u64, id: *const removal_log.Id) i64 {
+    const log = removal_log_at(log_addr) orelse return @intFromEnum(Error.invalid_argument);
+    const tag = std.meta.intToEnum(removal_log.Kind, kind) catch return @intFromEnum(Error.invalid_argument);
+    return @intCast(log.append(tag, id.*));
+}
+
+/// Copies the removals after generation `since` into `out` (room for `capacity`, at most
+/// `removal_log_read_max`); `out_latest` receives the latest generation. Returns the count,
+/// or -2 when the window is incomplete (the ring wrapped past it, an entry still being
+/// written, more than `capacity`): the caller fails closed.
+pub export fn ucm_removal_log_read(log_addr: usize, since: u64, out: [*]removal_log.Record, capacity: u32, out_latest: *u64) i64 {
+    const log = removal_log_at(log_addr) orelse return @intFromEnum(Error.invalid_argument);
+    if (capacity > constants.removal_log_read_max) return @intFromEnum(Error.invalid_argument);
+    const window = log.read(since, out[0..capacity]);
+    out_latest.* = window.latest;
+    if (!window.complete) return removal_log_incomplete;
+    return window.count;
+}
+
+/// `ucm_removal_log_read`'s answer for a window the ring no longer holds whole.
+pub const removal_log_incomplete: i64 = -2;
+
 // ---- The native load queue ----
 // One queue per worker process and buffer (queue.zig). The caller's arrays passed to
 // ucm_queue_submit must stay valid until the task completes (ucm_queue_done returns 1).

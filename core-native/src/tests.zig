@@ -5,6 +5,7 @@ comptime {
     _ = @import("checksum.zig");
     _ = @import("exports.zig");
     _ = @import("buffer.zig"); // CacheBuffer
+    _ = @import("removal_log.zig"); // purges and forced removes, for writers
     _ = @import("buffer_fuzz.zig"); // CacheBuffer model-based fuzzer
     _ = @import("queue.zig"); // native load queue
     _ = @import("queue_test.zig"); // its tests

@@ -5,9 +5,11 @@ corrupt data."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -32,6 +34,9 @@ class SlowPosixConfig(PosixConfig):
     """``"<block hex>:<shard>"`` keys whose load fails with TierError (fault injection)."""
     dump_gate: str | None = None
     """Hold every dump until GATES[dump_gate] is set (ENTERED[dump_gate] says one arrived)."""
+    dump_gate_file: str | None = None
+    """Hold every dump until this file exists (a gate another process opens); the tier
+    creates ``<dump_gate_file>.entered`` when a dump arrives."""
     fail_dumps: int = Field(default=0, ge=0)
     """The first ``fail_dumps`` shards dumped (by this process) fail with TierError and are
     not written: a tier that is down, then back."""
@@ -70,6 +75,8 @@ class SlowPosixTier(PosixTier):
             ENTERED.setdefault(gate, threading.Event()).set()
             if not GATES.setdefault(gate, threading.Event()).wait(GATE_TIMEOUT_S):
                 raise TierError(f"the test never opened the gate {gate!r}")
+        if self.slow.dump_gate_file is not None:
+            wait_for_file(self.slow.dump_gate_file, entered=True)
         with self.dump_lock:
             failing = min(self.dump_failures_left, len(keys))
             self.dump_failures_left -= failing
@@ -83,6 +90,21 @@ class SlowPosixTier(PosixTier):
             "injected": self.injected,
             "injected_dump_failures": self.injected_dump_failures,
         }
+
+
+GATE_FILE_POLL_S = 0.01
+
+
+def wait_for_file(path: str, entered: bool = False) -> None:
+    """Waits (bounded by GATE_TIMEOUT_S) until ``path`` exists: a gate between processes,
+    which share no event; ``entered`` first creates ``<path>.entered``."""
+    if entered:
+        Path(path + ".entered").touch()
+    deadline = time.monotonic() + GATE_TIMEOUT_S
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TierError(f"the test never created the gate file {path!r}")
+        time.sleep(GATE_FILE_POLL_S)
 
 
 RECORDED: dict[str, list[Key]] = {}

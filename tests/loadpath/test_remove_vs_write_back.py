@@ -83,10 +83,10 @@ def _assert_absent_everywhere(store: ucm.Store, x: bytes) -> None:
 def test_a_force_remove_during_a_write_back_flush_is_final(
     test_tiers: None, unique_id: str, tmp_path: Path
 ) -> None:
-    """The remove waits (bounded) for this process's flush of the block, which finds its
-    slots removed once its write is over and deletes what it wrote: when the remove returns
-    the block is on no tier, and stays so. Before the fix the remove returned while the write
-    was held, and the write then put the block back on posix."""
+    """The remove waits (bounded) for this process's flush of the block before it clears
+    the tiers below: when the remove returns the block is on no tier, and stays so. Before
+    the fix the remove returned while the write was held, and the write then put the block
+    back on posix."""
     gate = GATES.setdefault("nvme", threading.Event())
     gate.clear()
     with ucm.open(_stack(unique_id, tmp_path, wait_timeout_s=BOUND_S)) as store:
@@ -110,7 +110,9 @@ def test_a_force_remove_during_a_write_back_flush_is_final(
             flush.wait()
             _assert_absent_everywhere(store, x)
             assert removed == [SHARDS]
-            assert store.buffer.stats()["write_back_retracted"] == SHARDS
+            # The remove waited for the flush, so its write landed before the remove cleared
+            # the tier below, and the remove took it: nothing left for the flush to retract.
+            assert store.buffer.stats()["writes_retracted"] == 0
         finally:
             gate.set()
     with ucm.open(_stack(unique_id, tmp_path)) as fresh:  # no answer kept in memory by the first
@@ -123,8 +125,8 @@ def test_a_flush_that_outlives_the_remove_deletes_what_it_wrote(
 ) -> None:
     """The flush is still held when the remove returns (its wait for the flush is past its
     bound, as when the flusher is another rank's, or ``ucm purge`` runs in a process of its
-    own): once the write lands, the flusher finds its slots removed and deletes the block
-    from the tier it wrote to."""
+    own): once the write lands, the flusher finds the remove in the removal log
+    (ucm.finality) and deletes the block from the tier it wrote to."""
     gate = GATES.setdefault("nvme", threading.Event())
     gate.clear()
     with ucm.open(_stack(unique_id, tmp_path, wait_timeout_s=0.2)) as store:
@@ -137,7 +139,7 @@ def test_a_flush_that_outlives_the_remove_deletes_what_it_wrote(
             flush.wait()
             _assert_absent_everywhere(store, x)
             assert store.buffer is not None
-            assert store.buffer.stats()["write_back_retracted"] == SHARDS
+            assert store.buffer.stats()["writes_retracted"] == SHARDS
         finally:
             gate.set()
     with ucm.open(_stack(unique_id, tmp_path)) as fresh:

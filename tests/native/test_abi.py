@@ -61,8 +61,9 @@ def test_every_export_is_declared_from_the_generated_signatures() -> None:
     # saves: ucm_buffer_count_write_through_skipped; namespaces: ucm_buffer_list_ready;
     # admission: ucm_buffer_reuses, ucm_queue_take_admitted, ucm_queue_unadmit; quotas:
     # ucm_buffer_register_namespace, ucm_buffer_namespace_info; staging copies: ucm_copy_ranges;
-    # reset epochs: ucm_buffer_control_read, ucm_buffer_control_raise
-    assert len(exports) == 68
+    # reset epochs: ucm_buffer_control_read, ucm_buffer_control_raise; removal log:
+    # ucm_buffer_removal_log, ucm_removal_log_{init,generation,append,read}
+    assert len(exports) == 73
     assert _abi.SIGNATURES["ucm_queue_unadmit"] == (
         ctypes.c_int64,
         [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32],

@@ -88,6 +88,11 @@ BUFFER_LOCK_TIMEOUT_NS = 10000000000
 BUFFER_LOCK_ROUND_MAX = 16777216
 BUFFER_WAIT_ROUND_MAX = 16777216
 BUFFER_CAS_ATTEMPTS_MAX = 64
+REMOVAL_LOG_ENTRIES = 4096
+REMOVAL_LOG_ENTRY_SIZE_BYTES = 32
+REMOVAL_LOG_HEADER_SIZE_BYTES = 64
+REMOVAL_LOG_SIZE_BYTES = 131136
+REMOVAL_LOG_READ_MAX = 4096
 
 # ---- queue.zig ----
 
@@ -384,6 +389,26 @@ class Occupancy(ctypes.Structure):
 
 assert ctypes.sizeof(Occupancy) == 64
 
+# ---- removal_log.zig ----
+
+REMOVAL_LOG_INCOMPLETE = -2
+
+
+class RemovalKind(enum.IntEnum):
+    PURGE = 1
+    REMOVE = 2
+
+
+class RemovalRecord(ctypes.Structure):
+    _fields_ = (
+        ("generation", ctypes.c_uint64),
+        ("kind", ctypes.c_uint64),
+        ("id", ctypes.c_uint8 * 16),
+    )
+
+
+assert ctypes.sizeof(RemovalRecord) == 32
+
 # ---- shm.zig, populate.zig, seg_region.zig ----
 
 
@@ -520,6 +545,11 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ucm_buffer_slot_locations": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
     "ucm_buffer_slot_addresses": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p]),
     "ucm_buffer_occupancy": (ctypes.c_int32, [ctypes.c_size_t, ctypes.POINTER(Occupancy)]),
+    "ucm_buffer_removal_log": (ctypes.c_size_t, [ctypes.c_size_t]),
+    "ucm_removal_log_init": (ctypes.c_int32, [ctypes.c_size_t]),
+    "ucm_removal_log_generation": (ctypes.c_int64, [ctypes.c_size_t]),
+    "ucm_removal_log_append": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint64, ctypes.c_void_p]),
+    "ucm_removal_log_read": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(ctypes.c_uint64)]),
     "ucm_queue_create": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint32, ctypes.POINTER(Settings), ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]),
     "ucm_queue_submit": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]),
     "ucm_queue_done": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint64]),

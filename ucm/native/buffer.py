@@ -1111,21 +1111,6 @@ class BufferCore:
             namespace=raw.namespace - 1 if raw.namespace else None,
         )
 
-    def detached(self, slots: Sequence[int] | array[int]) -> list[bool]:
-        """Per slot, whether it has left its chain while referenced: for a Ready slot the
-        caller holds (a flusher's, from :meth:`take_dirty`), a ``remove(force=True)`` took its
-        key out of the buffer meanwhile. The word is stored (SeqCst) before the remove
-        returns, so a caller that reads it unset after some write of its own knows that the
-        remove, and whatever its caller does next, comes after that write."""
-        slot_array = _as_u32_array(slots, "slots")
-        raw = _SlotStruct()
-        out: list[bool] = []
-        for slot in slot_array:
-            _check_int("slot", slot, 0, self.geometry.slot_count_total - 1, "")
-            self._check(self._native.ucm_buffer_debug_slot(self._ctrl, slot, ctypes.byref(raw)), "")
-            out.append(raw.bucket == SLOT_NONE - 1)
-        return out
-
     def ready_slots(self, keys: Sequence[Key]) -> list[int]:
         """The slots where keys that are Ready in the buffer live, with the release library's
         calls (benchmarks copy from them directly): a lookup, then a Get of those keys (all
