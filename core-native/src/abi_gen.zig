@@ -69,6 +69,7 @@ pub fn generate(writer: *std.Io.Writer) !void {
     try write_struct(writer, "Slot", buffer.Slot);
     try write_struct(writer, "HolderEntry", buffer.HolderEntry);
     try write_struct(writer, "NamespaceEntry", buffer.NamespaceEntry);
+    try write_struct(writer, "NamespaceName", buffer.NamespaceName);
     try write_struct(writer, "Occupancy", buffer.Occupancy);
     try writer.writeAll("\n# ---- shm.zig, populate.zig, seg_region.zig ----\n");
     try write_struct(writer, "SegAttachEntry", shm.AttachEntry);
@@ -91,6 +92,7 @@ const named_structs = .{
     .{ "Slot", buffer.Slot },
     .{ "HolderEntry", buffer.HolderEntry },
     .{ "NamespaceEntry", buffer.NamespaceEntry },
+    .{ "NamespaceName", buffer.NamespaceName },
     .{ "Occupancy", buffer.Occupancy },
     .{ "SegAttachEntry", shm.AttachEntry },
     .{ "SegHeader", shm.Header },

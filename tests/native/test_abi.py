@@ -60,8 +60,9 @@ def test_every_export_is_declared_from_the_generated_signatures() -> None:
     exports = _exports()
     # saves: ucm_buffer_count_write_through_skipped; namespaces: ucm_buffer_list_ready;
     # admission: ucm_buffer_reuses, ucm_queue_take_admitted, ucm_queue_unadmit; quotas:
-    # ucm_buffer_register_namespace, ucm_buffer_namespace_info; staging copies: ucm_copy_ranges
-    assert len(exports) == 66
+    # ucm_buffer_register_namespace, ucm_buffer_namespace_info; staging copies: ucm_copy_ranges;
+    # identities: ucm_buffer_register_namespace_name, ucm_buffer_namespace_name(s)
+    assert len(exports) == 69
     assert _abi.SIGNATURES["ucm_queue_unadmit"] == (
         ctypes.c_int64,
         [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32],

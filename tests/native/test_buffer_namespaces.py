@@ -4,16 +4,20 @@ namespace's guarantee holds while other processes flood the buffer."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import random
 import signal
 import time
+import uuid
 from collections import Counter
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Any
 
 import pytest
-from buffer_shm import SharedBuffer, shared_buffer
+from buffer_shm import SharedBuffer, ShmRegion, shared_buffer
 
 from ucm.errors import InvalidArgumentError
 from ucm.native.buffer import DETACHED, BufferCore, Geometry, GetResult, State
@@ -174,3 +178,101 @@ def test_counters_are_exact_after_a_kill_9_in_the_middle_of_inserts() -> None:
             # The buffer still works and stays exact for a surviving rank.
             insert(shared.core, [key(TAG_A, 1000 + round_index), key(TAG_B, 1000 + round_index)])
             assert occupancy(shared) == linked_by_namespace(shared) + Counter({a: 0, b: 0})
+
+
+# ---- registration is atomic across processes ------------------------------------------------
+
+RACE_ROUNDS = 300
+RACE_RANKS = 4
+RACE_GEOMETRY = Geometry(shard_size_bytes=SHARD, slot_count_regular=10, bucket_count=8)
+RACE_GUARANTEE = 6
+"""More than half the regular slots: two namespaces with it do not fit together."""
+
+
+def _race_tag(round_index: int, rank: int) -> bytes:
+    """Half the ranks register one tag, half another (new ones every round)."""
+    return bytes([0xC0 | rank % 2]) + round_index.to_bytes(7, "little")
+
+
+def _race_rank(base: str, rank: int, what: str, start: Any, barrier: Any, conn: Connection) -> None:
+    errors: list[str] = []
+    for round_index in range(RACE_ROUNDS):
+        barrier.wait(120)  # the round's region exists
+        ctrl = ShmRegion(RACE_GEOMETRY.ctrl_size_bytes, f"{base}-{round_index}")
+        core = BufferCore.attach(ctrl.address, ctrl.size_bytes, RACE_GEOMETRY)
+        tag = _race_tag(round_index, rank)
+        while time.monotonic() < start.value:  # every rank calls at the same instant
+            pass
+        try:
+            if what == "quota":
+                core.register_namespace(tag, RACE_GUARANTEE, RACE_GEOMETRY.slot_count_total)
+            else:
+                core.register_namespace_name(tag, f"race-{tag.hex()}")
+        except InvalidArgumentError as exc:  # the guarantees would exceed the regular slots
+            errors.append(str(exc)[:40])
+        del core
+        ctrl.close()
+        barrier.wait(120)  # every rank registered
+    conn.send(errors)
+
+
+def _race(what: str, check: Callable[[BufferCore, int], None]) -> None:
+    """RACE_ROUNDS rounds of RACE_RANKS processes registering at once (a shared start time),
+    each round on a fresh control region; ``check`` reads the region after each round."""
+    base = f"/dev/shm/ucm-test-race-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    start = CTX.Value("d", 0.0, lock=False)
+    barrier = CTX.Barrier(RACE_RANKS + 1)
+    ranks = []
+    for rank in range(RACE_RANKS):
+        parent, child = CTX.Pipe()
+        process = CTX.Process(target=_race_rank, args=(base, rank, what, start, barrier, child))
+        process.start()
+        ranks.append((process, parent))
+    try:
+        for round_index in range(RACE_ROUNDS):
+            ctrl = ShmRegion(RACE_GEOMETRY.ctrl_size_bytes, None)
+            os.rename(ctrl.path, f"{base}-{round_index}")
+            ctrl.path = f"{base}-{round_index}"
+            core = BufferCore.create(ctrl.address, ctrl.size_bytes, RACE_GEOMETRY)
+            start.value = time.monotonic() + 0.02
+            barrier.wait(120)
+            barrier.wait(120)
+            check(core, round_index)
+            del core
+            ctrl.close()
+        for process, parent in ranks:
+            assert parent.poll(120)
+            parent.recv()
+            process.join(30)
+            assert process.exitcode == 0
+    finally:
+        for process, _ in ranks:
+            if process.is_alive():
+                process.kill()
+                process.join(10)
+        for round_index in range(RACE_ROUNDS):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"{base}-{round_index}")
+
+
+def test_processes_registering_at_once_take_one_entry_and_never_over_guarantee() -> None:
+    def check(core: BufferCore, round_index: int) -> None:
+        named = [row for row in core.namespaces() if row.index > 0]
+        # Exactly one of the two tags got in, once (two entries of one tag double its cap;
+        # the second tag's guarantee does not fit beside the first's).
+        assert len(named) == 1, (round_index, named)
+        assert named[0].tag in (_race_tag(round_index, 0), _race_tag(round_index, 1))
+        total = sum(row.guarantee_slots for row in core.namespaces())
+        assert total <= RACE_GEOMETRY.slot_count_regular, (round_index, total)
+
+    _race("quota", check)
+
+
+def test_processes_entering_one_name_at_once_take_one_identity_entry() -> None:
+    def check(core: BufferCore, round_index: int) -> None:
+        tags = [_race_tag(round_index, 0), _race_tag(round_index, 1)]
+        assert core.namespace_names() == {tag: f"race-{tag.hex()}" for tag in tags}
+        assert core.namespace_name(tags[0]) == f"race-{tags[0].hex()}"
+        assert core.namespace_name(bytes.fromhex("0102030405060708")) is None
+
+    _race("name", check)

@@ -17,7 +17,7 @@ from typing import Any
 
 # ---- constants.zig ----
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 FUTEX_WORD_SIZE_BYTES = 4
 FUTEX_WAIT_SLICE_NS = 100000000
 CHECKSUM_PARTS_MAX = 65536
@@ -59,7 +59,7 @@ POPULATE_CHUNK_BYTES = 33554432
 POPULATE_THREADS_MAX = 8
 POPULATE_CHUNKS_MAX = 524288
 BUFFER_MAGIC = 3544410238739104597
-BUFFER_LAYOUT_VERSION = 5
+BUFFER_LAYOUT_VERSION = 6
 BUFFER_CACHE_LINE_BYTES = 64
 BUFFER_HEADER_SIZE_BYTES = 256
 BUFFER_CLOCK_SIZE_BYTES = 64
@@ -71,6 +71,11 @@ BUFFER_HOLDER_TABLE_SIZE_BYTES = 2112
 BUFFER_NAMESPACES_MAX = 32
 BUFFER_NAMESPACE_ENTRY_SIZE_BYTES = 64
 BUFFER_NAMESPACE_TABLE_SIZE_BYTES = 2048
+BUFFER_NAMESPACE_NAMES_MAX = 4096
+BUFFER_NAMESPACE_NAME_MAX_BYTES = 64
+BUFFER_NAMESPACE_NAME_ENTRY_SIZE_BYTES = 128
+BUFFER_NAMESPACE_NAMES_HEADER_SIZE_BYTES = 64
+BUFFER_NAMESPACE_NAMES_SIZE_BYTES = 524352
 BUFFER_HOLDER_SCAN_INTERVAL_NS = 100000000
 BUFFER_SLOT_SIZE_BYTES = 64
 BUFFER_SLOT_COUNT_MAX = 1073741824
@@ -269,6 +274,8 @@ class BufferStatus(enum.IntEnum):
     NOT_REGISTERED = -108
     NAMESPACES_FULL = -109
     GUARANTEES_OVER = -110
+    NAMES_FULL = -111
+    NAME_CONFLICT = -112
 
 
 class HolderState(enum.IntEnum):
@@ -361,6 +368,19 @@ class NamespaceEntry(ctypes.Structure):
 
 
 assert ctypes.sizeof(NamespaceEntry) == 64
+
+
+class NamespaceName(ctypes.Structure):
+    _fields_ = (
+        ("tag", ctypes.c_uint64),
+        ("name_len_bytes", ctypes.c_uint32),
+        ("_pad0", ctypes.c_uint32),
+        ("name", ctypes.c_uint64 * 8),
+        ("_pad1", ctypes.c_uint8 * 48),
+    )
+
+
+assert ctypes.sizeof(NamespaceName) == 128
 
 
 class Occupancy(ctypes.Structure):
@@ -488,6 +508,9 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ucm_buffer_reclaim_dead": (ctypes.c_int64, [ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32)]),
     "ucm_buffer_holder_info": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.POINTER(HolderEntry)]),
     "ucm_buffer_register_namespace": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32]),
+    "ucm_buffer_register_namespace_name": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint32]),
+    "ucm_buffer_namespace_name": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint64, ctypes.POINTER(NamespaceName)]),
+    "ucm_buffer_namespace_names": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint32]),
     "ucm_buffer_namespace_info": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.POINTER(NamespaceEntry)]),
     "ucm_buffer_scan_holders": (ctypes.c_int32, [ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)]),
     "ucm_buffer_get": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),

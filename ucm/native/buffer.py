@@ -28,8 +28,9 @@ import os
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UcmError
 from ..layout import BLOCK_ID_BYTES, Key
 from . import _abi, lib
 
@@ -446,6 +447,19 @@ class NamespaceTableFullError(InvalidArgumentError):
     in the default namespace's entry (and takes its quota)."""
 
 
+NAMESPACE_NAMES_MAX = _abi.BUFFER_NAMESPACE_NAMES_MAX
+"""Namespaces one CacheBuffer (one ``unique_id``) can ever tell apart by name."""
+
+
+class NamespaceNamesFullError(UcmError):
+    """Every entry of the buffer's namespace identity table is taken: a new namespace cannot be
+    used with this buffer (its keys would be counted as the default namespace's)."""
+
+
+class NamespaceNameConflictError(UcmError):
+    """Two namespace names share a tag (probability 2^-64 per pair): the second is refused."""
+
+
 @dataclass(frozen=True)
 class ReclaimReport:
     holders: int
@@ -455,6 +469,12 @@ class ReclaimReport:
 
 
 DETACHED = -1
+
+
+def _name_of(raw: Any) -> str:
+    """The name of a complete ``NamespaceName`` entry."""
+    data = b"".join(int(word).to_bytes(8, "little") for word in raw.name)
+    return data[: int(raw.name_len_bytes)].decode()
 
 
 _PROCESS_ID = [os.getpid()]
@@ -545,6 +565,59 @@ class BufferCore:
             )
         self._check(min(index, 0), "register_namespace")
         return index
+
+    def register_namespace_name(self, tag: bytes, name: str) -> None:
+        """Enters namespace ``name`` (its 8-byte ``tag``, not all zero) in the control plane's
+        identity table, the only authority on which tag is whose: every process resolves the
+        tag to ``name`` from then on (:meth:`namespace_name`), and a key whose tag is not
+        entered is the default namespace's. Idempotent; one entry per tag across processes.
+        :class:`NamespaceNamesFullError` when every entry is taken."""
+        if not isinstance(tag, bytes) or len(tag) != 8 or tag == bytes(8):
+            raise InvalidArgumentError(f"tag={tag!r} is not valid: expected 8 bytes, not all zero")
+        raw = name.encode()
+        if not 1 <= len(raw) <= _abi.BUFFER_NAMESPACE_NAME_MAX_BYTES:
+            raise InvalidArgumentError(
+                f"name={name!r} is not valid: expected 1 to "
+                f"{_abi.BUFFER_NAMESPACE_NAME_MAX_BYTES} bytes"
+            )
+        status = int(
+            self._native.ucm_buffer_register_namespace_name(
+                self._ctrl, int.from_bytes(tag, "little"), raw, len(raw)
+            )
+        )
+        if status == _Status.NAMES_FULL:
+            raise NamespaceNamesFullError(
+                f"cannot use namespace {name!r} with this CacheBuffer: all "
+                f"{NAMESPACE_NAMES_MAX} entries of its namespace identity table are taken "
+                "(namespaces ever used on this node's buffer of this unique_id; entries are "
+                "never freed while the buffer lives): use a namespace already in use, or "
+                "restart the node's ranks on a fresh unique_id"
+            )
+        if status == _Status.NAME_CONFLICT:
+            raise NamespaceNameConflictError(
+                f"cannot use namespace {name!r}: its tag {tag.hex()} is already another "
+                f"namespace's ({self.namespace_name(tag)!r}); choose another name"
+            )
+        self._check(min(status, 0), "register_namespace_name")
+
+    def namespace_name(self, tag: bytes) -> str | None:
+        """The name entered for ``tag`` (8 bytes) in the identity table, else None: then the
+        tag's keys are the default namespace's."""
+        raw = _abi.NamespaceName()
+        found = int(
+            self._native.ucm_buffer_namespace_name(
+                self._ctrl, int.from_bytes(tag[:8], "little"), ctypes.byref(raw)
+            )
+        )
+        self._check(min(found, 0), "namespace_name")
+        return _name_of(raw) if found else None
+
+    def namespace_names(self) -> dict[bytes, str]:
+        """Every entry of the identity table: ``{tag: name}``."""
+        out = (_abi.NamespaceName * NAMESPACE_NAMES_MAX)()
+        count = int(self._native.ucm_buffer_namespace_names(self._ctrl, out, NAMESPACE_NAMES_MAX))
+        self._check(min(count, 0), "namespace_names")
+        return {int(raw.tag).to_bytes(8, "little"): _name_of(raw) for raw in out[:count]}
 
     def namespaces(self) -> list[NamespaceUsage]:
         """Every live entry of the namespace table (entry 0 first)."""
