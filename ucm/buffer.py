@@ -294,9 +294,7 @@ class BufferTier(Tier):
         except BaseException:
             self.region.close()  # a refused attach must not keep the segments mapped
             raise
-        # The buffer's identity table answers which namespace a tag is (ucm/namespaces.py).
         self._resolver = self.core.namespace_name
-        namespaces.add_authority(self._resolver)
         self._counts = {
             "written_back_shards": 0,
             "write_back_failures": 0,
@@ -328,6 +326,9 @@ class BufferTier(Tier):
                 target=self._flush_loop, name="ucm-write-back", daemon=True
             )
             self._flusher.start()
+        # The buffer's identity table answers which namespace a tag is (ucm/namespaces.py),
+        # until close unmaps it.
+        namespaces.add_authority(self._resolver)
 
     def count(self, name: str, amount: int = 1) -> None:
         with self._counts_lock:
