@@ -147,14 +147,8 @@ def namespace_of(scoped_id: bytes) -> str:
 
 
 def belongs(namespace: str, scoped_id: bytes) -> bool:
-    """Whether a stored id is one of ``namespace``'s (for the default: of no registered
-    namespace)."""
+    """Whether a stored id is one of ``namespace``'s (for the default: of no namespace that
+    :func:`namespace_of` resolves, the open buffers' identity tables included)."""
     if namespace == DEFAULT_NAMESPACE:
         return namespace_of(scoped_id) == DEFAULT_NAMESPACE
     return bytes(scoped_id[:TAG_BYTES]) == tag(namespace)
-
-
-def known() -> list[str]:
-    """Every namespace name this process has registered (not the default)."""
-    with _lock:
-        return sorted(_names.values())
