@@ -563,6 +563,11 @@ class BufferCore:
                 f"{guarantee_slots}: the registered guarantees would exceed the "
                 f"{self.geometry.slot_count_regular} regular slots"
             )
+        if index == _Status.LOCK_TIMEOUT:
+            raise TimeoutError(
+                "register_namespace: the namespace registration lock stayed held by a live process "
+                "past the lock timeout"
+            )
         self._check(min(index, 0), "register_namespace")
         return index
 
@@ -597,6 +602,11 @@ class BufferCore:
             raise NamespaceNameConflictError(
                 f"cannot use namespace {name!r}: its tag {tag.hex()} is already another "
                 f"namespace's ({self.namespace_name(tag)!r}); choose another name"
+            )
+        if status == _Status.LOCK_TIMEOUT:
+            raise TimeoutError(
+                "register_namespace_name: the namespace registration lock stayed held by a "
+                "live process past the lock timeout"
             )
         self._check(min(status, 0), "register_namespace_name")
 
