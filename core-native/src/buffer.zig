@@ -2516,6 +2516,10 @@ pub const Buffer = struct {
         assert(bucket_index < buffer.buckets.len);
         buffer.lock_release(bucket_index);
     }
+
+    pub fn debug_hold_registration_lock(buffer: Buffer) error{LockTimeout}!void {
+        try buffer.registration_lock_acquire();
+    }
 };
 
 // -------------------------------------------------------------------------------------------

@@ -594,6 +594,14 @@ pub fn ucm_buffer_debug_drop_lock(ctrl: usize, bucket_index: u32) callconv(.c) i
     return 0;
 }
 
+/// Test hook: take the namespace registration lock and keep it (the caller is then killed to
+/// test recovery).
+pub fn ucm_buffer_debug_hold_registration_lock(ctrl: usize) callconv(.c) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    view.debug_hold_registration_lock() catch return buffer_status(.lock_timeout);
+    return 0;
+}
+
 /// Test hook (this process only): pause between reading version+state and blocking in wait.
 pub fn ucm_buffer_debug_set_wait_pause_ns(pause_ns: u64) callconv(.c) void {
     buffer.debug_wait_pause_ns = pause_ns;
@@ -1118,6 +1126,7 @@ comptime {
         @export(&ucm_buffer_debug_bucket_of, .{ .name = "ucm_buffer_debug_bucket_of" });
         @export(&ucm_buffer_debug_hold_lock, .{ .name = "ucm_buffer_debug_hold_lock" });
         @export(&ucm_buffer_debug_drop_lock, .{ .name = "ucm_buffer_debug_drop_lock" });
+        @export(&ucm_buffer_debug_hold_registration_lock, .{ .name = "ucm_buffer_debug_hold_registration_lock" });
         @export(&ucm_buffer_debug_set_wait_pause_ns, .{ .name = "ucm_buffer_debug_set_wait_pause_ns" });
         @export(&ucm_seg_debug_set_peer_uid, .{ .name = "ucm_seg_debug_set_peer_uid" });
     }

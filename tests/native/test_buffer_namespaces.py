@@ -297,3 +297,28 @@ def test_processes_entering_one_name_at_once_take_one_identity_entry() -> None:
         return []
 
     _race("name", 200, check)
+
+
+def _hold_registration_lock(shared: SharedBuffer, conn: Connection) -> None:
+    rank = shared.attach_in_child()
+    rank.core.debug_hold_registration_lock()
+    conn.send("holding")
+    while True:  # killed here, holding the lock
+        time.sleep(1)
+
+
+def test_a_registrant_killed_holding_the_registration_lock_blocks_nobody() -> None:
+    geometry = Geometry(shard_size_bytes=SHARD, slot_count_regular=16, bucket_count=8)
+    with shared_buffer(geometry) as shared:
+        parent, child = CTX.Pipe()
+        process = CTX.Process(target=_hold_registration_lock, args=(shared, child))
+        process.start()
+        assert parent.poll(30) and parent.recv() == "holding"
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(30)
+        assert process.exitcode == -signal.SIGKILL
+        # The next registrations take the dead holder's lock over and complete.
+        shared.core.register_namespace_name(TAG_A, "tenant-a")
+        assert shared.core.register_namespace(TAG_A, 4, 8) == 1
+        assert shared.core.namespace_names() == {TAG_A: "tenant-a"}
+        assert shared.core.register_namespace(TAG_B, 4, 8) == 2

@@ -572,6 +572,7 @@ DEBUG_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ucm_buffer_debug_bucket_of": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_void_p]),
     "ucm_buffer_debug_hold_lock": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32]),
     "ucm_buffer_debug_drop_lock": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32]),
+    "ucm_buffer_debug_hold_registration_lock": (ctypes.c_int32, [ctypes.c_size_t]),
     "ucm_buffer_debug_set_wait_pause_ns": (None, [ctypes.c_uint64]),
     "ucm_seg_debug_set_peer_uid": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32]),
 }

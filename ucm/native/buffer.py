@@ -1207,6 +1207,14 @@ class BufferCore:
         _check_int("bucket", bucket, 0, self.geometry.bucket_count - 1, "")
         self._check(self._native.ucm_buffer_debug_drop_lock(self._ctrl, bucket), "drop_lock")
 
+    def debug_hold_registration_lock(self) -> None:
+        """Test hook: takes the namespace registration lock and keeps it (kill this process to
+        test recovery)."""
+        self._check(
+            self._native.ucm_buffer_debug_hold_registration_lock(self._ctrl),
+            "hold_registration_lock",
+        )
+
     # -- errors --------------------------------------------------------------------------------
 
     def _check(self, status: int, operation: str) -> None:
