@@ -297,6 +297,7 @@ class BufferTier(Tier):
         except BaseException:
             self.region.close()  # a refused attach must not keep the segments mapped
             raise
+        self._resolver = self.core.namespace_name
         self._counts = {
             "written_back_shards": 0,
             "write_back_failures": 0,
@@ -329,6 +330,9 @@ class BufferTier(Tier):
                 target=self._flush_loop, name="ucm-write-back", daemon=True
             )
             self._flusher.start()
+        # The buffer's identity table answers which namespace a tag is (ucm/namespaces.py),
+        # until close unmaps it.
+        namespaces.add_authority(self._resolver)
 
     def count(self, name: str, amount: int = 1) -> None:
         with self._counts_lock:
@@ -354,9 +358,9 @@ class BufferTier(Tier):
     def namespace_stats(self) -> dict[str, dict[str, int]]:
         """Node-wide figures of every namespace in the buffer's namespace table, by name: slots
         and bytes it holds, its guarantee and cap in slots, and the Get hits, misses and
-        evictions of its keys. A tag no name of this process matches is ``#<tag hex>``;
-        ``default`` also holds every namespace not registered in the table."""
-        names = {namespaces.tag(name): name for name in namespaces.known()}
+        evictions of its keys, named by the buffer's identity table (a tag it does not hold is
+        ``#<tag hex>``); ``default`` also holds every namespace not registered in the table."""
+        names = self.core.namespace_names()
         names[bytes(namespaces.TAG_BYTES)] = namespaces.DEFAULT_NAMESPACE
         shard = self.layout.shard_size
         return {
@@ -371,6 +375,13 @@ class BufferTier(Tier):
             }
             for row in self.core.namespaces()
         }
+
+    def register_name(self, namespace: str) -> None:
+        """Enters ``namespace`` (tag and name) in the buffer's identity table, which every
+        process of the node resolves keys through: before its first key can land here.
+        :class:`~ucm.native.buffer.NamespaceNamesFullError` when the table is full."""
+        if namespace != namespaces.DEFAULT_NAMESPACE:
+            self.core.register_namespace_name(namespaces.tag(namespace), namespace)
 
     def register_quota(self, namespace: str, quota: BufferQuota | None) -> int:
         """Registers ``namespace`` in the node-wide namespace table with its CacheBuffer quota
@@ -813,6 +824,7 @@ class BufferTier(Tier):
         with tasks still running after queue_timeout_s keeps the mappings (never freed under
         a running copy)."""
         self._stop_flusher()  # flush() was not called (a failed open, a test)
+        namespaces.remove_authority(self._resolver)
         queue = self._queue
         self._holds_closed = True
         if queue is not None:

@@ -17,10 +17,16 @@ key: what purge and per-namespace usage enumerate (``ucm purge``, ``ucm namespac
 CacheBuffer from its slots (``ucm_buffer_list_ready``) and in lower tiers from their key spaces,
 where a namespace other than the default also gets its own prefix (``ns/<name>/``).
 
-Resolving a tag back to its name needs the name: this module keeps the names this process has
-used or seen in a lower tier's key space (:func:`register`). A key whose tag is unknown here is
-reported under ``#<tag hex>`` by the usage listings and treated as the default namespace's by
-lower tiers' placement (it keeps its own scoped id, so isolation holds either way).
+Resolving a tag back to its name needs the name. **The authority is the CacheBuffer's control
+plane**: every namespace a process uses with a buffer is entered there (tag and name) before
+its first key can land (``Store`` does it at the first call naming the namespace), so every
+process of the node, a fresh ``ucm purge`` included, resolves every key of the buffer, and a key
+whose tag the table does not hold is the default namespace's. Each open buffer adds its table
+as an authority (:func:`add_authority`). A stack without a buffer resolves tags from the lower
+tiers' own layout (a tier that finds ``ns/<name>/`` calls :func:`register`), and from the names
+this process used. A (tag, name) pair learnt from any of these is a fact of the hash, so it is
+remembered; the verdict "default" is never remembered and, with a buffer open, comes from its
+table only.
 
 The collision bounds: two names share a tag with probability 2^-64 per pair; a default-namespace
 block id is taken for a namespace's key with probability 2^-64 per (block, namespace); two block
@@ -32,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from .errors import InvalidArgumentError
@@ -56,7 +63,15 @@ _PERSON_ID = b"ucm-ns-id"
 
 _lock = threading.Lock()
 _names: dict[bytes, str] = {}
-"""tag -> name of every namespace this process used or saw (never the default)."""
+"""tag -> name of every namespace this process used, saw in a lower tier's layout or resolved
+through an authority (never the default)."""
+
+Resolver = Callable[[bytes], str | None]
+"""An authority: a tag (8 bytes) -> its namespace's name, or None (not a registered
+namespace's: the default's)."""
+
+_authorities: list[Resolver] = []
+"""The identity tables of this process's open CacheBuffers."""
 
 
 def check_namespace(value: Any, argument: str = "namespace") -> str:
@@ -104,15 +119,40 @@ def scope(namespace: str, block_ids: list[bytes]) -> list[bytes]:
     ]
 
 
+def add_authority(resolve: Resolver) -> None:
+    """Makes ``resolve`` (an open CacheBuffer's identity table) answer for tags this process
+    has not resolved yet, until :func:`remove_authority`."""
+    with _lock:
+        _authorities.append(resolve)
+
+
+def remove_authority(resolve: Resolver) -> None:
+    with _lock:
+        if resolve in _authorities:
+            _authorities.remove(resolve)
+
+
 def namespace_of(scoped_id: bytes) -> str:
-    """The namespace of a stored id: a registered namespace whose tag starts it, else the
-    default."""
-    return _names.get(bytes(scoped_id[:TAG_BYTES]), DEFAULT_NAMESPACE)
+    """The namespace of a stored id: the namespace whose tag starts it, as this process knows
+    it or an open CacheBuffer's identity table says, else the default."""
+    key = bytes(scoped_id[:TAG_BYTES])
+    name = _names.get(key)
+    if name is not None:
+        return name
+    with _lock:
+        authorities = list(_authorities)
+    for resolve in authorities:
+        name = resolve(key)
+        if name is not None:
+            with _lock:
+                _names.setdefault(key, name)
+            return name
+    return DEFAULT_NAMESPACE
 
 
 def belongs(namespace: str, scoped_id: bytes) -> bool:
-    """Whether a stored id is one of ``namespace``'s (for the default: of no registered
-    namespace)."""
+    """Whether a stored id is one of ``namespace``'s (for the default: of no namespace that
+    :func:`namespace_of` resolves, the open buffers' identity tables included)."""
     if namespace == DEFAULT_NAMESPACE:
         return namespace_of(scoped_id) == DEFAULT_NAMESPACE
     return bytes(scoped_id[:TAG_BYTES]) == tag(namespace)
@@ -126,9 +166,3 @@ def purge_covers(purged_tag: bytes, scoped_id: bytes) -> bool:
     if purged_tag == _DEFAULT_TAG:
         return belongs(DEFAULT_NAMESPACE, scoped_id)
     return bytes(scoped_id[:TAG_BYTES]) == purged_tag
-
-
-def known() -> list[str]:
-    """Every namespace name this process has registered (not the default)."""
-    with _lock:
-        return sorted(_names.values())

@@ -662,13 +662,14 @@ class Store:
 
     def namespaces(self) -> dict[str, list[int | None]]:
         """Shards held per namespace and tier (top first): ``{namespace: [shards in tier 0,
-        ...]}``, ``None`` where a tier cannot enumerate its keys (Mooncake). Namespaces whose
-        names this process has not met (neither used nor found under a lower tier's
-        ``ns/<name>/`` prefix) are counted under the default namespace."""
+        ...]}``, ``None`` where a tier cannot enumerate its keys (Mooncake). Keys are named
+        by the CacheBuffer's identity table (every namespace used with the buffer is in it,
+        so a key whose tag it lacks is the default namespace's) and, below it, by the tiers'
+        own ``ns/<name>/`` layout (ucm/namespaces.py)."""
         self._check_open()
         self.drain()
         per_tier: list[dict[str, int] | None] = []
-        # Lower tiers first: their prefixes name the namespaces whose buffer keys follow.
+        # Lower tiers first: their ns/<name>/ prefixes name namespaces no buffer holds.
         for tier in reversed(self.tiers):
             per_tier.append(tier.namespace_usage())
         per_tier.reverse()
@@ -900,14 +901,19 @@ class Store:
             self._register_quota(name)
 
     def _register_quota(self, namespace: str) -> None:
-        """Registers ``namespace`` in the buffer's namespace table once per store, with its
-        CacheBuffer quota (its own, else ``quotas.others``; none without ``quotas:``), so that
-        its slots, hits, misses and evictions are its own. A full table leaves it counted in
-        the default namespace's entry."""
-        self._quota_registered.add(namespace)
-        namespaces.register(namespace)  # its keys resolve to its name (stats, listings)
+        """Registers ``namespace`` in the buffer's tables once per store, before any key of it
+        can land there: its identity (tag and name: how every process of the node tells its
+        keys from the default namespace's; a full identity table fails the call, see
+        :class:`~ucm.native.buffer.NamespaceNamesFullError`), then its CacheBuffer quota (its
+        own, else ``quotas.others``; none without ``quotas:``), so that its slots, hits,
+        misses and evictions are its own. A full quota table leaves it counted in the default
+        namespace's quota entry."""
+        namespaces.register(namespace)  # this process resolves its keys without asking
         if self._buffer is None:
+            self._quota_registered.add(namespace)
             return
+        self._buffer.register_name(namespace)
+        self._quota_registered.add(namespace)
         quotas = self.config.quotas
         quota = quotas.for_namespace(namespace).buffer if quotas is not None else None
         try:

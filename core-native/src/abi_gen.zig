@@ -70,6 +70,7 @@ pub fn generate(writer: *std.Io.Writer) !void {
     try write_struct(writer, "Slot", buffer.Slot);
     try write_struct(writer, "HolderEntry", buffer.HolderEntry);
     try write_struct(writer, "NamespaceEntry", buffer.NamespaceEntry);
+    try write_struct(writer, "NamespaceName", buffer.NamespaceName);
     try write_struct(writer, "Occupancy", buffer.Occupancy);
     try writer.writeAll("\n# ---- removal_log.zig ----\n\n");
     try write_int(writer, "REMOVAL_LOG_INCOMPLETE", exports.removal_log_incomplete);
@@ -96,6 +97,7 @@ const named_structs = .{
     .{ "Slot", buffer.Slot },
     .{ "HolderEntry", buffer.HolderEntry },
     .{ "NamespaceEntry", buffer.NamespaceEntry },
+    .{ "NamespaceName", buffer.NamespaceName },
     .{ "Occupancy", buffer.Occupancy },
     .{ "SegAttachEntry", shm.AttachEntry },
     .{ "SegHeader", shm.Header },

@@ -5,7 +5,8 @@
 //! validated by `attach`. It holds no pointers, only indices and offsets, so every process may
 //! map it at a different address:
 //!
-//!   [Header][Clock][Counters][Holders][Namespaces][Controls][Bucket × bucket_count][Slot × (regular + reserved)]
+//!   [Header][Clock][Counters][Holders][Namespaces][NamespaceNames][Controls][RemovalLog]
+//!   [Bucket × bucket_count][Slot × (regular + reserved)]
 //!
 //! Locking: each hash bucket has a cross-process lock word holding the holder's pid. A slot's
 //! key, chain link, holders, owner and state transitions are changed only under the lock of the
@@ -48,6 +49,15 @@
 //! maximum over every live entry of the name, so the two stay one record. An entry left
 //! `registering` by a process killed in between is never published (lost to the table; the
 //! raise it belonged to never returned).
+//!
+//! Namespace identities: the only authority on which tag is whose. `NamespaceNames` maps every
+//! tag a process uses with the buffer to its name (open addressing, entries never freed); a
+//! process enters its namespace before its first key of it can land, so a key whose tag no
+//! entry holds is the default namespace's, and any process (a fresh `ucm purge`) resolves
+//! every key. One registration lock (a pid word, stolen from a dead holder like a bucket lock)
+//! serialises every change to both tables: one entry per tag, and the guarantee sum is checked
+//! and committed at once. Readers take no lock: an entry's name is published by a release store
+//! of its length.
 //!
 //! Data slots are addressed as segment_base[segment] + offset; `slot_location` computes the
 //! pair with shift+mask when slots_per_segment is a power of two, else with div/mod.
@@ -306,6 +316,15 @@ pub const NamespaceEntry = extern struct {
 
 pub const NamespaceState = enum(u32) { free = 0, registering = 1, live = 2 };
 
+fn name_to_words(name: []const u8) [name_words]u64 {
+    assert(name.len <= constants.buffer_namespace_name_max_bytes);
+    var bytes: [constants.buffer_namespace_name_max_bytes]u8 = @splat(0);
+    @memcpy(bytes[0..name.len], name);
+    var words: [name_words]u64 = undefined;
+    for (&words, 0..) |*word, index| word.* = std.mem.readInt(u64, bytes[index * 8 ..][0..8], .little);
+    return words;
+}
+
 pub const Namespaces = extern struct {
     entries: [constants.buffer_namespaces_max]NamespaceEntry,
 };
@@ -321,6 +340,32 @@ pub const ControlEntry = extern struct {
 
 pub const Controls = extern struct {
     entries: [constants.buffer_controls_max]ControlEntry,
+};
+
+const name_words = constants.buffer_namespace_name_max_bytes / 8;
+
+/// One namespace identity: its tag and its name. The tag is claimed (0: free) and the name
+/// written under the registration lock; `name_len_bytes` is stored last (release), so a reader
+/// that sees it non-zero sees the whole name. Never changes once complete.
+pub const NamespaceName = extern struct {
+    tag: Atomic(u64),
+    /// 0 until the name is complete (a registrant killed mid-write leaves 0; the next
+    /// registrant of the tag completes it).
+    name_len_bytes: Atomic(u32),
+    _pad0: u32,
+    /// The name's bytes, little-endian in 8-byte words, zero-padded.
+    name: [name_words]Atomic(u64),
+    _pad1: [48]u8,
+};
+
+pub const NamespaceNames = extern struct {
+    /// The registration lock: 0 or the holder's pid (with `lock_contended_bit`), as a bucket
+    /// lock. Held for every change to this table and to the namespace (quota) table.
+    lock: Atomic(u32),
+    /// Entries whose tag is claimed.
+    used: Atomic(u32),
+    _pad: [56]u8,
+    entries: [constants.buffer_namespace_names_max]NamespaceName,
 };
 
 /// What a namespace-aware allocation may take: free slots and any victim (`grow`), or only
@@ -356,6 +401,10 @@ comptime {
     assert(@sizeOf(Holders) == constants.buffer_holder_table_size_bytes);
     assert(@sizeOf(NamespaceEntry) == constants.buffer_namespace_entry_size_bytes);
     assert(@sizeOf(Namespaces) == constants.buffer_namespace_table_size_bytes);
+    assert(@sizeOf(NamespaceName) == constants.buffer_namespace_name_entry_size_bytes);
+    assert(@sizeOf(NamespaceNames) == constants.buffer_namespace_names_size_bytes);
+    assert(@offsetOf(NamespaceNames, "entries") == constants.buffer_namespace_names_header_size_bytes);
+    assert(@offsetOf(NamespaceNames, "lock") % constants.futex_word_size_bytes == 0);
     assert(@offsetOf(Slot, "namespace") == 60);
     assert(@sizeOf(ControlEntry) == constants.buffer_control_entry_size_bytes);
     assert(@sizeOf(Controls) == constants.buffer_control_table_size_bytes);
@@ -369,7 +418,8 @@ const clock_offset_bytes = constants.buffer_header_size_bytes;
 const counters_offset_bytes = clock_offset_bytes + constants.buffer_clock_size_bytes;
 const holders_offset_bytes = counters_offset_bytes + constants.buffer_counters_size_bytes;
 const namespaces_offset_bytes = holders_offset_bytes + constants.buffer_holder_table_size_bytes;
-const controls_offset_bytes = namespaces_offset_bytes + constants.buffer_namespace_table_size_bytes;
+const names_offset_bytes = namespaces_offset_bytes + constants.buffer_namespace_table_size_bytes;
+const controls_offset_bytes = names_offset_bytes + constants.buffer_namespace_names_size_bytes;
 const removals_offset_bytes = controls_offset_bytes + constants.buffer_control_table_size_bytes;
 const buckets_offset_bytes = removals_offset_bytes + constants.removal_log_size_bytes;
 
@@ -393,6 +443,10 @@ pub const Status = enum(i32) {
     guarantees_over = -110,
     /// Every control record entry is taken (`constants.buffer_controls_max`).
     controls_full = -111,
+    /// Every namespace identity entry is taken (`constants.buffer_namespace_names_max`).
+    names_full = -112,
+    /// The tag is entered under another name (two names hashed to one tag).
+    name_conflict = -113,
 };
 
 pub const GetResult = enum(u8) {
@@ -547,6 +601,7 @@ pub const Buffer = struct {
     control_table: *Controls,
     /// The node's removal log (removal_log.zig): purges and forced removes, for writers.
     removal_log: *removal_log.Log,
+    namespace_names: *NamespaceNames,
     buckets: []Bucket,
     slots: []Slot,
     geometry: Geometry,
@@ -662,6 +717,7 @@ pub const Buffer = struct {
             .namespace_table = @ptrFromInt(ctrl_base + namespaces_offset_bytes),
             .control_table = @ptrFromInt(ctrl_base + controls_offset_bytes),
             .removal_log = @ptrFromInt(ctrl_base + removals_offset_bytes),
+            .namespace_names = @ptrFromInt(ctrl_base + names_offset_bytes),
             .buckets = buckets[0..geometry.bucket_count],
             .slots = slots[0..geometry.slot_count_total()],
             .geometry = geometry,
@@ -1054,16 +1110,18 @@ pub const Buffer = struct {
 
     /// Registers namespace `tag` with its quotas (or updates them), returning its index. Tag 0
     /// is the default namespace (entry 0). Entries are never freed: a tag keeps its index for
-    /// the region's life. Two processes registering one new tag at once may take two entries;
-    /// keys then count in the first one live when they are installed (the counters stay exact).
+    /// the region's life. Under the registration lock: two processes registering one new tag
+    /// at once take one entry, and the guarantee sum is checked and committed together.
     pub fn register_namespace(
         buffer: Buffer,
         tag: u64,
         guarantee_slots: u32,
         cap_slots: u32,
-    ) error{ InvalidArgument, NamespacesFull, GuaranteesOver }!u16 {
+    ) error{ InvalidArgument, NamespacesFull, GuaranteesOver, LockTimeout }!u16 {
         if (guarantee_slots > cap_slots) return error.InvalidArgument;
         if (cap_slots > buffer.geometry.slot_count_total()) return error.InvalidArgument;
+        try buffer.registration_lock_acquire();
+        defer buffer.registration_lock_release();
         const table = &buffer.namespace_table.entries;
         const existing: ?u16 = if (tag == 0) 0 else buffer.namespace_find(tag);
         var guaranteed: u64 = guarantee_slots;
@@ -1080,13 +1138,10 @@ pub const Buffer = struct {
             return index;
         }
         for (table[1..], 1..) |*entry, index| {
-            // Acquire on success: nothing to see; the entry is ours to write.
-            if (entry.state.cmpxchgStrong(
-                @intFromEnum(NamespaceState.free),
-                @intFromEnum(NamespaceState.registering),
-                .acquire,
-                .monotonic,
-            ) != null) continue;
+            // Under the lock, an entry still `registering` was left by a registrant killed
+            // before it went live: no key ever counted in it, so it is free to take.
+            if (entry.state.load(.monotonic) == @intFromEnum(NamespaceState.live)) continue;
+            entry.state.store(@intFromEnum(NamespaceState.registering), .monotonic);
             assert(entry.occupancy_slots.load(.monotonic) == 0);
             entry.tag.store(tag, .monotonic);
             entry.guarantee_slots.store(guarantee_slots, .monotonic);
@@ -1096,6 +1151,101 @@ pub const Buffer = struct {
             return @intCast(index);
         }
         return error.NamespacesFull;
+    }
+
+    /// Enters namespace `tag` (not 0) with its `name` in the identity table, returning the
+    /// entry's index. Idempotent; one entry per tag, whoever registers it at once. NamesFull
+    /// when every entry is taken, NameConflict when the tag is entered under another name.
+    pub fn register_namespace_name(
+        buffer: Buffer,
+        tag: u64,
+        name: []const u8,
+    ) error{ InvalidArgument, NamesFull, NameConflict, LockTimeout }!u32 {
+        if (tag == 0) return error.InvalidArgument;
+        if (name.len == 0 or name.len > constants.buffer_namespace_name_max_bytes) {
+            return error.InvalidArgument;
+        }
+        const words = name_to_words(name);
+        // Lock-free first: every registration after the first of a tag ends here.
+        if (buffer.namespace_name_find(tag)) |index| {
+            if (!buffer.namespace_name_equals(index, &words, name.len)) return error.NameConflict;
+            return index;
+        }
+        try buffer.registration_lock_acquire();
+        defer buffer.registration_lock_release();
+        const entries = &buffer.namespace_names.entries;
+        const mask = constants.buffer_namespace_names_max - 1;
+        const start: u32 = @as(u32, @truncate(tag)) & mask;
+        var probe: u32 = 0;
+        while (probe < constants.buffer_namespace_names_max) : (probe += 1) {
+            const index = (start + probe) & mask;
+            const entry = &entries[index];
+            // Monotonic: tags change only under the lock we hold.
+            const seen = entry.tag.load(.monotonic);
+            if (seen == 0) {
+                entry.tag.store(tag, .monotonic);
+                _ = buffer.namespace_names.used.fetchAdd(1, .monotonic);
+            } else if (seen != tag) {
+                continue;
+            } else if (entry.name_len_bytes.load(.monotonic) != 0) {
+                if (!buffer.namespace_name_equals(index, &words, name.len)) return error.NameConflict;
+                return index;
+            }
+            // A new entry, or one whose registrant died before publishing its name.
+            for (&entry.name, words) |*word, value| word.store(value, .monotonic);
+            // Release: whoever reads the length non-zero reads the name and the tag.
+            entry.name_len_bytes.store(@intCast(name.len), .release);
+            return index;
+        }
+        return error.NamesFull;
+    }
+
+    /// The complete identity entry of `tag` (not 0), if any. Lock-free: entries are never
+    /// freed, so the probe stops at the first free one.
+    pub fn namespace_name_find(buffer: Buffer, tag: u64) ?u32 {
+        assert(tag != 0);
+        const entries = &buffer.namespace_names.entries;
+        const mask = constants.buffer_namespace_names_max - 1;
+        const start: u32 = @as(u32, @truncate(tag)) & mask;
+        var probe: u32 = 0;
+        while (probe < constants.buffer_namespace_names_max) : (probe += 1) {
+            const index = (start + probe) & mask;
+            const entry = &entries[index];
+            // Monotonic: the tag alone publishes nothing; the length's acquire below does.
+            const seen = entry.tag.load(.monotonic);
+            if (seen == 0) return null;
+            if (seen != tag) continue;
+            // Acquire: pairs with the release store of the length; the name is complete.
+            if (entry.name_len_bytes.load(.acquire) == 0) return null;
+            return index;
+        }
+        return null;
+    }
+
+    fn namespace_name_equals(buffer: Buffer, index: u32, words: *const [name_words]u64, len: usize) bool {
+        const entry = &buffer.namespace_names.entries[index];
+        // Acquire: pairs with the release store of the length (the name words before it).
+        if (entry.name_len_bytes.load(.acquire) != len) return false;
+        for (&entry.name, words) |*word, value| {
+            if (word.load(.monotonic) != value) return false;
+        }
+        return true;
+    }
+
+    /// A snapshot of identity entry `index`: its length is 0 while it is not complete.
+    pub fn namespace_name_copy(buffer: Buffer, index: u32, out: *NamespaceName) void {
+        assert(index < constants.buffer_namespace_names_max);
+        const entry = &buffer.namespace_names.entries[index];
+        // Acquire: pairs with the release store of the length; the words after it are whole.
+        const len = entry.name_len_bytes.load(.acquire);
+        out.* = .{
+            .tag = .init(entry.tag.load(.monotonic)),
+            .name_len_bytes = .init(len),
+            ._pad0 = 0,
+            .name = undefined,
+            ._pad1 = @splat(0),
+        };
+        for (&out.name, &entry.name) |*to, *from| to.* = .init(if (len == 0) 0 else from.load(.monotonic));
     }
 
     /// The live entry of `tag` (not 0), if any: the first one.
@@ -1237,10 +1387,7 @@ pub const Buffer = struct {
 
     fn lock_try(buffer: Buffer, bucket_index: u32) bool {
         assert(bucket_index < buffer.buckets.len);
-        const word = &buffer.buckets[bucket_index].lock;
-        // Acquire on success: the chain and slot fields written by the previous holder before
-        // its release store are visible to us.
-        if (word.cmpxchgStrong(0, buffer.pid, .acquire, .monotonic) == null) {
+        if (buffer.word_lock_try(&buffer.buckets[bucket_index].lock)) {
             buffer.count(.lock_acquisitions, 1);
             return true;
         }
@@ -1249,22 +1396,43 @@ pub const Buffer = struct {
 
     fn lock_acquire(buffer: Buffer, bucket_index: u32) error{LockTimeout}!void {
         assert(bucket_index < buffer.buckets.len);
+        const taken = try buffer.word_lock_acquire(&buffer.buckets[bucket_index].lock);
+        buffer.count(.lock_acquisitions, 1);
+        if (taken == .stolen) {
+            buffer.count(.lock_recoveries, 1);
+            buffer.repair_bucket(bucket_index);
+        }
+    }
+
+    fn lock_release(buffer: Buffer, bucket_index: u32) void {
+        assert(bucket_index < buffer.buckets.len);
+        buffer.word_lock_release(&buffer.buckets[bucket_index].lock);
+    }
+
+    fn word_lock_try(buffer: Buffer, word: *Atomic(u32)) bool {
+        // Acquire on success: what the previous holder wrote before its release store is
+        // visible to us.
+        return word.cmpxchgStrong(0, buffer.pid, .acquire, .monotonic) == null;
+    }
+
+    /// Takes a cross-process lock word (the holder's pid): spins briefly, then sleeps on the
+    /// futex in slices, stealing it from a holder found dead. `.stolen`: the caller repairs
+    /// what the dead holder left half-done.
+    fn word_lock_acquire(buffer: Buffer, word: *Atomic(u32)) error{LockTimeout}!enum { free, stolen } {
         assert(buffer.pid != 0);
         var spins: u32 = 0;
         while (spins < constants.buffer_lock_spin_count) : (spins += 1) {
-            if (buffer.lock_try(bucket_index)) return;
+            if (buffer.word_lock_try(word)) return .free;
             std.atomic.spinLoopHint();
         }
-        const word = &buffer.buckets[bucket_index].lock;
         const deadline_ns = futex.monotonic_ns() + constants.buffer_lock_timeout_ns;
         var rounds: u32 = 0;
         while (rounds < constants.buffer_lock_round_max) : (rounds += 1) {
             const seen = word.load(.monotonic);
             if (seen == 0) {
-                // Acquire: as in lock_try. We keep the contended bit since others may sleep.
+                // Acquire: as in word_lock_try. We keep the contended bit since others may sleep.
                 if (word.cmpxchgStrong(0, buffer.pid | lock_contended_bit, .acquire, .monotonic) == null) {
-                    buffer.count(.lock_acquisitions, 1);
-                    return;
+                    return .free;
                 }
                 continue;
             }
@@ -1279,10 +1447,7 @@ pub const Buffer = struct {
                 if (holder != buffer.pid and !buffer.lock_holder_alive(holder)) {
                     // Acquire: take over the dead holder's lock and whatever it left behind.
                     if (word.cmpxchgStrong(contended, buffer.pid | lock_contended_bit, .acquire, .monotonic) == null) {
-                        buffer.count(.lock_acquisitions, 1);
-                        buffer.count(.lock_recoveries, 1);
-                        buffer.repair_bucket(bucket_index);
-                        return;
+                        return .stolen;
                     }
                 }
             }
@@ -1291,13 +1456,22 @@ pub const Buffer = struct {
         return error.LockTimeout;
     }
 
-    fn lock_release(buffer: Buffer, bucket_index: u32) void {
-        assert(bucket_index < buffer.buckets.len);
-        const word = &buffer.buckets[bucket_index].lock;
-        // Release: publishes our chain and slot writes to the next acquirer.
+    fn word_lock_release(buffer: Buffer, word: *Atomic(u32)) void {
+        // Release: publishes our writes to the next acquirer.
         const previous = word.swap(0, .release);
         assert(previous & lock_pid_mask == buffer.pid);
         if (previous & lock_contended_bit != 0) _ = futex.wake_all(word);
+    }
+
+    /// The registration lock of both namespace tables. What a dead holder left half-done needs
+    /// no repair pass: an incomplete identity entry is completed by the next registrant of its
+    /// tag, and a quota entry still `registering` is taken by the next new tag.
+    fn registration_lock_acquire(buffer: Buffer) error{LockTimeout}!void {
+        _ = try buffer.word_lock_acquire(&buffer.namespace_names.lock);
+    }
+
+    fn registration_lock_release(buffer: Buffer) void {
+        buffer.word_lock_release(&buffer.namespace_names.lock);
     }
 
     /// Restores the chain invariants after stealing the lock of a holder that died mid-update:
@@ -2434,6 +2608,10 @@ pub const Buffer = struct {
         assert(bucket_index < buffer.buckets.len);
         buffer.lock_release(bucket_index);
     }
+
+    pub fn debug_hold_registration_lock(buffer: Buffer) error{LockTimeout}!void {
+        try buffer.registration_lock_acquire();
+    }
 };
 
 // -------------------------------------------------------------------------------------------
@@ -2446,7 +2624,7 @@ const quota_test_geometry = Geometry{
     .bucket_count = 4,
     .slots_per_segment = 8,
 };
-var quota_test_memory: [8192 + constants.buffer_control_table_size_bytes + constants.removal_log_size_bytes]u8 align(constants.buffer_cache_line_bytes) = undefined;
+var quota_test_memory: [8192 + constants.buffer_namespace_names_size_bytes + constants.buffer_control_table_size_bytes + constants.removal_log_size_bytes]u8 align(constants.buffer_cache_line_bytes) = undefined;
 
 fn quota_test_buffer() !Buffer {
     assert(ctrl_size_bytes(quota_test_geometry) <= quota_test_memory.len);
@@ -2591,4 +2769,69 @@ test "get: a lookup never allocates, evicts or takes an idle slot over; a claim 
     try expectEqual(@as(u64, 1), buffer.counter_value(.prealloc_hits));
     try expectEqual(evictions + 1, buffer.counter_value(.evictions));
     _ = buffer.release(slots[0..2]);
+}
+
+test "namespace names: one entry per tag, idempotent, conflicts and a full table are errors" {
+    const buffer = try quota_test_buffer();
+    try std.testing.expectEqual(@as(?u32, null), buffer.namespace_name_find(0xA));
+    const index = try buffer.register_namespace_name(0xA, "tenant-a");
+    try std.testing.expectEqual(index, try buffer.register_namespace_name(0xA, "tenant-a"));
+    try std.testing.expectEqual(@as(?u32, index), buffer.namespace_name_find(0xA));
+    try std.testing.expectError(error.NameConflict, buffer.register_namespace_name(0xA, "tenant-b"));
+    try std.testing.expectError(error.InvalidArgument, buffer.register_namespace_name(0, "x"));
+    try std.testing.expectError(error.InvalidArgument, buffer.register_namespace_name(0xB, ""));
+    var copy: NamespaceName = undefined;
+    buffer.namespace_name_copy(index, &copy);
+    try std.testing.expectEqual(@as(u32, 8), copy.name_len_bytes.load(.monotonic));
+    try std.testing.expectEqual(name_to_words("tenant-a"), blk: {
+        var words: [name_words]u64 = undefined;
+        for (&words, &copy.name) |*word, *value| word.* = value.load(.monotonic);
+        break :blk words;
+    });
+    // Tags colliding modulo the table probe on; a registrant killed before publishing its
+    // name leaves the tag claimed with length 0: invisible, completed by the next registrant.
+    const colliding: u64 = 0xA + constants.buffer_namespace_names_max;
+    const next = try buffer.register_namespace_name(colliding, "other");
+    try std.testing.expect(next != index);
+    buffer.namespace_names.entries[next].name_len_bytes.store(0, .monotonic);
+    try std.testing.expectEqual(@as(?u32, null), buffer.namespace_name_find(colliding));
+    try std.testing.expectEqual(next, try buffer.register_namespace_name(colliding, "other"));
+    var tag: u64 = 1 << 32; // distinct from the tags above modulo 2^64, alike modulo the table
+    while (buffer.namespace_names.used.load(.monotonic) < constants.buffer_namespace_names_max) : (tag += 1) {
+        _ = try buffer.register_namespace_name(tag, "n");
+    }
+    try std.testing.expectError(error.NamesFull, buffer.register_namespace_name(tag, "n"));
+    try std.testing.expectEqual(@as(?u32, index), buffer.namespace_name_find(0xA));
+    try std.testing.expectEqual(@as(?u32, null), buffer.namespace_name_find(tag));
+}
+
+test "namespaces: threads registering at once take one entry per tag and never over-guarantee" {
+    const buffer = try quota_test_buffer();
+    const threads_count = 4;
+    const Racer = struct {
+        fn run(view: Buffer, start: *Atomic(u32), seed: u64) void {
+            while (start.load(.acquire) == 0) std.atomic.spinLoopHint();
+            // Every thread asks for the same two tags; each guarantee alone fits, both do not.
+            const first: u64 = if (seed % 2 == 0) 0xA else 0xB;
+            const second: u64 = if (first == 0xA) 0xB else 0xA;
+            _ = view.register_namespace(first, quota_test_geometry.slot_count_regular, quota_test_geometry.slot_count_regular) catch {};
+            _ = view.register_namespace(second, quota_test_geometry.slot_count_regular, quota_test_geometry.slot_count_regular) catch {};
+            _ = view.register_namespace_name(0xA, "racer") catch {};
+        }
+    };
+    var start = Atomic(u32).init(0);
+    var threads: [threads_count]std.Thread = undefined;
+    for (&threads, 0..) |*thread, index| thread.* = try std.Thread.spawn(.{}, Racer.run, .{ buffer, &start, index });
+    start.store(1, .release);
+    for (threads) |thread| thread.join();
+    var live: u32 = 0;
+    var guaranteed: u64 = 0;
+    for (buffer.namespace_table.entries[1..]) |*entry| {
+        if (entry.state.load(.acquire) != @intFromEnum(NamespaceState.live)) continue;
+        live += 1;
+        guaranteed += entry.guarantee_slots.load(.monotonic);
+    }
+    try std.testing.expectEqual(@as(u32, 1), live);
+    try std.testing.expect(guaranteed <= quota_test_geometry.slot_count_regular);
+    try std.testing.expectEqual(@as(u32, 1), buffer.namespace_names.used.load(.monotonic));
 }

@@ -160,9 +160,9 @@ pub const buffer_magic: u64 = 0x3130_4655_424D_4355;
 /// 4: write-back debt (slot flag `dirty`, `Slot.flusher`, `HolderEntry.closing`, counters
 /// `dirty_slots` and `flushed`); dirty slots are never eviction victims. 5: the namespace
 /// table after the holder table; `Slot.namespace` (offset 60); `Slot.reuses` (bytes 62..63,
-/// uses counted for admission) and the admitted/matured slot flag bits. 6: the control
-/// record table (reset epochs) after the namespace table, then the removal log
-/// (removal_log.zig).
+/// uses counted for admission) and the admitted/matured slot flag bits. 6: after the
+/// namespace table, the namespace identity table (tag -> name, and the registration lock),
+/// the control record table (reset epochs) and the removal log (removal_log.zig).
 pub const buffer_layout_version: u32 = 6;
 pub const buffer_cache_line_bytes: u64 = 64;
 pub const buffer_header_size_bytes: usize = 256;
@@ -187,6 +187,16 @@ pub const buffer_control_entry_size_bytes: usize = 32;
 pub const buffer_control_table_size_bytes: usize = buffer_controls_max * buffer_control_entry_size_bytes;
 /// Names one control read answers at most (a batch of key spaces).
 pub const buffer_control_read_names_max: u32 = 1 << 16;
+/// Namespace identities (tag -> name) in the control plane: every namespace a process uses
+/// with the buffer is entered before its first key can land, so a tag found in no entry is the
+/// default namespace's. Open addressing over a power-of-two table; an entry is never freed.
+pub const buffer_namespace_names_max: u32 = 4096;
+/// Longest namespace name (`ucm.namespaces.NAMESPACE_NAME_MAX`), stored in 8-byte words.
+pub const buffer_namespace_name_max_bytes: usize = 64;
+pub const buffer_namespace_name_entry_size_bytes: usize = 128;
+pub const buffer_namespace_names_header_size_bytes: usize = 64;
+pub const buffer_namespace_names_size_bytes: usize = buffer_namespace_names_header_size_bytes +
+    buffer_namespace_names_max * buffer_namespace_name_entry_size_bytes;
 /// Minimum spacing of the dead-holder scans a full buffer triggers (each reads /proc per holder).
 pub const buffer_holder_scan_interval_ns: u64 = 100 * std.time.ns_per_ms;
 pub const buffer_slot_size_bytes: usize = 64;
@@ -220,6 +230,13 @@ comptime {
     std.debug.assert(buffer_control_name_size_bytes + 16 == buffer_control_entry_size_bytes);
     std.debug.assert(buffer_controls_max >= 1 and buffer_control_read_names_max >= 1);
     std.debug.assert(buffer_namespaces_max >= 2 and buffer_namespaces_max < std.math.maxInt(u16));
+    std.debug.assert(std.math.isPowerOfTwo(buffer_namespace_names_max));
+    std.debug.assert(buffer_namespace_names_max > buffer_namespaces_max);
+    std.debug.assert(buffer_namespace_name_max_bytes % 8 == 0);
+    std.debug.assert(buffer_namespace_name_entry_size_bytes >= 16 + buffer_namespace_name_max_bytes);
+    std.debug.assert(buffer_namespace_name_entry_size_bytes % buffer_cache_line_bytes == 0);
+    std.debug.assert(buffer_namespace_names_header_size_bytes % buffer_cache_line_bytes == 0);
+    std.debug.assert(buffer_namespace_names_size_bytes % buffer_cache_line_bytes == 0);
     std.debug.assert(buffer_slot_count_max < std.math.maxInt(u32) - 1);
     std.debug.assert(buffer_bucket_count_max < std.math.maxInt(u32) - 1);
     std.debug.assert(buffer_remove_chunk_keys == 1024);

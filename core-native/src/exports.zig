@@ -243,8 +243,48 @@ pub export fn ucm_buffer_register_namespace(ctrl: usize, tag: u64, guarantee_slo
         error.InvalidArgument => buffer_status(.invalid_argument),
         error.NamespacesFull => buffer_status(.namespaces_full),
         error.GuaranteesOver => buffer_status(.guarantees_over),
+        error.LockTimeout => buffer_status(.lock_timeout),
     };
     return index;
+}
+
+/// Enters namespace `tag` (not 0) with its name (`name_len` bytes, 1 to
+/// `buffer_namespace_name_max_bytes`) in the control plane's identity table: the only
+/// authority on which tag is whose. Returns the entry's index, or a negative status:
+/// invalid_argument, names_full, name_conflict (the tag is another name's), lock_timeout.
+pub export fn ucm_buffer_register_namespace_name(ctrl: usize, tag: u64, name: [*]const u8, name_len: u32) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (name_len > constants.buffer_namespace_name_max_bytes) return buffer_status(.invalid_argument);
+    const index = view.register_namespace_name(tag, name[0..name_len]) catch |err| return switch (err) {
+        error.InvalidArgument => buffer_status(.invalid_argument),
+        error.NamesFull => buffer_status(.names_full),
+        error.NameConflict => buffer_status(.name_conflict),
+        error.LockTimeout => buffer_status(.lock_timeout),
+    };
+    return @intCast(index);
+}
+
+/// Copies the identity entry of `tag` (not 0) into `out`: 1 when the tag is entered, else 0
+/// (the tag is no registered namespace's: its keys are the default namespace's).
+pub export fn ucm_buffer_namespace_name(ctrl: usize, tag: u64, out: *buffer.NamespaceName) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    if (tag == 0) return 0;
+    const index = view.namespace_name_find(tag) orelse return 0;
+    view.namespace_name_copy(index, out);
+    return 1;
+}
+
+/// Copies every complete identity entry into `out` (room for `capacity` entries, at most
+/// `buffer_namespace_names_max` are ever used); returns how many it copied.
+pub export fn ucm_buffer_namespace_names(ctrl: usize, out: [*]buffer.NamespaceName, capacity: u32) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    var copied: u32 = 0;
+    var index: u32 = 0;
+    while (index < constants.buffer_namespace_names_max and copied < capacity) : (index += 1) {
+        view.namespace_name_copy(index, &out[copied]);
+        if (out[copied].name_len_bytes.load(.monotonic) != 0) copied += 1;
+    }
+    return @intCast(copied);
 }
 
 /// Copies namespace entry `index` (tag, state, guarantee, cap, occupancy in slots, hits,
@@ -577,6 +617,14 @@ pub fn ucm_buffer_debug_drop_lock(ctrl: usize, bucket_index: u32) callconv(.c) i
     const holder = view.buckets[bucket_index].lock.load(.monotonic) & 0x7FFF_FFFF;
     if (holder != view.pid) return buffer_status(.invalid_argument);
     view.debug_drop_lock(bucket_index);
+    return 0;
+}
+
+/// Test hook: take the namespace registration lock and keep it (the caller is then killed to
+/// test recovery).
+pub fn ucm_buffer_debug_hold_registration_lock(ctrl: usize) callconv(.c) i32 {
+    const view = buffer_open(ctrl) orelse return buffer_status(.bad_magic);
+    view.debug_hold_registration_lock() catch return buffer_status(.lock_timeout);
     return 0;
 }
 
@@ -1156,6 +1204,7 @@ comptime {
         @export(&ucm_buffer_debug_bucket_of, .{ .name = "ucm_buffer_debug_bucket_of" });
         @export(&ucm_buffer_debug_hold_lock, .{ .name = "ucm_buffer_debug_hold_lock" });
         @export(&ucm_buffer_debug_drop_lock, .{ .name = "ucm_buffer_debug_drop_lock" });
+        @export(&ucm_buffer_debug_hold_registration_lock, .{ .name = "ucm_buffer_debug_hold_registration_lock" });
         @export(&ucm_buffer_debug_set_wait_pause_ns, .{ .name = "ucm_buffer_debug_set_wait_pause_ns" });
         @export(&ucm_seg_debug_set_peer_uid, .{ .name = "ucm_seg_debug_set_peer_uid" });
     }

@@ -211,15 +211,24 @@ def mla_host_pool(sgl: SGLang, tokens: int = 256) -> Any:
     )
 
 
+TEST_WEIGHTS_ID = "ucm-test/tiny-mha@test"
+"""The ``ucm_weights_id`` of tests whose backends run without SGLang's server args."""
+
+
 def storage_config(
     sgl: SGLang,
     extra: dict[str, Any],
     tp_rank: int = 0,
     tp_size: int = 1,
+    weights_id: str | None = TEST_WEIGHTS_ID,
     **fields: Any,
 ) -> Any:
     """HiCacheStorageConfig as SGLang's cache controller builds it for a TP rank (its defaults:
-    ``tp_lcm_size=None``, no PP/CP/DCP), with the dynamic backend's extra config."""
+    ``tp_lcm_size=None``, no PP/CP/DCP), with the dynamic backend's extra config. Without
+    SGLang's server args a backend needs ``ucm_weights_id``: ``weights_id`` (None: leave it
+    out), unless ``extra`` names one."""
+    if weights_id is not None:
+        extra = {"ucm_weights_id": weights_id, **extra}
     values: dict[str, Any] = {
         "tp_rank": tp_rank,
         "tp_size": tp_size,

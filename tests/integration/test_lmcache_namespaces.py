@@ -163,16 +163,14 @@ def test_two_cache_salt_tags_are_two_namespaces_through_the_lmcache_engine(
         engine.store(tokens, kvcaches=src_b, slot_mapping=slots, request_configs=_salted("t-b"))
         engine.store(tokens, kvcaches=src_b, slot_mapping=slots)  # untagged: default namespace
         assert backend.flush(timeout_s=60)
-        assert backend.store.namespaces() == {
-            "default": [4, 4],
-            "t-a": [4, 4],
-            "t-b": [4, 4],
-        }
+        # Each tag value's namespace is derived from it (never the tag value itself).
+        a, b = namespace_for("t-a"), namespace_for("t-b")
+        assert backend.store.namespaces() == {"default": [4, 4], a: [4, 4], b: [4, 4]}
         figures = backend.store.stats()["namespaces"]
         assert {name: figures[name]["occupancy_slots"] for name in figures} == {
             "default": 4,
-            "t-a": 4,
-            "t-b": 4,
+            a: 4,
+            b: 4,
         }
         for salt, src in (("t-a", src_a), ("t-b", src_b)):
             dst = [torch.zeros_like(cache) for cache in src]
@@ -185,7 +183,7 @@ def test_two_cache_salt_tags_are_two_namespaces_through_the_lmcache_engine(
             )
             assert bool(ret.all())
             assert _kv_equal(dst, src, slots)
-        assert backend.store.purge("t-a") == [4, 4]
+        assert backend.store.purge(a) == [4, 4]
         assert engine.lookup(tokens, lookup_id="a-2", request_configs=_salted("t-a")) == 0
         assert engine.lookup(tokens, lookup_id="b-2", request_configs=_salted("t-b")) == TOKENS
         assert engine.lookup(tokens, lookup_id="plain-2") == TOKENS
@@ -193,11 +191,15 @@ def test_two_cache_salt_tags_are_two_namespaces_through_the_lmcache_engine(
         lm.destroy(engine)
 
 
+CAPPED = namespace_for("t-capped")
+"""The namespace of the requests tagged t-capped (a quota names the derived name)."""
+
+
 def _capped_manager(unique_id: str, namespace: str | None) -> Any:
     stack = {
         "unique_id": unique_id,
         "tiers": [{"type": "buffer", "capacity": 32 * lm.CHUNK_BYTES}],
-        "quotas": {"namespaces": {"t-capped": {"buffer": {"cap": f"{3 * lm.CHUNK_BYTES}"}}}},
+        "quotas": {"namespaces": {CAPPED: {"buffer": {"cap": f"{3 * lm.CHUNK_BYTES}"}}}},
     }
     extra = {} if namespace is None else {"storage_plugin.ucm.namespace": namespace}
     return lm.storage_manager(lm.config(stack, local_cpu=False, extra_config=extra), lm.metadata())
@@ -225,10 +227,11 @@ def test_a_tenants_quota_applies_to_its_requests_only() -> None:
         assert [backend.contains(key) for key in capped] == [False] * 3 + [True] * 3
         assert backend.batched_contains(free) == 6
         figures = backend.store.stats()["namespaces"]
-        assert figures["t-capped"]["cap_slots"] == 3
-        assert (figures["t-capped"]["occupancy_slots"], figures["t-capped"]["evictions"]) == (3, 3)
-        assert (figures["t-free"]["occupancy_slots"], figures["t-free"]["evictions"]) == (6, 0)
-        assert backend.store.namespaces() == {"t-capped": [3], "t-free": [6]}
+        free_ns = namespace_for("t-free")
+        assert figures[CAPPED]["cap_slots"] == 3
+        assert (figures[CAPPED]["occupancy_slots"], figures[CAPPED]["evictions"]) == (3, 3)
+        assert (figures[free_ns]["occupancy_slots"], figures[free_ns]["evictions"]) == (6, 0)
+        assert backend.store.namespaces() == {CAPPED: [3], free_ns: [6]}
         got = backend.batched_get_blocking(capped[3:] + free)
         assert [lm.content(obj) for obj in got] == [lm.chunk_bytes(h) for h in hashes[3:] + hashes]
         for obj in got:
@@ -239,7 +242,7 @@ def test_a_tenants_quota_applies_to_its_requests_only() -> None:
 
 def test_tag_mode_reads_the_named_tag_and_a_mixed_batch_goes_to_each_namespace() -> None:
     """``tag:<name>`` maps the tag ``<name>`` (the cache_salt tag is then just a key field); a
-    tenant key that is not a namespace name is hashed (``namespace_for``); one batch of chunks of
+    tenant key is hashed into a derived name (``namespace_for``); one batch of chunks of
     two tenants is stored, found, loaded and removed in each one's namespace."""
     manager = _capped_manager(f"lmc-ns-{uuid.uuid4().hex[:12]}", "tag:user")
     try:
@@ -249,15 +252,16 @@ def test_tag_mode_reads_the_named_tag_and_a_mixed_batch_goes_to_each_namespace()
         untagged = [_tagged(70, cache_salt="alice")]
         bob = namespace_for("bob@example.com")
         assert bob.startswith("k-")
+        alice_ns = namespace_for("alice")
         assert [backend.namespace_of(k) for k in (alice[0], mail[0], untagged[0])] == [
-            "alice",
+            alice_ns,
             bob,
             "default",
         ]
         keys = [alice[0], mail[0], alice[1], mail[1]]
         manager.batched_put(keys, [lm.filled(manager, h) for h in (70, 70, 71, 71)])
         assert backend.flush(timeout_s=60)
-        assert backend.store.namespaces() == {"alice": [2], bob: [2]}
+        assert backend.store.namespaces() == {alice_ns: [2], bob: [2]}
         assert backend.batched_contains(keys) == 4
         assert backend.batched_contains(untagged) == 0
         got = backend.batched_get_blocking(keys)
@@ -267,7 +271,7 @@ def test_tag_mode_reads_the_named_tag_and_a_mixed_batch_goes_to_each_namespace()
         assert backend.stats()["lmcache"]["loads"] == 2  # one load per namespace
         assert backend.batched_remove([alice[0], mail[1]]) == 2
         assert [backend.contains(k) for k in keys] == [False, True, True, False]
-        assert backend.store.namespaces() == {"alice": [1], bob: [1]}
+        assert backend.store.namespaces() == {alice_ns: [1], bob: [1]}
     finally:
         manager.close()
 
@@ -278,7 +282,7 @@ def test_a_mixed_batch_whose_one_tenant_fails_stores_the_other() -> None:
     stack = {
         "unique_id": f"lmc-ns-{uuid.uuid4().hex[:12]}",
         "tiers": [{"type": "buffer", "capacity": 32 * lm.CHUNK_BYTES}],
-        "quotas": {"namespaces": {"t-none": {"buffer": {"cap": "0%"}}}},
+        "quotas": {"namespaces": {namespace_for("t-none"): {"buffer": {"cap": "0%"}}}},
     }
     manager = lm.storage_manager(lm.config(stack, local_cpu=False), lm.metadata())
     try:
@@ -298,7 +302,7 @@ def test_a_mixed_batch_whose_one_tenant_fails_stores_the_other() -> None:
             obj.ref_count_down()
         assert lm.active_allocations(manager) == baseline
         assert [backend.contains(key) for key in keys] == [True, False, True, False]
-        assert backend.store.namespaces() == {"t-ok": [2]}
+        assert backend.store.namespaces() == {namespace_for("t-ok"): [2]}
     finally:
         manager.close()
 
@@ -340,7 +344,7 @@ def test_vllms_request_reaches_the_plugin_as_its_tag_but_not_its_cache_salt() ->
     try:
         backend = manager.storage_backends["ucm"]
         key = CacheEngineKey(lm.MODEL, 1, 0, 90, lm.DTYPE, configs)
-        assert backend.namespace_of(key) == "t-a"
+        assert backend.namespace_of(key) == namespace_for("t-a")
         assert backend.namespace_of(CacheEngineKey(lm.MODEL, 1, 0, 90, lm.DTYPE)) == "default"
     finally:
         manager.close()

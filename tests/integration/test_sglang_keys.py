@@ -184,6 +184,35 @@ def test_fp8_e4m3_and_e5m2_pages_never_meet(
         e4m3.close()
 
 
+def test_without_server_args_the_weights_id_is_required(
+    sgl: SGLang, unique_id: Callable[[], str]
+) -> None:
+    """Without SGLang's server args nothing names the weights, overrides or quantization: the
+    backend refuses to start unless ``ucm_weights_id`` is stated (never a key space that two
+    models would share)."""
+    config = storage_config(sgl, {"ucm_stack": stack_of(unique_id())}, weights_id=None)
+    with pytest.raises(ConfigError) as raised:
+        create_backend(sgl, config, host_pool(sgl))
+    assert str(raised.value) == (
+        "SGLang's server args are not available (a backend created outside an SGLang scheduler "
+        "process), so UCM's page ids cannot cover the model's weights, its config overrides "
+        "(--json-model-override-args) or its quantization: state "
+        "hicache_storage_backend_extra_config['ucm_weights_id'] = '<an id of the weights, "
+        "overrides and quantization>', so that two models' pages never share a key"
+    )
+    stated = storage_config(
+        sgl, {"ucm_stack": stack_of(unique_id()), "ucm_weights_id": "llama-w1"}, weights_id=None
+    )
+    pool = host_pool(sgl)
+    backend = create_backend(sgl, stated, pool)
+    try:
+        keys = keys_of(sgl, 2)
+        _store_pages(backend, pool, keys)
+        assert backend.batch_exists(keys) == 2
+    finally:
+        backend.close()
+
+
 def test_a_one_byte_pool_without_a_known_format_is_refused(
     sgl: SGLang, unique_id: Callable[[], str]
 ) -> None:

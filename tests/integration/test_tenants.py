@@ -4,8 +4,10 @@ its namespace's scoped ids, and each new namespace is announced to the workers o
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import re
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,7 +19,9 @@ from ucm.integration.tenants import TenantMapping, namespace_for
 
 def test_tenant_keys_become_valid_namespace_names() -> None:
     assert namespace_for(None) == namespace_for("") == namespaces.DEFAULT_NAMESPACE
-    assert namespace_for("tenant-a") == "tenant-a"
+    assert (
+        namespace_for("tenant-a") == "k-" + hashlib.blake2b(b"tenant-a", digest_size=16).hexdigest()
+    )
     hashed = namespace_for("user@example.com")
     assert hashed == namespace_for("user@example.com")  # reproducible: `ucm purge` can name it
     assert hashed.startswith("k-") and len(hashed) == 34
@@ -92,9 +96,10 @@ def test_an_engine_without_tenant_keys_takes_fixed_or_the_default_and_refuses_th
 
 
 def test_each_mode_picks_the_namespace_of_a_request() -> None:
-    assert TenantMapping().namespace(cache_salt="s1", lora_name="ad") == "s1"
+    s1, ad = namespace_for("s1"), namespace_for("ad")
+    assert TenantMapping().namespace(cache_salt="s1", lora_name="ad") == s1
     assert TenantMapping().namespace() == namespaces.DEFAULT_NAMESPACE
-    assert TenantMapping("lora").namespace(cache_salt="s1", lora_name="ad") == "ad"
+    assert TenantMapping("lora").namespace(cache_salt="s1", lora_name="ad") == ad
     assert TenantMapping("lora").namespace(cache_salt="s1") == namespaces.DEFAULT_NAMESPACE
     assert TenantMapping("fixed", "t").namespace(cache_salt="s1", lora_name="ad") == "t"
 
@@ -122,8 +127,11 @@ def test_vllm_extra_config_refuses_a_bad_mapping() -> None:
 @pytest.mark.parametrize(
     ("mapping", "expected"),
     [
-        (TenantMapping(), ["salt-a", "salt-b", "salt-a", "default"]),
-        (TenantMapping("lora"), ["adapter-1", "default", "adapter-1", "default"]),
+        (
+            TenantMapping(),
+            [namespace_for("salt-a"), namespace_for("salt-b"), namespace_for("salt-a"), "default"],
+        ),
+        (TenantMapping("lora"), [namespace_for("adapter-1"), "default"] * 2),
         (TenantMapping("fixed", "team-7"), ["team-7"] * 4),
     ],
 )
@@ -199,3 +207,80 @@ def test_vllm_scheduler_scopes_each_request_to_its_namespace(
     meta = side.build_connector_meta(output)  # type: ignore[arg-type]
     assert meta.namespaces == set(expected)  # each announced once...
     assert side.build_connector_meta(output).namespaces == set()  # type: ignore[arg-type]
+
+
+CONFIGURED = ("default", "tenant-a", "team-7")
+"""Names an operator configures (``fixed:<name>``, quotas, ``ucm.open(namespace=...)``)."""
+
+
+def test_a_tenant_key_that_looks_like_a_configured_name_never_lands_there() -> None:
+    """Derived names (``k-`` + 32 hex digits) and configured names are disjoint: a request
+    whose cache_salt (or LoRA name) is "default" or "tenant-a" gets a namespace of its own."""
+    for name in CONFIGURED:
+        derived = namespace_for(name)
+        assert derived not in CONFIGURED
+        assert re.fullmatch(r"k-[0-9a-f]{32}", derived), derived
+        assert TenantMapping().namespace(cache_salt=name) == derived
+        assert TenantMapping("lora").namespace(lora_name=name) == derived
+    assert namespace_for("tenant-a") != namespace_for("tenant-b")
+
+
+def test_a_configured_name_of_the_derived_form_is_refused() -> None:
+    taken = namespace_for("bob")
+    with pytest.raises(ConfigError) as raised:
+        TenantMapping.parse(f"fixed:{taken}", "ucm_namespace")
+    assert str(raised.value) == (
+        f"ucm_namespace='fixed:{taken}': names of the form k-<32 hex digits> are the namespaces "
+        "derived from tenant keys (cache_salt, LoRA names, request tags); a configured "
+        "namespace must not take that form, so that no tenant key can land in it"
+    )
+
+
+def test_lmcache_tag_path_keeps_tenant_keys_out_of_configured_namespaces() -> None:
+    if importlib.util.find_spec("lmcache") is None:
+        if os.environ.get("CI"):
+            pytest.fail("lmcache is not installed, and CI must run the LMCache tests")
+        pytest.skip("lmcache is not installed")
+    from ucm.integration.lmcache import UcmStorageBackend
+
+    for mapping in (TenantMapping(), TenantMapping("tag", tag="user")):
+        plugin = SimpleNamespace(tenants=mapping)
+        for name in CONFIGURED:
+            tags = ((mapping.tag_name, name),)
+            got = UcmStorageBackend._tag_namespace(plugin, tags)  # type: ignore[arg-type]
+            assert got == namespace_for(name) and got not in CONFIGURED
+
+
+def test_vllm_scheduler_keeps_salts_out_of_configured_namespaces() -> None:
+    _require_vllm()
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    from ucm.integration.keys import KeySpace, chain_block_ids
+    from ucm.integration.vllm.scheduler import SchedulerSide
+
+    space = KeySpace(
+        engine="vllm", model="m", dtype="float32", block_tokens=16, kv_layout="x", tp_size=1
+    )
+    asked: list[bytes] = []
+
+    def lookup(ids: Any) -> list[bool]:
+        asked.extend(ids)
+        return [False] * len(ids)
+
+    side = SchedulerSide(
+        lookup=lookup,
+        key_space=space,
+        block_tokens=16,
+        shards_per_block=1,
+        block_table=lambda _state, _req_id: None,
+        tenants=TenantMapping(),
+    )
+    tokens = list(range(3, 3 + 40))  # 2 full blocks
+    for index, salt in enumerate(CONFIGURED):
+        request = Request(f"r{index}", tokens, SamplingParams(max_tokens=1), None, cache_salt=salt)
+        assert side.get_num_new_matched_tokens(request, 0) == (0, False)
+        chain = chain_block_ids(space.salt(salt), tokens[:32], 16)
+        got = asked[2 * index : 2 * index + 2]
+        assert got == namespaces.scope(namespace_for(salt), chain)
+        assert got != namespaces.scope(salt, chain)

@@ -18,10 +18,13 @@ import pytest
 import ucm
 from harness.vllm import PlanRun, engine_args, prompt_tokens, run_plan, write_tiny_llama
 from ucm import namespaces
+from ucm.integration.tenants import namespace_for
 
 BLOCK = 128
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32  # write_tiny_llama's defaults
 LAYER_BLOCK_BYTES = KV_HEADS * BLOCK * 2 * HEAD_DIM * 4
+A, B = namespace_for("tenant-a"), namespace_for("tenant-b")
+"""The namespaces of the cache_salts tenant-a and tenant-b (derived from them)."""
 PROMPT = prompt_tokens(22, 421)  # 3 full blocks and 37 tokens
 
 pytestmark = pytest.mark.timeout(900)
@@ -109,13 +112,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     with _posix_store(posix) as store:
         usage_before = store.namespaces()
         b_bytes = _read(store, b_ids)
-        purged = store.purge("tenant-a")
+        purged = store.purge(A)
         usage_after = store.namespaces()
         b_after = _read(store, b_ids)
-    files = {
-        name: len(list((Path(posix) / "ns" / name).rglob("*.blk")))
-        for name in ("tenant-a", "tenant-b")
-    }
+    files = {name: len(list((Path(posix) / "ns" / name).rglob("*.blk"))) for name in (A, B)}
     second = _check(
         run_plan(
             {
@@ -152,21 +152,21 @@ def test_two_cache_salts_are_two_namespaces_with_no_cross_hit(runs: dict[str, An
     assert _served(first, "b_again") == (tokens, 3 * BLOCK)
     a_ids, b_ids = runs["a_ids"], runs["b_ids"]
     assert len(a_ids) == len(b_ids) == 3 and not set(a_ids) & set(b_ids)
-    assert {block[:8] for block in a_ids} == {namespaces.tag("tenant-a")}
-    assert {block[:8] for block in b_ids} == {namespaces.tag("tenant-b")}
+    assert {block[:8] for block in a_ids} == {namespaces.tag(A)}
+    assert {block[:8] for block in b_ids} == {namespaces.tag(B)}
 
 
 def test_each_namespace_has_its_own_prefix_and_exact_usage(runs: dict[str, Any]) -> None:
-    assert runs["usage_before"] == {"tenant-a": [3], "tenant-b": [3]}
+    assert runs["usage_before"] == {A: [3], B: [3]}
     # Right after the purge: tenant-a's directory is empty, tenant-b's holds its 3 blocks.
-    assert runs["files_after_purge"] == {"tenant-a": 0, "tenant-b": 3}
+    assert runs["files_after_purge"] == {A: 0, B: 3}
 
 
 def test_purge_removes_exactly_one_namespace_and_keeps_the_other_byte_exact(
     runs: dict[str, Any],
 ) -> None:
     assert runs["purged"] == [3]
-    assert runs["usage_after"] == {"tenant-b": [3]}
+    assert runs["usage_after"] == {B: [3]}
     assert runs["b_after"] == runs["b_bytes"]
     assert all(len(shard) == LAYERS * LAYER_BLOCK_BYTES for shard in runs["b_after"])
     second = runs["second"]

@@ -3,9 +3,9 @@
 One ``vllm serve`` with UcmConnector (a CacheBuffer over posix) and a stack whose ``quotas:``
 give tenant-a a guaranteed quarter of the buffer, cap tenant-b at half of it and every other
 namespace at an eighth. Two clients send the same prompt with ``cache_salt`` tenant-a and
-tenant-b (vLLM's default mapping: the salt names the namespace). The second salt's first ask
-is not served by UCM (no cross hit); each salt's repeat is, from its own namespace; every
-answer is the same greedy tokens. UCM's Prometheus endpoint, served by the worker
+tenant-b (vLLM's default mapping: each salt's derived name is its namespace). The second
+salt's first ask is not served by UCM (no cross hit); each salt's repeat is, from its own
+namespace; every answer is the same greedy tokens. UCM's Prometheus endpoint, served by the worker
 (``ucm_metrics_port``), shows each namespace's figures: its slots, bytes, guarantee, cap, hits,
 misses and evictions in the buffer, and its bytes on posix. A third salt, which the stack does
 not name, gets its own figures and the ``others`` cap too (the worker registers each namespace
@@ -34,6 +34,7 @@ from harness.vllm_server import (
     server_env,
     ucm_transfer_args,
 )
+from ucm.integration.tenants import namespace_for
 
 BLOCK = TINY_BLOCK_TOKENS
 FULL_BLOCKS = 2
@@ -45,10 +46,12 @@ SLOTS = 64
 POSIX_BLOCK = TINY_BLOCK_BYTES + 4096
 """A posix block file of one 131,072-byte shard: the shard, then its 4 KiB footer region."""
 SALTS = ("tenant-a", "tenant-b")
+NS = {salt: namespace_for(salt) for salt in (*SALTS, "tenant-c")}
+"""Each salt's namespace (its derived name: what quotas and metrics name)."""
 QUOTAS = {
     "namespaces": {
-        "tenant-a": {"buffer": {"guarantee": "25%"}, "tiers": {"posix": "64MiB"}},
-        "tenant-b": {"buffer": {"cap": "50%"}, "tiers": {"posix": "32MiB"}},
+        NS["tenant-a"]: {"buffer": {"guarantee": "25%"}, "tiers": {"posix": "64MiB"}},
+        NS["tenant-b"]: {"buffer": {"cap": "50%"}, "tiers": {"posix": "32MiB"}},
     },
     "others": {"buffer": {"cap": "12.5%"}},
 }
@@ -127,7 +130,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
                 out["answers"][label] = server.complete(
                     PROMPT, max_tokens=MAX_TOKENS, cache_salt=salt, timeout_s=300
                 )
-                out["figures"][label] = _settled(ucm_metrics, salt)
+                out["figures"][label] = _settled(ucm_metrics, NS[salt])
                 out.setdefault("vllm", {})[label] = server.metrics()
 
             ask("a", "tenant-a")
@@ -173,15 +176,15 @@ def test_no_cross_hit_and_each_salt_served_again_from_its_own_namespace(
 def test_prometheus_shows_each_namespaces_figures(served: dict[str, Any]) -> None:
     # After tenant-b's first ask: tenant-b saved its own blocks (misses), hit nothing.
     after_b = served["figures"]["b"]
-    assert after_b["ucm_buffer_namespace_hits_total"][("tenant-b", "")] == 0
-    assert after_b["ucm_buffer_namespace_misses_total"][("tenant-b", "")] == FULL_BLOCKS
+    assert after_b["ucm_buffer_namespace_hits_total"][(NS["tenant-b"], "")] == 0
+    assert after_b["ucm_buffer_namespace_misses_total"][(NS["tenant-b"], "")] == FULL_BLOCKS
     final = served["final"]
     assert served["buffer"]["ucm_buffer_capacity_slots"] == SLOTS
     every_slot = SLOTS + served["buffer"]["ucm_buffer_reserved_slots"]  # no cap: all of them
     for salt, guarantee, cap, hits in (
-        ("tenant-a", SLOTS // 4, every_slot, FULL_BLOCKS),  # hits: the repeat's loads
-        ("tenant-b", 0, SLOTS // 2, FULL_BLOCKS),
-        ("tenant-c", 0, SLOTS // 8, 0),  # `others`; asked once
+        (NS["tenant-a"], SLOTS // 4, every_slot, FULL_BLOCKS),  # hits: the repeat's loads
+        (NS["tenant-b"], 0, SLOTS // 2, FULL_BLOCKS),
+        (NS["tenant-c"], 0, SLOTS // 8, 0),  # `others`; asked once
     ):
         figures = {
             name: values[(salt, "")] for name, values in final.items() if (salt, "") in values

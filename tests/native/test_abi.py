@@ -62,8 +62,9 @@ def test_every_export_is_declared_from_the_generated_signatures() -> None:
     # admission: ucm_buffer_reuses, ucm_queue_take_admitted, ucm_queue_unadmit; quotas:
     # ucm_buffer_register_namespace, ucm_buffer_namespace_info; staging copies: ucm_copy_ranges;
     # reset epochs: ucm_buffer_control_read, ucm_buffer_control_raise; removal log:
-    # ucm_buffer_removal_log, ucm_removal_log_{init,generation,append,read}
-    assert len(exports) == 73
+    # ucm_buffer_removal_log, ucm_removal_log_{init,generation,append,read}; identities:
+    # ucm_buffer_register_namespace_name, ucm_buffer_namespace_name(s)
+    assert len(exports) == 76
     assert _abi.SIGNATURES["ucm_queue_unadmit"] == (
         ctypes.c_int64,
         [ctypes.c_size_t, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32],
@@ -102,7 +103,7 @@ def _debug_hooks() -> list[str]:
 
 def test_the_release_library_exports_no_debug_hook_and_the_test_build_all() -> None:
     hooks = _debug_hooks()
-    assert len(hooks) == 9
+    assert len(hooks) == 10
     release = ctypes.CDLL(str(ROOT / "ucm" / "native" / "libucm_core.so"))
     assert [hook for hook in hooks if hasattr(release, hook)] == []
     test_build = ctypes.CDLL(str(ROOT / "ucm" / "native" / "libucm_core_test.so"))

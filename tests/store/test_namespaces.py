@@ -308,6 +308,66 @@ def test_cli_lists_usage_and_purges_with_exact_counts(tmp_path: Path) -> None:
     }
 
 
+def test_a_fresh_cli_purges_exactly_default_from_a_buffer_only_stack(tmp_path: Path) -> None:
+    # A buffer-only stack: no lower tier's ns/<name>/ layout names anything to the CLI, which
+    # knows no namespace by itself. The buffer's own table must tell every tenant apart.
+    config = stack(tmp_path)
+    config["tiers"] = config["tiers"][:1]
+    path = tmp_path / "stack.yaml"
+    path.write_text(yaml.safe_dump(config))
+    blocks = ids(4)
+    shards = len(blocks) * SPB
+    with ucm.open(config, device_id=0) as store:  # a live rank: the CLI attaches its buffer
+        dump_all(store, blocks, 1, namespace="tenant-a")
+        dump_all(store, blocks, 2, namespace="tenant-b")
+        dump_all(store, blocks[:3], 3)  # the default namespace: 3 blocks
+        listed = _cli("namespaces", str(path), "--json")
+        assert listed.returncode == 0, listed.stderr
+        usage = json.loads(listed.stdout)
+        assert usage["tiers"] == ["buffer (buffer)"]
+        assert usage["namespaces"] == {
+            "default": [{"shards": 3 * SPB, "bytes": 3 * SPB * SHARD}],
+            "tenant-a": [{"shards": shards, "bytes": shards * SHARD}],
+            "tenant-b": [{"shards": shards, "bytes": shards * SHARD}],
+        }
+        purged = _cli("purge", str(path), "default", "--json")
+        assert purged.returncode == 0, purged.stderr
+        assert json.loads(purged.stdout) == {
+            "namespace": "default",
+            "removed": {"buffer (buffer)": 3 * SPB},
+        }
+        assert store.lookup(blocks[:3]) == [False] * 3
+        assert_loads(store, blocks, 1, namespace="tenant-a")  # every shard kept, byte-exact
+        assert_loads(store, blocks, 2, namespace="tenant-b")
+        assert store.namespaces() == {"tenant-a": [shards], "tenant-b": [shards]}
+
+
+def test_a_full_identity_table_fails_the_namespaced_call_closed(tmp_path: Path) -> None:
+    from ucm.native.buffer import NAMESPACE_NAMES_MAX, NamespaceNamesFullError
+
+    config = stack(tmp_path)
+    config["tiers"] = config["tiers"][:1]
+    blocks = ids(2)
+    with ucm.open(config, device_id=0) as store:
+        assert store.buffer is not None
+        core = store.buffer.core
+        for number in range(NAMESPACE_NAMES_MAX):  # every entry taken by other namespaces
+            core.register_namespace_name((number + 1).to_bytes(8, "little"), f"other-{number}")
+        src = [[content(5)] for _ in blocks]
+        for _ in range(2):  # refused every time, never let in as the default namespace's
+            with pytest.raises(NamespaceNamesFullError) as raised:
+                store.dump(blocks, 0, src, namespace="late")
+            assert str(raised.value) == (
+                "cannot use namespace 'late' with this CacheBuffer: all 4096 entries of its "
+                "namespace identity table are taken (namespaces ever used on this node's buffer "
+                "of this unique_id; entries are never freed while the buffer lives): use a "
+                "namespace already in use, or restart the node's ranks on a fresh unique_id"
+            )
+        assert store.namespaces() == {}
+        dump_all(store, blocks, 6)  # the default namespace needs no entry
+        assert store.namespaces() == {"default": [len(blocks) * SPB]}
+
+
 def test_a_failed_key_is_named_by_the_callers_block_id(tmp_path: Path) -> None:
     """TaskError and Task.keys name the ids the caller gave, not the scoped ids the tiers
     store: a caller matching failures against its own keys (LMCache's plugin does) must find

@@ -464,7 +464,17 @@ class UcmHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # sglang ships n
         return f"{host_dtype}/{logical}" if logical is not None else host_dtype
 
     def _model_fields(self, args: Any | None) -> tuple[tuple[str, str], ...]:
-        """Key-space fields naming the weights, config overrides and KV scales."""
+        """Key-space fields naming the weights, config overrides and KV scales. Without
+        SGLang's server args only ``ucm_weights_id`` can name them: refused without it."""
+        if args is None and self._weights_id is None:
+            raise ConfigError(
+                "SGLang's server args are not available (a backend created outside an SGLang "
+                "scheduler process), so UCM's page ids cannot cover the model's weights, its "
+                "config overrides (--json-model-override-args) or its quantization: state "
+                "hicache_storage_backend_extra_config['ucm_weights_id'] = '<an id of the "
+                "weights, overrides and quantization>', so that two models' pages never share "
+                "a key"
+            )
         fields: dict[str, str] = {}
         if args is not None:
             fields["model_path"] = str(args.model_path)

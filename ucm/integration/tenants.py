@@ -4,7 +4,7 @@ An integration's ``ucm_namespace`` setting (vLLM: ``kv_connector_extra_config["u
 LMCache: ``extra_config["storage_plugin.ucm.namespace"]``; SGLang: ``"ucm_namespace"`` in the
 storage backend's extra config) is one of:
 
-- ``"cache_salt"`` (the default): a request's tenant key names its namespace (vLLM's per-request
+- ``"cache_salt"`` (the default): a request's tenant key derives its namespace (vLLM's per-request
   ``cache_salt``; LMCache's request tag ``cache_salt``, that is ``lmcache.tag.cache_salt`` in a
   request's ``kv_transfer_params``); a request without one is in the default namespace;
 - ``"lora"``: the request's LoRA adapter name; a request without an adapter is in the default
@@ -18,20 +18,22 @@ whose request tags carry a tenant key but no LoRA adapter (``cache_salt``, ``tag
 ``fixed:<name>``); SGLang's HiCache backend sees page hashes only (``fixed:<name>``; left out,
 the default namespace). A mode an integration cannot honour is refused by name, with the reason.
 
-A tenant key that is already a valid namespace name (see :mod:`ucm.namespaces`) is used as it
-is; any other (longer, or with other characters) becomes ``k-`` followed by 32 hex digits of its
-BLAKE2b hash, so ``ucm namespaces`` and ``ucm purge`` name it reproducibly
-(:func:`namespace_for` computes it).
+Every tenant key becomes ``k-`` followed by 32 hex digits of its BLAKE2b hash (a *derived*
+name), whatever it looks like, so ``ucm namespaces`` and ``ucm purge`` name it reproducibly
+(:func:`namespace_for` computes it). A configured name (``fixed:<name>``) may not take that form.
+So derived and configured names are disjoint: a request whose ``cache_salt`` is ``"default"`` or
+``"tenant-a"`` never lands in the configured namespace of that name.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import ConfigError, InvalidArgumentError
-from ..namespaces import DEFAULT_NAMESPACE, NAME_PATTERN, check_namespace
+from ..namespaces import DEFAULT_NAMESPACE, check_namespace
 
 MODES = ("cache_salt", "lora", "fixed:<name>")
 """The modes of every integration (vLLM's)."""
@@ -44,12 +46,15 @@ CACHE_SALT_TAG = "cache_salt"
 ``lmcache.tag.cache_salt``)."""
 
 
+DERIVED_PATTERN = re.compile(r"k-[0-9a-f]{32}")
+"""The form of every name derived from a tenant key, and of no configured name."""
+
+
 def namespace_for(tenant_key: str | None) -> str:
-    """The namespace of a tenant key (see the module docstring)."""
+    """The namespace of a tenant key: the default without one, else its derived name (see the
+    module docstring)."""
     if not tenant_key:
         return DEFAULT_NAMESPACE
-    if NAME_PATTERN.fullmatch(tenant_key) is not None:
-        return tenant_key
     return "k-" + hashlib.blake2b(tenant_key.encode(), digest_size=16).hexdigest()
 
 
@@ -76,9 +81,17 @@ class TenantMapping:
             return cls("lora")
         if isinstance(value, str) and value.startswith("fixed:"):
             try:
-                return cls("fixed", check_namespace(value[len("fixed:") :], key))
+                name = check_namespace(value[len("fixed:") :], key)
             except InvalidArgumentError as exc:
                 raise ConfigError(str(exc)) from None
+            if DERIVED_PATTERN.fullmatch(name) is not None:
+                raise ConfigError(
+                    f"{key}={value!r}: names of the form k-<32 hex digits> are the namespaces "
+                    "derived from tenant keys (cache_salt, LoRA names, request tags); a "
+                    "configured namespace must not take that form, so that no tenant key can "
+                    "land in it"
+                )
+            return cls("fixed", name)
         if tags and isinstance(value, str) and value.startswith("tag:"):
             name = value[len("tag:") :]
             if not name or name != name.strip():

@@ -76,6 +76,11 @@ BUFFER_CONTROL_NAME_SIZE_BYTES = 16
 BUFFER_CONTROL_ENTRY_SIZE_BYTES = 32
 BUFFER_CONTROL_TABLE_SIZE_BYTES = 2048
 BUFFER_CONTROL_READ_NAMES_MAX = 65536
+BUFFER_NAMESPACE_NAMES_MAX = 4096
+BUFFER_NAMESPACE_NAME_MAX_BYTES = 64
+BUFFER_NAMESPACE_NAME_ENTRY_SIZE_BYTES = 128
+BUFFER_NAMESPACE_NAMES_HEADER_SIZE_BYTES = 64
+BUFFER_NAMESPACE_NAMES_SIZE_BYTES = 524352
 BUFFER_HOLDER_SCAN_INTERVAL_NS = 100000000
 BUFFER_SLOT_SIZE_BYTES = 64
 BUFFER_SLOT_COUNT_MAX = 1073741824
@@ -280,6 +285,8 @@ class BufferStatus(enum.IntEnum):
     NAMESPACES_FULL = -109
     GUARANTEES_OVER = -110
     CONTROLS_FULL = -111
+    NAMES_FULL = -112
+    NAME_CONFLICT = -113
 
 
 class HolderState(enum.IntEnum):
@@ -372,6 +379,19 @@ class NamespaceEntry(ctypes.Structure):
 
 
 assert ctypes.sizeof(NamespaceEntry) == 64
+
+
+class NamespaceName(ctypes.Structure):
+    _fields_ = (
+        ("tag", ctypes.c_uint64),
+        ("name_len_bytes", ctypes.c_uint32),
+        ("_pad0", ctypes.c_uint32),
+        ("name", ctypes.c_uint64 * 8),
+        ("_pad1", ctypes.c_uint8 * 48),
+    )
+
+
+assert ctypes.sizeof(NamespaceName) == 128
 
 
 class Occupancy(ctypes.Structure):
@@ -519,6 +539,9 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ucm_buffer_reclaim_dead": (ctypes.c_int64, [ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint32)]),
     "ucm_buffer_holder_info": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.POINTER(HolderEntry)]),
     "ucm_buffer_register_namespace": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32]),
+    "ucm_buffer_register_namespace_name": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_uint32]),
+    "ucm_buffer_namespace_name": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint64, ctypes.POINTER(NamespaceName)]),
+    "ucm_buffer_namespace_names": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint32]),
     "ucm_buffer_namespace_info": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32, ctypes.POINTER(NamespaceEntry)]),
     "ucm_buffer_control_read": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p]),
     "ucm_buffer_control_raise": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]),
@@ -587,6 +610,7 @@ DEBUG_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "ucm_buffer_debug_bucket_of": (ctypes.c_int64, [ctypes.c_size_t, ctypes.c_void_p]),
     "ucm_buffer_debug_hold_lock": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32]),
     "ucm_buffer_debug_drop_lock": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32]),
+    "ucm_buffer_debug_hold_registration_lock": (ctypes.c_int32, [ctypes.c_size_t]),
     "ucm_buffer_debug_set_wait_pause_ns": (None, [ctypes.c_uint64]),
     "ucm_seg_debug_set_peer_uid": (ctypes.c_int32, [ctypes.c_size_t, ctypes.c_uint32]),
 }

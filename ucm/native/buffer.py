@@ -28,8 +28,9 @@ import os
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, UcmError
 from ..layout import BLOCK_ID_BYTES, Key
 from . import _abi, lib
 
@@ -460,6 +461,19 @@ class ControlTableFullError(InvalidArgumentError):
     resetting for the first time on this node) cannot be held by the buffer."""
 
 
+NAMESPACE_NAMES_MAX = _abi.BUFFER_NAMESPACE_NAMES_MAX
+"""Namespaces one CacheBuffer (one ``unique_id``) can ever tell apart by name."""
+
+
+class NamespaceNamesFullError(UcmError):
+    """Every entry of the buffer's namespace identity table is taken: a new namespace cannot be
+    used with this buffer (its keys would be counted as the default namespace's)."""
+
+
+class NamespaceNameConflictError(UcmError):
+    """Two namespace names share a tag (probability 2^-64 per pair): the second is refused."""
+
+
 @dataclass(frozen=True)
 class ReclaimReport:
     holders: int
@@ -469,6 +483,12 @@ class ReclaimReport:
 
 
 DETACHED = -1
+
+
+def _name_of(raw: Any) -> str:
+    """The name of a complete ``NamespaceName`` entry."""
+    data = b"".join(int(word).to_bytes(8, "little") for word in raw.name)
+    return data[: int(raw.name_len_bytes)].decode()
 
 
 _PROCESS_ID = [os.getpid()]
@@ -557,6 +577,11 @@ class BufferCore:
                 f"{guarantee_slots}: the registered guarantees would exceed the "
                 f"{self.geometry.slot_count_regular} regular slots"
             )
+        if index == _Status.LOCK_TIMEOUT:
+            raise TimeoutError(
+                "register_namespace: the namespace registration lock stayed held by a live process "
+                "past the lock timeout"
+            )
         self._check(min(index, 0), "register_namespace")
         return index
 
@@ -602,6 +627,64 @@ class BufferCore:
             )
         self._check(status, "control_raise")
         return int(out.value)
+
+    def register_namespace_name(self, tag: bytes, name: str) -> None:
+        """Enters namespace ``name`` (its 8-byte ``tag``, not all zero) in the control plane's
+        identity table, the only authority on which tag is whose: every process resolves the
+        tag to ``name`` from then on (:meth:`namespace_name`), and a key whose tag is not
+        entered is the default namespace's. Idempotent; one entry per tag across processes.
+        :class:`NamespaceNamesFullError` when every entry is taken."""
+        if not isinstance(tag, bytes) or len(tag) != 8 or tag == bytes(8):
+            raise InvalidArgumentError(f"tag={tag!r} is not valid: expected 8 bytes, not all zero")
+        raw = name.encode()
+        if not 1 <= len(raw) <= _abi.BUFFER_NAMESPACE_NAME_MAX_BYTES:
+            raise InvalidArgumentError(
+                f"name={name!r} is not valid: expected 1 to "
+                f"{_abi.BUFFER_NAMESPACE_NAME_MAX_BYTES} bytes"
+            )
+        status = int(
+            self._native.ucm_buffer_register_namespace_name(
+                self._ctrl, int.from_bytes(tag, "little"), raw, len(raw)
+            )
+        )
+        if status == _Status.NAMES_FULL:
+            raise NamespaceNamesFullError(
+                f"cannot use namespace {name!r} with this CacheBuffer: all "
+                f"{NAMESPACE_NAMES_MAX} entries of its namespace identity table are taken "
+                "(namespaces ever used on this node's buffer of this unique_id; entries are "
+                "never freed while the buffer lives): use a namespace already in use, or "
+                "restart the node's ranks on a fresh unique_id"
+            )
+        if status == _Status.NAME_CONFLICT:
+            raise NamespaceNameConflictError(
+                f"cannot use namespace {name!r}: its tag {tag.hex()} is already another "
+                f"namespace's ({self.namespace_name(tag)!r}); choose another name"
+            )
+        if status == _Status.LOCK_TIMEOUT:
+            raise TimeoutError(
+                "register_namespace_name: the namespace registration lock stayed held by a "
+                "live process past the lock timeout"
+            )
+        self._check(min(status, 0), "register_namespace_name")
+
+    def namespace_name(self, tag: bytes) -> str | None:
+        """The name entered for ``tag`` (8 bytes) in the identity table, else None: then the
+        tag's keys are the default namespace's."""
+        raw = _abi.NamespaceName()
+        found = int(
+            self._native.ucm_buffer_namespace_name(
+                self._ctrl, int.from_bytes(tag[:8], "little"), ctypes.byref(raw)
+            )
+        )
+        self._check(min(found, 0), "namespace_name")
+        return _name_of(raw) if found else None
+
+    def namespace_names(self) -> dict[bytes, str]:
+        """Every entry of the identity table: ``{tag: name}``."""
+        out = (_abi.NamespaceName * NAMESPACE_NAMES_MAX)()
+        count = int(self._native.ucm_buffer_namespace_names(self._ctrl, out, NAMESPACE_NAMES_MAX))
+        self._check(min(count, 0), "namespace_names")
+        return {int(raw.tag).to_bytes(8, "little"): _name_of(raw) for raw in out[:count]}
 
     def namespaces(self) -> list[NamespaceUsage]:
         """Every live entry of the namespace table (entry 0 first)."""
@@ -1165,6 +1248,14 @@ class BufferCore:
     def debug_drop_lock(self, bucket: int) -> None:
         _check_int("bucket", bucket, 0, self.geometry.bucket_count - 1, "")
         self._check(self._native.ucm_buffer_debug_drop_lock(self._ctrl, bucket), "drop_lock")
+
+    def debug_hold_registration_lock(self) -> None:
+        """Test hook: takes the namespace registration lock and keeps it (kill this process to
+        test recovery)."""
+        self._check(
+            self._native.ucm_buffer_debug_hold_registration_lock(self._ctrl),
+            "hold_registration_lock",
+        )
 
     # -- errors --------------------------------------------------------------------------------
 
