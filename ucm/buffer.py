@@ -297,7 +297,9 @@ class BufferTier(Tier):
         except BaseException:
             self.region.close()  # a refused attach must not keep the segments mapped
             raise
-        self._resolver = self.core.namespace_name
+        self._resolver_lock = threading.Lock()
+        self._resolver_open = True
+        """False once close() began: the identity table may be unmapped after that."""
         self._counts = {
             "written_back_shards": 0,
             "write_back_failures": 0,
@@ -333,6 +335,15 @@ class BufferTier(Tier):
         # The buffer's identity table answers which namespace a tag is (ucm/namespaces.py),
         # until close unmaps it.
         namespaces.add_authority(self._resolver)
+
+    def _resolver(self, tag: bytes) -> str | None:
+        """The identity table's name for ``tag`` (the process-wide authority this buffer
+        lends :mod:`ucm.namespaces`); None once close() began, so a thread that resolves while
+        another closes never reads the table after it is unmapped."""
+        with self._resolver_lock:
+            if not self._resolver_open:
+                return None
+            return self.core.namespace_name(tag)
 
     def count(self, name: str, amount: int = 1) -> None:
         with self._counts_lock:
@@ -824,6 +835,8 @@ class BufferTier(Tier):
         with tasks still running after queue_timeout_s keeps the mappings (never freed under
         a running copy)."""
         self._stop_flusher()  # flush() was not called (a failed open, a test)
+        with self._resolver_lock:
+            self._resolver_open = False
         namespaces.remove_authority(self._resolver)
         queue = self._queue
         self._holds_closed = True
