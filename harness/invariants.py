@@ -31,6 +31,7 @@ import ctypes
 import hashlib
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,18 +40,52 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import hypothesis.strategies as st
+import yaml
+from fsspec.implementations.local import LocalFileSystem
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import ucm
 from ucm.errors import TaskError
-from ucm.integration.keys import EpochState, Epochs
+from ucm.integration.keys import Epochs, EpochState
+
+STALL_S = 0.1
+"""How long a stalling tier takes to write one object."""
+
+
+class StallingFileSystem(LocalFileSystem):
+    """``ucmstall://``: local files whose every write takes :data:`STALL_S` (a slow tier, so
+    that writes are in flight while other operations run)."""
+
+    protocol = ("ucmstall",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["auto_mkdir"] = True  # as the fsspec tier asks of file://
+        super().__init__(*args, **kwargs)
+
+    @classmethod
+    def _strip_protocol(cls, path: Any) -> Any:
+        path = str(path)
+        if path.startswith("ucmstall://"):
+            path = path[len("ucmstall://") :]
+        return super()._strip_protocol(path)
+
+    def pipe_file(self, path: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(STALL_S)
+        return super().pipe_file(path, value, *args, **kwargs)
+
+
+fsspec.register_implementation("ucmstall", StallingFileSystem, clobber=True)
 
 SHARD_BYTES = 4096
 BLOCKS = 6
 """Block numbers a run uses (per namespace and epoch)."""
 NAMESPACES = ("default", "tenant-a", "tenant-b")
+CLI_PURGES_MAX = 1
+"""``ucm purge`` runs per example (each starts a Python process)."""
+CLI_TIMEOUT_S = 300
 
 
 @dataclass
@@ -81,6 +116,7 @@ def tier_options() -> st.SearchStrategy[dict[str, Any]]:
             "codec": st.sampled_from(["none", "lz4", "zstd"]),
             "capacity": st.sampled_from([None, None, 6 * SHARD_BYTES]),
             "quota": st.sampled_from([None, None, 3 * SHARD_BYTES]),
+            "stall": st.sampled_from([False, False, True]),
         }
     )
 
@@ -109,7 +145,8 @@ def build_stack(options: dict[str, Any], root: Path) -> tuple[dict[str, Any], bo
         if tier["type"] == "posix":
             spec["path"] = str(root / name)
         else:
-            spec["url"] = f"file://{root / name}"
+            scheme = "ucmstall" if tier["stall"] else "file"
+            spec["url"] = f"{scheme}://{root / name}"
         if tier["capacity"] is not None:
             spec["capacity"] = tier["capacity"]
         if buffered:  # admission and write-back need a CacheBuffer above
@@ -158,8 +195,11 @@ class Promises(RuleBasedStateMachine):
         self.generation: dict[tuple[str, int], int] = {}
         """(namespace, block) -> removals of it so far (a purge counts for every block)."""
         self.live: dict[tuple[str, int, int], bytes] = {}
+        self.maybe: dict[tuple[str, int, int], bytes] = {}
+        """Blocks whose dump failed: they may be served (byte-exact), need not be."""
         """(namespace, epoch, block) -> the bytes its last dump holds, while not removed."""
         self.stack: dict[str, Any] = {}
+        self.cli_purges = 0
         self.keeps_all = False
         self.buffered = False
         STATS.runs += 1
@@ -187,22 +227,42 @@ class Promises(RuleBasedStateMachine):
         self.buffered = options["buffer_slots"] is not None
         self._open()
 
-    @rule(namespace=st.sampled_from(NAMESPACES), number=st.integers(0, BLOCKS - 1))
-    def dump(self, namespace: str, number: int) -> None:
+    @rule(
+        namespace=st.sampled_from(NAMESPACES),
+        numbers=st.lists(st.integers(0, BLOCKS - 1), min_size=1, max_size=BLOCKS, unique=True),
+    )
+    def dump(self, namespace: str, numbers: list[int]) -> None:
         assert self.store is not None
-        generation = self.generation.get((namespace, number), 0)
-        data = bytearray(payload(namespace, self.epoch, number, generation))
-        address = ctypes.addressof((ctypes.c_char * len(data)).from_buffer(data))
-        task = self.store.dump_data([self._id(number)], [0], [[address]], namespace=namespace)
+        data = [
+            bytearray(payload(namespace, self.epoch, n, self.generation.get((namespace, n), 0)))
+            for n in numbers
+        ]
+        addresses = [[ctypes.addressof((ctypes.c_char * SHARD_BYTES).from_buffer(d))] for d in data]
+        ids = [self._id(n) for n in numbers]
+        task = self.store.dump_data(ids, [0] * len(ids), addresses, namespace=namespace)
+        failed: set[bytes] = set()
         try:
             self.store.wait(task)
-        except TaskError:
-            return  # a dump may fail (no slot); the model keeps what it had
-        self.live[(namespace, self.epoch, number)] = bytes(data)
+        except TaskError as exc:
+            failed = {block_id for block_id, _ in exc.failures}
+            if os.environ.get("UCM_INVARIANTS_DEBUG"):
+                print(f"dump failed: {exc}", file=sys.stderr)
+        for number, block_id, shard in zip(numbers, ids, data, strict=True):
+            key = (namespace, self.epoch, number)
+            if block_id in failed:  # it may have landed somewhere all the same
+                if key not in self.live:
+                    self.maybe[key] = bytes(shard)
+            else:
+                self.live[key] = bytes(shard)
+                self.maybe.pop(key, None)
 
-    @rule(namespace=st.sampled_from(NAMESPACES), number=st.integers(0, BLOCKS - 1))
-    def load(self, namespace: str, number: int) -> None:
-        self._load(namespace, number)
+    @rule(
+        namespace=st.sampled_from(NAMESPACES),
+        numbers=st.lists(st.integers(0, BLOCKS - 1), min_size=1, max_size=BLOCKS, unique=True),
+    )
+    def load(self, namespace: str, numbers: list[int]) -> None:
+        for number in numbers:
+            self._load(namespace, number)
 
     @precondition(lambda self: any(key[1] == self.epoch for key in self.live))
     @rule(data=st.data())
@@ -225,7 +285,8 @@ class Promises(RuleBasedStateMachine):
                 print(f"miss: {exc}", file=sys.stderr)
             return False
         STATS.served += 1
-        expected = self.live.get((namespace, self.epoch, number))
+        key = (namespace, self.epoch, number)
+        expected = self.live.get(key, self.maybe.get(key))
         if expected is None:
             self._violation(
                 f"served block {number} of {namespace!r} in epoch {self.epoch}: it was never "
@@ -251,23 +312,73 @@ class Promises(RuleBasedStateMachine):
                             )
         return "bytes no dump wrote"
 
+    def _present(self) -> dict[tuple[str, int, int], bool]:
+        """Whether the store finds each block the model holds now."""
+        assert self.store is not None
+        present: dict[tuple[str, int, int], bool] = {}
+        for namespace in NAMESPACES:
+            keys = sorted(key for key in self.live if key[0] == namespace and key[1] == self.epoch)
+            found = self.store.lookup([self._id(key[2]) for key in keys], namespace=namespace)
+            present.update(zip(keys, found, strict=True))
+        return present
+
+    def _others_kept(self, before: dict[tuple[str, int, int], bool], what: str) -> None:
+        """After a remove or purge: every other block the store found before, it finds now."""
+        after = self._present()
+        for key, there in before.items():
+            if there and key in self.live and not after.get(key, False):
+                self._violation(
+                    f"{what} took block {key[2]} of {key[0]!r} (epoch {key[1]}), not its target"
+                )
+
     @rule(namespace=st.sampled_from(NAMESPACES), number=st.integers(0, BLOCKS - 1))
     def remove(self, namespace: str, number: int) -> None:
         assert self.store is not None
+        before = self._present()
         self.store.remove([self._id(number)], force=True, namespace=namespace)
-        self.generation[(namespace, number)] = self.generation.get((namespace, number), 0) + 1
-        self.live.pop((namespace, self.epoch, number), None)
+        self._removed(namespace, [number])
+        self._others_kept(before, f"remove of block {number} of {namespace!r}")
         STATS.removes += 1
+
+    def _removed(self, namespace: str, numbers: list[int]) -> None:
+        for number in numbers:
+            key = (namespace, number)
+            self.generation[key] = self.generation.get(key, 0) + 1
+            for epoch in range(self.epoch + 1):
+                self.live.pop((namespace, epoch, number), None)
+                self.maybe.pop((namespace, epoch, number), None)
 
     @rule(namespace=st.sampled_from(NAMESPACES))
     def purge(self, namespace: str) -> None:
         assert self.store is not None
+        before = self._present()
         self.store.purge(namespace)
-        for number in range(BLOCKS):
-            key = (namespace, number)
-            self.generation[key] = self.generation.get(key, 0) + 1
+        self._purged(namespace)
+        self._others_kept(before, f"a purge of {namespace!r}")
+
+    def _purged(self, namespace: str) -> None:
+        self._removed(namespace, list(range(BLOCKS)))
         self.live = {key: data for key, data in self.live.items() if key[0] != namespace}
+        self.maybe = {key: data for key, data in self.maybe.items() if key[0] != namespace}
         STATS.purges += 1
+
+    @precondition(lambda self: self.cli_purges < CLI_PURGES_MAX)
+    @rule(namespace=st.sampled_from(NAMESPACES))
+    def purge_from_the_cli(self, namespace: str) -> None:
+        """``ucm purge STACK NAMESPACE`` from a process of its own while this one is open."""
+        assert self.store is not None
+        self.store.drain()  # what this process acknowledged is in its tiers first
+        before = self._present()
+        path = self.root / "stack.yaml"
+        # The CLI's process has no stalling filesystem: the same files through file://.
+        path.write_text(yaml.safe_dump(self.stack).replace("ucmstall://", "file://"))
+        command = [sys.executable, "-m", "ucm.cli", "purge", str(path), namespace]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+        if done.returncode != 0:
+            raise AssertionError(f"ucm purge exited {done.returncode}: {done.stderr[-2000:]}")
+        self.cli_purges += 1
+        self._purged(namespace)
+        self._others_kept(before, f"`ucm purge` of {namespace!r}")
 
     @rule()
     def reset(self) -> None:
@@ -288,6 +399,7 @@ class Promises(RuleBasedStateMachine):
         if not self.stack["tiers"] or (self.buffered and len(self.stack["tiers"]) == 1):
             # Nothing outlives the buffer: the blocks and the epoch are gone together.
             self.live.clear()
+            self.maybe.clear()
             self.epoch = 0
             self.base = hashlib.blake2b(uuid.uuid4().bytes, digest_size=16).digest()
         self._open()
