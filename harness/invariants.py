@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import fsspec
+import fsspec  # type: ignore[import-untyped]
 import hypothesis.strategies as st
 import yaml
-from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.local import LocalFileSystem  # type: ignore[import-untyped]
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -55,7 +55,7 @@ STALL_S = 0.1
 """How long a stalling tier takes to write one object."""
 
 
-class StallingFileSystem(LocalFileSystem):
+class StallingFileSystem(LocalFileSystem):  # type: ignore[misc]
     """``ucmstall://``: local files whose every write takes :data:`STALL_S` (a slow tier, so
     that writes are in flight while other operations run)."""
 
@@ -200,6 +200,9 @@ class Promises(RuleBasedStateMachine):
         """(namespace, epoch, block) -> the bytes its last dump holds, while not removed."""
         self.stack: dict[str, Any] = {}
         self.cli_purges = 0
+        self.lower_roots: list[Path] = []
+        """The directories of the lower tiers (each a posix path or a file:// fsspec url)."""
+        self.corrupted = False
         self.keeps_all = False
         self.buffered = False
         STATS.runs += 1
@@ -224,6 +227,9 @@ class Promises(RuleBasedStateMachine):
     @initialize(options=stack_options())
     def start(self, options: dict[str, Any]) -> None:
         self.stack, self.keeps_all = build_stack(options, self.root)
+        self.lower_roots = [
+            self.root / tier["name"] for tier in self.stack["tiers"] if tier["type"] != "buffer"
+        ]
         self.buffered = options["buffer_slots"] is not None
         self._open()
 
@@ -380,6 +386,38 @@ class Promises(RuleBasedStateMachine):
         self._purged(namespace)
         self._others_kept(before, f"`ucm purge` of {namespace!r}")
 
+    @precondition(lambda self: bool(self.lower_roots))
+    @rule(
+        pick=st.integers(0, 10**6),
+        kind=st.sampled_from(["random", "truncated", "flipped", "empty", "longer"]),
+    )
+    def corrupt(self, pick: int, kind: str) -> None:
+        """Someone with write access to a lower tier damages one stored object: its block is
+        a miss from then on (or served from a tier above, byte-exact), never wrong bytes."""
+        stored = sorted(
+            path
+            for root in self.lower_roots
+            for path in root.rglob("*")
+            if path.is_file() and (path.suffix == ".blk" or path.name.isdigit())
+        )
+        if not stored:
+            return
+        path = stored[pick % len(stored)]
+        original = path.read_bytes()
+        if kind == "random":
+            hostile = hashlib.blake2b(original, digest_size=64).digest() * (pick % 97 + 1)
+        elif kind == "truncated":
+            hostile = original[: pick % max(len(original), 1)]
+        elif kind == "flipped":
+            at = pick % max(len(original), 1)
+            hostile = original[:at] + bytes([original[at] ^ 0x5A]) + original[at + 1 :]
+        elif kind == "longer":
+            hostile = original + original
+        else:
+            hostile = b""
+        path.write_bytes(hostile)
+        self.corrupted = True  # the block may be lost now: nothing promised keeps it
+
     @rule()
     def reset(self) -> None:
         assert self.store is not None and self.epochs is not None
@@ -404,7 +442,7 @@ class Promises(RuleBasedStateMachine):
             self.base = hashlib.blake2b(uuid.uuid4().bytes, digest_size=16).digest()
         self._open()
         STATS.reopens += 1
-        if self.keeps_all:
+        if self.keeps_all and not self.corrupted:
             for (namespace, epoch, number), _ in list(self.live.items()):
                 if epoch == self.epoch and not self._load(namespace, number):
                     self._violation(
@@ -449,9 +487,10 @@ def run(minutes: float, seed: int, *, examples: int, steps: int, shrink: bool) -
     while seeds == 0 or time.monotonic() < deadline:
         seeded = with_seed(seed + seeds)(type("SeededPromises", (Promises,), {}))
         try:
-            run_state_machine_as_test(seeded, settings=test_settings)
-        except AssertionError as exc:
-            print(f"seed {seed + seeds}: {exc}", file=sys.stderr)
+            run_state_machine_as_test(seeded, settings=test_settings)  # type: ignore[no-untyped-call]
+        except Exception as exc:  # a broken promise, or hypothesis's report of a flaky one
+            broken = [str(exc)] + [str(sub) for sub in getattr(exc, "exceptions", ())]
+            print(f"seed {seed + seeds}: {' | '.join(broken)}", file=sys.stderr)
             status = 1
             break
         finally:
