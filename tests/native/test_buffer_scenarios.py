@@ -254,7 +254,7 @@ def test_attach_refuses_bad_magic_layout_and_geometry() -> None:
         # The binding's layout version is the one the native core writes (the segment layer
         # refuses an old segment up front by it).
         layout_version = int.from_bytes(region.read(8, 4), "little")
-        assert layout_version == CTRL_LAYOUT_VERSION == 5
+        assert layout_version == CTRL_LAYOUT_VERSION == 6
         region.write(8, (99).to_bytes(4, "little"))  # layout_version
         with pytest.raises(InvalidArgumentError, match=r"layout version 99"):
             BufferCore.attach(region.address, region.size_bytes, geometry)
