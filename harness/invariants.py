@@ -27,8 +27,10 @@ prints the steps and seeds it covered.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -87,6 +89,8 @@ NAMESPACES = ("default", "tenant-a", "tenant-b")
 CLI_PURGES_MAX = 1
 """``ucm purge`` runs per example (each starts a Python process)."""
 CLI_TIMEOUT_S = 300
+KILLS_MAX = 1
+"""Rank processes killed per example (each starts a Python process)."""
 
 
 @dataclass
@@ -101,6 +105,9 @@ class Stats:
     resets: int = 0
     purges: int = 0
     removes: int = 0
+    cli_purges: int = 0
+    kills: int = 0
+    damaged: int = 0
     violations: list[str] = field(default_factory=list)
 
 
@@ -201,6 +208,7 @@ class Promises(RuleBasedStateMachine):
         """(namespace, epoch, block) -> the bytes its last dump holds, while not removed."""
         self.stack: dict[str, Any] = {}
         self.cli_purges = 0
+        self.kills = 0
         self.lower_roots: list[Path] = []
         """The directories of the lower tiers (each a posix path or a file:// fsspec url)."""
         self.corrupted = False
@@ -401,8 +409,58 @@ class Promises(RuleBasedStateMachine):
         if done.returncode != 0:
             raise AssertionError(f"ucm purge exited {done.returncode}: {done.stderr[-2000:]}")
         self.cli_purges += 1
+        STATS.cli_purges += 1
         self._purged(namespace)
         self._others_kept(before, f"`ucm purge` of {namespace!r}")
+
+    @precondition(lambda self: self.kills < KILLS_MAX)
+    @rule(
+        namespace=st.sampled_from(NAMESPACES),
+        numbers=st.lists(st.integers(0, BLOCKS - 1), min_size=1, max_size=BLOCKS, unique=True),
+        when=st.sampled_from(["after_dump", "at_random"]),
+        delay_ms=st.integers(0, 400),
+    )
+    def kill_a_rank_mid_write(
+        self, namespace: str, numbers: list[int], when: str, delay_ms: int
+    ) -> None:
+        """Another rank process of the node dumps blocks and is killed (SIGKILL) while its
+        writes are under way: right after its dump returned (its write-through still going
+        down, a stalling tier holding it) or at a random point. Its blocks may be anywhere
+        now, whole or not at all: served byte-exact or missed, never torn or wrong, and this
+        process goes on without a hang."""
+        assert self.store is not None
+        generations = [self.generation.get((namespace, n), 0) for n in numbers]
+        order = {
+            "stack": self.stack,
+            "base": self.base.hex(),
+            "epoch": self.epoch,
+            "namespace": namespace,
+            "numbers": numbers,
+            "generations": generations,
+        }
+        rank = subprocess.Popen(
+            [sys.executable, "-m", "harness.invariants", "--rank", json.dumps(order)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            if when == "after_dump":
+                assert rank.stdout is not None
+                rank.stdout.readline()  # "dumped", or "" if it died first
+            time.sleep(delay_ms / 1000)
+        finally:
+            rank.kill()
+            rank.wait(CLI_TIMEOUT_S)
+        self.kills += 1
+        STATS.kills += 1
+        for number, generation in zip(numbers, generations, strict=True):
+            key = (namespace, self.epoch, number)
+            if key not in self.live:
+                self.maybe[key] = payload(namespace, self.epoch, number, generation)
+        self.corrupted = (
+            True  # a killed write may leave a torn object: a miss, promised kept no more
+        )
 
     @precondition(lambda self: bool(self.lower_roots))
     @rule(
@@ -441,6 +499,7 @@ class Promises(RuleBasedStateMachine):
         else:
             hostile = b""
         self.corrupted = True  # before the write: a half-done write damages as much
+        STATS.damaged += 1
         try:
             path.write_bytes(hostile)
         except FileNotFoundError:
@@ -528,9 +587,33 @@ def run(minutes: float, seed: int, *, examples: int, steps: int, shrink: bool) -
     print(
         f"seeds {seeds} (from {seed}), runs {STATS.runs}, steps {STATS.steps}, loads served "
         f"{STATS.served}, missed {STATS.missed}, resets {STATS.resets}, purges {STATS.purges}, "
-        f"removes {STATS.removes}, reopens {STATS.reopens}, violations {len(STATS.violations)}"
+        f"removes {STATS.removes}, reopens {STATS.reopens}, cli purges {STATS.cli_purges}, "
+        f"ranks killed {STATS.kills}, objects damaged {STATS.damaged}, "
+        f"violations {len(STATS.violations)}"
     )
     return status
+
+
+def rank(order_json: str) -> None:
+    """A rank process of :meth:`Promises.kill_a_rank_mid_write`: dumps its blocks, says so,
+    and lingers until it is killed (its writes below still under way)."""
+    order = json.loads(order_json)
+    base = bytes.fromhex(order["base"])
+    store = ucm.open(order["stack"], device_id=0, local_rank_size=1)
+    data = [
+        bytearray(payload(order["namespace"], order["epoch"], number, generation))
+        for number, generation in zip(order["numbers"], order["generations"], strict=True)
+    ]
+    ids = [
+        hashlib.blake2b(f"{order['epoch']}:{n}".encode(), key=base, digest_size=16).digest()
+        for n in order["numbers"]
+    ]
+    addresses = [[ctypes.addressof((ctypes.c_char * SHARD_BYTES).from_buffer(d))] for d in data]
+    task = store.dump_data(ids, [0] * len(ids), addresses, namespace=order["namespace"])
+    with contextlib.suppress(TaskError):  # what failed is a miss; the parent allows either
+        store.wait(task)
+    print("dumped", flush=True)
+    time.sleep(CLI_TIMEOUT_S)  # killed long before
 
 
 def main() -> None:
@@ -544,7 +627,11 @@ def main() -> None:
     parser.add_argument(
         "--shrink", action="store_true", help="shrink a failing example (slow) before printing it"
     )
+    parser.add_argument("--rank", help=argparse.SUPPRESS)  # a rank process the model kills
     args = parser.parse_args()
+    if args.rank is not None:
+        rank(args.rank)
+        return
     sys.exit(
         run(args.minutes, args.seed, examples=args.examples, steps=args.steps, shrink=args.shrink)
     )

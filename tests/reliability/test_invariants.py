@@ -29,5 +29,14 @@ def test_the_promises_hold_together_over_random_stacks_and_operations() -> None:
     assert summary.endswith("violations 0"), summary
     # The run covered what it is for: every operation ran and blocks were served.
     counts = dict(part.rsplit(" ", 1) for part in summary.split(", ")[1:])
-    for name in ("resets", "purges", "removes", "reopens", "loads served"):
+    for name in (
+        "resets",
+        "purges",
+        "removes",
+        "reopens",
+        "loads served",
+        "cli purges",
+        "ranks killed",
+        "objects damaged",
+    ):
         assert int(counts[name]) > 0, summary
