@@ -267,6 +267,12 @@ def test_a_damaged_record_file_fails_closed_never_reads_as_zero(tmp_path: Path) 
         epochs.current(store)
 
 
+SLOW_TIMEOUT_MS = 1000
+"""The records tier's deadline in the slow-tier tests."""
+SLOW_READ_S = 2.5
+"""How long a gated record read takes: past SLOW_TIMEOUT_MS."""
+
+
 def _slow_markers_stack(tmp_path: Path, unique_id: str) -> dict[str, object]:
     return {
         "unique_id": unique_id,
@@ -276,7 +282,9 @@ def _slow_markers_stack(tmp_path: Path, unique_id: str) -> dict[str, object]:
             {
                 "type": "posix",
                 "path": str(tmp_path),
-                "lookup_timeout_ms": 50,
+                # Long enough for a busy machine to answer a healthy read; the gate below
+                # holds a read well past it.
+                "lookup_timeout_ms": SLOW_TIMEOUT_MS,
                 "breaker": {"probe_interval_ms": 100},
             }
         ],
@@ -293,7 +301,7 @@ class _Gate:
 
         def read_control(names: Sequence[bytes]) -> list[int | None]:
             if self.slow.is_set():
-                time.sleep(0.3)
+                time.sleep(SLOW_READ_S)
             return list(answer(names))
 
         tier.read_control = read_control  # type: ignore[attr-defined]
@@ -316,7 +324,7 @@ def test_an_epoch_read_while_the_records_tier_does_not_answer_is_never_a_lower_o
         with pytest.raises(ucm.LookupUnansweredError) as raised:
             epochs.current(scheduler)
         assert "tier 'posix' did not answer a control record read" in str(raised.value)
-        assert "lookup_timeout_ms=50" in str(raised.value)
+        assert f"lookup_timeout_ms={SLOW_TIMEOUT_MS}" in str(raised.value)
 
 
 def _poll_until(state: object, bound_s: float = 30.0) -> int:
@@ -464,7 +472,7 @@ def test_epoch_reads_stuck_in_a_tier_never_take_the_requests_look_up_threads(
             hanging.clear()  # the tier answers new calls; the epoch's reads are still stuck
             # A request's look-up is answered.
             assert scheduler.lookup([block]) == [True]
-            assert "lookup_timeout_ms=50" in messages[0]
+            assert f"lookup_timeout_ms={SLOW_TIMEOUT_MS}" in messages[0]
             assert messages[-1].endswith(
                 f"all {EXACT_LOOKUP_THREADS} of its exact look-up threads are held by earlier calls"
             )

@@ -112,6 +112,8 @@ RECORDED: dict[str, list[Key]] = {}
 CONTENTS: dict[str, dict[Key, bytes]] = {}
 CORRUPT: dict[str, set[Key]] = {}
 """Keys a RecordingTier serves as corrupt (a TierError) until they are written again."""
+CONTROLS: dict[str, dict[bytes, int]] = {}
+"""Control records per space (read_control/raise_control), outside the blocks."""
 GATES: dict[str, threading.Event] = {}
 """A ``gated`` RecordingTier holds every load and dump until GATES[space] is set: a test orders
 events by what the tier is doing, never by sleeping."""
@@ -142,6 +144,7 @@ class RecordingTier(Tier):
         self.data = CONTENTS.setdefault(config.space, {})
         self.order = RECORDED.setdefault(config.space, [])
         self.corrupt = CORRUPT.setdefault(config.space, set())
+        self.controls = CONTROLS.setdefault(config.space, {})
         self.lock = threading.Lock()
 
     def _pass_gate(self) -> None:
@@ -184,6 +187,15 @@ class RecordingTier(Tier):
 
     def touch(self, block_ids: Sequence[bytes]) -> None:
         pass
+
+    def read_control(self, names: Sequence[bytes]) -> list[int | None]:
+        """Control records (a reset's epoch), kept per space beside the blocks, outside them."""
+        with self.lock:
+            return [self.controls.get(name) for name in names]
+
+    def raise_control(self, name: bytes, value: int) -> None:
+        with self.lock:
+            self.controls[name] = max(value, self.controls.get(name, 0))
 
     def batched_remove(self, keys: Sequence[Key], force: bool = False) -> int:
         with self.lock:
