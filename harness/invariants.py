@@ -203,9 +203,10 @@ class Promises(RuleBasedStateMachine):
         self.generation: dict[tuple[str, int], int] = {}
         """(namespace, block) -> removals of it so far (a purge counts for every block)."""
         self.live: dict[tuple[str, int, int], bytes] = {}
-        self.maybe: dict[tuple[str, int, int], bytes] = {}
-        """Blocks whose dump failed: they may be served (byte-exact), need not be."""
         """(namespace, epoch, block) -> the bytes its last dump holds, while not removed."""
+        self.maybe: dict[tuple[str, int, int], bytes] = {}
+        """Blocks whose dump failed or whose rank was killed: they may be served (byte-exact),
+        need not be."""
         self.stack: dict[str, Any] = {}
         self.cli_purges = 0
         self.kills = 0
